@@ -1,0 +1,1 @@
+"""Command-line interface (click). Wiring only: every computation lives in the library."""

@@ -1,0 +1,27 @@
+"""``pfuse`` entry point: registers the commands; each lives in its own module."""
+
+from __future__ import annotations
+
+import click
+from posterior_fusion.cli.data_commands import partition
+from posterior_fusion.cli.inspect_command import inspect_cmd
+from posterior_fusion.cli.local_commands import fit_local_cmd, init
+
+from posterior_fusion import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(__version__, prog_name="pfuse")
+def pfuse() -> None:
+    """posterior-fusion: one-shot federated learning by Bayesian posterior fusion.
+
+    Typical flow: partition -> fit-local (each silo) -> fuse (server) -> evaluate.
+    """
+
+
+for command in (partition, init, fit_local_cmd, inspect_cmd):
+    pfuse.add_command(command)
+
+
+def main() -> None:
+    pfuse()

@@ -1,0 +1,150 @@
+"""Typed, immutable objects returned by :func:`posterior_fusion.load`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import vector_to_parameters
+
+from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.models import ModelSpec
+
+LOG_2PI = math.log(2 * math.pi)
+
+
+@dataclass(frozen=True)
+class SwagMoments:
+    """SWAG moments of one component: ``mean``, ``sq_mean`` ``(d,)``, ``deviations`` ``(K, d)``."""
+
+    mean: torch.Tensor
+    sq_mean: torch.Tensor
+    deviations: torch.Tensor
+
+    @property
+    def diag_variance(self) -> torch.Tensor:
+        return (self.sq_mean - self.mean.square()).clamp_min(1e-30)
+
+    def sample(self, n: int, generator: torch.Generator | None = None, scale: float = 1.0) -> torch.Tensor:
+        """Draws ``(n, d)`` from the SWAG Gaussian (diagonal + low rank, Maddox et al. 2019)."""
+        d, k = self.mean.shape[0], self.deviations.shape[0]
+        z1 = torch.randn(n, d, generator=generator, dtype=self.mean.dtype)
+        out = z1 * self.diag_variance.sqrt() / math.sqrt(2)
+        if k > 1:
+            z2 = torch.randn(n, k, generator=generator, dtype=self.mean.dtype)
+            out = out + (z2 @ self.deviations) / math.sqrt(2 * (k - 1))
+        return self.mean + math.sqrt(scale) * out
+
+
+def build_model(spec: ModelSpec, weights: torch.Tensor) -> nn.Module:
+    """A fresh model of ``spec`` with the flat ``weights`` ``(d,)`` copied in (independent storage)."""
+    model = spec.build()
+    vector_to_parameters(weights.detach().clone().to(torch.float32), model.parameters())
+    model.eval()
+    return model
+
+
+@dataclass(frozen=True)
+class Component:
+    """One mixture component of a client posterior: MAP ``(d,)`` and raw curvature ``G``."""
+
+    index: int
+    map: torch.Tensor
+    curvature: BlockDiag
+    training: Mapping[str, Any]
+    temperature: float
+    prior_precision: float
+    swag: SwagMoments | None = None
+
+    def precision(self, temperature: float | None = None, prior_precision: float | None = None) -> BlockDiag:
+        """``Λ = G / T + λ0 I`` (defaults: the client's T and λ0)."""
+        t = self.temperature if temperature is None else temperature
+        lam = self.prior_precision if prior_precision is None else prior_precision
+        return self.curvature.precision(t, lam)
+
+    def log_prob(self, w: torch.Tensor, temperature: float | None = None,
+                 prior_precision: float | None = None) -> torch.Tensor:
+        """``log N(w; map, Λ⁻¹)`` for ``w`` ``(..., d)``, normalised (includes ``½ log|Λ|``)."""
+        prec = self.precision(temperature, prior_precision)
+        v = w.to(self.map.dtype) - self.map
+        return -0.5 * prec.quadratic_form(v) + 0.5 * prec.logdet() - 0.5 * self.map.shape[0] * LOG_2PI
+
+
+@dataclass(frozen=True)
+class ClientPosterior:
+    """A client's mixture of Laplace approximations ``q_c(w) = Σ_m π_m N(w; ŵ_m, Λ_m⁻¹)``."""
+
+    path: str
+    sha256: str
+    model_spec: ModelSpec
+    layout: ParameterLayout
+    metadata: Mapping[str, Any]
+    components: tuple[Component, ...]
+
+    @property
+    def structure(self) -> str:
+        return str(self.metadata["structure"])
+
+    @property
+    def n_data(self) -> int:
+        return int(self.metadata["n_data"])
+
+    @property
+    def temperature(self) -> float:
+        return float(self.metadata["temperature"])
+
+    @property
+    def prior_precision(self) -> float:
+        return float(self.metadata["prior_precision"])
+
+    @property
+    def num_components(self) -> int:
+        return len(self.components)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Mixture weights π ``(M,)`` (uniform)."""
+        return torch.full((self.num_components,), 1.0 / self.num_components, dtype=torch.float64)
+
+    def log_prob(self, w: torch.Tensor, temperature: float | None = None,
+                 prior_precision: float | None = None) -> torch.Tensor:
+        """``log q_c(w)`` of the mixture for ``w`` ``(..., d)``."""
+        comps = torch.stack([c.log_prob(w, temperature, prior_precision) for c in self.components], dim=-1)
+        return torch.logsumexp(comps + self.weights.log().to(comps.dtype), dim=-1)
+
+    def model(self, component: int = 0) -> nn.Module:
+        """The model with component ``component``'s MAP weights."""
+        if not 0 <= component < self.num_components:
+            raise ConfigError(f"component {component} out of range [0, {self.num_components})")
+        return build_model(self.model_spec, self.components[component].map)
+
+
+@dataclass(frozen=True)
+class GlobalEnsemble:
+    """Result of ``pfuse fuse``: independent member weight vectors ``(d,)`` and provenance."""
+
+    path: str
+    sha256: str
+    model_spec: ModelSpec
+    layout: ParameterLayout
+    metadata: Mapping[str, Any]
+    members: tuple[torch.Tensor, ...]
+
+    @property
+    def method(self) -> str:
+        return str(self.metadata.get("method", "?"))
+
+    def models(self) -> list[nn.Module]:
+        """One fresh model per member; no storage is shared between them."""
+        return [build_model(self.model_spec, w) for w in self.members]
+
+
+def frozen_mapping(obj: dict) -> Mapping[str, Any]:
+    return MappingProxyType(dict(obj))

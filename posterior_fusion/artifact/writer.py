@@ -1,0 +1,93 @@
+"""Writers for client and global artifacts (atomic; see ``docs/artifact-format.md``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from posterior_fusion.artifact.atomic import atomic_h5_write
+from posterior_fusion.artifact.objects import Component
+from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
+from posterior_fusion.curvature import Dense, Diag, Kron
+from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.models import ModelSpec
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy()
+
+
+def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, metadata: dict) -> None:
+    f.attrs["format"] = FORMAT_NAME
+    f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+    f.attrs["artifact_kind"] = kind
+    f.attrs["model_spec"] = spec.to_json()
+    f.attrs["layout"] = json.dumps(layout.to_json())
+    f.attrs["metadata"] = json.dumps(metadata, sort_keys=True)
+
+
+def write_component(group: h5py.Group, comp: Component) -> None:
+    """Write one component (MAP, raw curvature blocks, training info, SWAG) into ``group``."""
+    group.attrs["training"] = json.dumps(dict(comp.training), sort_keys=True)
+    group.create_dataset("map", data=_np(comp.map))
+    curv = group.create_group("curvature")
+    descr: list[dict[str, Any]] = []
+    for i, (block, off) in enumerate(zip(comp.curvature.blocks, comp.curvature.offsets)):
+        g = curv.create_group(str(i))
+        if isinstance(block, Diag):
+            descr.append({"kind": "diag", "offset": off, "size": block.dim})
+            g.create_dataset("diag", data=_np(block.g))
+        elif isinstance(block, Dense):
+            descr.append({"kind": "dense", "offset": off, "size": block.dim})
+            g.create_dataset("dense", data=_np(block.G))
+        elif isinstance(block, Kron):
+            descr.append({"kind": "kron", "offset": off, "size": block.dim, "shape": list(block.shape)})
+            g.create_dataset("kron_B", data=_np(block.B))
+            g.create_dataset("kron_A", data=_np(block.A))
+        else:
+            raise TypeError(f"cannot write block of type {type(block).__name__}")
+    curv.attrs["blocks"] = json.dumps(descr)
+    if comp.swag is not None:
+        s = group.create_group("swag")
+        s.create_dataset("mean", data=_np(comp.swag.mean))
+        s.create_dataset("sq_mean", data=_np(comp.swag.sq_mean))
+        s.create_dataset("deviations", data=_np(comp.swag.deviations))
+
+
+def write_client_artifact(
+    path: str | os.PathLike, spec: ModelSpec, layout: ParameterLayout,
+    metadata: dict[str, Any], components: Sequence[Component],
+) -> None:
+    """Write a client artifact atomically. ``metadata`` must hold at least ``n_data``,
+    ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``."""
+    meta = dict(metadata, num_components=len(components))
+
+    def fill(f: h5py.File) -> None:
+        _root(f, KIND_CLIENT, spec, layout, meta)
+        comps = f.create_group("components")
+        for comp in components:
+            write_component(comps.create_group(str(comp.index)), comp)
+
+    atomic_h5_write(path, fill)
+
+
+def write_global_artifact(
+    path: str | os.PathLike, spec: ModelSpec, layout: ParameterLayout,
+    metadata: dict[str, Any], members: Sequence[torch.Tensor],
+) -> None:
+    """Write a fused ensemble atomically; ``members`` are flat ``(d,)`` weight vectors."""
+    meta = dict(metadata, num_members=len(members))
+
+    def fill(f: h5py.File) -> None:
+        _root(f, KIND_GLOBAL, spec, layout, meta)
+        g = f.create_group("members")
+        for i, w in enumerate(members):
+            g.create_group(str(i)).create_dataset("weights", data=_np(w.to(torch.float32)))
+
+    atomic_h5_write(path, fill)

@@ -1,0 +1,59 @@
+"""Block-diagonal composition of structures over consecutive slices of the parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from posterior_fusion.curvature.base import Precision
+
+
+class BlockDiag(Precision):
+    """``Λ = blockdiag(Λ_1, ..., Λ_k)``; block i covers ``[offsets[i], offsets[i] + dim_i)``.
+
+    The ``scale``/``shift`` of a BlockDiag are pushed into its blocks.
+    """
+
+    def __init__(self, blocks: list[Precision], scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__(scale, shift)
+        self.blocks = tuple(b.with_scale_shift(scale, shift) for b in blocks)
+        offsets, total = [], 0
+        for b in self.blocks:
+            offsets.append(total)
+            total += b.dim
+        self.offsets = tuple(offsets)
+        self._dim = total
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def with_scale_shift(self, scale: float, shift: float) -> BlockDiag:
+        return BlockDiag(list(self.blocks), scale, shift)
+
+    def _slices(self, v: torch.Tensor):
+        for block, off in zip(self.blocks, self.offsets):
+            yield block, v[..., off : off + block.dim]
+
+    def quadratic_form(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return sum(block.quadratic_form(part) for block, part in self._slices(v))
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return torch.cat([block.matvec(part) for block, part in self._slices(v)], dim=-1)
+
+    def logdet(self) -> torch.Tensor:
+        return sum(block.logdet() for block in self.blocks)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        return torch.cat([block.sample(n, generator) for block in self.blocks], dim=-1)
+
+    def diagonal(self) -> torch.Tensor:
+        return torch.cat([block.diagonal() for block in self.blocks])
+
+    def to_dense(self) -> torch.Tensor:
+        return torch.block_diag(*[block.to_dense() for block in self.blocks])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.blocks)

@@ -1,0 +1,62 @@
+"""Dense curvature block: ``Λ = scale · G + shift · I`` with ``G`` of shape ``(p, p)``."""
+
+from __future__ import annotations
+
+import torch
+
+from posterior_fusion.curvature.base import Precision, eigh_psd
+
+
+class Dense(Precision):
+    """Full symmetric PSD block (e.g. the last layer of diag+full, or a bias block of kron)."""
+
+    def __init__(self, G: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__(scale, shift)
+        self.G = G
+        self._eig: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def dim(self) -> int:
+        return self.G.shape[0]
+
+    def with_scale_shift(self, scale: float, shift: float) -> Dense:
+        out = Dense(self.G, scale, shift)
+        out._eig = self._eig
+        return out
+
+    def eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw eigenpairs of ``G``: ``(g (p,), U (p, p))`` with ``G = U diag(g) Uᵀ``."""
+        if self._eig is None:
+            self._eig = eigh_psd(self.G)
+        return self._eig
+
+    def eigenvalues(self) -> torch.Tensor:
+        """Eigenvalues of Λ, shape ``(p,)``."""
+        return self.scale * self.eigen()[0] + self.shift
+
+    def diagonal(self) -> torch.Tensor:
+        return self.scale * torch.diagonal(self.G) + self.shift
+
+    def quadratic_form(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        _, U = self.eigen()
+        return ((v @ U).square() * self.eigenvalues()).sum(-1)
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return self.scale * (v @ self.G) + self.shift * v  # G is symmetric
+
+    def logdet(self) -> torch.Tensor:
+        return self.eigenvalues().log().sum()
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        _, U = self.eigen()
+        eps = torch.randn(n, self.dim, generator=generator, dtype=self.G.dtype)
+        return (eps * self.eigenvalues().rsqrt()) @ U.T
+
+    def to_dense(self) -> torch.Tensor:
+        return self.scale * self.G + self.shift * torch.eye(self.dim, dtype=self.G.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.G.numel() * self.G.element_size()

@@ -1,0 +1,64 @@
+"""Reader for the IDX format (MNIST / Fashion-MNIST ``*-ubyte.gz`` files)."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from posterior_fusion.errors import DataError
+
+SYSTEM_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+EMBEDDED_FMNIST_DIR = Path(__file__).resolve().parents[2] / "data" / "fashion-mnist-subset"
+FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+MAX_IDX_ITEMS = 10_000_000
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one gzip IDX file of unsigned bytes; returns ``(n, ...)`` uint8."""
+    try:
+        with gzip.open(path, "rb") as fh:
+            raw = fh.read()
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path}: cannot read IDX file ({exc})") from None
+    if len(raw) < 4:
+        raise DataError(f"{path}: truncated IDX header")
+    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
+    if zero != 0 or dtype_code != 0x08 or not 1 <= ndim <= 4:
+        raise DataError(f"{path}: not an unsigned-byte IDX file")
+    dims = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
+    count = int(np.prod(dims))
+    if count > MAX_IDX_ITEMS * 784 or len(raw) != 4 + 4 * ndim + count:
+        raise DataError(f"{path}: IDX size does not match its header {dims}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
+
+
+def find_fmnist_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """``data_dir`` if given, else the Debian package's folder, else the embedded subset."""
+    if data_dir is not None:
+        return Path(data_dir)
+    if all((SYSTEM_FMNIST_DIR / f).exists() for pair in FILES.values() for f in pair):
+        return SYSTEM_FMNIST_DIR
+    return EMBEDDED_FMNIST_DIR
+
+
+def load_fmnist(split: str, data_dir: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST ``split`` ('train' or 'test'): images ``(n, 28, 28)`` uint8, labels ``(n,)`` int64."""
+    if split not in FILES:
+        raise DataError(f"unknown split {split!r}; use 'train' or 'test'")
+    folder = find_fmnist_dir(data_dir)
+    images_name, labels_name = FILES[split]
+    for name in (images_name, labels_name):
+        if not (folder / name).exists():
+            raise DataError(f"{folder / name} not found (install 'dataset-fashion-mnist' or pass --data-dir)")
+    x = read_idx(folder / images_name)
+    y = read_idx(folder / labels_name).astype(np.int64)
+    if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+        raise DataError(f"{folder}: images {x.shape} and labels {y.shape} do not match")
+    return x, y

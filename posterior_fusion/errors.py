@@ -1,0 +1,64 @@
+"""Typed errors. Every failure a user can cause maps to one of these.
+
+The CLI catches :class:`PfuseError` and prints ``error: <message>`` on one line with a
+non-zero exit code; the Python API lets them propagate.
+"""
+
+from __future__ import annotations
+
+
+class PfuseError(Exception):
+    """Base class of every error posterior-fusion raises on bad input."""
+
+    exit_code = 2
+
+
+class ArtifactError(PfuseError):
+    """A problem with one artifact file; ``file`` and ``hdf5_path`` say where."""
+
+    def __init__(self, file: str, message: str, hdf5_path: str | None = None) -> None:
+        self.file = str(file)
+        self.hdf5_path = hdf5_path
+        self.reason = message
+        where = f"{self.file}" + (f" [{hdf5_path}]" if hdf5_path else "")
+        super().__init__(f"{where}: {message}")
+
+
+class ArtifactNotFoundError(ArtifactError):
+    """The file does not exist or cannot be opened for reading."""
+
+
+class NotAnArtifactError(ArtifactError):
+    """The file is not HDF5, is truncated, or is not a posterior-fusion file."""
+
+
+class UnsupportedVersionError(ArtifactError):
+    """The file's ``format_version`` is not one this reader knows."""
+
+
+class SchemaError(ArtifactError):
+    """A path, link, dtype or shape breaks the schema (checked before any data is read)."""
+
+
+class ValueCheckError(ArtifactError):
+    """Data read from the file is invalid (NaN/Inf, negative curvature, asymmetric factor)."""
+
+
+class DataError(PfuseError):
+    """A silo/test data file is invalid (bad labels, shapes, missing fields)."""
+
+
+class ModelSpecError(PfuseError):
+    """A model spec names an unknown model or carries unexpected arguments."""
+
+
+class IncompatibleArtifactsError(PfuseError):
+    """A set of artifacts cannot be fused together (different model, layout, M, ...)."""
+
+
+class MethodNotApplicableError(PfuseError):
+    """A fusion method cannot run on the given curvature structure or inputs."""
+
+
+class ConfigError(PfuseError):
+    """A command-line or API option has an invalid value."""

@@ -1,0 +1,52 @@
+"""Shared fixtures: small real Fashion-MNIST silos from the embedded subset, tiny artifacts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, load_fmnist
+from posterior_fusion.data.silo import SiloData
+
+
+def random_psd(n: int, gen: torch.Generator, rank: int | None = None) -> torch.Tensor:
+    """Random symmetric PSD float64 ``(n, n)`` matrix (rank-deficient if ``rank < n``)."""
+    X = torch.randn(n, rank or n + 2, generator=gen, dtype=torch.float64)
+    return X @ X.T / X.shape[1]
+
+
+@pytest.fixture(scope="session")
+def fmnist_train() -> tuple[np.ndarray, np.ndarray]:
+    return load_fmnist("train", EMBEDDED_FMNIST_DIR)
+
+
+@pytest.fixture(scope="session")
+def small_silo(fmnist_train) -> SiloData:
+    x, y = fmnist_train
+    return SiloData(x[:300], y[:300], "fmnist", 10)
+
+
+def fit_artifact(path, silo: SiloData, structure: str = "kron", model: str = "mlp", kwargs: dict | None = None,
+                 mixtures: int = 2, epochs: int = 1, seed: int = 0, init_seed: int = 0, swag: bool = False):
+    """Run fit_local in-process and write the artifact; returns ``(metadata, components)``."""
+    from posterior_fusion.artifact import write_client_artifact
+    from posterior_fusion.layout import ParameterLayout
+    from posterior_fusion.local.fit import FitConfig, fit_local
+    from posterior_fusion.local.init import initial_weights
+    from posterior_fusion.local.train import TrainConfig
+    from posterior_fusion.models import ModelSpec
+
+    spec = ModelSpec(model, kwargs if kwargs is not None else ({"hidden": 16} if model == "mlp" else {}))
+    cfg = FitConfig(structure=structure, seed=seed,
+                    train=TrainConfig(epochs=epochs, batch_size=32, weight_decay=-1.0, swag=swag, swag_rank=5))
+    meta, comps = fit_local(spec, silo, initial_weights(spec, mixtures, init_seed), cfg, log=lambda *_: None)
+    write_client_artifact(path, spec, ParameterLayout.from_model(spec.build()), meta, comps)
+    return meta, comps
+
+
+@pytest.fixture(scope="session")
+def kron_artifact(tmp_path_factory, small_silo):
+    path = tmp_path_factory.mktemp("art") / "kron.h5"
+    fit_artifact(path, small_silo, "kron", swag=True)
+    return path
