@@ -1,0 +1,67 @@
+"""The end-to-end demo: partition -> fit-local per silo -> fuse with every method -> evaluate."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from posterior_fusion.artifact import load_global, write_client_artifact, write_global_artifact
+from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
+from posterior_fusion.data.prepare import partition_to_files
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.errors import MethodNotApplicableError
+from posterior_fusion.fusion.common import FusionOptions
+from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.local.fit import FitConfig, fit_local
+from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.train import TrainConfig
+from posterior_fusion.metrics import evaluate_members
+from posterior_fusion.models import ModelSpec
+
+DEMO_METHODS = ("fedbens", "fedfisher", "regmean", "fisher-merge", "fedavg", "product", "fedbe", "swag", "ensemble")
+
+
+def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, alpha: float = 0.1,
+             mixtures: int = 3, epochs: int = 5, structure: str = "kron", seed: int = 0,
+             methods: tuple[str, ...] = DEMO_METHODS, steps: int = 300, max_train: int | None = None,
+             log=print) -> list[dict]:
+    """Run the whole pipeline in ``out_dir``; returns one row of test metrics per method."""
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    source = None if full else EMBEDDED_FMNIST_DIR
+    summary = partition_to_files(out / "data", clients=clients, alpha=alpha, seed=seed, data_dir=source,
+                                 max_train=max_train)
+    log(f"partitioned {summary['source']} into {clients} clients (alpha={alpha}): "
+        + ", ".join(str(c["n"]) for c in summary["clients"]) + " samples")
+    spec = ModelSpec("lenet", {})
+    inits = initial_weights(spec, mixtures, seed)
+    cfg = FitConfig(structure=structure, seed=seed,
+                    train=TrainConfig(epochs=epochs, weight_decay=-1.0, swag=True, swag_rank=10))
+    paths = []
+    for i, c in enumerate(summary["clients"]):
+        log(f"fit-local client {i} (n={c['n']}, M={mixtures}, {structure}, {epochs} epochs)")
+        meta, comps = fit_local(spec, read_silo(c["path"]), inits, cfg, log=lambda m: log("  " + m))
+        meta["init"] = {"init_seed": seed}
+        path = out / f"post_{i}.h5"
+        write_client_artifact(path, spec, ParameterLayout.from_model(spec.build()), meta, comps)
+        paths.append(path)
+    test = read_silo(summary["test"])
+    rows = []
+    for method in methods:
+        try:
+            _, result, meta = fuse(paths, method, FusionOptions(steps=steps, seed=seed), val_path=summary["server_val"])
+        except MethodNotApplicableError as exc:
+            log(f"{method}: skipped ({exc})")
+            continue
+        gpath = out / f"global_{method}.h5"
+        write_global_artifact(gpath, spec, ParameterLayout.from_model(spec.build()), meta, result.members)
+        g = load_global(gpath)
+        metrics = evaluate_members(g.model_spec, list(g.members), test)
+        rows.append({"method": method, "members": len(g.members), "fuse_seconds": meta["fuse_seconds"],
+                     **{k: metrics[k] for k in ("accuracy", "nll", "ece", "brier", "member_accuracy_min", "member_accuracy_max")}})
+        log(f"{method}: accuracy {metrics['accuracy']:.4f} ({meta['fuse_seconds']:.1f}s)")
+    log(f"demo finished in {time.perf_counter() - t0:.0f}s; artifacts in {out}")
+    return rows
+
