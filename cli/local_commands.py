@@ -69,13 +69,15 @@ def init(model, model_kwargs, mixtures, seed, out):
 @click.option("--prior-var", default=0.1, show_default=True, type=float, help="Prior variance σ0² (λ0 = 1/σ0²).")
 @click.option("--swag", is_flag=True, help="Also collect SWAG moments over the last epochs.")
 @click.option("--swag-rank", default=20, show_default=True, type=int, help="SWAG deviation columns K.")
+@click.option("--ggn", default="exact", show_default=True, type=click.Choice(["exact", "mc"]),
+              help="exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one sampled label (faster).")
 @click.option("--curvature-batch-size", default=256, show_default=True, type=int, help="Batch size of the curvature pass.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Training seed (data order).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @handle_errors
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, mixtures, structure, epochs, batch_size, lr,
-                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, curvature_batch_size, seed, out, as_json):
+                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, curvature_batch_size, seed, out, as_json):
     """Train M models on one silo and write their local posteriors to one artifact."""
     if init_path is not None:
         init_art = load_global(init_path)
@@ -89,7 +91,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, mixtures
         raise ConfigError("--epochs must be >= 0, --batch-size and --swag-rank >= 1, --lr > 0")
     data = read_silo(data_path, num_classes=spec.num_classes)
     cfg = FitConfig(structure=structure, temperature=temperature, prior_var=prior_var, seed=seed,
-                    curvature_batch_size=curvature_batch_size,
+                    curvature_batch_size=curvature_batch_size, ggn=ggn,
                     train=TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                                       weight_decay=weight_decay, swag=swag, swag_rank=swag_rank))
     meta, comps = fit_local(spec, data, inits, cfg, log=log_to_stderr)

@@ -22,19 +22,25 @@ def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def _laplace(model: nn.Module, structure: str, subset: str, backend):
+GGN_TYPES = ("exact", "mc")
+
+
+def _laplace(model: nn.Module, structure: str, subset: str, backend, ggn: str = "exact"):
     from laplace import Laplace
 
+    if ggn not in GGN_TYPES:
+        raise ConfigError(f"unknown GGN type {ggn!r}; use 'exact' or 'mc'")
     # A fresh copy per Laplace object: backends leave hooks behind on the model.
     return Laplace(copy.deepcopy(model), "classification", subset_of_weights=subset,
-                   hessian_structure=structure, backend=backend)
+                   hessian_structure=structure, backend=backend,
+                   backend_kwargs={"stochastic": ggn == "mc"})
 
 
-def capture_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> BlockDiag:
+def capture_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact") -> BlockDiag:
     """K-FAC GGN: one ``Kron(B, A)`` per weight, one ``Dense`` per bias (laplace-torch's blocks)."""
     from laplace.curvature import CurvlinopsGGN
 
-    la = _laplace(model, "kron", "all", CurvlinopsGGN)
+    la = _laplace(model, "kron", "all", CurvlinopsGGN, ggn)
     la.fit(_loader(x, y, batch_size))
     layout = ParameterLayout.from_model(model)
     blocks: list[Precision] = []
@@ -49,25 +55,27 @@ def capture_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size:
     return BlockDiag(blocks)
 
 
-def capture_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+def capture_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
+                        ggn: str = "exact") -> torch.Tensor:
     """Diagonal of the GGN, ``(d,)``, through the ASDL backend."""
     from laplace.curvature import AsdlGGN
 
-    la = _laplace(model, "diag", "all", AsdlGGN)
+    la = _laplace(model, "diag", "all", AsdlGGN, ggn)
     la.fit(_loader(x, y, batch_size))
     return la.H.detach().clone()
 
 
-def capture_diag(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> BlockDiag:
-    return BlockDiag([Diag(capture_diag_vector(model, x, y, batch_size))])
+def capture_diag(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact") -> BlockDiag:
+    return BlockDiag([Diag(capture_diag_vector(model, x, y, batch_size, ggn))])
 
 
-def capture_diag_full(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> BlockDiag:
+def capture_diag_full(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
+                      ggn: str = "exact") -> BlockDiag:
     """Diag GGN for all but the last layer, exact full GGN block of the last ``nn.Linear``."""
     from laplace.curvature import CurvlinopsGGN
 
-    g = capture_diag_vector(model, x, y, batch_size)
-    la = _laplace(model, "full", "last_layer", CurvlinopsGGN)
+    g = capture_diag_vector(model, x, y, batch_size, ggn)
+    la = _laplace(model, "full", "last_layer", CurvlinopsGGN, ggn)
     la.fit(_loader(x, y, batch_size))
     H = la.H.detach().clone()
     p = H.shape[0]
@@ -77,7 +85,10 @@ def capture_diag_full(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_
 CAPTURE = {"kron": capture_kron, "diag": capture_diag, "diag+full": capture_diag_full}
 
 
-def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> BlockDiag:
+def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
+            ggn: str = "exact") -> BlockDiag:
+    """Raw curvature of ``structure``. ``ggn="exact"``: exact GGN (one backward pass per
+    class); ``"mc"``: Monte-Carlo Fisher with one sampled label (one backward pass)."""
     if structure not in CAPTURE:
         raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(CAPTURE)}")
-    return CAPTURE[structure](model, x, y, batch_size)
+    return CAPTURE[structure](model, x, y, batch_size, ggn)

@@ -25,6 +25,7 @@ class FitConfig:
     prior_var: float = 0.1
     seed: int = 0
     curvature_batch_size: int = 256
+    ggn: str = "exact"            # "exact" GGN or "mc" (Monte-Carlo Fisher, 1 sample)
     train: TrainConfig = TrainConfig()
 
 
@@ -62,7 +63,7 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
         t0 = time.perf_counter()
         res = train_map(model, x, y, train_cfg, seed=cfg.seed * 1_000_003 + m, desc=f"component {m + 1}/{len(inits)}")
         t1 = time.perf_counter()
-        curv = capture(cfg.structure, model, x, y, cfg.curvature_batch_size)
+        curv = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn)
         t2 = time.perf_counter()
         training = {"seed": cfg.seed * 1_000_003 + m, "epochs": train_cfg.epochs, "final_loss": res.final_loss,
                     "final_accuracy": res.final_accuracy, "train_seconds": round(t1 - t0, 3),
@@ -75,7 +76,7 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
         "n_data": n, "class_counts": data.class_counts(), "num_classes": data.num_classes,
         "dataset": data.dataset, "data_sha256": data.sha256(),
         "temperature": cfg.temperature, "prior_precision": prior_precision, "structure": cfg.structure,
-        "seed": cfg.seed, "curvature_batch_size": cfg.curvature_batch_size,
+        "seed": cfg.seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,
         "train": asdict(train_cfg), "library_versions": library_versions(),
     }
     return metadata, comps

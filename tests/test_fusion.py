@@ -1,0 +1,283 @@
+"""Fusion methods against independent references (dense float64, pooled data, hand values)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import fit_artifact, random_psd
+from posterior_fusion.cli.main import pfuse
+
+import posterior_fusion
+from posterior_fusion.artifact import ClientPosterior, Component, write_client_artifact
+from posterior_fusion.artifact.objects import frozen_mapping
+from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
+from posterior_fusion.errors import IncompatibleArtifactsError, MethodNotApplicableError
+from posterior_fusion.fusion.baselines import fedavg, fisher_merge, product, regmean
+from posterior_fusion.fusion.common import FusionInputs, FusionOptions
+from posterior_fusion.fusion.fedbens import GlobalLogPosterior, fedbens
+from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.models import ModelSpec
+
+TINY = ModelSpec("mlp", {"in_features": 4, "hidden": 3, "num_classes": 2, "bias": True})
+TINY_LAYOUT = ParameterLayout.from_model(TINY.build())  # W1 (3,4), b1 (3,), W2 (2,3), b2 (2,)
+
+
+def client(comps: list[Component], structure: str, n: int = 10, T: float = 0.5, lam: float = 2.0,
+           spec: ModelSpec = TINY, layout: ParameterLayout = TINY_LAYOUT, name: str = "c") -> ClientPosterior:
+    meta = {"n_data": n, "temperature": T, "prior_precision": lam, "structure": structure,
+            "num_components": len(comps), "class_counts": []}
+    return ClientPosterior(name, name + "-sha", spec, layout, frozen_mapping(meta), tuple(comps))
+
+
+def random_curvature(structure: str, gen: torch.Generator) -> BlockDiag:
+    if structure == "diag":
+        return BlockDiag([Diag(torch.rand(TINY_LAYOUT.dim, generator=gen, dtype=torch.float64) * 2)])
+    blocks = []
+    for e in TINY_LAYOUT.entries:
+        if e.matrix_shape:
+            out, inn = e.matrix_shape
+            blocks.append(Kron(random_psd(out, gen), random_psd(inn, gen)))
+        else:
+            blocks.append(Dense(random_psd(e.size, gen)))
+    return BlockDiag(blocks)
+
+
+def random_clients(structure: str, C: int, M: int, seed: int, T: float = 0.5, lam: float = 2.0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for c in range(C):
+        comps = [Component(m, torch.randn(TINY_LAYOUT.dim, generator=gen, dtype=torch.float64),
+                           random_curvature(structure, gen), {}, T, lam) for m in range(M)]
+        out.append(client(comps, structure, n=10 + c, T=T, lam=lam, name=f"c{c}"))
+    return out
+
+
+def dense_neg_log_posterior(clients, w, T, lams, lam0):
+    """Independent float64 reference built from dense matrices and torch.distributions."""
+    d = w.shape[-1]
+    total = torch.distributions.MultivariateNormal(torch.zeros(d, dtype=torch.float64),
+                                                   precision_matrix=lam0 * torch.eye(d, dtype=torch.float64)).log_prob(w)
+    for c, lam in zip(clients, lams):
+        logs = []
+        for comp in c.components:
+            G = torch.block_diag(*[b.to_dense() for b in comp.curvature.blocks])
+            P = G / T + lam * torch.eye(d, dtype=torch.float64)
+            logs.append(torch.distributions.MultivariateNormal(comp.map, precision_matrix=P).log_prob(w) - math.log(len(c.components)))
+        p0c = torch.distributions.MultivariateNormal(torch.zeros(d, dtype=torch.float64),
+                                                     precision_matrix=lam * torch.eye(d, dtype=torch.float64))
+        total = total + torch.logsumexp(torch.stack(logs), 0) - p0c.log_prob(w)
+    return -total
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_fedbens_objective_and_gradient_vs_dense_float64(structure):
+    clients = random_clients(structure, C=3, M=2, seed=0)
+    lams = [2.0, 3.0, 1.5]  # per-client priors: the general form of the prior correction
+    obj = GlobalLogPosterior(clients, [0.5] * 3, lams, 2.5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    W = (torch.randn(4, TINY_LAYOUT.dim, generator=gen, dtype=torch.float64) * 0.5).requires_grad_(True)
+    ours = obj(W)
+    ref = torch.stack([dense_neg_log_posterior(clients, w, 0.5, lams, 2.5) for w in W])
+    # Objectives agree up to one constant (normalisers of the global posterior are dropped nowhere here).
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-8)
+    g_ours = torch.autograd.grad(ours.sum(), W)[0]
+    Wr = W.detach().clone().requires_grad_(True)
+    g_ref = torch.autograd.grad(torch.stack([dense_neg_log_posterior(clients, w, 0.5, lams, 2.5) for w in Wr]).sum(), Wr)[0]
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-9, atol=1e-9)
+
+
+def linear_gaussian_clients(C: int = 3, p: int = 5, sigma2: float = 0.5, lam: float = 2.0, seed: int = 0):
+    """Bayesian linear regression silos; returns clients (exact Gaussian posteriors) and the pooled posterior."""
+    gen = torch.Generator().manual_seed(seed)
+    w_true = torch.randn(p, generator=gen, dtype=torch.float64)
+    spec = ModelSpec("mlp", {"in_features": p, "hidden": 1, "num_classes": 1, "bias": False})
+    layout = ParameterLayout.from_shapes([("w", (p,))])
+    clients, XtX, Xty = [], torch.zeros(p, p, dtype=torch.float64), torch.zeros(p, dtype=torch.float64)
+    for c in range(C):
+        n = 4 + 3 * c
+        X = torch.randn(n, p, generator=gen, dtype=torch.float64) * (1 + c)
+        y = X @ w_true + math.sqrt(sigma2) * torch.randn(n, generator=gen, dtype=torch.float64)
+        G = X.T @ X / sigma2
+        Lc = G + lam * torch.eye(p, dtype=torch.float64)
+        w_c = torch.linalg.solve(Lc, X.T @ y / sigma2)
+        XtX += X.T @ X
+        Xty += X.T @ y
+        clients.append(client([Component(0, w_c, BlockDiag([Dense(G)]), {}, 1.0, lam)], "diag+full", n=n, T=1.0,
+                              lam=lam, spec=spec, layout=layout, name=f"lin{c}"))
+    L = XtX / sigma2 + lam * torch.eye(p, dtype=torch.float64)
+    return clients, torch.linalg.solve(L, Xty / sigma2), L
+
+
+def test_product_recovers_pooled_posterior():
+    clients, mu, _ = linear_gaussian_clients()
+    res = product(FusionInputs(clients, FusionOptions()))
+    torch.testing.assert_close(res.members[0].double(), mu, rtol=1e-5, atol=1e-5)
+
+
+def test_fedbens_recovers_pooled_posterior():
+    clients, mu, L = linear_gaussian_clients()
+    obj = GlobalLogPosterior(clients, [1.0] * 3, [2.0] * 3, 2.0, dtype=torch.float64)
+    # The global objective is exactly the pooled Gaussian up to a constant ...
+    gen = torch.Generator().manual_seed(1)
+    W = mu + torch.randn(6, mu.numel(), generator=gen, dtype=torch.float64)
+    diff = obj(W) - 0.5 * torch.einsum("ki,ij,kj->k", W - mu, L, W - mu)
+    torch.testing.assert_close(diff, diff[0].expand_as(diff), rtol=0, atol=1e-8)
+    # ... and the server's Adam finds its mode.
+    res = fedbens(FusionInputs(clients, FusionOptions(steps=3000, lr=0.01, clip=100.0, progress=False)))
+    torch.testing.assert_close(res.members[0].double(), mu, rtol=0, atol=2e-2)
+
+
+def test_fedbens_one_client_one_component_stays_at_its_map():
+    clients, _, _ = linear_gaussian_clients(C=1)
+    res = fedbens(FusionInputs(clients, FusionOptions(steps=2000, lr=0.01, clip=100.0, progress=False)))
+    torch.testing.assert_close(res.members[0].double(), clients[0].components[0].map, rtol=0, atol=2e-2)
+
+
+def hand_clients(maps, diags, ns, structure="diag"):
+    layout = ParameterLayout.from_shapes([("w", (len(maps[0]),))])
+    spec = ModelSpec("mlp", {"in_features": 1, "hidden": 1, "num_classes": 1, "bias": False})
+    return [client([Component(0, torch.tensor(m), BlockDiag([Diag(torch.tensor(g))]), {}, 1.0, 1.0)],
+                   structure, n=n, spec=spec, layout=layout, name=f"h{i}")
+            for i, (m, g, n) in enumerate(zip(maps, diags, ns))]
+
+
+def test_fedavg_and_fisher_merge_by_hand():
+    cl = hand_clients([[0.0, 2.0, 1.0], [4.0, 6.0, 5.0]], [[1.0, 0.0, 0.0], [3.0, 1.0, 0.0]], [1, 3])
+    torch.testing.assert_close(fedavg(FusionInputs(cl, FusionOptions())).members[0], torch.tensor([3.0, 5.0, 4.0]))
+    # param 0: (1*0 + 3*4)/4 = 3; param 1: only client 1 has curvature -> 6; param 2: no curvature -> FedAvg 4
+    res = fisher_merge(FusionInputs(cl, FusionOptions()))
+    torch.testing.assert_close(res.members[0], torch.tensor([3.0, 6.0, 4.0]))
+    assert res.info["fedavg_fallback_params"] == 1
+
+
+def test_regmean_by_hand():
+    spec = ModelSpec("mlp", {"in_features": 2, "hidden": 1, "num_classes": 1, "bias": False})
+    layout = ParameterLayout.from_model(spec.build())  # W1 (1, 2), W2 (1, 1)
+    A1 = torch.tensor([[2.0, 1.0], [1.0, 1.0]])
+    A2 = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
+    W1a, W1b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    cl = []
+    for i, (A, W1, w2, n) in enumerate([(A1, W1a, 2.0, 1), (A2, W1b, 4.0, 1)]):
+        curv = BlockDiag([Kron(torch.eye(1), A), Kron(torch.eye(1), torch.eye(1))])
+        cl.append(client([Component(0, torch.cat([W1, torch.tensor([w2])]), curv, {}, 1.0, 1.0)], "kron", n=n,
+                         spec=spec, layout=layout, name=f"r{i}"))
+    out = regmean(FusionInputs(cl, FusionOptions())).members[0]
+    # (W_a A1 + W_b A2)(A1 + A2)^-1 = [2, 4] @ [[3,1],[1,4]]^-1 = [2, 4] @ [[4,-1],[-1,3]]/11 = [4/11, 10/11]
+    torch.testing.assert_close(out[:2], torch.tensor([4 / 11, 10 / 11]))
+    assert out[2].item() == pytest.approx(3.0)  # second weight: both A = 1 -> plain mean
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, small_silo):
+    folder = tmp_path_factory.mktemp("fuse")
+    x, y = small_silo.x, small_silo.y
+    from posterior_fusion.data.silo import SiloData, write_silo
+
+    paths = []
+    for c in range(3):
+        silo = SiloData(x[c * 100 : (c + 1) * 100], y[c * 100 : (c + 1) * 100], "fmnist", 10)
+        paths.append(folder / f"post_{c}.h5")
+        fit_artifact(paths[-1], silo, "kron", mixtures=2, seed=c, swag=True)
+    write_silo(folder / "val.h5", SiloData(x[-100:], y[-100:], "fmnist", 10))
+    fit_artifact(folder / "diag_0.h5", SiloData(x[:100], y[:100], "fmnist", 10), "diag", mixtures=2)
+    fit_artifact(folder / "lenet.h5", SiloData(x[:50], y[:50], "fmnist", 10), "diag", model="lenet", mixtures=1)
+    fit_artifact(folder / "m3.h5", SiloData(x[:50], y[:50], "fmnist", 10), "kron", mixtures=3)
+    return folder, paths
+
+
+@pytest.mark.parametrize("method", ["fedbens", "fedfisher", "fedavg", "fisher-merge", "regmean", "fedbe", "swag", "ensemble"])
+def test_every_method_runs_and_members_are_independent(tmp_path, fitted, method):
+    folder, paths = fitted
+    out = tmp_path / "g.h5"
+    result = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", method, "--out", str(out),
+                                        "--val", str(folder / "val.h5"), "--steps", "20", "--val-every", "5"])
+    assert result.exit_code == 0, result.stderr
+    g = posterior_fusion.load(out)
+    assert g.method == method and len(g.metadata["provenance"]) == 3
+    assert {p["sha256"] for p in g.metadata["provenance"]} == {posterior_fusion.load(p).sha256 for p in paths}
+    models = g.models()
+    if len(models) > 1:
+        before = [torch.nn.utils.parameters_to_vector(m.parameters()).clone() for m in models]
+        with torch.no_grad():
+            next(models[0].parameters()).add_(1.0)
+        for m, b in zip(models[1:], before[1:]):
+            assert torch.equal(torch.nn.utils.parameters_to_vector(m.parameters()), b)
+    ev = CliRunner().invoke(pfuse, ["evaluate", str(out), "--data", str(folder / "val.h5"), "--json"])
+    assert ev.exit_code == 0, ev.stderr
+
+
+def test_fedbens_validation_selection_and_history(fitted):
+    folder, paths = fitted
+    inputs, result, meta = fuse(paths, "fedbens", FusionOptions(steps=30, val_every=10, progress=False),
+                                val_path=folder / "val.h5")
+    assert len(result.members) == 2
+    for hist in meta["history"]:
+        assert [h["step"] for h in hist] == [0, 10, 20, 30]
+        assert all("val_accuracy" in h for h in hist)
+    assert result.members[0].data_ptr() != result.members[1].data_ptr()
+
+
+def test_refusals(tmp_path, fitted):
+    folder, paths = fitted
+    with pytest.raises(IncompatibleArtifactsError, match="no client"):
+        fuse([], "fedavg")
+    with pytest.raises(IncompatibleArtifactsError, match="lenet.h5"):
+        fuse([paths[0], folder / "lenet.h5"], "fedavg")
+    with pytest.raises(IncompatibleArtifactsError, match="same number of mixtures"):
+        fuse([paths[0], folder / "m3.h5"], "fedbens")
+    with pytest.raises(IncompatibleArtifactsError, match="given twice"):
+        fuse([paths[0], paths[0]], "fedavg")
+    with pytest.raises(MethodNotApplicableError, match="product"):
+        fuse(paths, "product")
+    with pytest.raises(MethodNotApplicableError, match="regmean"):
+        fuse([folder / "diag_0.h5"], "regmean")
+    with pytest.raises(MethodNotApplicableError, match="SWAG"):
+        fuse([folder / "diag_0.h5"], "swag")
+    r = CliRunner().invoke(pfuse, ["fuse", str(paths[0]), str(folder / "lenet.h5"), "--out", str(tmp_path / "x.h5")])
+    assert r.exit_code != 0 and r.stderr.count("\n") == 1 and "lenet.h5" in r.stderr
+    r = CliRunner().invoke(pfuse, ["fuse", "--method", "fedavg", "--out", str(tmp_path / "x.h5")])
+    assert r.exit_code != 0 and "no client artifacts" in r.stderr
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_product_on_real_diag_artifact_runs(fitted):
+    folder, _ = fitted
+    _, res, _ = fuse([folder / "diag_0.h5"], "product")
+    # One client: product of its posterior with nothing else is its own Gaussian's mean, the MAP.
+    art = posterior_fusion.load(folder / "diag_0.h5")
+    torch.testing.assert_close(res.members[0], art.components[0].map, rtol=1e-5, atol=1e-6)
+
+
+def test_retempering_changes_fedbens_objective(fitted):
+    _, paths = fitted
+    clients = [posterior_fusion.load(p) for p in paths]
+    W = torch.stack([c.components[0].map for c in clients]) + 0.05
+    a = GlobalLogPosterior(clients, [0.1] * 3, [10.0] * 3, 10.0)(W)
+    b = GlobalLogPosterior(clients, [1.0] * 3, [10.0] * 3, 10.0)(W)
+    assert not torch.allclose(a, b)
+
+
+def test_write_then_fuse_through_artifacts_matches_in_memory(tmp_path):
+    clients = random_clients("kron", C=2, M=2, seed=3)
+    paths = []
+    for i, c in enumerate(clients):
+        paths.append(tmp_path / f"c{i}.h5")
+        comps = [Component(k.index, k.map.float(), BlockDiag([type(b)(*[t.float() for t in raw_tensors(b)]) for b in k.curvature.blocks]), {}, 0.5, 2.0)
+                 for k in c.components]
+        write_client_artifact(paths[-1], TINY, TINY_LAYOUT, dict(c.metadata), comps)
+    _, res, _ = fuse(paths, "fedbens", FusionOptions(steps=5, progress=False))
+    mem = fedbens(FusionInputs(clients, FusionOptions(steps=5, progress=False)))
+    for a, b in zip(res.members, mem.members):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+
+
+def raw_tensors(block):
+    if isinstance(block, Kron):
+        return block.B, block.A
+    if isinstance(block, Dense):
+        return (block.G,)
+    return (block.g,)
