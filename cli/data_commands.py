@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import click
-from posterior_fusion.cli.common import echo_json, handle_errors
 
+from posterior_fusion.cli.common import echo_json, handle_errors
 from posterior_fusion.data.prepare import partition_to_files
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import click
-from posterior_fusion.cli.common import echo_json, handle_errors
 
 from posterior_fusion.artifact import load
+from posterior_fusion.cli.common import echo_json, handle_errors
 from posterior_fusion.inspect import summarize
 
 

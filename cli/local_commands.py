@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr
 
-from posterior_fusion.artifact import load_global, write_client_artifact, write_global_artifact
+from posterior_fusion.artifact import load_client, load_global, write_client_artifact, write_global_artifact
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_local
+from posterior_fusion.local.fit import FitConfig, fit_local, fit_metadata
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.train import TrainConfig
 from posterior_fusion.models import MODEL_REGISTRY, ModelSpec
@@ -49,6 +50,30 @@ def init(model, model_kwargs, mixtures, seed, out):
     click.echo(f"wrote {out}: {mixtures} starting points for {spec.name} ({ws[0].numel()} parameters)")
 
 
+def partial_path(out: str) -> Path:
+    p = Path(out)
+    return p.with_name(f".{p.name}.partial.h5")
+
+
+def resume_state(out: str, spec: ModelSpec, data, inits, cfg: FitConfig, resume: bool) -> tuple[list, Path]:
+    """Components finished by an interrupted run (if ``--resume``) and the partial file's path."""
+    partial = partial_path(out)
+    if not partial.exists():
+        if resume:
+            log_to_stderr(f"note: no partial run at {partial}; starting from the first component")
+        return [], partial
+    if not resume:
+        log_to_stderr(f"note: discarding the partial run at {partial} (pass --resume to continue it)")
+        return [], partial
+    previous = load_client(partial)
+    expected = fit_metadata(spec, data, inits, cfg)["fit_fingerprint"]
+    if previous.metadata.get("fit_fingerprint") != expected:
+        raise ConfigError(f"{partial}: the partial run used different settings, data or inits; "
+                          "rerun with the same options or delete it")
+    log_to_stderr(f"resuming: {previous.num_components} of {len(inits)} components already done")
+    return list(previous.components), partial
+
+
 @click.command("fit-local")
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Silo data file (from partition).")
 @click.option("--init", "init_path", default=None, type=click.Path(dir_okay=False),
@@ -74,10 +99,12 @@ def init(model, model_kwargs, mixtures, seed, out):
 @click.option("--curvature-batch-size", default=256, show_default=True, type=int, help="Batch size of the curvature pass.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Training seed (data order).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted run from its partial file (.<out>.partial.h5); same settings required.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @handle_errors
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, mixtures, structure, epochs, batch_size, lr,
-                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, curvature_batch_size, seed, out, as_json):
+                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, curvature_batch_size, seed, out, resume, as_json):
     """Train M models on one silo and write their local posteriors to one artifact."""
     if init_path is not None:
         init_art = load_global(init_path)
@@ -94,9 +121,17 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, mixtures
                     curvature_batch_size=curvature_batch_size, ggn=ggn,
                     train=TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                                       weight_decay=weight_decay, swag=swag, swag_rank=swag_rank))
-    meta, comps = fit_local(spec, data, inits, cfg, log=log_to_stderr)
-    meta["init"] = {"file": init_path} if init_path else {"init_seed": init_seed}
-    write_client_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, comps)
+    layout = ParameterLayout.from_model(spec.build())
+    init_info = {"file": init_path} if init_path else {"init_seed": init_seed}
+    done, partial = resume_state(out, spec, data, inits, cfg, resume)
+
+    def save_partial(meta: dict, comps: list) -> None:
+        write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps)
+
+    meta, comps = fit_local(spec, data, inits, cfg, log=log_to_stderr, done=done, on_component=save_partial)
+    meta["init"] = init_info
+    write_client_artifact(out, spec, layout, meta, comps)
+    partial.unlink(missing_ok=True)
     if as_json:
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})
     else:

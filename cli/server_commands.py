@@ -5,14 +5,15 @@ from __future__ import annotations
 import click
 import h5py
 import numpy as np
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr
 
 from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.artifact.atomic import atomic_h5_write
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_METHODS, run_demo
 from posterior_fusion.fusion.common import FusionOptions
 from posterior_fusion.fusion.registry import METHODS, fuse
+from posterior_fusion.fusion.resources import parse_bytes
 from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, reliability_plot
 
 
@@ -35,15 +36,21 @@ from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, r
 @click.option("--regmean-alpha", default=1.0, show_default=True, type=float, help="RegMean scaling of off-diagonal Gram entries.")
 @click.option("--distill-epochs", default=5, show_default=True, type=int, help="fedbe distillation epochs (with --unlabeled).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sampling methods.")
+@click.option("--robust", is_flag=True,
+              help="Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from the others' median.")
+@click.option("--max-memory", default=None,
+              help="Refuse work estimated above this size, e.g. 8G [default: 80% of available memory, or $PFUSE_MAX_MEMORY].")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @handle_errors
 def fuse_cmd(clients, method, out, val_path, unlabeled, steps, lr, clip, val_every, temperature, prior_var, modes,
-             mode_index, num_samples, regmean_alpha, distill_epochs, seed, as_json):
+             mode_index, num_samples, regmean_alpha, distill_epochs, seed, robust, max_memory, as_json):
     """Validate client artifacts and fuse them into a global ensemble."""
     opts = FusionOptions(steps=steps, lr=lr, clip=clip, val_every=val_every, temperature=temperature,
                          prior_var=prior_var, modes=modes, seed=seed, mode_index=mode_index, num_samples=num_samples,
                          regmean_alpha=regmean_alpha, distill_epochs=distill_epochs)
-    inputs, result, meta = fuse(list(clients), method, opts, val_path, unlabeled, log=log_to_stderr)
+    limit = parse_bytes(max_memory) if max_memory is not None else None
+    inputs, result, meta = fuse(list(clients), method, opts, val_path, unlabeled, log=log_to_stderr,
+                                robust=robust, max_memory=limit)
     write_global_artifact(out, inputs.spec, inputs.clients[0].layout, meta, result.members)
     if as_json:
         echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"]})

@@ -62,3 +62,7 @@ class MethodNotApplicableError(PfuseError):
 
 class ConfigError(PfuseError):
     """A command-line or API option has an invalid value."""
+
+
+class ResourceLimitError(PfuseError):
+    """The requested work would not fit in the allowed memory (estimated before allocating)."""

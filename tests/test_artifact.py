@@ -10,12 +10,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import fit_artifact
-from posterior_fusion.cli.main import pfuse
 from torch.nn.utils import parameters_to_vector
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.objects import Component
+from posterior_fusion.artifact.writer import text_attr
+from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.errors import (
     ArtifactNotFoundError,
@@ -114,15 +115,85 @@ def _object_dtype(f):
     f["/components/0"].create_dataset("map", data=np.array(["x"] * 3, dtype=object), dtype=h5py.string_dtype())
 
 
+def _giant_dataset(f):
+    del f["/components/0/map"]
+    f["/components/0"].create_dataset("map", shape=(10**9,), dtype="f4", chunks=(1 << 16,))
+
+
+def _giant_block(f):
+    f["/components/0/curvature"].attrs["blocks"] = text_attr(
+        '[{"kind": "dense", "offset": 0, "size": 100000}]')
+
+
+def _untiled(f):
+    import json as _json
+
+    blocks = _json.loads(bytes(f["/components/0/curvature"].attrs["blocks"]).decode())
+    blocks[1]["offset"] += 1
+    f["/components/0/curvature"].attrs["blocks"] = text_attr(_json.dumps(blocks))
+
+
+def _extra_path(f):
+    f["/components/0"].create_dataset("evil", data=np.zeros(3, np.float32))
+
+
+def _missing_path(f):
+    del f["/components/1/curvature"]
+
+
+def _external_link(f):
+    f["/components/0/ext"] = h5py.ExternalLink("/etc/passwd", "/x")
+
+
+def _compound(f):
+    del f["/components/0/map"]
+    f["/components/0"].create_dataset("map", shape=(3,), dtype=np.dtype([("a", "f4"), ("b", "f4")]))
+
+
+def _negative_diag(f):
+    ds = f["/components/0/curvature/1/dense"]
+    arr = ds[()]
+    arr[0, 0] = -1.0
+    ds[...] = arr
+
+
+def _inf_map(f):
+    ds = f["/components/0/map"]
+    arr = ds[()]
+    arr[3] = np.inf
+    ds[...] = arr
+
+
+def _int_version(f):
+    f.attrs["format_version"] = text_attr("1")
+
+
+def _undeclared_component(f):
+    f["/components"].create_group("7")
+
+
 CASES = {
+    "giant_dataset": (_giant_dataset, SchemaError, "/components/0/map"),
+    "giant_block": (_giant_block, SchemaError, "exceeds the cap"),
+    "untiled_layout": (_untiled, SchemaError, "do not tile"),
+    "extra_path": (_extra_path, SchemaError, "/components/0/evil"),
+    "missing_path": (_missing_path, SchemaError, "/components/1/curvature"),
+    "external_link": (_external_link, SchemaError, "ExternalLink"),
+    "compound_dtype": (_compound, SchemaError, "dtype"),
+    "negative_curvature": (_negative_diag, ValueCheckError, "negative diagonal"),
+    "inf_map": (_inf_map, ValueCheckError, "NaN or Inf"),
+    "string_version": (_int_version, UnsupportedVersionError, "format_version"),
+    "undeclared_component": (_undeclared_component, SchemaError, "/components/7"),
     "wrong_version": (lambda f: f.attrs.__setitem__("format_version", np.int64(99)), UnsupportedVersionError, "format_version"),
     "nan_curvature": (_nan_factor, ValueCheckError, "/components/0/curvature/0/kron_B"),
     "mismatched_shape": (_short_map, SchemaError, "/components/1/map"),
     "asymmetric": (_asym, ValueCheckError, "/components/0/curvature/2/kron_A"),
     "soft_link": (_soft_link, SchemaError, "SoftLink"),
     "object_dtype": (_object_dtype, SchemaError, "dtype"),
-    "unknown_model": (lambda f: f.attrs.__setitem__("model_spec", '{"name": "resnet", "kwargs": {}}'), SchemaError, "unknown model"),
-    "extra_kwarg": (lambda f: f.attrs.__setitem__("model_spec", '{"name": "mlp", "kwargs": {"hidden": 16, "evil": 1}}'), SchemaError, "evil"),
+    "vlen_string_attr": (lambda f: f.attrs.__setitem__("metadata", "{}"), SchemaError, "fixed-length"),
+    "giant_model": (lambda f: f.attrs.__setitem__("model_spec", text_attr('{"name": "mlp", "kwargs": {"in_features": 1048576, "hidden": 1048576}}')), SchemaError, "layout does not match"),
+    "unknown_model": (lambda f: f.attrs.__setitem__("model_spec", text_attr('{"name": "resnet", "kwargs": {}}')), SchemaError, "unknown model"),
+    "extra_kwarg": (lambda f: f.attrs.__setitem__("model_spec", text_attr('{"name": "mlp", "kwargs": {"hidden": 16, "evil": 1}}')), SchemaError, "evil"),
 }
 
 

@@ -8,9 +8,9 @@ import h5py
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from posterior_fusion.cli.main import pfuse
 
 import posterior_fusion
+from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import run_demo

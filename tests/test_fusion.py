@@ -8,11 +8,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import fit_artifact, random_psd
-from posterior_fusion.cli.main import pfuse
 
 import posterior_fusion
 from posterior_fusion.artifact import ClientPosterior, Component, write_client_artifact
 from posterior_fusion.artifact.objects import frozen_mapping
+from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.errors import IncompatibleArtifactsError, MethodNotApplicableError
 from posterior_fusion.fusion.baselines import fedavg, fisher_merge, product, regmean

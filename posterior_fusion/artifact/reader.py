@@ -72,16 +72,27 @@ class _Checker:
     def bad_value(self, where: str, msg: str) -> ValueCheckError:
         return ValueCheckError(self.file, msg, where)
 
-    def json_attr(self, obj: h5py.HLObject, name: str, where: str) -> Any:
+    def attr(self, obj: h5py.HLObject, name: str, where: str, kind: str) -> Any:
+        """Read attribute ``name`` after checking its type and size ('text' or 'int') from the header."""
         if name not in obj.attrs:
             raise self.bad_schema(where, f"missing attribute {name!r}")
-        raw = obj.attrs[name]
-        if isinstance(raw, bytes):
-            raw = raw.decode("utf-8", errors="strict")
-        if not isinstance(raw, str):
-            raise self.bad_schema(where, f"attribute {name!r} must be a UTF-8 string")
-        if len(raw) > schema.MAX_JSON_CHARS:
-            raise self.bad_schema(where, f"attribute {name!r} is larger than {schema.MAX_JSON_CHARS} characters")
+        aid = h5py.h5a.open(obj.id, name.encode())
+        dtype, shape = aid.dtype, aid.shape
+        if kind == "int":
+            if dtype.kind not in "iu" or shape not in ((), (1,)):
+                raise self.bad_schema(where, f"attribute {name!r} must be a scalar integer")
+            return int(np.asarray(obj.attrs[name]).reshape(()))
+        if dtype.kind != "S" or shape != ():
+            raise self.bad_schema(where, f"attribute {name!r} must be a fixed-length UTF-8 string")
+        if dtype.itemsize > schema.MAX_JSON_CHARS:
+            raise self.bad_schema(where, f"attribute {name!r} is larger than {schema.MAX_JSON_CHARS} bytes")
+        try:
+            return bytes(obj.attrs[name]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.bad_schema(where, f"attribute {name!r} is not valid UTF-8") from None
+
+    def json_attr(self, obj: h5py.HLObject, name: str, where: str) -> Any:
+        raw = self.attr(obj, name, where, "text")
         try:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -145,24 +156,29 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
     for name in ("format", "format_version", "artifact_kind"):
         if name not in f.attrs:
             raise NotAnArtifactError(chk.file, f"missing root attribute {name!r}: not a posterior-fusion artifact", "/")
-    if f.attrs["format"] != schema.FORMAT_NAME:
-        raise NotAnArtifactError(chk.file, f"format is {f.attrs['format']!r}, expected {schema.FORMAT_NAME!r}", "/")
-    version = f.attrs["format_version"]
-    if not isinstance(version, (int, np.integer)) or int(version) != schema.FORMAT_VERSION:
-        raise UnsupportedVersionError(chk.file, f"format_version {version!r} is not supported (this reader knows {schema.FORMAT_VERSION})", "/")
+    fmt = chk.attr(f, "format", "/", "text")
+    if fmt != schema.FORMAT_NAME:
+        raise NotAnArtifactError(chk.file, f"format is {fmt[:100]!r}, expected {schema.FORMAT_NAME!r}", "/")
+    try:
+        version = chk.attr(f, "format_version", "/", "int")
+    except SchemaError:
+        raise UnsupportedVersionError(chk.file, "format_version is not an integer", "/") from None
+    if version != schema.FORMAT_VERSION:
+        raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported (this reader knows {schema.FORMAT_VERSION})", "/")
     extra = set(f.attrs.keys()) - schema.ROOT_ATTRS
     if extra:
-        raise chk.bad_schema("/", f"unexpected root attributes: {', '.join(sorted(extra))}")
-    kind = f.attrs["artifact_kind"]
+        raise chk.bad_schema("/", f"unexpected root attributes: {', '.join(sorted(extra))[:200]}")
+    kind = chk.attr(f, "artifact_kind", "/", "text")
     if kind not in (schema.KIND_CLIENT, schema.KIND_GLOBAL):
-        raise chk.bad_schema("/", f"artifact_kind {kind!r} must be 'client' or 'global'")
+        raise chk.bad_schema("/", f"artifact_kind {kind[:100]!r} must be 'client' or 'global'")
     spec_raw = chk.json_attr(f, "model_spec", "/")
     try:
         spec = ModelSpec.from_json(json.dumps(spec_raw))
     except ModelSpecError as exc:
         raise chk.bad_schema("/", f"model_spec: {exc}") from None
     layout = _parse_layout(chk, chk.json_attr(f, "layout", "/"))
-    expected = ParameterLayout.from_model(spec.build())
+    with torch.device("meta"):  # shapes only: a hostile spec allocates nothing
+        expected = ParameterLayout.from_model(spec.build())
     if [(e.name, e.shape) for e in expected.entries] != [(e.name, e.shape) for e in layout.entries]:
         raise chk.bad_schema("/", f"layout does not match the parameters of model {spec.name!r} {spec.kwargs}")
     meta = chk.json_attr(f, "metadata", "/")
@@ -228,7 +244,8 @@ def _check_factor(chk: _Checker, t: torch.Tensor, where: str) -> None:
         raise chk.bad_value(where, "curvature factor is not symmetric")
 
 
-def _client(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: ParameterLayout, meta: dict) -> ClientPosterior:
+def _client_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) -> list[tuple]:
+    """Phase 1 for a client artifact: metadata, paths, dtypes and shapes; reads no data."""
     for key, typ in REQUIRED_CLIENT_META.items():
         if key not in meta or not isinstance(meta[key], typ) or isinstance(meta[key], bool):
             raise chk.bad_schema("/", f"metadata field {key!r} missing or not {typ}")
@@ -276,7 +293,11 @@ def _client(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: ParameterLayou
     if extra:
         raise chk.bad_schema(sorted(extra)[0], "object not declared by the curvature 'blocks' attribute")
 
-    # Phase 2: values.
+    return plan
+
+
+def _client(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict, plan: list[tuple]) -> list[Component]:
+    """Phase 2 for a client artifact: read and check values."""
     comps = []
     for i, training, blocks, rank in plan:
         base = f"/components/{i}"
@@ -322,6 +343,39 @@ def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) ->
     return [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
 
 
+def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
+    """Validate an artifact's header (phase 1 only) and report its size without reading data.
+
+    Returns ``{"kind", "num_params", "num_components", "data_bytes"}``, where ``data_bytes``
+    is the in-memory size of every dataset once loaded.
+    """
+    path = Path(path)
+    chk = _Checker(path)
+    if not path.is_file():
+        raise ArtifactNotFoundError(str(path), "file not found")
+    if not h5py.is_hdf5(path):
+        raise NotAnArtifactError(str(path), "not an HDF5 file")
+    try:
+        with h5py.File(path, "r") as f:
+            kind, _, layout, meta = _header(chk, f)
+            if kind == schema.KIND_CLIENT:
+                _client_plan(chk, f, layout, meta)
+                pattern = schema.CLIENT_PATH_RE
+            else:
+                pattern = schema.GLOBAL_PATH_RE
+            total = 0
+            for p in _walk(chk, f, pattern):
+                obj = f[p]
+                if isinstance(obj, h5py.Dataset):
+                    total += obj.size * obj.dtype.itemsize
+    except ArtifactError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
+        raise NotAnArtifactError(str(path), f"corrupt or truncated HDF5 file ({type(exc).__name__}: {exc})") from None
+    return {"kind": kind, "num_params": layout.dim, "num_components": meta.get("num_components", meta.get("num_members")),
+            "data_bytes": total}
+
+
 def load(path: str | os.PathLike) -> ClientPosterior | GlobalEnsemble:
     """Validate and load an artifact; returns :class:`ClientPosterior` or :class:`GlobalEnsemble`.
 
@@ -337,7 +391,7 @@ def load(path: str | os.PathLike) -> ClientPosterior | GlobalEnsemble:
         with h5py.File(path, "r") as f:
             kind, spec, layout, meta = _header(chk, f)
             if kind == schema.KIND_CLIENT:
-                comps = _client(chk, f, spec, layout, meta)
+                comps = _client(chk, f, layout, meta, _client_plan(chk, f, layout, meta))
             else:
                 members = _global(chk, f, layout, meta)
     except ArtifactError:

@@ -23,18 +23,23 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy()
 
 
+def text_attr(text: str) -> np.bytes_:
+    """Strings are stored as fixed-length UTF-8 so a reader can check their size before reading."""
+    return np.bytes_(text.encode("utf-8"))
+
+
 def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, metadata: dict) -> None:
-    f.attrs["format"] = FORMAT_NAME
+    f.attrs["format"] = text_attr(FORMAT_NAME)
     f.attrs["format_version"] = np.int64(FORMAT_VERSION)
-    f.attrs["artifact_kind"] = kind
-    f.attrs["model_spec"] = spec.to_json()
-    f.attrs["layout"] = json.dumps(layout.to_json())
-    f.attrs["metadata"] = json.dumps(metadata, sort_keys=True)
+    f.attrs["artifact_kind"] = text_attr(kind)
+    f.attrs["model_spec"] = text_attr(spec.to_json())
+    f.attrs["layout"] = text_attr(json.dumps(layout.to_json()))
+    f.attrs["metadata"] = text_attr(json.dumps(metadata, sort_keys=True))
 
 
 def write_component(group: h5py.Group, comp: Component) -> None:
     """Write one component (MAP, raw curvature blocks, training info, SWAG) into ``group``."""
-    group.attrs["training"] = json.dumps(dict(comp.training), sort_keys=True)
+    group.attrs["training"] = text_attr(json.dumps(dict(comp.training), sort_keys=True))
     group.create_dataset("map", data=_np(comp.map))
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
@@ -52,7 +57,7 @@ def write_component(group: h5py.Group, comp: Component) -> None:
             g.create_dataset("kron_A", data=_np(block.A))
         else:
             raise TypeError(f"cannot write block of type {type(block).__name__}")
-    curv.attrs["blocks"] = json.dumps(descr)
+    curv.attrs["blocks"] = text_attr(json.dumps(descr))
     if comp.swag is not None:
         s = group.create_group("swag")
         s.create_dataset("mean", data=_np(comp.swag.mean))

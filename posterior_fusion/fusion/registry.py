@@ -7,12 +7,15 @@ import time
 from dataclasses import asdict
 
 from posterior_fusion.artifact import load_client
+from posterior_fusion.artifact.reader import declared_bytes
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, ResourceLimitError, SchemaError
 from posterior_fusion.fusion.baselines import ensemble, fedavg, fisher_merge, product, regmean
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionOptions, FusionResult, check_compatible
 from posterior_fusion.fusion.fedbens import fedbens
 from posterior_fusion.fusion.fedfisher import fedfisher
+from posterior_fusion.fusion.resources import default_limit, estimate_fuse_bytes
+from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.sampling import fedbe, swag_ensemble
 
 METHODS: dict[str, FusionMethod] = {
@@ -30,11 +33,15 @@ METHODS: dict[str, FusionMethod] = {
 
 def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOptions | None = None,
          val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
-         log=lambda msg: None) -> tuple[FusionInputs, FusionResult, dict]:
+         log=lambda msg: None, robust: bool = False, max_memory: int | None = None,
+         ) -> tuple[FusionInputs, FusionResult, dict]:
     """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
 
-    ``metadata`` holds the method, all hyper-parameters, the history and the provenance
-    (path and sha256 of each client artifact) for the global artifact.
+    Headers are checked and the memory need estimated first (refused above ``max_memory``
+    bytes, default 80% of available memory); then the artifacts are loaded and, with
+    ``robust``, outlying clients are screened out (:mod:`posterior_fusion.fusion.robust`).
+    ``metadata`` holds the method, all hyper-parameters, the history, the screening report and
+    the provenance (path and sha256 of each client artifact) for the global artifact.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
@@ -44,8 +51,25 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
         from posterior_fusion.errors import IncompatibleArtifactsError
 
         raise IncompatibleArtifactsError("no client artifacts given")
+    headers = [declared_bytes(p) for p in client_paths]
+    for p, h in zip(client_paths, headers):
+        if h["kind"] != "client":
+            raise SchemaError(str(p), "expected a client artifact (from fit-local), got a global one", "/")
+    need = estimate_fuse_bytes(headers, method, options.modes)
+    limit = max_memory if max_memory is not None else default_limit()
+    if limit is not None and need > limit:
+        raise ResourceLimitError(f"fusing these {len(headers)} artifacts with {method} needs about "
+                                 f"{need / 2**30:.2f} GiB, over the limit of {limit / 2**30:.2f} GiB "
+                                 "(--max-memory, default 80% of available memory)")
     clients = [load_client(p) for p in client_paths]
     check_compatible(clients)
+    screening = None
+    if robust:
+        clients, screening = screen_clients(clients)
+        for row in screening:
+            if row["excluded"]:
+                log(f"robust: excluding {row['file']}: {'; '.join(row['reasons'])}")
+        check_compatible(clients)
     k = clients[0].model_spec.num_classes
     val = read_silo(val_path, num_classes=k) if val_path else None
     unlabeled = read_silo(unlabeled_path, num_classes=k) if unlabeled_path else None
@@ -60,6 +84,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
         "prior_precision_used": [inputs.prior_precision(c) for c in clients],
         "server_prior_precision": inputs.server_prior_precision(),
         "structure": clients[0].structure,
+        "memory_estimate_bytes": need, "screening": screening,
         "provenance": [{"file": c.path, "sha256": c.sha256, "n_data": c.n_data} for c in clients],
         "validation": None if val is None else {"file": str(val_path), "sha256": val.sha256(), "n": len(val)},
         **{k_: v for k_, v in result.info.items()},
