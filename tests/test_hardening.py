@@ -9,9 +9,9 @@ import h5py
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import fit_artifact
 
 import posterior_fusion
-from conftest import fit_artifact
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.objects import Component
 from posterior_fusion.cli.main import pfuse
