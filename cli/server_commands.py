@@ -36,6 +36,12 @@ from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, r
 @click.option("--regmean-alpha", default=1.0, show_default=True, type=float, help="RegMean scaling of off-diagonal Gram entries.")
 @click.option("--distill-epochs", default=5, show_default=True, type=int, help="fedbe distillation epochs (with --unlabeled).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sampling methods.")
+@click.option("--lowrank-tol", default=0.0, show_default=True, type=float,
+              help="Kronecker low-rank shortcut: drop eigen-directions with curvature < tol·λ0 (relative objective error < tol); 0 = exact.")
+@click.option("--kernel", default=None, type=click.Choice(["torch", "triton"]),
+              help="Kronecker kernel backend [default: triton on CUDA when installed, else torch].")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="Device for fedbens/fedfisher optimisation.")
 @click.option("--robust", is_flag=True,
               help="Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from the others' median.")
 @click.option("--max-memory", default=None,
@@ -43,11 +49,13 @@ from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, r
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @handle_errors
 def fuse_cmd(clients, method, out, val_path, unlabeled, steps, lr, clip, val_every, temperature, prior_var, modes,
-             mode_index, num_samples, regmean_alpha, distill_epochs, seed, robust, max_memory, as_json):
+             mode_index, num_samples, regmean_alpha, distill_epochs, seed, lowrank_tol, kernel, device, robust, max_memory,
+             as_json):
     """Validate client artifacts and fuse them into a global ensemble."""
     opts = FusionOptions(steps=steps, lr=lr, clip=clip, val_every=val_every, temperature=temperature,
                          prior_var=prior_var, modes=modes, seed=seed, mode_index=mode_index, num_samples=num_samples,
-                         regmean_alpha=regmean_alpha, distill_epochs=distill_epochs)
+                         regmean_alpha=regmean_alpha, distill_epochs=distill_epochs,
+                         lowrank_tol=lowrank_tol, kernel=kernel, device=device)
     limit = parse_bytes(max_memory) if max_memory is not None else None
     inputs, result, meta = fuse(list(clients), method, opts, val_path, unlabeled, log=log_to_stderr,
                                 robust=robust, max_memory=limit)

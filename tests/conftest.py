@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-import torch
+import os
 
-from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, load_fmnist
-from posterior_fusion.data.silo import SiloData
+import torch as _torch
+
+# Triton kernels run on the CPU through Triton's interpreter (set before triton is imported);
+# on a machine with a GPU they run for real.
+os.environ.setdefault("TRITON_INTERPRET", "0" if _torch.cuda.is_available() else "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, load_fmnist  # noqa: E402
+from posterior_fusion.data.silo import SiloData  # noqa: E402
 
 
 def random_psd(n: int, gen: torch.Generator, rank: int | None = None) -> torch.Tensor:

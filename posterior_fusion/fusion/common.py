@@ -32,6 +32,9 @@ class FusionOptions:
     num_samples: int = 10        # fedbe / swag samples
     regmean_alpha: float = 1.0   # scale of off-diagonal Gram entries (RegMean's α)
     distill_epochs: int = 5      # fedbe distillation
+    lowrank_tol: float = 0.0     # Kronecker low-rank shortcut (0 = exact)
+    kernel: str | None = None    # "torch" | "triton" | None (auto)
+    device: str = "cpu"          # where fedbens/fedfisher optimise ("cuda" uses the Triton kernels)
     progress: bool = True
 
     def validate(self) -> None:
@@ -43,6 +46,10 @@ class FusionOptions:
             raise ConfigError("--prior-var must be > 0")
         if self.modes is not None and self.modes < 1:
             raise ConfigError("--modes must be >= 1")
+        if not 0 <= self.lowrank_tol < 1:
+            raise ConfigError("--lowrank-tol must be in [0, 1)")
+        if self.device not in ("cpu", "cuda") or (self.device == "cuda" and not torch.cuda.is_available()):
+            raise ConfigError(f"--device {self.device!r} is not available here (cpu, or cuda with a GPU)")
         if self.num_samples < 0 or self.distill_epochs < 0 or not 0 <= self.regmean_alpha <= 1:
             raise ConfigError("--num-samples >= 0, --distill-epochs >= 0, 0 <= --regmean-alpha <= 1 are required")
 

@@ -32,7 +32,8 @@ class GlobalLogPosterior:
     """Negative global log posterior ``−log p(w | D)`` (up to a constant) for ``W`` ``(K, d)``."""
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
-                 server_prior_precision: float, dtype: torch.dtype = torch.float32) -> None:
+                 server_prior_precision: float, dtype: torch.dtype = torch.float32, lowrank_tol: float = 0.0,
+                 kernel: str | None = None, device: str = "cpu") -> None:
         comps, scales, shifts, self.groups = [], [], [], []
         for c, t, lam in zip(clients, temperatures, prior_precisions):
             start = len(comps)
@@ -40,12 +41,12 @@ class GlobalLogPosterior:
             scales.extend([1.0 / t] * c.num_components)
             shifts.extend([lam] * c.num_components)
             self.groups.append((start, len(comps)))
-        self.stack = StackedGaussians(comps, scales, shifts, dtype)
+        self.stack = StackedGaussians(comps, scales, shifts, dtype, lowrank_tol, kernel).to(device)
         d = self.stack.dim
         self.d = d
         log_pi = torch.cat([torch.log(c.weights).to(dtype) for c in clients])
         # Normalised log N(w; ŵ, Λ⁻¹) = log π + ½ log|Λ| − d/2 log 2π − ½ q
-        self.log_norm = log_pi + 0.5 * self.stack.logdets - 0.5 * d * LOG_2PI  # (N,)
+        self.log_norm = log_pi.to(device) + 0.5 * self.stack.logdets - 0.5 * d * LOG_2PI  # (N,)
         self.client_lams = torch.tensor(prior_precisions, dtype=dtype)
         self.lam0 = float(server_prior_precision)
 
@@ -76,7 +77,7 @@ def optimise_modes(objective, W0: torch.Tensor, inputs: FusionInputs, desc: str)
     with the lowest objective. Returns ``(best (K, d), history per row)``.
     """
     opts = inputs.options
-    W = W0.clone().requires_grad_(True)
+    W = W0.clone().to(opts.device).requires_grad_(True)
     adam = torch.optim.Adam([W], lr=opts.lr)
     K = W.shape[0]
     best = W0.clone()
@@ -88,7 +89,7 @@ def optimise_modes(objective, W0: torch.Tensor, inputs: FusionInputs, desc: str)
             if inputs.val is not None:
                 if step % opts.val_every != 0 and step != opts.steps:
                     return
-                score = accuracy_of(inputs.spec, W.detach(), inputs.val)
+                score = accuracy_of(inputs.spec, W.detach().cpu(), inputs.val)
             else:
                 score = -values
             for k in range(K):
@@ -97,14 +98,15 @@ def optimise_modes(objective, W0: torch.Tensor, inputs: FusionInputs, desc: str)
                     entry["val_accuracy"] = float(score[k])
                 if inputs.val is not None or step % opts.val_every == 0 or step == opts.steps:
                     history[k].append(entry)
+            score = score.cpu()
             improved = score > best_score
-            best[improved] = W.detach()[improved]
+            best[improved] = W.detach().cpu()[improved]
             best_score[improved] = score[improved]
 
     bar = tqdm(range(opts.steps + 1), desc=desc, leave=False, disable=None if opts.progress else True)
     for step in bar:
         values = objective(W)
-        consider(step, values.detach())
+        consider(step, values.detach().cpu())
         if step == opts.steps:
             break
         adam.zero_grad(set_to_none=True)
@@ -127,6 +129,7 @@ def fedbens(inputs: FusionInputs) -> FusionResult:
         raise ConfigError(f"--modes {modes} exceeds the clients' number of mixtures {m}")
     objective = GlobalLogPosterior(
         inputs.clients, [inputs.temperature(c) for c in inputs.clients],
-        [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision())
+        [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision(),
+        lowrank_tol=inputs.options.lowrank_tol, kernel=inputs.options.kernel, device=inputs.options.device)
     best, history = optimise_modes(objective, median_starts(inputs, modes), inputs, "fedbens")
-    return FusionResult([w.clone() for w in best], {"history": history})
+    return FusionResult([w.clone() for w in best], {"history": history, "kron_ranks": objective.stack.ranks})

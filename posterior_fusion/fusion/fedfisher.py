@@ -14,7 +14,9 @@ from posterior_fusion.fusion.stack import StackedGaussians
 
 def fedfisher(inputs: FusionInputs) -> FusionResult:
     m = inputs.options.mode_index
-    stack = StackedGaussians([c.components[m] for c in inputs.clients], scale=1.0, shift=0.0)
+    opts = inputs.options
+    stack = StackedGaussians([c.components[m] for c in inputs.clients], scale=1.0, shift=0.0,
+                             backend=opts.kernel).to(opts.device)
 
     def objective(W):
         return 0.5 * stack.quadratic_forms(W).sum(-1)
