@@ -7,6 +7,7 @@ import torch
 from conftest import fit_artifact
 
 import posterior_fusion
+from posterior_fusion.curvature import Kron
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions
 from posterior_fusion.fusion.fedbens import GlobalLogPosterior, fedbens
@@ -130,3 +131,26 @@ def test_unknown_backend_is_a_typed_error():
     W, mu, UB, UA, S, _ = problem(1, 1, 3, 4, 3, 4, torch.float32)
     with pytest.raises(ConfigError):
         kron_quadratic_forms(W, mu, UB, UA, S, backend="cuda-magic")
+
+
+def test_lowrank_does_not_depend_on_eigenvalue_order():
+    """Eigenpairs given in descending order (not eigh's) must select the same directions."""
+    g = torch.Generator().manual_seed(3)
+    P, Q = 12, 20
+    UB = torch.linalg.qr(torch.randn(P, P, generator=g, dtype=torch.float64))[0]
+    UA = torch.linalg.qr(torch.randn(Q, Q, generator=g, dtype=torch.float64))[0]
+    b, a = torch.logspace(2, -6, P, dtype=torch.float64), torch.logspace(0, -6, Q, dtype=torch.float64)
+    comps = []
+    for flip in (False, True):
+        k = Kron((UB * b) @ UB.T, (UA * a) @ UA.T)
+        k._eig = (b.flip(0), UB.flip(1), a.flip(0), UA.flip(1)) if flip else (b, UB, a, UA)
+        from posterior_fusion.artifact.objects import Component
+        from posterior_fusion.curvature import BlockDiag
+
+        comps.append(Component(0, torch.zeros(P * Q, dtype=torch.float64), BlockDiag([k]), {}, 0.1, 10.0))
+    W = torch.randn(2, P * Q, generator=g, dtype=torch.float64)
+    exact = StackedGaussians(comps[:1], 10.0, 10.0, torch.float64).quadratic_forms(W)
+    for comp in comps:
+        low = StackedGaussians([comp], 10.0, 10.0, torch.float64, lowrank_tol=1e-3)
+        assert ((low.quadratic_forms(W) - exact).abs() / exact).max() <= 1e-3
+        assert low.ranks[0][2] < P or low.ranks[0][3] < Q

@@ -84,10 +84,15 @@ class StackedGaussians:
                   shifts: torch.Tensor, tol: float) -> None:
         dtype = self.dtype
         out, inn = proto.shape
-        b = torch.stack([e[0].to(dtype) for e in eig])  # (N, out) ascending
-        a = torch.stack([e[2].to(dtype) for e in eig])  # (N, in) ascending
+        b = torch.stack([e[0].to(dtype) for e in eig])  # (N, out)
+        a = torch.stack([e[2].to(dtype) for e in eig])  # (N, in)
         UB = torch.stack([e[1].to(dtype) for e in eig])
         UA = torch.stack([e[3].to(dtype) for e in eig])
+        # Ascending order per component, whatever order the decomposition came in.
+        b, ib = b.sort(dim=1)
+        a, ia = a.sort(dim=1)
+        UB = UB.gather(2, ib[:, None, :].expand_as(UB))
+        UA = UA.gather(2, ia[:, None, :].expand_as(UA))
         curv = scales[:, None, None] * b[:, :, None] * a[:, None, :]  # (N, out, in)
         self.logdets += (curv + shifts[:, None, None]).log().flatten(1).sum(1)
         if tol <= 0:
