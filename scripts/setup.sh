@@ -10,6 +10,7 @@ pip_install torch==2.13.0 numpy scipy click h5py tqdm pytest ruff matplotlib tri
 # laplace-torch and backpack declare torchvision; install them without it and list their real needs.
 pip_install --no-deps laplace-torch backpack-for-pytorch curvlinops-for-pytorch asdfghjkl
 pip_install einops unfoldNd einconv linear_operator opt_einsum torchmetrics
+pip_install "flwr[simulation]"
 pip_install --no-deps -e .
 if .venv/bin/python -c "import torchvision" >/dev/null 2>&1; then .venv/bin/python -m pip uninstall -y -q torchvision; fi
 .venv/bin/python -c "import torch, laplace, h5py, posterior_fusion.cli.main" \

@@ -1,0 +1,234 @@
+"""One-round federated fit-local + fuse on Flower (``pip install posterior-fusion[flower]``).
+
+The ClientApp's train handler runs the same :func:`~posterior_fusion.local.fit.fit_local`
+as ``pfuse fit-local`` on the node's silo and replies with the artifact's bytes. The
+ServerApp sends the shared settings to every node, validates each reply with the same
+reader as files (a bad or missing reply is logged and left out, or stops the run, per
+``on_bad_reply``), runs :func:`~posterior_fusion.fusion.registry.fuse` and saves the global
+artifact plus the client artifacts it used.
+
+Which silo a node trains on: ``node_config["silo"]`` (deployment: ``flower-supernode
+--node-config 'silo="/data/client_0.h5"'``), else ``<silo-dir>/client_<partition-id>.h5`` in
+simulation (Flower sets ``partition-id``), with ``silo-dir`` from ``make_client_app(silo_dir)``
+or the run config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from posterior_fusion.artifact import load_client, write_client_artifact, write_global_artifact
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.errors import ArtifactError, ConfigError, PfuseError
+from posterior_fusion.fusion.common import FusionOptions
+from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.local.fit import FitConfig, fit_local
+from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.train import TrainConfig
+from posterior_fusion.models import ModelSpec
+
+BAD_REPLY_POLICIES = ("skip", "fail")
+
+
+@dataclass(frozen=True)
+class FederatedSettings:
+    """What the server sends to every node (the shared part of ``pfuse fit-local``'s options)."""
+
+    model: str = "lenet"
+    model_kwargs: dict = field(default_factory=dict)
+    mixtures: int = 5
+    init_seed: int = 0
+    structure: str = "kron"
+    temperature: float = 0.1
+    prior_var: float = 0.1
+    epochs: int = 20
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    swag: bool = False
+    ggn: str = "exact"
+    seed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> FederatedSettings:
+        try:
+            obj = json.loads(text)
+            return cls(**obj)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ConfigError(f"invalid federated settings: {exc}") from None
+
+    @classmethod
+    def from_run_config(cls, cfg: dict[str, Any]) -> FederatedSettings:
+        """Settings from a Flower run config (keys as in examples/flower/pyproject.toml)."""
+        kwargs = json.loads(str(cfg.get("model-kwargs", "{}")))
+        names = {f: f.replace("_", "-") for f in cls.__dataclass_fields__ if f != "model_kwargs"}
+        vals = {f: cfg[key] for f, key in names.items() if key in cfg}
+        return cls(model_kwargs=kwargs, **vals)
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(self.model, dict(self.model_kwargs))
+
+    def fit_config(self) -> FitConfig:
+        return FitConfig(structure=self.structure, temperature=self.temperature, prior_var=self.prior_var,
+                         seed=self.seed, ggn=self.ggn,
+                         train=TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                                           momentum=self.momentum, weight_decay=-1.0, swag=self.swag))
+
+
+def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
+                    log: Callable[[str], None] = lambda m: None) -> None:
+    """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does."""
+    spec = settings.spec()
+    data = read_silo(silo_path, num_classes=spec.num_classes)
+    inits = initial_weights(spec, settings.mixtures, settings.init_seed)
+    meta, comps = fit_local(spec, data, inits, settings.fit_config(), log=log)
+    meta["init"] = {"init_seed": settings.init_seed}
+    write_client_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, comps)
+
+
+def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:
+    if "silo" in context.node_config:
+        return Path(str(context.node_config["silo"]))
+    folder = silo_dir if silo_dir is not None else context.run_config.get("silo-dir")
+    if "partition-id" in context.node_config and folder is not None:
+        return Path(str(folder)) / f"client_{int(context.node_config['partition-id'])}.h5"
+    raise ConfigError("this node has no silo: set node_config 'silo', or a silo-dir with partition-id")
+
+
+def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
+    """ClientApp train handler: fit the node's silo, reply with the artifact bytes."""
+    settings = FederatedSettings.from_json(str(msg.content["config"]["settings"]))
+    silo = node_silo(context, silo_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "client.h5"
+        fit_to_artifact(settings, silo, out)
+        blob = out.read_bytes()
+    reply = {"artifact": blob, "silo": str(silo)}
+    if "partition-id" in context.node_config:
+        reply["partition-id"] = int(context.node_config["partition-id"])
+    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
+
+
+def make_client_app(silo_dir: str | os.PathLike | None = None) -> ClientApp:
+    """ClientApp whose train handler is :func:`client_train` (``silo_dir``: simulation default)."""
+    app = ClientApp()
+
+    def train(msg: Message, context: Context) -> Message:
+        return client_train(msg, context, silo_dir)
+
+    app.train()(train)
+    return app
+
+
+@dataclass
+class Reply:
+    """A node's answer, Flower-independent: the artifact bytes or an error text."""
+
+    key: int
+    blob: bytes | None
+    error: str | None = None
+
+
+def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "skip",
+                    log: Callable[[str], None] = print) -> list[Path]:
+    """Write each reply's bytes to ``out_dir/client_<key>.h5`` and validate it as a file.
+
+    A reply with an error, no bytes, or an artifact the reader refuses is logged and left
+    out (``skip``) or stops the run (``fail``). Returns the accepted paths, ordered by key.
+    """
+    if on_bad_reply not in BAD_REPLY_POLICIES:
+        raise ConfigError(f"on_bad_reply must be one of {BAD_REPLY_POLICIES}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    accepted = []
+    for r in sorted(replies, key=lambda r: r.key):
+        path = out_dir / f"client_{r.key}.h5"
+        problem = r.error or (None if r.blob else "empty reply")
+        if problem is None:
+            tmp = path.with_name(f".{path.name}.incoming")
+            tmp.write_bytes(r.blob)
+            try:
+                load_client(tmp)
+                os.replace(tmp, path)
+                accepted.append(path)
+                continue
+            except ArtifactError as exc:
+                problem = f"invalid artifact: {exc.reason} [{exc.hdf5_path}]"
+            finally:
+                tmp.unlink(missing_ok=True)
+        message = f"client {r.key}: reply rejected ({problem})"
+        if on_bad_reply == "fail":
+            raise ConfigError(message)
+        log(message + "; continuing without it")
+    if not accepted:
+        raise ConfigError("no valid client artifact was received")
+    return accepted
+
+
+def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str = "fedbens",
+              options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
+              on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
+              log: Callable[[str], None] = print) -> dict:
+    """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``."""
+    out = Path(out_dir)
+    t0 = time.time()
+    ids = list(grid.get_node_ids())
+    while len(ids) < min_nodes and time.time() - t0 < wait_s:
+        time.sleep(0.2)
+        ids = list(grid.get_node_ids())
+    if len(ids) < min_nodes:
+        raise ConfigError(f"only {len(ids)} of {min_nodes} nodes connected within {wait_s:.0f}s")
+    content = RecordDict({"config": ConfigRecord({"settings": settings.to_json()})})
+    messages = [Message(content, dst_node_id=i, message_type="train") for i in ids]
+    log(f"sent settings to {len(messages)} nodes")
+    replies = []
+    for m in grid.send_and_receive(messages):
+        node = m.metadata.src_node_id
+        if m.has_error():
+            replies.append(Reply(node, None, f"node error: {m.error.reason}"))
+            continue
+        rec = m.content["artifact"]
+        key = int(rec["partition-id"]) if "partition-id" in rec else node
+        replies.append(Reply(key, bytes(rec["artifact"]) if "artifact" in rec else None))
+    missing = len(messages) - len(replies)
+    if missing:
+        if on_bad_reply == "fail":
+            raise ConfigError(f"{missing} node(s) did not reply")
+        log(f"{missing} node(s) did not reply; continuing without them")
+    paths = collect_replies(replies, out, on_bad_reply, log)
+    inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), val_path, log=log)
+    meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],
+                          "settings": json.loads(settings.to_json())}
+    write_global_artifact(out / "global.h5", inputs.spec, inputs.clients[0].layout, meta, result.members)
+    log(f"wrote {out / 'global.h5'} from {len(paths)} client artifacts")
+    return meta
+
+
+def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, method: str = "fedbens",
+                    options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
+                    on_bad_reply: str = "skip", min_nodes: int = 1) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            run_round(grid, settings, out_dir, method, options, val_path, on_bad_reply, min_nodes)
+        except PfuseError as exc:
+            print(f"error: {exc}")
+            raise
+
+    return app

@@ -1,0 +1,92 @@
+"""Flower: one-round simulation equals the file-based path; bad replies are left out or stop the run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import posterior_fusion
+from posterior_fusion.data.silo import SiloData, write_silo
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.common import FusionOptions
+from posterior_fusion.fusion.registry import fuse
+
+flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'posterior-fusion[flower]'")
+
+from posterior_fusion.flower import (  # noqa: E402
+    FederatedSettings,
+    Reply,
+    client_train,
+    collect_replies,
+    fit_to_artifact,
+    make_server_app,
+)
+
+SETTINGS = FederatedSettings(model="mlp", model_kwargs={"hidden": 16}, mixtures=2, init_seed=3, structure="kron",
+                             epochs=1, batch_size=32, seed=1)
+OPTIONS = FusionOptions(steps=10, val_every=5, progress=False)
+
+
+def test_collect_replies_policies(tmp_path, kron_artifact):
+    good = kron_artifact.read_bytes()
+    corrupt = good[: len(good) // 2]
+    replies = [Reply(2, corrupt), Reply(0, good), Reply(1, None, "node error: out of memory")]
+    logs = []
+    paths = collect_replies(replies, tmp_path / "a", "skip", logs.append)
+    assert [p.name for p in paths] == ["client_0.h5"]
+    assert any("client 2: reply rejected (invalid artifact" in m for m in logs)
+    assert any("client 1: reply rejected (node error: out of memory)" in m for m in logs)
+    assert not (tmp_path / "a" / "client_2.h5").exists()
+    with pytest.raises(ConfigError, match="client 1: reply rejected"):
+        collect_replies(replies, tmp_path / "b", "fail", logs.append)
+    with pytest.raises(ConfigError, match="no valid client artifact"):
+        collect_replies([Reply(0, corrupt)], tmp_path / "c", "skip", logs.append)
+
+
+def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_train, monkeypatch):
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.simulation import run_simulation
+
+    x, y = fmnist_train
+    silos = tmp_path / "silos"
+    silos.mkdir()
+    for c in range(4):
+        write_silo(silos / f"client_{c}.h5", SiloData(x[c * 150 : (c + 1) * 150], y[c * 150 : (c + 1) * 150], "fmnist", 10))
+    write_silo(tmp_path / "val.h5", SiloData(x[-100:], y[-100:], "fmnist", 10))
+
+    def train_corrupting_node_3(msg, context):
+        reply = client_train(msg, context, silo_dir=silos)
+        rec = reply.content["artifact"]
+        if int(rec["partition-id"]) == 3:
+            blob = bytearray(rec["artifact"])
+            blob[len(blob) // 2 :] = b"\0" * (len(blob) - len(blob) // 2)
+            rec = ConfigRecord({**dict(rec), "artifact": bytes(blob)})
+            return Message(RecordDict({"artifact": rec}), reply_to=msg)
+        return reply
+
+    client = ClientApp()
+    client.train()(train_corrupting_node_3)
+    out = tmp_path / "flower"
+    server = make_server_app(SETTINGS, out, "fedbens", OPTIONS, tmp_path / "val.h5", "skip", min_nodes=4)
+    monkeypatch.chdir(tmp_path)
+    run_simulation(server, client, num_supernodes=4,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    g = posterior_fusion.load(out / "global.h5")
+    assert g.metadata["federation"]["accepted"] == ["client_0.h5", "client_1.h5", "client_2.h5"]
+    assert not (out / "client_3.h5").exists()
+
+    files = []
+    for c in range(3):
+        files.append(tmp_path / f"file_{c}.h5")
+        fit_to_artifact(SETTINGS, silos / f"client_{c}.h5", files[-1])
+    for a, b in zip(files, sorted(out.glob("client_*.h5"))):
+        ca, cb = posterior_fusion.load(a).components, posterior_fusion.load(b).components
+        for u, v in zip(ca, cb, strict=True):
+            torch.testing.assert_close(v.map, u.map, rtol=1e-5, atol=1e-6)  # Ray actors run single-threaded
+    _, ref, _ = fuse(files, "fedbens", OPTIONS, tmp_path / "val.h5")
+    for u, v in zip(ref.members, g.members, strict=True):
+        torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)
