@@ -6,6 +6,7 @@ import click
 
 from posterior_fusion import __version__
 from posterior_fusion.cli.data_commands import partition
+from posterior_fusion.cli.experiment_command import experiment_cmd
 from posterior_fusion.cli.inspect_command import inspect_cmd
 from posterior_fusion.cli.local_commands import fit_local_cmd, init
 from posterior_fusion.cli.server_commands import demo_cmd, evaluate_cmd, fuse_cmd, predict_cmd
@@ -20,7 +21,8 @@ def pfuse() -> None:
     """
 
 
-for command in (partition, init, fit_local_cmd, fuse_cmd, evaluate_cmd, predict_cmd, inspect_cmd, demo_cmd):
+for command in (partition, init, fit_local_cmd, fuse_cmd, evaluate_cmd, predict_cmd, inspect_cmd, demo_cmd,
+                experiment_cmd):
     pfuse.add_command(command)
 
 

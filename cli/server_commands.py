@@ -11,10 +11,22 @@ from posterior_fusion.artifact.atomic import atomic_h5_write
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_METHODS, run_demo
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionOptions
 from posterior_fusion.fusion.registry import METHODS, fuse
 from posterior_fusion.fusion.resources import parse_bytes
+from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, reliability_plot
+
+
+def parse_floats(text: str, option: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} must be a comma list of numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise ConfigError(f"{option} needs positive numbers, got {text!r}")
+    return values
 
 
 @click.command("fuse")
@@ -42,6 +54,10 @@ from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, r
               help="Kronecker kernel backend [default: triton on CUDA when installed, else torch].")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
               help="Device for fedbens/fedfisher optimisation.")
+@click.option("--tune", default=None,
+              help="Choose T and/or prior variance on --val over a grid: 'T', 'prior' or 'T,prior' [default: no tuning].")
+@click.option("--tune-temperatures", default="0.01,0.03,0.1,0.3,1.0", show_default=True, help="Grid of T for --tune.")
+@click.option("--tune-prior-vars", default="0.01,0.1,1.0", show_default=True, help="Grid of σ0² for --tune.")
 @click.option("--robust", is_flag=True,
               help="Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from the others' median.")
 @click.option("--max-memory", default=None,
@@ -49,8 +65,8 @@ from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, r
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @handle_errors
 def fuse_cmd(clients, method, out, val_path, unlabeled, steps, lr, clip, val_every, temperature, prior_var, modes,
-             mode_index, num_samples, regmean_alpha, distill_epochs, seed, lowrank_tol, kernel, device, robust, max_memory,
-             as_json):
+             mode_index, num_samples, regmean_alpha, distill_epochs, seed, lowrank_tol, kernel, device, tune, tune_temperatures, tune_prior_vars, robust,
+             max_memory, as_json):
     """Validate client artifacts and fuse them into a global ensemble."""
     opts = FusionOptions(steps=steps, lr=lr, clip=clip, val_every=val_every, temperature=temperature,
                          prior_var=prior_var, modes=modes, seed=seed, mode_index=mode_index, num_samples=num_samples,
@@ -58,7 +74,13 @@ def fuse_cmd(clients, method, out, val_path, unlabeled, steps, lr, clip, val_eve
                          lowrank_tol=lowrank_tol, kernel=kernel, device=device)
     limit = parse_bytes(max_memory) if max_memory is not None else None
     inputs, result, meta = fuse(list(clients), method, opts, val_path, unlabeled, log=log_to_stderr,
-                                robust=robust, max_memory=limit)
+                                robust=robust, max_memory=limit, tune=parse_tune(tune),
+                                tune_temperatures=parse_floats(tune_temperatures, "--tune-temperatures"),
+                                tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"))
+    if "tuning" in meta:
+        chosen = meta["tuning"]["chosen"]
+        click.echo(f"tuned: T={chosen['temperature']} prior_var={chosen['prior_var']} "
+                   f"(val accuracy {chosen['val_accuracy']:.4f})")
     write_global_artifact(out, inputs.spec, inputs.clients[0].layout, meta, result.members)
     if as_json:
         echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"]})

@@ -6,9 +6,9 @@ import os
 import time
 from dataclasses import asdict
 
-from posterior_fusion.artifact import load_client
+from posterior_fusion.artifact import ClientPosterior, load_client
 from posterior_fusion.artifact.reader import declared_bytes
-from posterior_fusion.data.silo import read_silo
+from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError, ResourceLimitError, SchemaError
 from posterior_fusion.fusion.baselines import ensemble, fedavg, fisher_merge, product, regmean
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionOptions, FusionResult, check_compatible
@@ -17,6 +17,7 @@ from posterior_fusion.fusion.fedfisher import fedfisher
 from posterior_fusion.fusion.resources import default_limit, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.sampling import fedbe, swag_ensemble
+from posterior_fusion.fusion.tuning import tune_fusion
 
 METHODS: dict[str, FusionMethod] = {
     "fedbens": fedbens,
@@ -34,6 +35,7 @@ METHODS: dict[str, FusionMethod] = {
 def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOptions | None = None,
          val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
          log=lambda msg: None, robust: bool = False, max_memory: int | None = None,
+         tune: tuple[str, ...] = (), tune_temperatures=None, tune_prior_vars=None,
          ) -> tuple[FusionInputs, FusionResult, dict]:
     """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
 
@@ -42,6 +44,8 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     ``robust``, outlying clients are screened out (:mod:`posterior_fusion.fusion.robust`).
     ``metadata`` holds the method, all hyper-parameters, the history, the screening report and
     the provenance (path and sha256 of each client artifact) for the global artifact.
+    ``tune`` ("T" and/or "prior") selects T / σ0² on the validation data over a grid
+    (:mod:`posterior_fusion.fusion.tuning`).
     """
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
@@ -62,6 +66,30 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
                                  f"{need / 2**30:.2f} GiB, over the limit of {limit / 2**30:.2f} GiB "
                                  "(--max-memory, default 80% of available memory)")
     clients = [load_client(p) for p in client_paths]
+    k = clients[0].model_spec.num_classes
+    val = read_silo(val_path, num_classes=k) if val_path else None
+    unlabeled = read_silo(unlabeled_path, num_classes=k) if unlabeled_path else None
+    if tune:
+        if robust:
+            clients, _ = screen_clients(clients)
+        grids = {k: v for k, v in (("temperatures", tune_temperatures), ("prior_vars", tune_prior_vars)) if v}
+        inputs, result, metadata = tune_fusion(clients, method, options, val, tune, log=log, **grids)
+    else:
+        inputs, result, metadata = fuse_clients(clients, method, options, val, unlabeled, log, robust)
+    metadata["memory_estimate_bytes"] = need
+    if val is not None:
+        metadata["validation"] = {"file": str(val_path), "sha256": val.sha256(), "n": len(val)}
+    return inputs, result, metadata
+
+
+def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOptions | None = None,
+                 val: SiloData | None = None, unlabeled: SiloData | None = None, log=lambda msg: None,
+                 robust: bool = False) -> tuple[FusionInputs, FusionResult, dict]:
+    """:func:`fuse` on already-loaded clients (e.g. subsets of components for an ablation)."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    options = options or FusionOptions()
+    options.validate()
     check_compatible(clients)
     screening = None
     if robust:
@@ -70,9 +98,6 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
             if row["excluded"]:
                 log(f"robust: excluding {row['file']}: {'; '.join(row['reasons'])}")
         check_compatible(clients)
-    k = clients[0].model_spec.num_classes
-    val = read_silo(val_path, num_classes=k) if val_path else None
-    unlabeled = read_silo(unlabeled_path, num_classes=k) if unlabeled_path else None
     inputs = FusionInputs(clients, options, val, unlabeled)
     log(f"fusing {len(clients)} clients with {method} ({clients[0].structure}, M={clients[0].num_components})")
     t0 = time.perf_counter()
@@ -83,10 +108,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
         "temperature_used": [inputs.temperature(c) for c in clients],
         "prior_precision_used": [inputs.prior_precision(c) for c in clients],
         "server_prior_precision": inputs.server_prior_precision(),
-        "structure": clients[0].structure,
-        "memory_estimate_bytes": need, "screening": screening,
+        "structure": clients[0].structure, "screening": screening,
         "provenance": [{"file": c.path, "sha256": c.sha256, "n_data": c.n_data} for c in clients],
-        "validation": None if val is None else {"file": str(val_path), "sha256": val.sha256(), "n": len(val)},
-        **{k_: v for k_, v in result.info.items()},
+        "validation": None if val is None else {"sha256": val.sha256(), "n": len(val)},
+        **dict(result.info.items()),
     }
     return inputs, result, metadata

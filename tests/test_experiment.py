@@ -1,0 +1,80 @@
+"""The experiment runner on the smoke config: tables, plots, caching/resume, tuning."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.experiment import ExperimentConfig, run_experiment
+
+SMOKE = Path(__file__).resolve().parents[1] / "benchmarks" / "smoke.toml"
+
+
+def test_smoke_grid_tables_plots_and_resume(tmp_path):
+    cfg = ExperimentConfig.from_toml(SMOKE)
+    logs: list[str] = []
+    rows = run_experiment(cfg, tmp_path, jobs=1, log=logs.append)
+    # 2 alphas x 2 seeds x (2 M x 2 methods + 1 temperature) + centralized per cell
+    assert len(rows) == 2 * 2 * (2 * 2 + 1) + 2 * 2
+    assert sum("fitted" in m for m in logs) == 2 * 2 * 3  # every client of every cell, once
+    with open(tmp_path / "results.csv") as fh:
+        agg = list(csv.DictReader(fh))
+    assert {(r["method"], r["M"]) for r in agg} >= {("fedbens", "1"), ("fedbens", "2"), ("fedavg", "2"), ("centralized", "1")}
+    assert all(r["seeds"] == "2" for r in agg)
+    assert "± " in (tmp_path / "results.md").read_text()
+    for plot in ("accuracy_vs_alpha.png", "accuracy_vs_M.png", "accuracy_vs_temperature.png"):
+        assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+    # M=1 fusion uses the first component of the M=2 fit: fedavg does not depend on M at all.
+    by = {(r["alpha"], r["seed"], r["method"], r["M"]): r["accuracy"] for r in rows}
+    assert by[(0.5, 0, "fedavg", 1)] == by[(0.5, 0, "fedavg", 2)]
+    # Re-running refits nothing and refuses nothing: everything comes from the cache.
+    logs2: list[str] = []
+    again = run_experiment(cfg, tmp_path, jobs=1, log=logs2.append)
+    assert not any("fitted" in m or "accuracy" in m for m in logs2)
+    assert sorted(map(str, again)) == sorted(map(str, rows))
+    # A new method reuses the cached client artifacts.
+    logs3: list[str] = []
+    run_experiment(replace(cfg, methods=["fedbens", "fedavg", "fisher-merge"]), tmp_path, log=logs3.append)
+    assert not any("fitted" in m for m in logs3) and any("fisher-merge" in m for m in logs3)
+
+
+def test_bad_config_is_refused(tmp_path):
+    (tmp_path / "bad.toml").write_text('name = "x"\nalphas = [0.1]\nmethod = ["fedbens"]\n')
+    with pytest.raises(ConfigError, match="unknown keys"):
+        ExperimentConfig.from_toml(tmp_path / "bad.toml")
+    (tmp_path / "bad2.toml").write_text('methods = ["magic"]\n')
+    with pytest.raises(ConfigError, match="unknown methods"):
+        ExperimentConfig.from_toml(tmp_path / "bad2.toml")
+
+
+def test_fuse_tune_picks_best_validation_point(tmp_path, small_silo):
+    from click.testing import CliRunner
+    from conftest import fit_artifact
+
+    import posterior_fusion
+    from posterior_fusion.cli.main import pfuse
+    from posterior_fusion.data.silo import SiloData, write_silo
+
+    paths = []
+    for c in range(2):
+        silo = SiloData(small_silo.x[c * 100 : (c + 1) * 100], small_silo.y[c * 100 : (c + 1) * 100], "fmnist", 10)
+        paths.append(tmp_path / f"p{c}.h5")
+        fit_artifact(paths[-1], silo, "diag", mixtures=1, seed=c)
+    write_silo(tmp_path / "val.h5", SiloData(small_silo.x[200:], small_silo.y[200:], "fmnist", 10))
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--steps", "5", "--val",
+                                   str(tmp_path / "val.h5"), "--tune", "T,prior", "--tune-temperatures", "0.1,10",
+                                   "--tune-prior-vars", "0.1,1", "--out", str(tmp_path / "g.h5")])
+    assert r.exit_code == 0, r.stderr
+    tuning = posterior_fusion.load(tmp_path / "g.h5").metadata["tuning"]
+    assert len(tuning["grid"]) == 4
+    best = max(tuning["grid"], key=lambda g: (g["val_accuracy"], -g["val_nll"]))
+    assert tuning["chosen"] == best
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--tune", "T", "--out", str(tmp_path / "h.h5")])
+    assert r.exit_code != 0 and "needs server validation" in r.stderr
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--tune", "lr", "--val", str(tmp_path / "val.h5"),
+                                   "--out", str(tmp_path / "h.h5")])
+    assert r.exit_code != 0 and "--tune takes" in r.stderr
