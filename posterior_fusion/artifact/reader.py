@@ -19,6 +19,8 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -343,13 +345,9 @@ def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) ->
     return [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
 
 
-def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
-    """Validate an artifact's header (phase 1 only) and report its size without reading data.
-
-    Returns ``{"kind", "num_params", "num_components", "data_bytes"}``, where ``data_bytes``
-    is the in-memory size of every dataset once loaded.
-    """
-    path = Path(path)
+@contextmanager
+def _open(path: Path) -> Iterator[tuple[_Checker, h5py.File]]:
+    """Open ``path`` read-only; any h5py/OS failure inside becomes a NotAnArtifactError."""
     chk = _Checker(path)
     if not path.is_file():
         raise ArtifactNotFoundError(str(path), "file not found")
@@ -357,21 +355,25 @@ def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
         raise NotAnArtifactError(str(path), "not an HDF5 file")
     try:
         with h5py.File(path, "r") as f:
-            kind, _, layout, meta = _header(chk, f)
-            if kind == schema.KIND_CLIENT:
-                _client_plan(chk, f, layout, meta)
-                pattern = schema.CLIENT_PATH_RE
-            else:
-                pattern = schema.GLOBAL_PATH_RE
-            total = 0
-            for p in _walk(chk, f, pattern):
-                obj = f[p]
-                if isinstance(obj, h5py.Dataset):
-                    total += obj.size * obj.dtype.itemsize
+            yield chk, f
     except ArtifactError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise NotAnArtifactError(str(path), f"corrupt or truncated HDF5 file ({type(exc).__name__}: {exc})") from None
+
+
+def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
+    """Validate an artifact's header (phase 1 only) and report its size without reading data.
+
+    Returns ``{"kind", "num_params", "num_components", "data_bytes"}``, where ``data_bytes``
+    is the in-memory size of every dataset once loaded.
+    """
+    with _open(Path(path)) as (chk, f):
+        kind, _, layout, meta = _header(chk, f)
+        if kind == schema.KIND_CLIENT:
+            _client_plan(chk, f, layout, meta)
+        pattern = schema.CLIENT_PATH_RE if kind == schema.KIND_CLIENT else schema.GLOBAL_PATH_RE
+        total = sum(f[p].size * f[p].dtype.itemsize for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
     return {"kind": kind, "num_params": layout.dim, "num_components": meta.get("num_components", meta.get("num_members")),
             "data_bytes": total}
 
@@ -382,22 +384,12 @@ def load(path: str | os.PathLike) -> ClientPosterior | GlobalEnsemble:
     Raises a subclass of :class:`~posterior_fusion.errors.ArtifactError` on any problem.
     """
     path = Path(path)
-    chk = _Checker(path)
-    if not path.is_file():
-        raise ArtifactNotFoundError(str(path), "file not found")
-    if not h5py.is_hdf5(path):
-        raise NotAnArtifactError(str(path), "not an HDF5 file")
-    try:
-        with h5py.File(path, "r") as f:
-            kind, spec, layout, meta = _header(chk, f)
-            if kind == schema.KIND_CLIENT:
-                comps = _client(chk, f, layout, meta, _client_plan(chk, f, layout, meta))
-            else:
-                members = _global(chk, f, layout, meta)
-    except ArtifactError:
-        raise
-    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
-        raise NotAnArtifactError(str(path), f"corrupt or truncated HDF5 file ({type(exc).__name__}: {exc})") from None
+    with _open(path) as (chk, f):
+        kind, spec, layout, meta = _header(chk, f)
+        if kind == schema.KIND_CLIENT:
+            comps = _client(chk, f, layout, meta, _client_plan(chk, f, layout, meta))
+        else:
+            members = _global(chk, f, layout, meta)
     sha = file_sha256(path)
     if kind == schema.KIND_CLIENT:
         return ClientPosterior(str(path), sha, spec, layout, frozen_mapping(meta), tuple(comps))
