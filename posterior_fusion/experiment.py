@@ -33,7 +33,7 @@ from posterior_fusion.fusion.common import FusionOptions
 from posterior_fusion.fusion.registry import METHODS, fuse_clients
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_local
+from posterior_fusion.local.fit import FitConfig, fit_local, library_versions
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.train import TrainConfig, train_map
 from posterior_fusion.metrics import evaluate_members
@@ -132,6 +132,7 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
     """Run (or resume) the grid in ``work``; returns the per-seed rows and writes the tables."""
     work = Path(work)
     (work / "results").mkdir(parents=True, exist_ok=True)
+    started = time.time()
     spec = ModelSpec(cfg.model, {})
     data_dir = EMBEDDED_FMNIST_DIR if cfg.data == "embedded" else None
     m_max = max(cfg.mixtures)
@@ -210,6 +211,9 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
                 log(f"  centralized: accuracy {m['accuracy']:.4f}")
             rows.append(json.loads(rpath.read_text()))
         write_tables(rows, work, cfg)  # after every cell: an interrupted run leaves partial tables
+        _write_json(work / "run.json", {"config": asdict(cfg), "jobs": jobs, "library_versions": library_versions(),
+                                        "cells_done": n_cell, "cells": len(cells),
+                                        "wall_seconds_this_invocation": round(time.time() - started, 1)})
     return rows
 
 
