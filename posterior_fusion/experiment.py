@@ -15,6 +15,7 @@ import csv
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -161,7 +162,8 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
                     for i, c in enumerate(summary["clients"]) if not (cdir / f"post_{i}.h5").exists()]
             t0 = time.perf_counter()
             if todo and jobs > 1:
-                with ProcessPoolExecutor(max_workers=jobs) as pool:
+                # spawn, not fork: forking after torch started its thread pools can deadlock
+                with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
                     for done in pool.map(_fit_client, todo):
                         log(f"  fitted {done}")
             for args in todo if jobs <= 1 else []:
