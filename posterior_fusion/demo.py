@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from posterior_fusion.artifact import load_global, write_client_artifact, write_global_artifact
+from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
@@ -14,8 +14,7 @@ from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.common import FusionOptions
 from posterior_fusion.fusion.registry import fuse
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_local
-from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.fit import FitConfig, fit_silo_to_artifact
 from posterior_fusion.local.train import TrainConfig
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
@@ -36,17 +35,13 @@ def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, a
     log(f"partitioned {summary['source']} into {clients} clients (alpha={alpha}): "
         + ", ".join(str(c["n"]) for c in summary["clients"]) + " samples")
     spec = ModelSpec("lenet", {})
-    inits = initial_weights(spec, mixtures, seed)
     cfg = FitConfig(structure=structure, seed=seed,
                     train=TrainConfig(epochs=epochs, weight_decay=-1.0, swag=True, swag_rank=10))
     paths = []
     for i, c in enumerate(summary["clients"]):
         log(f"fit-local client {i} (n={c['n']}, M={mixtures}, {structure}, {epochs} epochs)")
-        meta, comps = fit_local(spec, read_silo(c["path"]), inits, cfg, log=lambda m: log("  " + m))
-        meta["init"] = {"init_seed": seed}
-        path = out / f"post_{i}.h5"
-        write_client_artifact(path, spec, ParameterLayout.from_model(spec.build()), meta, comps)
-        paths.append(path)
+        paths.append(out / f"post_{i}.h5")
+        fit_silo_to_artifact(spec, c["path"], paths[-1], mixtures, seed, cfg, log=lambda m: log("  " + m))
     test = read_silo(summary["test"])
     rows = []
     for method in methods:

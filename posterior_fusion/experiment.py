@@ -25,7 +25,7 @@ from pathlib import Path
 import tomllib
 import torch
 
-from posterior_fusion.artifact import load_client, write_client_artifact
+from posterior_fusion.artifact import load_client
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import SiloData, read_silo
@@ -33,8 +33,7 @@ from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion.common import FusionOptions
 from posterior_fusion.fusion.registry import METHODS, fuse_clients
 from posterior_fusion.fusion.tuning import tune_fusion
-from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_local, library_versions
+from posterior_fusion.local.fit import FitConfig, fit_silo_to_artifact, library_versions
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.train import TrainConfig, train_map
 from posterior_fusion.metrics import evaluate_members
@@ -108,9 +107,7 @@ def _fit_client(args: tuple) -> str:
     spec = ModelSpec.from_json(spec_json)
     cfg_dict = json.loads(fit_cfg_json)
     cfg = FitConfig(**{**cfg_dict, "train": TrainConfig(**cfg_dict["train"])})
-    meta, comps = fit_local(spec, read_silo(silo), initial_weights(spec, mixtures, seed), cfg, log=lambda m: None)
-    meta["init"] = {"init_seed": seed}
-    write_client_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, comps)
+    fit_silo_to_artifact(spec, silo, out, mixtures, seed, cfg, log=lambda m: None)
     return out
 
 

@@ -28,14 +28,11 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from posterior_fusion.artifact import load_client, write_client_artifact, write_global_artifact
-from posterior_fusion.data.silo import read_silo
+from posterior_fusion.artifact import load_client, write_global_artifact
 from posterior_fusion.errors import ArtifactError, ConfigError, PfuseError
 from posterior_fusion.fusion.common import FusionOptions
 from posterior_fusion.fusion.registry import fuse
-from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_local
-from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.fit import FitConfig, fit_silo_to_artifact
 from posterior_fusion.local.train import TrainConfig
 from posterior_fusion.models import ModelSpec
 
@@ -93,12 +90,8 @@ class FederatedSettings:
 def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
                     log: Callable[[str], None] = lambda m: None) -> None:
     """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does."""
-    spec = settings.spec()
-    data = read_silo(silo_path, num_classes=spec.num_classes)
-    inits = initial_weights(spec, settings.mixtures, settings.init_seed)
-    meta, comps = fit_local(spec, data, inits, settings.fit_config(), log=log)
-    meta["init"] = {"init_seed": settings.init_seed}
-    write_client_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, comps)
+    fit_silo_to_artifact(settings.spec(), silo_path, out, settings.mixtures, settings.init_seed,
+                         settings.fit_config(), log=log)
 
 
 def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:

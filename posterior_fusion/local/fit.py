@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -113,3 +114,18 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
         if on_component is not None:
             on_component(metadata, comps)
     return metadata, comps
+
+
+def fit_silo_to_artifact(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.PathLike, mixtures: int,
+                         init_seed: int, cfg: FitConfig, log=print) -> dict:
+    """Read a silo, fit ``mixtures`` components from the ``init_seed`` starting points, write the
+    artifact to ``out``: what ``pfuse fit-local --init-seed`` does. Returns the metadata."""
+    from posterior_fusion.artifact.writer import write_client_artifact
+    from posterior_fusion.data.silo import read_silo
+    from posterior_fusion.local.init import initial_weights
+
+    data = read_silo(silo_path, num_classes=spec.num_classes)
+    meta, comps = fit_local(spec, data, initial_weights(spec, mixtures, init_seed), cfg, log=log)
+    meta["init"] = {"init_seed": init_seed}
+    write_client_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, comps)
+    return meta
