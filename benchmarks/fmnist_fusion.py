@@ -17,15 +17,14 @@ from pathlib import Path
 
 import torch
 
-from posterior_fusion.artifact import write_client_artifact, write_global_artifact
+from posterior_fusion.artifact import write_global_artifact
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.common import FusionOptions
 from posterior_fusion.fusion.registry import fuse
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_local
-from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.fit import FitConfig, fit_silo_to_artifact
 from posterior_fusion.local.train import TrainConfig
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
@@ -51,7 +50,6 @@ def main() -> None:
     print("partition:", [c["n"] for c in summary["clients"]], "from", summary["source"], flush=True)
     spec = ModelSpec("lenet", {})
     layout = ParameterLayout.from_model(spec.build())
-    inits = initial_weights(spec, args.mixtures, args.seed)
     cfg = FitConfig(structure=args.hessian, seed=args.seed,
                     train=TrainConfig(epochs=args.epochs, weight_decay=-1.0, swag=True, swag_rank=20))
     paths, fit_times = [], []
@@ -61,9 +59,8 @@ def main() -> None:
         if path.exists():
             continue
         t0 = time.perf_counter()
-        meta, comps = fit_local(spec, read_silo(c["path"]), inits, cfg, log=lambda m, i=i: print(f"client {i}:", m, flush=True))
-        meta["init"] = {"init_seed": args.seed}
-        write_client_artifact(path, spec, layout, meta, comps)
+        fit_silo_to_artifact(spec, c["path"], path, args.mixtures, args.seed, cfg,
+                             log=lambda m, i=i: print(f"client {i}:", m, flush=True))
         fit_times.append(time.perf_counter() - t0)
     test = read_silo(summary["test"])
     rows = []

@@ -56,10 +56,10 @@ def product(inputs: FusionInputs) -> FusionResult:
     out = torch.empty(ref.dim, dtype=torch.float64)
     for j, off in enumerate(ref.offsets):
         blocks = [p.blocks[j] for p in precs]
-        mus = [comp.map[off : off + blocks[0].dim].double() for comp in comps]
+        mus = [comp.map[off : off + blocks[0].dim] for comp in comps]  # same dtype as the curvature
         # Σ_c Λ_c − Σ_c λ0_c I + λ0 I  (reduces to Σ Λ_c − (C−1) λ0 I for equal priors)
         correction = lam0 - sum(lam_c)
-        rhs = sum(b.matvec(mu.to(b_dtype(b))).double() for b, mu in zip(blocks, mus))
+        rhs = sum(b.matvec(mu).double() for b, mu in zip(blocks, mus))
         if isinstance(blocks[0], Diag):
             diag = sum(b.diagonal().double() for b in blocks) + correction
             out[off : off + blocks[0].dim] = rhs / diag
@@ -69,14 +69,6 @@ def product(inputs: FusionInputs) -> FusionResult:
         else:  # pragma: no cover - excluded by require_structures
             raise MethodNotApplicableError("product: unsupported block")
     return FusionResult([out.float()])
-
-
-def b_dtype(block) -> torch.dtype:
-    if isinstance(block, Diag):
-        return block.g.dtype
-    if isinstance(block, Dense):
-        return block.G.dtype
-    return block.B.dtype
 
 
 def regmean(inputs: FusionInputs) -> FusionResult:

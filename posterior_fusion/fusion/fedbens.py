@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from posterior_fusion.artifact import ClientPosterior
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import (
     FusionInputs,
     FusionResult,
@@ -124,8 +125,6 @@ def fedbens(inputs: FusionInputs) -> FusionResult:
     m = require_equal_components(inputs, "fedbens")
     modes = inputs.options.modes or m
     if modes > m:
-        from posterior_fusion.errors import ConfigError
-
         raise ConfigError(f"--modes {modes} exceeds the clients' number of mixtures {m}")
     objective = GlobalLogPosterior(
         inputs.clients, [inputs.temperature(c) for c in inputs.clients],

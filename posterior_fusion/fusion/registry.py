@@ -9,7 +9,7 @@ from dataclasses import asdict
 from posterior_fusion.artifact import ClientPosterior, load_client
 from posterior_fusion.artifact.reader import declared_bytes
 from posterior_fusion.data.silo import SiloData, read_silo
-from posterior_fusion.errors import ConfigError, ResourceLimitError, SchemaError
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, ResourceLimitError, SchemaError
 from posterior_fusion.fusion.baselines import ensemble, fedavg, fisher_merge, product, regmean
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionOptions, FusionResult, check_compatible
 from posterior_fusion.fusion.fedbens import fedbens
@@ -52,8 +52,6 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     options = options or FusionOptions()
     options.validate()
     if not client_paths:
-        from posterior_fusion.errors import IncompatibleArtifactsError
-
         raise IncompatibleArtifactsError("no client artifacts given")
     headers = [declared_bytes(p) for p in client_paths]
     for p, h in zip(client_paths, headers):

@@ -37,12 +37,6 @@ def quadratic_forms_grad(Z: torch.Tensor, UB: torch.Tensor, UA: torch.Tensor, S:
     return (UB @ Y @ UA.transpose(-1, -2)).sum(1)
 
 
-def kron_quadratic_form(V: torch.Tensor, UB: torch.Tensor, UA: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """Plain autograd form ``Σ (UBᵀ V UA)² ∘ S`` for ``V`` ``(..., N, P, Q)`` -> ``(..., N)``."""
-    Z = UB.transpose(-1, -2) @ V @ UA
-    return (Z.square() * S).sum((-2, -1))
-
-
 def kron_sample(UB: torch.Tensor, UA: torch.Tensor, S: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """``(U_B ⊗ U_A) diag(S^{-1/2}) eps`` per component: draws from ``N(0, Λ⁻¹)``.
 

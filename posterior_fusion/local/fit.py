@@ -19,10 +19,12 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.artifact.objects import Component, frozen_mapping
-from posterior_fusion.data.silo import SiloData
+from posterior_fusion.artifact.writer import write_client_artifact
+from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
+from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.train import TrainConfig, train_map
 from posterior_fusion.models import ModelSpec
 
@@ -120,10 +122,6 @@ def fit_silo_to_artifact(spec: ModelSpec, silo_path: str | os.PathLike, out: str
                          init_seed: int, cfg: FitConfig, log=print) -> dict:
     """Read a silo, fit ``mixtures`` components from the ``init_seed`` starting points, write the
     artifact to ``out``: what ``pfuse fit-local --init-seed`` does. Returns the metadata."""
-    from posterior_fusion.artifact.writer import write_client_artifact
-    from posterior_fusion.data.silo import read_silo
-    from posterior_fusion.local.init import initial_weights
-
     data = read_silo(silo_path, num_classes=spec.num_classes)
     meta, comps = fit_local(spec, data, initial_weights(spec, mixtures, init_seed), cfg, log=log)
     meta["init"] = {"init_seed": init_seed}
