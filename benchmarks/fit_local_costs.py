@@ -25,8 +25,9 @@ from posterior_fusion.artifact.objects import Component
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
+from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.local.init import initial_weights
-from posterior_fusion.local.train import TrainConfig, train_map
+from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 
 

@@ -1,6 +1,6 @@
 """Wall time of the same one-shot round through files vs through a Flower simulation.
 
-    .venv/bin/python benchmarks/flower_overhead.py --out runs/flower-overhead [--epochs 2] [--mixtures 2]
+    .venv/bin/python benchmarks/flower_overhead.py --out runs/flower-overhead [--epochs 2] [--components 2]
 
 Same silos (embedded Fashion-MNIST subset, 5 clients, alpha=0.1), same settings, same fusion
 (fedbens, server validation). File path: fit_to_artifact per silo, one after another, then
@@ -25,19 +25,18 @@ import posterior_fusion  # noqa: E402
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR  # noqa: E402
 from posterior_fusion.data.prepare import partition_to_files  # noqa: E402
 from posterior_fusion.flower import FederatedSettings, fit_to_artifact, make_client_app, make_server_app  # noqa: E402
-from posterior_fusion.fusion.common import FusionOptions  # noqa: E402
-from posterior_fusion.fusion.registry import fuse  # noqa: E402
+from posterior_fusion.fusion import FusionOptions, fuse  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--mixtures", type=int, default=2)
+    ap.add_argument("--components", type=int, default=2)
     args = ap.parse_args()
     out = Path(args.out)
-    summary = partition_to_files(out / "data", clients=5, alpha=0.1, seed=0, data_dir=EMBEDDED_FMNIST_DIR)
-    settings = FederatedSettings(mixtures=args.mixtures, epochs=args.epochs)
+    summary = partition_to_files(out / "data", clients=5, alpha=0.1, partition_seed=0, data_dir=EMBEDDED_FMNIST_DIR)
+    settings = FederatedSettings(components=args.components, epochs=args.epochs)
     opts = FusionOptions(progress=False)
 
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Every fusion method from the same client artifacts on the full Fashion-MNIST.
 
-    .venv/bin/python benchmarks/fmnist_fusion.py --alpha 0.1 --mixtures 5 --epochs 20 \
-        --hessian kron --out runs/fmnist-a0.1-kron [--seed 0]
+    .venv/bin/python benchmarks/fmnist_fusion.py --alpha 0.1 --components 5 --epochs 20 \
+        --structure kron --out runs/fmnist-a0.1-kron [--seed 0]
 
 Partitions (5 clients, FedBEns Dirichlet), fits every client once (cached: re-runs reuse
 existing artifacts), fuses with each method with server validation, evaluates on the
@@ -21,11 +21,10 @@ from posterior_fusion.artifact import write_global_artifact
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import MethodNotApplicableError
-from posterior_fusion.fusion.common import FusionOptions
-from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_silo_to_artifact
-from posterior_fusion.local.train import TrainConfig
+from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fit import fit_silo_to_artifact
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -36,9 +35,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--alpha", type=float, default=0.1)
     ap.add_argument("--clients", type=int, default=5)
-    ap.add_argument("--mixtures", type=int, default=5)
+    ap.add_argument("--components", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--hessian", default="kron")
+    ap.add_argument("--structure", default="kron")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -46,12 +45,12 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     t_start = time.perf_counter()
-    summary = partition_to_files(out / "data", clients=args.clients, alpha=args.alpha, seed=args.seed)
+    summary = partition_to_files(out / "data", clients=args.clients, alpha=args.alpha, partition_seed=args.seed)
     print("partition:", [c["n"] for c in summary["clients"]], "from", summary["source"], flush=True)
     spec = ModelSpec("lenet", {})
     layout = ParameterLayout.from_model(spec.build())
-    cfg = FitConfig(structure=args.hessian, seed=args.seed,
-                    train=TrainConfig(epochs=args.epochs, weight_decay=-1.0, swag=True, swag_rank=20))
+    cfg = FitConfig(structure=args.structure, train_seed=args.seed,
+                    train=TrainConfig(epochs=args.epochs, swag=True, swag_rank=20))
     paths, fit_times = [], []
     for i, c in enumerate(summary["clients"]):
         path = out / f"post_{i}.h5"
@@ -59,14 +58,15 @@ def main() -> None:
         if path.exists():
             continue
         t0 = time.perf_counter()
-        fit_silo_to_artifact(spec, c["path"], path, args.mixtures, args.seed, cfg,
+        fit_silo_to_artifact(spec, c["path"], path, args.components, args.seed, cfg,
                              log=lambda m, i=i: print(f"client {i}:", m, flush=True))
         fit_times.append(time.perf_counter() - t0)
     test = read_silo(summary["test"])
     rows = []
     for method in args.methods.split(","):
         try:
-            _, res, meta = fuse(paths, method, FusionOptions(steps=args.steps, seed=args.seed, progress=False),
+            _, res, meta = fuse(paths, method, FusionOptions(sampling_seed=args.seed, progress=False),
+                                applicable_settings(method, {"steps": args.steps}),
                                 val_path=summary["server_val"])
         except MethodNotApplicableError as exc:
             print(f"{method}: skipped: {exc}", flush=True)

@@ -86,8 +86,8 @@ def bench(name: str, components: list[Component], reps: int, tols: list[float], 
     w0 = components[0].map.clone() + 0.01
     rows = []
     loop = laplace_loop(components)
-    exact = StackedGaussians(components, 1 / T, LAM, torch.float32, backend="torch")
-    lows = {tol: StackedGaussians(components, 1 / T, LAM, torch.float32, lowrank_tol=tol, backend="torch") for tol in tols}
+    exact = StackedGaussians(components, 1 / T, LAM, torch.float32, kernel="torch")
+    lows = {tol: StackedGaussians(components, 1 / T, LAM, torch.float32, lowrank_tol=tol, kernel="torch") for tol in tols}
 
     def run(obj):
         def f():
@@ -100,7 +100,7 @@ def bench(name: str, components: list[Component], reps: int, tols: list[float], 
     variants = [("loop", t_loop), ("batched", timeit(run(exact), reps))]
     variants += [(f"lowrank@{tol:g}", timeit(run(low), reps)) for tol, low in lows.items()]
     if torch.cuda.is_available() and triton_available():
-        gpu = StackedGaussians(components, 1 / T, LAM, torch.float32, backend="triton").to("cuda")
+        gpu = StackedGaussians(components, 1 / T, LAM, torch.float32, kernel="triton").to("cuda")
         w_gpu = w0.cuda()
 
         def tri():

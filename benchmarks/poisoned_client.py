@@ -1,6 +1,6 @@
 """What a poisoned client does to FedBEns, with and without ``--robust`` screening.
 
-    .venv/bin/python benchmarks/poisoned_client.py --out runs/poison [--epochs 5] [--mixtures 3]
+    .venv/bin/python benchmarks/poisoned_client.py --out runs/poison [--epochs 5] [--components 3]
 
 On the embedded Fashion-MNIST subset (the demo's data: 5 clients, alpha=0.1, LeNet, kron):
 fits the clients, then replaces client 0's artifact by (a) its curvature scaled by 1e6 and
@@ -23,12 +23,11 @@ from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.fusion.common import FusionOptions
-from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_local
+from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fit import fit_local
 from posterior_fusion.local.init import initial_weights
-from posterior_fusion.local.train import TrainConfig
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -57,14 +56,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--mixtures", type=int, default=3)
+    ap.add_argument("--components", type=int, default=3)
     args = ap.parse_args()
     out = Path(args.out)
-    summary = partition_to_files(out / "data", clients=5, alpha=0.1, seed=0, data_dir=EMBEDDED_FMNIST_DIR)
+    summary = partition_to_files(out / "data", clients=5, alpha=0.1, partition_seed=0, data_dir=EMBEDDED_FMNIST_DIR)
     spec = ModelSpec("lenet", {})
     layout = ParameterLayout.from_model(spec.build())
-    inits = initial_weights(spec, args.mixtures, 0)
-    cfg = FitConfig(structure="kron", train=TrainConfig(epochs=args.epochs, weight_decay=-1.0))
+    inits = initial_weights(spec, args.components, 0)
+    cfg = FitConfig(structure="kron", train=TrainConfig(epochs=args.epochs))
     paths = []
     for i, c in enumerate(summary["clients"]):
         paths.append(out / f"post_{i}.h5")

@@ -1,4 +1,4 @@
-"""Shared CLI helpers: one-line errors, JSON output."""
+"""Shared CLI helpers: one-line errors, JSON output, deprecated spellings."""
 
 from __future__ import annotations
 
@@ -36,3 +36,22 @@ def echo_json(obj: Any) -> None:
 
 def log_to_stderr(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def renamed(old: str, new: str, target: str, **option_kwargs: Any) -> Callable:
+    """Keep ``old`` as a hidden, deprecated spelling of option ``new`` (parameter ``target``)
+    for one release: using it prints a warning and sets ``target``."""
+    dest = "deprecated_" + old.lstrip("-").replace("-", "_")
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            value = kwargs.pop(dest)
+            if value is not None and value is not False:
+                click.echo(f"warning: {old} is deprecated and will be removed in the next release; use {new}", err=True)
+                kwargs[target] = value
+            return fn(*args, **kwargs)
+
+        return click.option(old, dest, hidden=True, default=None, **option_kwargs)(wrapper)
+
+    return decorate

@@ -6,8 +6,8 @@ import click
 
 from posterior_fusion import __version__
 from posterior_fusion.cli.data_commands import partition
-from posterior_fusion.cli.experiment_command import experiment_cmd
-from posterior_fusion.cli.inspect_command import inspect_cmd
+from posterior_fusion.cli.experiment_commands import experiment_cmd
+from posterior_fusion.cli.inspect_commands import inspect_cmd
 from posterior_fusion.cli.local_commands import fit_local_cmd, init
 from posterior_fusion.cli.server_commands import demo_cmd, evaluate_cmd, fuse_cmd, predict_cmd
 

@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import click
 import h5py
 import numpy as np
 
 from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.artifact.atomic import atomic_h5_write
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, renamed
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_METHODS, run_demo
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.common import FusionOptions
-from posterior_fusion.fusion.registry import METHODS, fuse
+from posterior_fusion.fusion import METHODS, FusionOptions, fuse, get_method
 from posterior_fusion.fusion.resources import parse_bytes
+from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
+from posterior_fusion.local.config import STRUCTURES
 from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, reliability_plot
+
+# Options that were method settings before per-method settings existed: old flag -> (setting, type).
+LEGACY_SETTINGS = {"--steps": ("steps", int), "--lr": ("adam_lr", float), "--clip": ("clip", float),
+                   "--val-every": ("val_every", int), "--modes": ("modes", int), "--num-samples": ("num_samples", int),
+                   "--regmean-alpha": ("alpha", float), "--distill-epochs": ("distill_epochs", int),
+                   "--lowrank-tol": ("lowrank_tol", float)}
+
+
+def legacy_settings(fn: Callable) -> Callable:
+    """Accept the pre-``--set`` flags for one release: each warns and becomes a setting
+    (dropped, with a warning, for a method whose record lacks it)."""
+    dests = {flag: "legacy_" + flag.lstrip("-").replace("-", "_") for flag in LEGACY_SETTINGS}
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        legacy = {}
+        for flag, dest in dests.items():
+            value = kwargs.pop(dest)
+            if value is not None:
+                key = LEGACY_SETTINGS[flag][0]
+                click.echo(f"warning: {flag} is deprecated; use --set {key}={value}", err=True)
+                legacy[key] = value
+        return fn(*args, legacy=legacy, **kwargs)
+
+    for flag, dest in dests.items():
+        wrapper = click.option(flag, dest, hidden=True, default=None, type=LEGACY_SETTINGS[flag][1])(wrapper)
+    return wrapper
 
 
 def parse_floats(text: str, option: str) -> list[float]:
@@ -29,29 +61,54 @@ def parse_floats(text: str, option: str) -> list[float]:
     return values
 
 
-@click.command("fuse")
+def method_help(name: str) -> str:
+    entry = get_method(name)
+    lines = [f"{name}: {entry.summary}", "settings (pfuse fuse --method NAME --set key=value):"]
+    rows = entry.settings.describe()
+    if not rows:
+        lines.append("  (none)")
+    for row in rows:
+        lines.append(f"  {row['name']:<15} {row['type']:<12} {row['help']} [default: {row['default']}]")
+    return "\n".join(lines)
+
+
+def settings_epilog() -> str:
+    """Every method's settings with their defaults, for ``pfuse fuse --help``."""
+    lines = ["\b", "Method settings (--set key=value; details: --help-method NAME):"]
+    for name, entry in METHODS.items():
+        rows = entry.settings.describe()
+        text = ", ".join(f"{r['name']} (default: {r['default']})" for r in rows) or "none"
+        lines.append(f"  {name}: {text}")
+    return "\n".join(lines)
+
+
+def show_method_help(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is None or ctx.resilient_parsing:
+        return
+    if value not in METHODS:
+        raise click.BadParameter(f"unknown method {value!r}; available: {', '.join(METHODS)}")
+    click.echo(method_help(value))
+    ctx.exit(0)
+
+
+@click.command("fuse", epilog=settings_epilog())
 @click.argument("clients", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--method", default="fedbens", show_default=True, type=click.Choice(list(METHODS)), help="Fusion method.")
+@click.option("--set", "set_values", multiple=True, metavar="KEY=VALUE",
+              help="A setting of the chosen method, repeatable (list them with --help-method NAME), "
+                   "e.g. --set steps=300 --set adam_lr=1e-3 [default: the method's defaults].")
+@click.option("--help-method", callback=show_method_help, expose_value=False, is_eager=True, metavar="NAME",
+              help="Describe a method and list its settings with their defaults, then exit.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output global artifact (HDF5).")
 @click.option("--val", "val_path", default=None, type=click.Path(dir_okay=False),
               help="Server validation data; selects the best iterate per mode [default: best objective].")
 @click.option("--unlabeled", default=None, type=click.Path(dir_okay=False), help="Unlabeled server data (fedbe distillation).")
-@click.option("--steps", default=300, show_default=True, type=int, help="Adam steps per mode (fedbens, fedfisher).")
-@click.option("--lr", default=1e-3, show_default=True, type=float, help="Adam learning rate.")
-@click.option("--clip", default=1.0, show_default=True, type=float, help="Gradient-norm clip per mode.")
-@click.option("--val-every", default=30, show_default=True, type=int, help="Validate every this many steps (and at the last).")
 @click.option("--temperature", default=None, type=float, help="Re-temper every client with this T [default: each client's T].")
 @click.option("--prior-var", default=None, type=float, help="Prior variance σ0² for every client and the global prior [default: clients'].")
-@click.option("--modes", default=None, type=int, help="Number of global modes [default: the clients' M].")
-@click.option("--mode-index", default=0, show_default=True, type=int, help="Client component used by unimodal baselines.")
-@click.option("--num-samples", default=10, show_default=True, type=int, help="Samples for fedbe / swag.")
-@click.option("--regmean-alpha", default=1.0, show_default=True, type=float, help="RegMean scaling of off-diagonal Gram entries.")
-@click.option("--distill-epochs", default=5, show_default=True, type=int, help="fedbe distillation epochs (with --unlabeled).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed for sampling methods.")
-@click.option("--lowrank-tol", default=0.0, show_default=True, type=float,
-              help="Kronecker low-rank shortcut: drop eigen-directions with curvature < tol·λ0 (relative objective error < tol); 0 = exact.")
+@click.option("--component", default=0, show_default=True, type=int, help="Client component used by unimodal methods.")
+@click.option("--sampling-seed", default=0, show_default=True, type=int, help="Seed of the server's random draws (fedbe, swag).")
 @click.option("--kernel", default=None, type=click.Choice(["torch", "triton"]),
-              help="Kronecker kernel backend [default: triton on CUDA when installed, else torch].")
+              help="Kronecker kernel [default: triton on CUDA when installed, else torch].")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
               help="Device for fedbens/fedfisher optimisation.")
 @click.option("--tune", default=None,
@@ -63,17 +120,22 @@ def parse_floats(text: str, option: str) -> list[float]:
 @click.option("--max-memory", default=None,
               help="Refuse work estimated above this size, e.g. 8G [default: 80% of available memory, or $PFUSE_MAX_MEMORY].")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@legacy_settings
+@renamed("--seed", "--sampling-seed", "sampling_seed", type=int)
+@renamed("--mode-index", "--component", "component", type=int)
 @handle_errors
-def fuse_cmd(clients, method, out, val_path, unlabeled, steps, lr, clip, val_every, temperature, prior_var, modes,
-             mode_index, num_samples, regmean_alpha, distill_epochs, seed, lowrank_tol, kernel, device, tune, tune_temperatures, tune_prior_vars, robust,
-             max_memory, as_json):
+def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, temperature, prior_var, component, sampling_seed,
+             kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory, as_json, legacy):
     """Validate client artifacts and fuse them into a global ensemble."""
-    opts = FusionOptions(steps=steps, lr=lr, clip=clip, val_every=val_every, temperature=temperature,
-                         prior_var=prior_var, modes=modes, seed=seed, mode_index=mode_index, num_samples=num_samples,
-                         regmean_alpha=regmean_alpha, distill_epochs=distill_epochs,
-                         lowrank_tol=lowrank_tol, kernel=kernel, device=device)
+    fields = {row["name"] for row in get_method(method).settings.describe()}
+    overrides = {k: v for k, v in legacy.items() if k in fields}
+    for k in sorted(set(legacy) - fields):
+        log_to_stderr(f"warning: method {method!r} has no setting {k!r}; ignored")
+    overrides.update(parse_pairs(set_values))
+    opts = FusionOptions(temperature=temperature, prior_var=prior_var, component=component,
+                         sampling_seed=sampling_seed, kernel=kernel, device=device)
     limit = parse_bytes(max_memory) if max_memory is not None else None
-    inputs, result, meta = fuse(list(clients), method, opts, val_path, unlabeled, log=log_to_stderr,
+    inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
                                 robust=robust, max_memory=limit, tune=parse_tune(tune),
                                 tune_temperatures=parse_floats(tune_temperatures, "--tune-temperatures"),
                                 tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"))
@@ -83,7 +145,8 @@ def fuse_cmd(clients, method, out, val_path, unlabeled, steps, lr, clip, val_eve
                    f"(val accuracy {chosen['val_accuracy']:.4f})")
     write_global_artifact(out, inputs.spec, inputs.clients[0].layout, meta, result.members)
     if as_json:
-        echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"]})
+        echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"],
+                   "settings": meta["settings"]})
         return
     click.echo(f"wrote {out}: {method}, {len(result.members)} members, {meta['fuse_seconds']:.1f}s")
     for k, hist in enumerate(meta.get("history", [])):
@@ -101,6 +164,8 @@ def fuse_cmd(clients, method, out, val_path, unlabeled, steps, lr, clip, val_eve
 @handle_errors
 def evaluate_cmd(global_artifact, data_path, bins, plot, as_json):
     """Accuracy, NLL, ECE, Brier and member accuracy range of a fused ensemble."""
+    if bins < 1:
+        raise ConfigError("--bins must be >= 1")
     g = load_global(global_artifact)
     data = read_silo(data_path, num_classes=g.model_spec.num_classes)
     m = evaluate_members(g.model_spec, list(g.members), data, bins)
@@ -139,19 +204,23 @@ def predict_cmd(global_artifact, data_path, out):
 @click.option("--full", is_flag=True, help="Use the full Fashion-MNIST (Debian package) instead of the embedded subset.")
 @click.option("--clients", default=5, show_default=True, type=int, help="Number of clients.")
 @click.option("--alpha", default=0.1, show_default=True, type=float, help="Dirichlet α.")
-@click.option("--mixtures", "-M", default=3, show_default=True, type=int, help="Components per client.")
+@click.option("--components", "-M", default=3, show_default=True, type=int, help="Mixture components per client.")
 @click.option("--epochs", default=5, show_default=True, type=int, help="Local epochs.")
-@click.option("--hessian", "structure", default="kron", show_default=True, type=click.Choice(["kron", "diag", "diag+full"]),
-              help="Curvature structure.")
-@click.option("--steps", default=300, show_default=True, type=int, help="Server Adam steps.")
+@click.option("--structure", default="kron", show_default=True, type=click.Choice(STRUCTURES), help="Curvature structure.")
+@click.option("--steps", default=300, show_default=True, type=int, help="Server Adam steps (fedbens, fedfisher).")
 @click.option("--methods", default=",".join(DEMO_METHODS), show_default=True, help="Comma-separated fusion methods.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed for partition, init and training.")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Run seed: the partition, init and training seeds of the demo all equal it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+@renamed("--mixtures", "--components", "components", type=int)
+@renamed("--hessian", "--structure", "structure", type=click.Choice(STRUCTURES))
 @handle_errors
-def demo_cmd(out_dir, full, clients, alpha, mixtures, epochs, structure, steps, methods, seed, as_json):
+def demo_cmd(out_dir, full, clients, alpha, components, epochs, structure, steps, methods, seed, as_json):
     """Partition -> fit-local per silo -> fuse with every method -> side-by-side test table."""
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
-    rows = run_demo(out_dir, full, clients, alpha, mixtures, epochs, structure, seed, chosen, steps, log=log_to_stderr)
+    for m in chosen:
+        get_method(m)
+    rows = run_demo(out_dir, full, clients, alpha, components, epochs, structure, seed, chosen, steps, log=log_to_stderr)
     if as_json:
         echo_json(rows)
         return

@@ -11,11 +11,10 @@ from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import MethodNotApplicableError
-from posterior_fusion.fusion.common import FusionOptions
-from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fit import FitConfig, fit_silo_to_artifact
-from posterior_fusion.local.train import TrainConfig
+from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fit import fit_silo_to_artifact
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -23,30 +22,32 @@ DEMO_METHODS = ("fedbens", "fedfisher", "regmean", "fisher-merge", "fedavg", "pr
 
 
 def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, alpha: float = 0.1,
-             mixtures: int = 3, epochs: int = 5, structure: str = "kron", seed: int = 0,
+             components: int = 3, epochs: int = 5, structure: str = "kron", seed: int = 0,
              methods: tuple[str, ...] = DEMO_METHODS, steps: int = 300, max_train: int | None = None,
              log=print) -> list[dict]:
-    """Run the whole pipeline in ``out_dir``; returns one row of test metrics per method."""
+    """Run the whole pipeline in ``out_dir``; returns one row of test metrics per method.
+
+    ``seed`` is the run seed: partition, init and training seeds all equal it."""
     out = Path(out_dir)
     t0 = time.perf_counter()
     source = None if full else EMBEDDED_FMNIST_DIR
-    summary = partition_to_files(out / "data", clients=clients, alpha=alpha, seed=seed, data_dir=source,
+    summary = partition_to_files(out / "data", clients=clients, alpha=alpha, partition_seed=seed, data_dir=source,
                                  max_train=max_train)
     log(f"partitioned {summary['source']} into {clients} clients (alpha={alpha}): "
         + ", ".join(str(c["n"]) for c in summary["clients"]) + " samples")
     spec = ModelSpec("lenet", {})
-    cfg = FitConfig(structure=structure, seed=seed,
-                    train=TrainConfig(epochs=epochs, weight_decay=-1.0, swag=True, swag_rank=10))
+    cfg = FitConfig(structure=structure, train_seed=seed, train=TrainConfig(epochs=epochs, swag=True, swag_rank=10))
     paths = []
     for i, c in enumerate(summary["clients"]):
-        log(f"fit-local client {i} (n={c['n']}, M={mixtures}, {structure}, {epochs} epochs)")
+        log(f"fit-local client {i} (n={c['n']}, M={components}, {structure}, {epochs} epochs)")
         paths.append(out / f"post_{i}.h5")
-        fit_silo_to_artifact(spec, c["path"], paths[-1], mixtures, seed, cfg, log=lambda m: log("  " + m))
+        fit_silo_to_artifact(spec, c["path"], paths[-1], components, seed, cfg, log=lambda m: log("  " + m))
     test = read_silo(summary["test"])
     rows = []
     for method in methods:
         try:
-            _, result, meta = fuse(paths, method, FusionOptions(steps=steps, seed=seed), val_path=summary["server_val"])
+            _, result, meta = fuse(paths, method, FusionOptions(sampling_seed=seed),
+                                   applicable_settings(method, {"steps": steps}), val_path=summary["server_val"])
         except MethodNotApplicableError as exc:
             log(f"{method}: skipped ({exc})")
             continue
@@ -59,4 +60,3 @@ def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, a
         log(f"{method}: accuracy {metrics['accuracy']:.4f} ({meta['fuse_seconds']:.1f}s)")
     log(f"demo finished in {time.perf_counter() - t0:.0f}s; artifacts in {out}")
     return rows
-

@@ -61,7 +61,23 @@ class MethodNotApplicableError(PfuseError):
 
 
 class ConfigError(PfuseError):
-    """A command-line or API option has an invalid value."""
+    """A command-line, config-file or API option has an invalid value (configuration only)."""
+
+
+class ResumeError(PfuseError):
+    """A partial run cannot be resumed (it was made with other settings, data or inits)."""
+
+
+class ScreeningError(PfuseError):
+    """Robust screening left nothing to fuse."""
+
+
+class FederationError(PfuseError):
+    """A federated round cannot go on (too few nodes, no valid reply, a bad reply under 'fail')."""
+
+
+class OutputError(PfuseError):
+    """An output cannot be written (location not writable, disk full, locked by another writer)."""
 
 
 class ResourceLimitError(PfuseError):

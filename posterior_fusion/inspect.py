@@ -6,7 +6,6 @@ import os
 from collections import Counter
 
 from posterior_fusion.artifact import ClientPosterior, GlobalEnsemble
-from posterior_fusion.curvature import Dense, Diag, Kron
 
 
 def summarize(art: ClientPosterior | GlobalEnsemble) -> dict:
@@ -38,12 +37,3 @@ def summarize(art: ClientPosterior | GlobalEnsemble) -> dict:
         out["num_members"] = len(art.members)
     return out
 
-
-def block_description(block) -> str:
-    if isinstance(block, Kron):
-        return f"kron {block.shape[0]}x{block.shape[0]} ⊗ {block.shape[1]}x{block.shape[1]}"
-    if isinstance(block, Dense):
-        return f"dense {block.dim}x{block.dim}"
-    if isinstance(block, Diag):
-        return f"diag {block.dim}"
-    return type(block).__name__

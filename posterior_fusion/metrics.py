@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from posterior_fusion.data.silo import SiloData
-from posterior_fusion.fusion.common import batched_logits
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.functional import batched_logits
 
 
 def ensemble_probabilities(spec: ModelSpec, members: list[torch.Tensor] | torch.Tensor,

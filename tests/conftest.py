@@ -40,17 +40,27 @@ def fit_artifact(path, silo: SiloData, structure: str = "kron", model: str = "ml
     """Run fit_local in-process and write the artifact; returns ``(metadata, components)``."""
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.layout import ParameterLayout
-    from posterior_fusion.local.fit import FitConfig, fit_local
+    from posterior_fusion.local.config import FitConfig, TrainConfig
+    from posterior_fusion.local.fit import fit_local
     from posterior_fusion.local.init import initial_weights
-    from posterior_fusion.local.train import TrainConfig
     from posterior_fusion.models import ModelSpec
 
     spec = ModelSpec(model, kwargs if kwargs is not None else ({"hidden": 16} if model == "mlp" else {}))
-    cfg = FitConfig(structure=structure, seed=seed,
-                    train=TrainConfig(epochs=epochs, batch_size=32, weight_decay=-1.0, swag=swag, swag_rank=5))
+    cfg = FitConfig(structure=structure, train_seed=seed,
+                    train=TrainConfig(epochs=epochs, batch_size=32, swag=swag, swag_rank=5))
     meta, comps = fit_local(spec, silo, initial_weights(spec, mixtures, init_seed), cfg, log=lambda *_: None)
     write_client_artifact(path, spec, ParameterLayout.from_model(spec.build()), meta, comps)
     return meta, comps
+
+
+def fit_split(folder, silo: SiloData, clients: int, size: int, structure: str, name: str = "post", **kw) -> list:
+    """Client c gets samples ``[c·size, (c+1)·size)`` of ``silo``; returns the artifact paths (``train_seed = c``)."""
+    paths = []
+    for c in range(clients):
+        part = SiloData(silo.x[c * size : (c + 1) * size], silo.y[c * size : (c + 1) * size], "fmnist", 10)
+        paths.append(folder / f"{name}_{c}.h5")
+        fit_artifact(paths[-1], part, structure, seed=c, **kw)
+    return paths
 
 
 @pytest.fixture(scope="session")

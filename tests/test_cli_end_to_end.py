@@ -23,7 +23,7 @@ def invoke(*args: str):
 
 
 def test_partition_is_disjoint_and_complete(tmp_path):
-    out = invoke("partition", "--clients", "4", "--alpha", "0.3", "--seed", "1", "--out-dir", str(tmp_path),
+    out = invoke("partition", "--clients", "4", "--alpha", "0.3", "--partition-seed", "1", "--out-dir", str(tmp_path),
                  "--data-dir", str(EMBEDDED_FMNIST_DIR), "--val-size", "200", "--min-size", "50", "--json")
     summary = json.loads(out.stdout)
     silos = [read_silo(c["path"]) for c in summary["clients"]]
@@ -34,7 +34,7 @@ def test_partition_is_disjoint_and_complete(tmp_path):
     # Server validation shares no image with any client (disjoint draws).
     assert not any(x.tobytes() in rows for x in val.x)
     assert [c["class_counts"] for c in summary["clients"]] == [s.class_counts() for s in silos]
-    again = invoke("partition", "--clients", "4", "--alpha", "0.3", "--seed", "1", "--out-dir", str(tmp_path / "b"),
+    again = invoke("partition", "--clients", "4", "--alpha", "0.3", "--partition-seed", "1", "--out-dir", str(tmp_path / "b"),
                    "--data-dir", str(EMBEDDED_FMNIST_DIR), "--val-size", "200", "--min-size", "50", "--json")
     assert [c["class_counts"] for c in json.loads(again.stdout)["clients"]] == [c["class_counts"] for c in summary["clients"]]
 
@@ -43,15 +43,15 @@ def test_full_cli_flow(tmp_path):
     d = tmp_path
     invoke("partition", "--clients", "2", "--alpha", "1.0", "--out-dir", str(d), "--data-dir", str(EMBEDDED_FMNIST_DIR),
            "--max-train", "400", "--val-size", "100")
-    invoke("init", "--model", "mlp", "--model-kwargs", '{"hidden": 16}', "-M", "2", "--seed", "3", "--out", str(d / "init.h5"))
+    invoke("init", "--model", "mlp", "--model-kwargs", '{"hidden": 16}', "-M", "2", "--init-seed", "3", "--out", str(d / "init.h5"))
     for c in range(2):
-        invoke("fit-local", "--data", str(d / f"client_{c}.h5"), "--init", str(d / "init.h5"), "--hessian", "kron",
-               "--epochs", "1", "--seed", str(c), "--swag", "--out", str(d / f"post_{c}.h5"))
+        invoke("fit-local", "--data", str(d / f"client_{c}.h5"), "--init", str(d / "init.h5"), "--structure", "kron",
+               "--epochs", "1", "--train-seed", str(c), "--swag", "--out", str(d / f"post_{c}.h5"))
     init = posterior_fusion.load(d / "init.h5")
     post = posterior_fusion.load(d / "post_0.h5")
     assert post.num_components == 2 and post.model_spec == init.model_spec
     invoke("fuse", str(d / "post_0.h5"), str(d / "post_1.h5"), "--method", "fedbens", "--val", str(d / "server_val.h5"),
-           "--steps", "10", "--out", str(d / "global.h5"))
+           "--set", "steps=10", "--out", str(d / "global.h5"))
     ev = json.loads(invoke("evaluate", str(d / "global.h5"), "--data", str(d / "test.h5"), "--json",
                            "--plot", str(d / "rel.png")).stdout)
     assert 0 <= ev["ece"] <= 1 and ev["member_accuracy_min"] <= ev["accuracy"] + 0.2 and ev["n"] == 1000
@@ -73,7 +73,7 @@ def test_help_lists_every_option_default():
 
 
 def test_demo_smoke(tmp_path):
-    rows = run_demo(tmp_path, clients=3, mixtures=2, epochs=1, steps=10, max_train=900,
+    rows = run_demo(tmp_path, clients=3, components=2, epochs=1, steps=10, max_train=900,
                     methods=("fedbens", "fedavg", "product"), log=lambda *_: None)
     assert [r["method"] for r in rows] == ["fedbens", "fedavg"]  # product refuses kron and is skipped
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)

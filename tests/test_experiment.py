@@ -65,7 +65,7 @@ def test_fuse_tune_picks_best_validation_point(tmp_path, small_silo):
         paths.append(tmp_path / f"p{c}.h5")
         fit_artifact(paths[-1], silo, "diag", mixtures=1, seed=c)
     write_silo(tmp_path / "val.h5", SiloData(small_silo.x[200:], small_silo.y[200:], "fmnist", 10))
-    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--steps", "5", "--val",
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--set", "steps=5", "--val",
                                    str(tmp_path / "val.h5"), "--tune", "T,prior", "--tune-temperatures", "0.1,10",
                                    "--tune-prior-vars", "0.1,1", "--out", str(tmp_path / "g.h5")])
     assert r.exit_code == 0, r.stderr
@@ -82,7 +82,7 @@ def test_fuse_tune_picks_best_validation_point(tmp_path, small_silo):
 
 def test_parallel_jobs_give_the_same_artifacts(tmp_path):
     """--jobs 2 fits clients in spawned processes; results equal the sequential run."""
-    cfg = replace(ExperimentConfig.from_toml(SMOKE), alphas=[0.5], seeds=[0], mixtures=[1], methods=["fedavg"],
+    cfg = replace(ExperimentConfig.from_toml(SMOKE), alphas=[0.5], seeds=[0], components=[1], methods=["fedavg"],
                   temperatures=[], centralized=False)
     seq = run_experiment(cfg, tmp_path / "seq", jobs=1, log=lambda m: None)
     par = run_experiment(cfg, tmp_path / "par", jobs=2, log=lambda m: None)

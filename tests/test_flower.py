@@ -7,9 +7,8 @@ import torch
 
 import posterior_fusion
 from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.common import FusionOptions
-from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.errors import FederationError
+from posterior_fusion.fusion import FusionOptions, fuse
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'posterior-fusion[flower]'")
 
@@ -22,9 +21,10 @@ from posterior_fusion.flower import (  # noqa: E402
     make_server_app,
 )
 
-SETTINGS = FederatedSettings(model="mlp", model_kwargs={"hidden": 16}, mixtures=2, init_seed=3, structure="kron",
-                             epochs=1, batch_size=32, seed=1)
-OPTIONS = FusionOptions(steps=10, val_every=5, progress=False)
+SETTINGS = FederatedSettings(model="mlp", model_kwargs={"hidden": 16}, components=2, init_seed=3, structure="kron",
+                             epochs=1, batch_size=32, train_seed=1)
+OPTIONS = FusionOptions(progress=False)
+FUSE_SETTINGS = {"steps": 10, "val_every": 5}
 
 
 def test_collect_replies_policies(tmp_path, kron_artifact):
@@ -37,9 +37,9 @@ def test_collect_replies_policies(tmp_path, kron_artifact):
     assert any("client 2: reply rejected (invalid artifact" in m for m in logs)
     assert any("client 1: reply rejected (node error: out of memory)" in m for m in logs)
     assert not (tmp_path / "a" / "client_2.h5").exists()
-    with pytest.raises(ConfigError, match="client 1: reply rejected"):
+    with pytest.raises(FederationError, match="client 1: reply rejected"):
         collect_replies(replies, tmp_path / "b", "fail", logs.append)
-    with pytest.raises(ConfigError, match="no valid client artifact"):
+    with pytest.raises(FederationError, match="no valid client artifact"):
         collect_replies([Reply(0, corrupt)], tmp_path / "c", "skip", logs.append)
 
 
@@ -70,7 +70,8 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
     client = ClientApp()
     client.train()(train_corrupting_node_3)
     out = tmp_path / "flower"
-    server = make_server_app(SETTINGS, out, "fedbens", OPTIONS, tmp_path / "val.h5", "skip", min_nodes=4)
+    server = make_server_app(SETTINGS, out, "fedbens", OPTIONS, tmp_path / "val.h5", "skip", min_nodes=4,
+                             method_settings=FUSE_SETTINGS)
     monkeypatch.chdir(tmp_path)
     run_simulation(server, client, num_supernodes=4,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
@@ -87,6 +88,6 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
         ca, cb = posterior_fusion.load(a).components, posterior_fusion.load(b).components
         for u, v in zip(ca, cb, strict=True):
             torch.testing.assert_close(v.map, u.map, rtol=1e-5, atol=1e-6)  # Ray actors run single-threaded
-    _, ref, _ = fuse(files, "fedbens", OPTIONS, tmp_path / "val.h5")
+    _, ref, _ = fuse(files, "fedbens", OPTIONS, FUSE_SETTINGS, val_path=tmp_path / "val.h5")
     for u, v in zip(ref.members, g.members, strict=True):
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)

@@ -15,12 +15,12 @@ from posterior_fusion.artifact.objects import frozen_mapping
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.errors import IncompatibleArtifactsError, MethodNotApplicableError
-from posterior_fusion.fusion.baselines import fedavg, fisher_merge, product, regmean
-from posterior_fusion.fusion.common import FusionInputs, FusionOptions
-from posterior_fusion.fusion.fedbens import GlobalLogPosterior, fedbens
-from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.fusion import METHODS, FusionInputs, FusionOptions, fuse
+from posterior_fusion.fusion.fedbens import FedBEnsSettings, GlobalLogPosterior
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
+
+fedavg, fisher_merge, product, regmean, fedbens = (METHODS[m] for m in ("fedavg", "fisher-merge", "product", "regmean", "fedbens"))
 
 TINY = ModelSpec("mlp", {"in_features": 4, "hidden": 3, "num_classes": 2, "bias": True})
 TINY_LAYOUT = ParameterLayout.from_model(TINY.build())  # W1 (3,4), b1 (3,), W2 (2,3), b2 (2,)
@@ -29,7 +29,7 @@ TINY_LAYOUT = ParameterLayout.from_model(TINY.build())  # W1 (3,4), b1 (3,), W2 
 def client(comps: list[Component], structure: str, n: int = 10, T: float = 0.5, lam: float = 2.0,
            spec: ModelSpec = TINY, layout: ParameterLayout = TINY_LAYOUT, name: str = "c") -> ClientPosterior:
     meta = {"n_data": n, "temperature": T, "prior_precision": lam, "structure": structure,
-            "num_components": len(comps), "class_counts": []}
+            "num_components": len(comps), "class_counts": [n] + [0] * (spec.num_classes - 1)}
     return ClientPosterior(name, name + "-sha", spec, layout, frozen_mapping(meta), tuple(comps))
 
 
@@ -127,13 +127,13 @@ def test_fedbens_recovers_pooled_posterior():
     diff = obj(W) - 0.5 * torch.einsum("ki,ij,kj->k", W - mu, L, W - mu)
     torch.testing.assert_close(diff, diff[0].expand_as(diff), rtol=0, atol=1e-8)
     # ... and the server's Adam finds its mode.
-    res = fedbens(FusionInputs(clients, FusionOptions(steps=3000, lr=0.01, clip=100.0, progress=False)))
+    res = fedbens(FusionInputs(clients, FusionOptions(progress=False)), FedBEnsSettings(steps=3000, adam_lr=0.01, clip=100.0))
     torch.testing.assert_close(res.members[0].double(), mu, rtol=0, atol=2e-2)
 
 
 def test_fedbens_one_client_one_component_stays_at_its_map():
     clients, _, _ = linear_gaussian_clients(C=1)
-    res = fedbens(FusionInputs(clients, FusionOptions(steps=2000, lr=0.01, clip=100.0, progress=False)))
+    res = fedbens(FusionInputs(clients, FusionOptions(progress=False)), FedBEnsSettings(steps=2000, adam_lr=0.01, clip=100.0))
     torch.testing.assert_close(res.members[0].double(), clients[0].components[0].map, rtol=0, atol=2e-2)
 
 
@@ -194,7 +194,7 @@ def test_every_method_runs_and_members_are_independent(tmp_path, fitted, method)
     folder, paths = fitted
     out = tmp_path / "g.h5"
     result = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", method, "--out", str(out),
-                                        "--val", str(folder / "val.h5"), "--steps", "20", "--val-every", "5"])
+                                        "--val", str(folder / "val.h5"), "--steps", "20", "--val-every", "5"])  # deprecated spellings: warn, apply where they exist
     assert result.exit_code == 0, result.stderr
     g = posterior_fusion.load(out)
     assert g.method == method and len(g.metadata["provenance"]) == 3
@@ -212,7 +212,7 @@ def test_every_method_runs_and_members_are_independent(tmp_path, fitted, method)
 
 def test_fedbens_validation_selection_and_history(fitted):
     folder, paths = fitted
-    inputs, result, meta = fuse(paths, "fedbens", FusionOptions(steps=30, val_every=10, progress=False),
+    inputs, result, meta = fuse(paths, "fedbens", FusionOptions(progress=False), {"steps": 30, "val_every": 10},
                                 val_path=folder / "val.h5")
     assert len(result.members) == 2
     for hist in meta["history"]:
@@ -269,8 +269,8 @@ def test_write_then_fuse_through_artifacts_matches_in_memory(tmp_path):
         comps = [Component(k.index, k.map.float(), BlockDiag([type(b)(*[t.float() for t in raw_tensors(b)]) for b in k.curvature.blocks]), {}, 0.5, 2.0)
                  for k in c.components]
         write_client_artifact(paths[-1], TINY, TINY_LAYOUT, dict(c.metadata), comps)
-    _, res, _ = fuse(paths, "fedbens", FusionOptions(steps=5, progress=False))
-    mem = fedbens(FusionInputs(clients, FusionOptions(steps=5, progress=False)))
+    _, res, _ = fuse(paths, "fedbens", FusionOptions(progress=False), {"steps": 5})
+    mem = fedbens(FusionInputs(clients, FusionOptions(progress=False)), FedBEnsSettings(steps=5))
     for a, b in zip(res.members, mem.members):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)
 
@@ -285,15 +285,15 @@ def raw_tensors(block):
 
 def test_fedbe_distillation_with_unlabeled_data(fitted):
     folder, paths = fitted
-    inputs, res, meta = fuse(paths, "fedbe", FusionOptions(num_samples=4, distill_epochs=2, progress=False),
+    inputs, res, meta = fuse(paths, "fedbe", FusionOptions(progress=False), {"num_samples": 4, "distill_epochs": 2},
                              unlabeled_path=folder / "val.h5")
     assert len(res.members) == 1 and meta["distilled_from"] == 1 + 3 + 4
     # The student moved away from the Gaussian mean it started from, towards the teachers.
-    from posterior_fusion.fusion.sampling import fedbe
+    from posterior_fusion.fusion.fedbe import FedBESettings, fedbe
 
-    no_distill = fedbe(FusionInputs(inputs.clients, FusionOptions(num_samples=4, progress=False)))
+    no_distill = fedbe(FusionInputs(inputs.clients, FusionOptions(progress=False)), FedBESettings(num_samples=4))
     assert not torch.allclose(res.members[0], no_distill.members[0])
-    from posterior_fusion.fusion.common import batched_logits
+    from posterior_fusion.models.functional import batched_logits
 
     x, _ = inputs.unlabeled.tensors()
     teacher = torch.softmax(batched_logits(inputs.spec, torch.stack(no_distill.members), x), -1).mean(0)

@@ -9,7 +9,7 @@ import h5py
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import fit_artifact
+from conftest import fit_artifact, fit_split
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
@@ -18,9 +18,7 @@ from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ArtifactError, ConfigError, ResourceLimitError
-from posterior_fusion.fusion import registry
-from posterior_fusion.fusion.common import FusionOptions
-from posterior_fusion.fusion.registry import fuse
+from posterior_fusion.fusion import FusionOptions, fuse, server
 from posterior_fusion.fusion.robust import screen_clients
 
 
@@ -79,12 +77,7 @@ def poisoned_copy(src, dst, curvature_scale=1.0, map_noise=0.0):
 @pytest.fixture(scope="module")
 def honest(tmp_path_factory, small_silo):
     folder = tmp_path_factory.mktemp("honest")
-    paths = []
-    for c in range(4):
-        silo = SiloData(small_silo.x[c * 75 : (c + 1) * 75], small_silo.y[c * 75 : (c + 1) * 75], "fmnist", 10)
-        paths.append(folder / f"post_{c}.h5")
-        fit_artifact(paths[-1], silo, "kron", mixtures=2, seed=c, epochs=2)
-    return folder, paths
+    return folder, fit_split(folder, small_silo, 4, 75, "kron", mixtures=2, epochs=2)
 
 
 def test_robust_screening_flags_scaled_curvature_and_far_maps(tmp_path, honest):
@@ -110,9 +103,9 @@ def test_robust_screening_flags_scaled_curvature_and_far_maps(tmp_path, honest):
 def test_poisoned_curvature_dominates_fedbens_without_screening(tmp_path, honest):
     _, paths = honest
     scaled = poisoned_copy(paths[0], tmp_path / "scaled.h5", curvature_scale=1e6)
-    opts = FusionOptions(steps=40, progress=False)
-    _, plain, _ = fuse([scaled, *paths[1:]], "fedbens", opts)
-    _, robust, _ = fuse([scaled, *paths[1:]], "fedbens", opts, robust=True)
+    opts = FusionOptions(progress=False)
+    _, plain, _ = fuse([scaled, *paths[1:]], "fedbens", opts, {"steps": 40})
+    _, robust, _ = fuse([scaled, *paths[1:]], "fedbens", opts, {"steps": 40}, robust=True)
     victim = posterior_fusion.load(scaled).components[0].map
     # Without screening the poisoned client pins the first mode to its own MAP.
     assert (plain.members[0] - victim).norm() < 0.5 * (robust.members[0] - victim).norm()
@@ -124,7 +117,7 @@ def test_memory_limit_refuses_before_loading(tmp_path, honest, monkeypatch):
     def no_load(path):
         raise AssertionError("artifacts must not be loaded when the estimate is over the limit")
 
-    monkeypatch.setattr(registry, "load_client", no_load)
+    monkeypatch.setattr(server, "load_client", no_load)
     with pytest.raises(ResourceLimitError, match="GiB"):
         fuse(paths, "fedbens", max_memory=1000)
     monkeypatch.undo()

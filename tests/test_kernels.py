@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fit_artifact
+from conftest import fit_split, random_psd
 
 import posterior_fusion
 from posterior_fusion.curvature import Kron
-from posterior_fusion.data.silo import SiloData
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions
-from posterior_fusion.fusion.fedbens import GlobalLogPosterior, fedbens
+from posterior_fusion.fusion.fedbens import FedBEnsSettings, GlobalLogPosterior, fedbens
 from posterior_fusion.fusion.stack import StackedGaussians
-from posterior_fusion.kernels import kron_quadratic_forms, kron_sample, triton_available
+from posterior_fusion.kernels import kron_quadratic_forms, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install posterior-fusion[gpu])")
@@ -69,25 +68,20 @@ def test_triton_matches_reference_values_and_gradients(dtype, shape):
 
 
 def test_kron_sample_covariance():
-    W, mu, UB, UA, S, _ = problem(1, 2, 3, 4, 3, 4, torch.float64)
-    eps = torch.randn(200_000, 2, 3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
-    x = kron_sample(UB, UA, S, eps).reshape(200_000, 2, 12).cpu()
-    for n in range(2):
-        U = torch.kron(UB[n].cpu(), UA[n].cpu())
-        cov = U @ torch.diag(1 / S[n].cpu().reshape(-1)) @ U.T
-        emp = x[:, n].T @ x[:, n] / x.shape[0]
+    """``Kron.sample`` (the one Kronecker sampler) against the inverse of the dense precision."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        k = Kron(random_psd(3, gen), random_psd(4, gen)).precision(0.5, 0.3)
+        x = k.sample(200_000, generator=gen)
+        cov = torch.linalg.inv(k.to_dense())
+        emp = x.T @ x / x.shape[0]
         assert (emp - cov).abs().max() / cov.abs().max() < 0.03
 
 
 @pytest.fixture(scope="module")
 def kron_clients(tmp_path_factory, small_silo):
-    folder = tmp_path_factory.mktemp("kern")
-    paths = []
-    for c in range(2):
-        silo = SiloData(small_silo.x[c * 100 : (c + 1) * 100], small_silo.y[c * 100 : (c + 1) * 100], "fmnist", 10)
-        paths.append(folder / f"p{c}.h5")
-        fit_artifact(paths[-1], silo, "kron", model="mlp", kwargs={"hidden": 24, "bias": True}, mixtures=2, seed=c, epochs=2)
-    return paths
+    return fit_split(tmp_path_factory.mktemp("kern"), small_silo, 2, 100, "kron", model="mlp",
+                     kwargs={"hidden": 24, "bias": True}, mixtures=2, epochs=2)
 
 
 @needs_triton
@@ -99,9 +93,10 @@ def test_fedbens_same_modes_with_reference_and_triton():
     for c in clients:  # float32 artifacts, as read from disk
         for comp in c.components:
             object.__setattr__(comp, "map", comp.map.float())
-    opts = dict(steps=20, lr=0.05, progress=False, device=DEVICE)
-    ref = fedbens(FusionInputs(clients, FusionOptions(kernel="torch", **opts)))
-    tri = fedbens(FusionInputs(clients, FusionOptions(kernel="triton", **opts)))
+    opts = dict(progress=False, device=DEVICE)
+    settings = FedBEnsSettings(steps=20, adam_lr=0.05)
+    ref = fedbens(FusionInputs(clients, FusionOptions(kernel="torch", **opts)), settings)
+    tri = fedbens(FusionInputs(clients, FusionOptions(kernel="triton", **opts)), settings)
     for a, b in zip(ref.members, tri.members, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(ref.members[0], clients[0].components[0].map)  # the modes moved

@@ -15,7 +15,7 @@ import posterior_fusion
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 
-ARGS = ["--model", "lenet", "-M", "3", "--epochs", "2", "--hessian", "kron", "--seed", "7", "--init-seed", "1"]
+ARGS = ["--model", "lenet", "-M", "3", "--epochs", "2", "--structure", "kron", "--train-seed", "7", "--init-seed", "1"]
 
 
 def run_cli(*args):
@@ -61,7 +61,7 @@ def test_resume_with_other_settings_is_refused(tmp_path, fmnist_train):
     x, y = fmnist_train
     write_silo(tmp_path / "silo.h5", SiloData(x[:200], y[:200], "fmnist", 10))
     silo = str(tmp_path / "silo.h5")
-    args = ["--model", "mlp", "-M", "2", "--epochs", "1", "--hessian", "diag"]
+    args = ["--model", "mlp", "-M", "2", "--epochs", "1", "--structure", "diag"]
     assert run_cli("fit-local", "--data", silo, *args, "--out", str(tmp_path / "a.h5")).exit_code == 0
     # Fake an interrupted run: the first component of a run with a different seed.
     full = posterior_fusion.load(tmp_path / "a.h5")
@@ -69,6 +69,6 @@ def test_resume_with_other_settings_is_refused(tmp_path, fmnist_train):
 
     write_client_artifact(tmp_path / ".b.h5.partial.h5", full.model_spec, full.layout, dict(full.metadata),
                           list(full.components[:1]))
-    res = run_cli("fit-local", "--data", silo, *args, "--seed", "5", "--out", str(tmp_path / "b.h5"), "--resume")
+    res = run_cli("fit-local", "--data", silo, *args, "--train-seed", "5", "--out", str(tmp_path / "b.h5"), "--resume")
     assert res.exit_code != 0 and "different settings" in res.stderr
     assert not (tmp_path / "b.h5").exists()

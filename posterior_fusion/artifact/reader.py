@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +35,15 @@ from posterior_fusion.artifact.objects import (
     SwagMoments,
     frozen_mapping,
 )
-from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
+from posterior_fusion.artifact.records import (
+    ClientMetadata,
+    ComponentRecord,
+    HeaderProblem,
+    parse_json,
+    parse_layout,
+    parse_training,
+)
+from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, BlockValueError, Precision
 from posterior_fusion.errors import (
     ArtifactError,
     ArtifactNotFoundError,
@@ -48,10 +55,6 @@ from posterior_fusion.errors import (
 )
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
-
-SYMMETRY_RTOL = 1e-4
-REQUIRED_CLIENT_META = {"n_data": int, "class_counts": list, "temperature": (int, float),
-                        "prior_precision": (int, float), "structure": str, "num_components": int}
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -94,11 +97,7 @@ class _Checker:
             raise self.bad_schema(where, f"attribute {name!r} is not valid UTF-8") from None
 
     def json_attr(self, obj: h5py.HLObject, name: str, where: str) -> Any:
-        raw = self.attr(obj, name, where, "text")
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise self.bad_schema(where, f"attribute {name!r} is not valid JSON ({exc.msg})") from None
+        return parse_json(self.attr(obj, name, where, "text"), where, name)
 
     def dataset(self, f: h5py.File, where: str, shape: tuple[int, ...], dtypes=schema.FLOAT_DTYPES) -> h5py.Dataset:
         obj = f.get(where)
@@ -136,24 +135,6 @@ def _walk(chk: _Checker, f: h5py.File, pattern) -> set[str]:
     return found
 
 
-def _parse_layout(chk: _Checker, raw: Any) -> ParameterLayout:
-    if not isinstance(raw, list) or not 1 <= len(raw) <= schema.MAX_LAYOUT_ENTRIES:
-        raise chk.bad_schema("/", "layout must be a non-empty JSON list")
-    named: list[tuple[str, tuple[int, ...]]] = []
-    total = 0
-    for i, e in enumerate(raw):
-        ok = (isinstance(e, dict) and set(e) == {"name", "shape"} and isinstance(e["name"], str)
-              and isinstance(e["shape"], list) and 1 <= len(e["shape"]) <= 5
-              and all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= schema.MAX_PARAMS for s in e["shape"]))
-        if not ok:
-            raise chk.bad_schema("/", f"layout entry {i} must be {{'name': str, 'shape': [positive ints]}}")
-        total += math.prod(e["shape"])
-        if total > schema.MAX_PARAMS:
-            raise chk.bad_schema("/", f"layout declares more than {schema.MAX_PARAMS} parameters")
-        named.append((e["name"], tuple(e["shape"])))
-    return ParameterLayout.from_shapes(named)
-
-
 def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayout, dict]:
     for name in ("format", "format_version", "artifact_kind"):
         if name not in f.attrs:
@@ -178,7 +159,7 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
         spec = ModelSpec.from_json(json.dumps(spec_raw))
     except ModelSpecError as exc:
         raise chk.bad_schema("/", f"model_spec: {exc}") from None
-    layout = _parse_layout(chk, chk.json_attr(f, "layout", "/"))
+    layout = parse_layout(chk.json_attr(f, "layout", "/"))
     with torch.device("meta"):  # shapes only: a hostile spec allocates nothing
         expected = ParameterLayout.from_model(spec.build())
     if [(e.name, e.shape) for e in expected.entries] != [(e.name, e.shape) for e in layout.entries]:
@@ -187,45 +168,6 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
     if not isinstance(meta, dict):
         raise chk.bad_schema("/", "metadata must be a JSON object")
     return str(kind), spec, layout, meta
-
-
-def _check_blocks(chk: _Checker, where: str, descr: Any, layout: ParameterLayout) -> list[dict]:
-    if not isinstance(descr, list) or not 1 <= len(descr) <= schema.MAX_BLOCKS:
-        raise chk.bad_schema(where, "attribute 'blocks' must be a non-empty JSON list")
-    offset = 0
-    starts = {e.offset: e for e in layout.entries}
-    for i, b in enumerate(descr):
-        if not isinstance(b, dict) or b.get("kind") not in schema.BLOCK_KINDS:
-            raise chk.bad_schema(f"{where}/{i}", f"block kind must be one of {schema.BLOCK_KINDS}")
-        size, off = b.get("size"), b.get("offset")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, off)) or size < 1:
-            raise chk.bad_schema(f"{where}/{i}", "block offset/size must be integers, size >= 1")
-        if off != offset:
-            raise chk.bad_schema(f"{where}/{i}", f"blocks do not tile the parameters: offset {off}, expected {offset}")
-        if b["kind"] == "dense" and size > schema.MAX_DENSE_SIDE:
-            raise chk.bad_schema(f"{where}/{i}", f"dense block of side {size} exceeds the cap {schema.MAX_DENSE_SIDE}")
-        if b["kind"] == "kron":
-            shape = b.get("shape")
-            entry = starts.get(off)
-            if (not isinstance(shape, list) or len(shape) != 2
-                    or not all(isinstance(s, int) and 1 <= s <= schema.MAX_DENSE_SIDE for s in shape)
-                    or shape[0] * shape[1] != size):
-                raise chk.bad_schema(f"{where}/{i}", "kron block needs shape [out, in] with out*in == size")
-            if entry is None or entry.matrix_shape != tuple(shape):
-                raise chk.bad_schema(f"{where}/{i}", f"kron block {shape} at offset {off} is not a weight of the layout")
-        offset += size
-    if offset != layout.dim:
-        raise chk.bad_schema(where, f"blocks cover {offset} parameters, the layout has {layout.dim}")
-    return descr
-
-
-def _block_datasets(b: dict) -> dict[str, tuple[int, ...]]:
-    if b["kind"] == "diag":
-        return {"diag": (b["size"],)}
-    if b["kind"] == "dense":
-        return {"dense": (b["size"], b["size"])}
-    out, inn = b["shape"]
-    return {"kron_B": (out, out), "kron_A": (inn, inn)}
 
 
 def _read(chk: _Checker, ds: h5py.Dataset, where: str) -> torch.Tensor:
@@ -238,43 +180,23 @@ def _read(chk: _Checker, ds: h5py.Dataset, where: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
-def _check_factor(chk: _Checker, t: torch.Tensor, where: str) -> None:
-    if (torch.diagonal(t) < 0).any():
-        raise chk.bad_value(where, "curvature factor has a negative diagonal entry")
-    scale = t.abs().max().item()
-    if scale > 0 and (t - t.T).abs().max().item() > SYMMETRY_RTOL * scale:
-        raise chk.bad_value(where, "curvature factor is not symmetric")
-
-
-def _client_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) -> list[tuple]:
-    """Phase 1 for a client artifact: metadata, paths, dtypes and shapes; reads no data."""
-    for key, typ in REQUIRED_CLIENT_META.items():
-        if key not in meta or not isinstance(meta[key], typ) or isinstance(meta[key], bool):
-            raise chk.bad_schema("/", f"metadata field {key!r} missing or not {typ}")
-    if meta["structure"] not in schema.STRUCTURES:
-        raise chk.bad_schema("/", f"structure {meta['structure']!r} must be one of {schema.STRUCTURES}")
-    if not (meta["temperature"] > 0 and meta["prior_precision"] > 0 and meta["n_data"] >= 1):
-        raise chk.bad_schema("/", "metadata needs temperature > 0, prior_precision > 0, n_data >= 1")
-    m = meta["num_components"]
-    if not 1 <= m <= schema.MAX_COMPONENTS:
-        raise chk.bad_schema("/", f"num_components {m} out of range [1, {schema.MAX_COMPONENTS}]")
-    paths = _walk(chk, f, schema.CLIENT_PATH_RE)
+def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: ParameterLayout,
+                 meta: dict) -> tuple[ClientMetadata, list[ComponentRecord]]:
+    """Phase 1 for a client artifact: typed metadata and component records; reads no data."""
+    typed = ClientMetadata.parse(meta, spec.num_classes)
+    paths = _walk(chk, f, schema.client_path_re())
     d = layout.dim
-    plan = []  # (index, blocks, has_swag, swag_rank)
-    for i in range(m):
+    records: list[ComponentRecord] = []
+    for i in range(typed.num_components):
         base = f"/components/{i}"
         if base not in paths:
             raise chk.bad_schema(base, "missing component group")
         chk.dataset(f, f"{base}/map", (d,))
-        training = chk.json_attr(f[base], "training", base)
-        if not isinstance(training, dict):
-            raise chk.bad_schema(base, "attribute 'training' must be a JSON object")
+        training = parse_training(chk.json_attr(f[base], "training", base), base)
         if f"{base}/curvature" not in paths:
             raise chk.bad_schema(f"{base}/curvature", "missing curvature group")
-        blocks = _check_blocks(chk, f"{base}/curvature", chk.json_attr(f[f"{base}/curvature"], "blocks", f"{base}/curvature"), layout)
-        for j, b in enumerate(blocks):
-            for name, shape in _block_datasets(b).items():
-                chk.dataset(f, f"{base}/curvature/{j}/{name}", shape)
+        blocks = ComponentRecord.parse_blocks(
+            chk.json_attr(f[f"{base}/curvature"], "blocks", f"{base}/curvature"), f"{base}/curvature", layout)
         rank = None
         if f"{base}/swag" in paths:
             dev = f.get(f"{base}/swag/deviations")
@@ -283,51 +205,44 @@ def _client_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dic
             rank = dev.shape[0]
             for name, shape in (("mean", (d,)), ("sq_mean", (d,)), ("deviations", (rank, d))):
                 chk.dataset(f, f"{base}/swag/{name}", shape)
-        plan.append((i, training, blocks, rank))
-    expected_groups = {f"/components/{i}" for i in range(m)}
+        record = ComponentRecord(i, training, blocks, rank)
+        for path, shape in record.dataset_paths().items():
+            chk.dataset(f, path, shape)
+        records.append(record)
+    expected_groups = {f"/components/{i}" for i in range(typed.num_components)}
     extra = {p for p in paths if p.count("/") == 2} - expected_groups
     if extra:
-        raise chk.bad_schema(sorted(extra)[0], f"component not declared by num_components={m}")
-    expected_blocks = {f"/components/{i}/curvature/{j}" for i, _, blocks, _ in plan for j in range(len(blocks))}
-    expected_blocks |= {f"{p}/{n}" for i, _, blocks, _ in plan for j, b in enumerate(blocks)
-                        for p in [f"/components/{i}/curvature/{j}"] for n in _block_datasets(b)}
+        raise chk.bad_schema(sorted(extra)[0], f"component not declared by num_components={typed.num_components}")
+    expected_blocks = set()
+    for r in records:
+        expected_blocks |= {f"/components/{r.index}/curvature/{j}" for j in range(len(r.blocks))}
+        expected_blocks |= set(r.dataset_paths())
     extra = {p for p in paths if "/curvature/" in p} - expected_blocks
     if extra:
         raise chk.bad_schema(sorted(extra)[0], "object not declared by the curvature 'blocks' attribute")
+    return typed, records
 
-    return plan
 
-
-def _client(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict, plan: list[tuple]) -> list[Component]:
-    """Phase 2 for a client artifact: read and check values."""
+def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[ComponentRecord]) -> list[Component]:
+    """Phase 2 for a client artifact: read and check values; each block is rebuilt by its class."""
     comps = []
-    for i, training, blocks, rank in plan:
-        base = f"/components/{i}"
+    for r in records:
+        base = f"/components/{r.index}"
         w = _read(chk, f[f"{base}/map"], f"{base}/map")
         parts: list[Precision] = []
-        for j, b in enumerate(blocks):
+        for j, b in enumerate(r.blocks):
             where = f"{base}/curvature/{j}"
-            if b["kind"] == "diag":
-                g = _read(chk, f[f"{where}/diag"], f"{where}/diag")
-                if (g < 0).any():
-                    raise chk.bad_value(f"{where}/diag", "diagonal curvature has negative entries")
-                parts.append(Diag(g))
-            elif b["kind"] == "dense":
-                G = _read(chk, f[f"{where}/dense"], f"{where}/dense")
-                _check_factor(chk, G, f"{where}/dense")
-                parts.append(Dense(G))
-            else:
-                B = _read(chk, f[f"{where}/kron_B"], f"{where}/kron_B")
-                A = _read(chk, f[f"{where}/kron_A"], f"{where}/kron_A")
-                _check_factor(chk, B, f"{where}/kron_B")
-                _check_factor(chk, A, f"{where}/kron_A")
-                parts.append(Kron(B, A))
+            tensors = {name: _read(chk, f[f"{where}/{name}"], f"{where}/{name}") for name in b.datasets}
+            try:
+                parts.append(BLOCK_TYPES[b.kind].from_tensors(tensors, {**b.fields, "size": b.size}))
+            except BlockValueError as exc:
+                raise chk.bad_value(f"{where}/{exc.name}", exc.message) from None
         swag = None
-        if rank is not None:
+        if r.swag_rank is not None:
             swag = SwagMoments(*(_read(chk, f[f"{base}/swag/{n}"], f"{base}/swag/{n}")
                                  for n in ("mean", "sq_mean", "deviations")))
-        comps.append(Component(i, w, BlockDiag(parts), frozen_mapping(training),
-                               float(meta["temperature"]), float(meta["prior_precision"]), swag))
+        comps.append(Component(r.index, w, BlockDiag(parts), frozen_mapping(r.training),
+                               typed.temperature, typed.prior_precision, swag))
     return comps
 
 
@@ -358,6 +273,8 @@ def _open(path: Path) -> Iterator[tuple[_Checker, h5py.File]]:
             yield chk, f
     except ArtifactError:
         raise
+    except HeaderProblem as exc:
+        raise SchemaError(str(path), exc.message, exc.where) from None
     except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise NotAnArtifactError(str(path), f"corrupt or truncated HDF5 file ({type(exc).__name__}: {exc})") from None
 
@@ -369,10 +286,10 @@ def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
     is the in-memory size of every dataset once loaded.
     """
     with _open(Path(path)) as (chk, f):
-        kind, _, layout, meta = _header(chk, f)
+        kind, spec, layout, meta = _header(chk, f)
         if kind == schema.KIND_CLIENT:
-            _client_plan(chk, f, layout, meta)
-        pattern = schema.CLIENT_PATH_RE if kind == schema.KIND_CLIENT else schema.GLOBAL_PATH_RE
+            _client_plan(chk, f, spec, layout, meta)
+        pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.GLOBAL_PATH_RE
         total = sum(f[p].size * f[p].dtype.itemsize for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
     return {"kind": kind, "num_params": layout.dim, "num_components": meta.get("num_components", meta.get("num_members")),
             "data_bytes": total}
@@ -387,7 +304,7 @@ def load(path: str | os.PathLike) -> ClientPosterior | GlobalEnsemble:
     with _open(path) as (chk, f):
         kind, spec, layout, meta = _header(chk, f)
         if kind == schema.KIND_CLIENT:
-            comps = _client(chk, f, layout, meta, _client_plan(chk, f, layout, meta))
+            comps = _client(chk, f, *_client_plan(chk, f, spec, layout, meta))
         else:
             members = _global(chk, f, layout, meta)
     sha = file_sha256(path)

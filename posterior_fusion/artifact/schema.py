@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import re
 
+from posterior_fusion.curvature import BLOCK_TYPES
+
 FORMAT_NAME = "posterior-fusion"
 FORMAT_VERSION = 1
 KIND_CLIENT = "client"
 KIND_GLOBAL = "global"
 
-STRUCTURES = ("diag", "diag+full", "kron")
-BLOCK_KINDS = ("diag", "dense", "kron")
+STRUCTURE_RE = re.compile(r"^[a-z0-9][a-z0-9+_-]{0,31}$")  # a label; the blocks themselves are checked
 
 # Caps: checked against declared shapes before anything is allocated.
 MAX_PARAMS = 50_000_000
@@ -24,26 +25,35 @@ MAX_SWAG_RANK = 256
 MAX_JSON_CHARS = 4_000_000
 MAX_LAYOUT_ENTRIES = 10_000
 MAX_BLOCKS = 10_000
+MAX_JSON_DEPTH = 32
+MAX_JSON_INT_DIGITS = 19
+MAX_N_DATA = 10**9
+TEMPERATURE_RANGE = (1e-6, 1e6)
+PRIOR_PRECISION_RANGE = (1e-8, 1e8)
 
 ROOT_ATTRS = {"format", "format_version", "artifact_kind", "model_spec", "layout", "metadata"}
 
 _IDX = r"(0|[1-9][0-9]{0,5})"
-CLIENT_PATHS = [
-    r"/components",
-    rf"/components/{_IDX}",
-    rf"/components/{_IDX}/map",
-    rf"/components/{_IDX}/curvature",
-    rf"/components/{_IDX}/curvature/{_IDX}",
-    rf"/components/{_IDX}/curvature/{_IDX}/(diag|dense|kron_B|kron_A)",
-    rf"/components/{_IDX}/swag",
-    rf"/components/{_IDX}/swag/(mean|sq_mean|deviations)",
-]
 GLOBAL_PATHS = [
     r"/members",
     rf"/members/{_IDX}",
     rf"/members/{_IDX}/weights",
 ]
-CLIENT_PATH_RE = re.compile("^(" + "|".join(CLIENT_PATHS) + ")$")
 GLOBAL_PATH_RE = re.compile("^(" + "|".join(GLOBAL_PATHS) + ")$")
 
 FLOAT_DTYPES = ("float32", "float64")
+
+
+def client_path_re() -> re.Pattern:
+    """The whitelist of client-artifact paths; curvature dataset names come from the block-type table."""
+    names = "|".join(sorted({re.escape(n) for cls in BLOCK_TYPES.values() for n in cls.dataset_names}))
+    return re.compile("^(" + "|".join([
+        r"/components",
+        rf"/components/{_IDX}",
+        rf"/components/{_IDX}/map",
+        rf"/components/{_IDX}/curvature",
+        rf"/components/{_IDX}/curvature/{_IDX}",
+        rf"/components/{_IDX}/curvature/{_IDX}/({names})",
+        rf"/components/{_IDX}/swag",
+        rf"/components/{_IDX}/swag/(mean|sq_mean|deviations)",
+    ]) + ")$")

@@ -14,7 +14,6 @@ import torch
 from posterior_fusion.artifact.atomic import atomic_h5_write
 from posterior_fusion.artifact.objects import Component
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
-from posterior_fusion.curvature import Dense, Diag, Kron
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 
@@ -44,19 +43,10 @@ def write_component(group: h5py.Group, comp: Component) -> None:
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
     for i, (block, off) in enumerate(zip(comp.curvature.blocks, comp.curvature.offsets)):
+        descr.append({"kind": block.kind, "offset": off, "size": block.dim, **block.header()})
         g = curv.create_group(str(i))
-        if isinstance(block, Diag):
-            descr.append({"kind": "diag", "offset": off, "size": block.dim})
-            g.create_dataset("diag", data=_np(block.g))
-        elif isinstance(block, Dense):
-            descr.append({"kind": "dense", "offset": off, "size": block.dim})
-            g.create_dataset("dense", data=_np(block.G))
-        elif isinstance(block, Kron):
-            descr.append({"kind": "kron", "offset": off, "size": block.dim, "shape": list(block.shape)})
-            g.create_dataset("kron_B", data=_np(block.B))
-            g.create_dataset("kron_A", data=_np(block.A))
-        else:
-            raise TypeError(f"cannot write block of type {type(block).__name__}")
+        for name, tensor in block.to_tensors().items():
+            g.create_dataset(name, data=_np(tensor))
     curv.attrs["blocks"] = text_attr(json.dumps(descr))
     if comp.swag is not None:
         s = group.create_group("swag")

@@ -13,14 +13,50 @@ shape ``(..., dim)``; the leading dimensions batch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, MethodNotApplicableError
+
+
+class BlockValueError(ValueError):
+    """Raised by :meth:`Precision.from_tensors` / :meth:`Precision.dataset_shapes`; ``name``
+    is the offending dataset (or header field) so the reader can name the HDF5 path."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+
+class StackedBlock(Protocol):
+    """N blocks of one kind and size, stacked for batched evaluation (see ``fusion/stack.py``)."""
+
+    offset: int
+    size: int
+    logdets: torch.Tensor  # (N,) log|Λ_n|
+
+    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` ``(K, size)`` (this block's slice of K points) -> ``(K, N)`` quadratic forms."""
+        ...
+
+    def to(self, device: str | torch.device) -> StackedBlock:
+        ...
 
 
 class Precision(ABC):
-    """A structured symmetric PSD matrix ``Λ = scale·G + shift·I`` of size ``dim × dim``."""
+    """A structured symmetric PSD matrix ``Λ = scale·G + shift·I`` of size ``dim × dim``.
+
+    Every concrete block type also declares how it is stored (the block-type table
+    :data:`posterior_fusion.curvature.BLOCK_TYPES` is keyed by ``kind``): ``dataset_names``,
+    :meth:`header`, :meth:`dataset_shapes`, :meth:`to_tensors`, :meth:`from_tensors`, and how
+    many of it are evaluated at once (:meth:`stacked`).
+    """
+
+    kind: ClassVar[str] = ""
+    dataset_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, scale: float = 1.0, shift: float = 0.0) -> None:
         if not (scale >= 0 and shift >= 0):
@@ -82,6 +118,46 @@ class Precision(ABC):
     def nbytes(self) -> int:
         """Bytes held by the raw curvature tensors."""
 
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        """``Λ⁻¹ v`` for ``v`` of shape ``(..., dim)`` (Λ must be positive definite)."""
+        raise NotImplementedError(f"{type(self).__name__} has no solve")
+
+    # --- storage: one table entry per block type -------------------------------------------
+
+    def header(self) -> dict[str, Any]:
+        """Extra header fields of this block beyond ``kind``/``offset``/``size`` (JSON-able)."""
+        return {}
+
+    @classmethod
+    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """Dataset name -> shape implied by a block header (raises :class:`BlockValueError`)."""
+        raise NotImplementedError
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The raw curvature tensors to store, by dataset name."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Precision:
+        """Rebuild raw curvature (``scale=1, shift=0``) from stored tensors (``header``: the block's
+        header fields including ``size``) after checking their
+        values (finite is checked by the reader; here: signs, symmetry); raises :class:`BlockValueError`."""
+        raise NotImplementedError
+
+    @classmethod
+    def stacked(cls, blocks: list[Precision], offset: int, mu: torch.Tensor, scales: torch.Tensor,
+                shifts: torch.Tensor, dtype: torch.dtype, lowrank_tol: float = 0.0,
+                kernel: str | None = None) -> StackedBlock:
+        """N raw blocks of this type with means ``mu`` ``(N, size)`` and per-component
+        ``scales``/``shifts`` ``(N,)`` stacked for batched quadratic forms."""
+        raise NotImplementedError
+
+    @classmethod
+    def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Precision:
+        """``Σ_i Λ_i + extra_shift · I`` in this structure, float64 (closed-form products of
+        Gaussians); a structure whose sums leave it raises :class:`MethodNotApplicableError`."""
+        raise MethodNotApplicableError(f"a sum of {cls.kind} blocks is not a {cls.kind} block")
+
     def _check_vec(self, v: torch.Tensor) -> None:
         if v.shape[-1] != self.dim:
             raise ConfigError(f"{type(self).__name__}: vector has last dimension {v.shape[-1]}, expected {self.dim}")
@@ -96,3 +172,16 @@ def eigh_psd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     work = matrix.double() if matrix.dtype == torch.float32 else matrix
     evals, evecs = torch.linalg.eigh(0.5 * (work + work.T))
     return evals.clamp_min(0).to(matrix.dtype), evecs.to(matrix.dtype)
+
+
+SYMMETRY_RTOL = 1e-4
+
+
+def check_psd_factor(name: str, t: torch.Tensor) -> None:
+    """Stored factors must be square, symmetric (to ``SYMMETRY_RTOL``) with a non-negative diagonal."""
+    if (torch.diagonal(t) < 0).any():
+        raise BlockValueError(name, "curvature factor has a negative diagonal entry")
+    scale = t.abs().max().item() if t.numel() else 0.0
+    if scale > 0 and (t - t.T).abs().max().item() > SYMMETRY_RTOL * scale:
+        raise BlockValueError(name, "curvature factor is not symmetric")
+

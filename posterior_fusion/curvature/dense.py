@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from posterior_fusion.curvature.base import Precision, eigh_psd
+from posterior_fusion.curvature.base import Precision, check_psd_factor, eigh_psd
 
 
 class Dense(Precision):
     """Full symmetric PSD block (e.g. the last layer of diag+full, or a bias block of kron)."""
+
+    kind = "dense"
+    dataset_names = ("dense",)
 
     def __init__(self, G: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
@@ -46,6 +53,12 @@ class Dense(Precision):
         self._check_vec(v)
         return self.scale * (v @ self.G) + self.shift * v  # G is symmetric
 
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        if v.ndim == 1:
+            return torch.linalg.solve(self.to_dense(), v)
+        return torch.linalg.solve(self.to_dense(), v.reshape(-1, self.dim).T).T.reshape(v.shape)
+
     def logdet(self) -> torch.Tensor:
         return self.eigenvalues().log().sum()
 
@@ -60,3 +73,49 @@ class Dense(Precision):
     @property
     def nbytes(self) -> int:
         return self.G.numel() * self.G.element_size()
+
+    # --- storage and stacking ---------------------------------------------------------------
+
+    @classmethod
+    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        return {"dense": (size, size)}
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"dense": self.G}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Dense:
+        check_psd_factor("dense", tensors["dense"])
+        return cls(tensors["dense"])
+
+    @classmethod
+    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedDense:
+        eig = [b.eigen() for b in blocks]
+        S = scales[:, None] * torch.stack([e[0].to(dtype) for e in eig]) + shifts[:, None]
+        U = torch.stack([e[1].to(dtype) for e in eig])
+        return StackedDense(offset, mu.shape[1], mu, S, U, S.log().sum(1))
+
+    @classmethod
+    def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Dense:
+        eye = torch.eye(blocks[0].dim, dtype=torch.float64)
+        return cls(sum(b.to_dense().double() for b in blocks) + extra_shift * eye)
+
+
+@dataclass(frozen=True)
+class StackedDense:
+    """N dense blocks in eigen-form: ``mu`` ``(N, p)``, eigenvalues of Λ ``S`` ``(N, p)``, ``U`` ``(N, p, p)``."""
+
+    offset: int
+    size: int
+    mu: torch.Tensor
+    S: torch.Tensor
+    U: torch.Tensor
+    logdets: torch.Tensor
+
+    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        z = torch.einsum("knp,npq->knq", w[:, None, :] - self.mu[None], self.U)
+        return (z.square() * self.S[None]).sum(-1)
+
+    def to(self, device) -> StackedDense:
+        return StackedDense(self.offset, self.size, self.mu.to(device), self.S.to(device), self.U.to(device),
+                            self.logdets.to(device))

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from posterior_fusion.curvature.base import Precision
+from posterior_fusion.curvature.base import BlockValueError, Precision
 
 
 class Diag(Precision):
     """Diagonal structure; ``g`` has shape ``(d,)`` and is >= 0."""
+
+    kind = "diag"
+    dataset_names = ("diag",)
 
     def __init__(self, g: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
@@ -32,6 +39,10 @@ class Diag(Precision):
         self._check_vec(v)
         return v * self.diagonal()
 
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return v / self.diagonal()
+
     def logdet(self) -> torch.Tensor:
         return self.diagonal().log().sum()
 
@@ -45,3 +56,45 @@ class Diag(Precision):
     @property
     def nbytes(self) -> int:
         return self.g.numel() * self.g.element_size()
+
+    # --- storage and stacking ---------------------------------------------------------------
+
+    @classmethod
+    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        return {"diag": (size,)}
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"diag": self.g}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Diag:
+        g = tensors["diag"]
+        if (g < 0).any():
+            raise BlockValueError("diag", "diagonal curvature has negative entries")
+        return cls(g)
+
+    @classmethod
+    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedDiag:
+        S = scales[:, None] * torch.stack([b.g.to(dtype) for b in blocks]) + shifts[:, None]
+        return StackedDiag(offset, mu.shape[1], mu, S, S.log().sum(1))
+
+    @classmethod
+    def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Diag:
+        return cls(sum(b.diagonal().double() for b in blocks) + extra_shift)
+
+
+@dataclass(frozen=True)
+class StackedDiag:
+    """N diagonal blocks: means ``mu`` ``(N, size)``, precisions' diagonals ``S`` ``(N, size)``."""
+
+    offset: int
+    size: int
+    mu: torch.Tensor
+    S: torch.Tensor
+    logdets: torch.Tensor
+
+    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        return ((w[:, None, :] - self.mu[None]).square() * self.S[None]).sum(-1)
+
+    def to(self, device) -> StackedDiag:
+        return StackedDiag(self.offset, self.size, self.mu.to(device), self.S.to(device), self.logdets.to(device))

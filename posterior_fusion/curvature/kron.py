@@ -12,13 +12,21 @@ This matches laplace-torch's ``KronDecomposed`` (first factor = output side).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from posterior_fusion.curvature.base import Precision, eigh_psd
+from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd
+from posterior_fusion.kernels import kron_quadratic_forms
 
 
 class Kron(Precision):
     """Two-factor Kronecker block for a weight of matrix shape ``(out, in)``."""
+
+    kind = "kron"
+    dataset_names = ("kron_B", "kron_A")
 
     def __init__(self, B: torch.Tensor, A: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
@@ -68,6 +76,12 @@ class Kron(Precision):
         out = self.scale * (self.B @ V @ self.A.T) + self.shift * V
         return out.reshape(v.shape)
 
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        _, UB, _, UA = self.eigen()
+        Z = self._rotate(v) / self.eigenvalue_grid()
+        return (UB @ Z @ UA.T).reshape(v.shape)
+
     def logdet(self) -> torch.Tensor:
         return self.eigenvalue_grid().log().sum()
 
@@ -86,3 +100,88 @@ class Kron(Precision):
     @property
     def nbytes(self) -> int:
         return (self.B.numel() + self.A.numel()) * self.B.element_size()
+
+    # --- storage and stacking ---------------------------------------------------------------
+
+    def header(self) -> dict[str, Any]:
+        return {"shape": list(self.shape)}
+
+    @classmethod
+    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        shape = header.get("shape")
+        if (not isinstance(shape, list) or len(shape) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
+                or shape[0] * shape[1] != size):
+            raise BlockValueError("shape", "kron block needs shape [out, in] with out*in == size")
+        return {"kron_B": (shape[0], shape[0]), "kron_A": (shape[1], shape[1])}
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"kron_B": self.B, "kron_A": self.A}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Kron:
+        for name in cls.dataset_names:
+            check_psd_factor(name, tensors[name])
+        return cls(tensors["kron_B"], tensors["kron_A"])
+
+    @classmethod
+    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedKron:
+        """Eigen-bases sorted ascending per component; with ``lowrank_tol > 0`` the low-rank
+        shortcut of ``fusion/stack.py`` keeps only directions with curvature ``>= tol · shift``."""
+        out, inn = blocks[0].shape
+        eig = [b.eigen() for b in blocks]
+        b = torch.stack([e[0].to(dtype) for e in eig])  # (N, out)
+        a = torch.stack([e[2].to(dtype) for e in eig])  # (N, in)
+        UB = torch.stack([e[1].to(dtype) for e in eig])
+        UA = torch.stack([e[3].to(dtype) for e in eig])
+        # Ascending order per component, whatever order the decomposition came in.
+        b, ib = b.sort(dim=1)
+        a, ia = a.sort(dim=1)
+        UB = UB.gather(2, ib[:, None, :].expand_as(UB))
+        UA = UA.gather(2, ia[:, None, :].expand_as(UA))
+        curv = scales[:, None, None] * b[:, :, None] * a[:, None, :]  # (N, out, in)
+        logdets = (curv + shifts[:, None, None]).log().flatten(1).sum(1)
+        mu = mu.reshape(-1, out, inn)
+        if lowrank_tol <= 0:
+            return StackedKron(offset, out * inn, mu, curv + shifts[:, None, None], UB, UA, logdets, None,
+                               (out, inn, out, inn), kernel)
+        thresh = lowrank_tol * shifts
+        keep_b = int((scales[:, None] * b * a[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
+        keep_a = int((scales[:, None] * a * b[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
+        return StackedKron(offset, out * inn, mu, curv[:, -keep_b:, -keep_a:].contiguous(),
+                           UB[:, :, -keep_b:].contiguous(), UA[:, :, -keep_a:].contiguous(), logdets,
+                           shifts.clone(), (out, inn, keep_b, keep_a), kernel)
+
+
+@dataclass(frozen=True)
+class StackedKron:
+    """N Kronecker blocks: ``mu`` ``(N, out, in)``, rotated weights ``S`` ``(N, R1, R2)``,
+    bases ``UB`` ``(N, out, R1)`` / ``UA`` ``(N, in, R2)``; ``shift`` ``(N,)`` only under the
+    low-rank shortcut (its closed-form ``shift ‖W − μ‖²`` term); ``rank`` = (out, in, R1, R2)."""
+
+    offset: int
+    size: int
+    mu: torch.Tensor
+    S: torch.Tensor
+    UB: torch.Tensor
+    UA: torch.Tensor
+    logdets: torch.Tensor
+    shift: torch.Tensor | None
+    rank: tuple[int, int, int, int]
+    kernel: str | None = None
+
+    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        Wk = w.reshape(w.shape[0], *self.mu.shape[1:])
+        total = kron_quadratic_forms(Wk, self.mu, self.UB, self.UA, self.S, self.kernel)
+        if self.shift is not None:  # closed-form λ0 ‖W − μ‖² of the low-rank shortcut
+            flat_mu = self.mu.flatten(1)
+            sq = w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None]
+            total = total + self.shift[None] * sq
+        return total
+
+    def to(self, device) -> StackedKron:
+        def mv(t):
+            return None if t is None else t.to(device)
+
+        return StackedKron(self.offset, self.size, mv(self.mu), mv(self.S), mv(self.UB), mv(self.UA),
+                           mv(self.logdets), mv(self.shift), self.rank, self.kernel)

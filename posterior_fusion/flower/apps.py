@@ -11,7 +11,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion.flower.federation import FederatedSettings, make_client_app, run_round
-from posterior_fusion.fusion.common import FusionOptions
+from posterior_fusion.fusion import FusionOptions
 
 clientapp = make_client_app()
 serverapp = ServerApp()

@@ -19,7 +19,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,34 +29,37 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion.artifact import load_client, write_global_artifact
-from posterior_fusion.errors import ArtifactError, ConfigError, PfuseError
-from posterior_fusion.fusion.common import FusionOptions
-from posterior_fusion.fusion.registry import fuse
-from posterior_fusion.local.fit import FitConfig, fit_silo_to_artifact
-from posterior_fusion.local.train import TrainConfig
+from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError
+from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fit import fit_silo_to_artifact
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
+RENAMED_KEYS = {"mixtures": "components", "seed": "train_seed"}  # deprecated spellings, one release
+_FIT, _TRAIN = FitConfig(), TrainConfig()
 
 
 @dataclass(frozen=True)
 class FederatedSettings:
-    """What the server sends to every node (the shared part of ``pfuse fit-local``'s options)."""
+    """What the server sends to every node: the shared part of ``pfuse fit-local``'s options
+    (names as on the CLI, with ``_``; defaults from :class:`FitConfig`)."""
 
     model: str = "lenet"
     model_kwargs: dict = field(default_factory=dict)
-    mixtures: int = 5
+    components: int = 5
     init_seed: int = 0
-    structure: str = "kron"
-    temperature: float = 0.1
-    prior_var: float = 0.1
-    epochs: int = 20
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.9
-    swag: bool = False
-    ggn: str = "exact"
-    seed: int = 0
+    structure: str = _FIT.structure
+    temperature: float = _FIT.temperature
+    prior_var: float = _FIT.prior_var
+    epochs: int = _TRAIN.epochs
+    batch_size: int = _TRAIN.batch_size
+    lr: float = _TRAIN.lr
+    momentum: float = _TRAIN.momentum
+    swag: bool = _TRAIN.swag
+    ggn: str = _FIT.ggn
+    train_seed: int = _FIT.train_seed
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -65,13 +68,19 @@ class FederatedSettings:
     def from_json(cls, text: str) -> FederatedSettings:
         try:
             obj = json.loads(text)
-            return cls(**obj)
-        except (json.JSONDecodeError, TypeError) as exc:
+            return cls(**{RENAMED_KEYS.get(k, k): v for k, v in obj.items()})
+        except (json.JSONDecodeError, TypeError, AttributeError) as exc:
             raise ConfigError(f"invalid federated settings: {exc}") from None
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FederatedSettings:
         """Settings from a Flower run config (keys as in examples/flower/pyproject.toml)."""
+        cfg = dict(cfg)
+        for old, new in RENAMED_KEYS.items():
+            old_key, new_key = old.replace("_", "-"), new.replace("_", "-")
+            if old_key in cfg:
+                print(f"warning: run config key {old_key!r} is deprecated; use {new_key!r}")
+                cfg.setdefault(new_key, cfg.pop(old_key))
         kwargs = json.loads(str(cfg.get("model-kwargs", "{}")))
         names = {f: f.replace("_", "-") for f in cls.__dataclass_fields__ if f != "model_kwargs"}
         vals = {f: cfg[key] for f, key in names.items() if key in cfg}
@@ -81,16 +90,18 @@ class FederatedSettings:
         return ModelSpec(self.model, dict(self.model_kwargs))
 
     def fit_config(self) -> FitConfig:
-        return FitConfig(structure=self.structure, temperature=self.temperature, prior_var=self.prior_var,
-                         seed=self.seed, ggn=self.ggn,
-                         train=TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                                           momentum=self.momentum, weight_decay=-1.0, swag=self.swag))
+        cfg = FitConfig(structure=self.structure, temperature=self.temperature, prior_var=self.prior_var,
+                        train_seed=self.train_seed, ggn=self.ggn,
+                        train=TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                                          momentum=self.momentum, swag=self.swag))
+        cfg.validate()
+        return cfg
 
 
 def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
                     log: Callable[[str], None] = lambda m: None) -> None:
     """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does."""
-    fit_silo_to_artifact(settings.spec(), silo_path, out, settings.mixtures, settings.init_seed,
+    fit_silo_to_artifact(settings.spec(), silo_path, out, settings.components, settings.init_seed,
                          settings.fit_config(), log=log)
 
 
@@ -165,17 +176,18 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
                 tmp.unlink(missing_ok=True)
         message = f"client {r.key}: reply rejected ({problem})"
         if on_bad_reply == "fail":
-            raise ConfigError(message)
+            raise FederationError(message)
         log(message + "; continuing without it")
     if not accepted:
-        raise ConfigError("no valid client artifact was received")
+        raise FederationError("no valid client artifact was received")
     return accepted
 
 
 def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str = "fedbens",
               options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print,
+              method_settings: MethodSettings | Mapping[str, Any] | None = None) -> dict:
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``."""
     out = Path(out_dir)
     t0 = time.time()
@@ -184,7 +196,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
         time.sleep(0.2)
         ids = list(grid.get_node_ids())
     if len(ids) < min_nodes:
-        raise ConfigError(f"only {len(ids)} of {min_nodes} nodes connected within {wait_s:.0f}s")
+        raise FederationError(f"only {len(ids)} of {min_nodes} nodes connected within {wait_s:.0f}s")
     content = RecordDict({"config": ConfigRecord({"settings": settings.to_json()})})
     messages = [Message(content, dst_node_id=i, message_type="train") for i in ids]
     log(f"sent settings to {len(messages)} nodes")
@@ -200,10 +212,11 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     missing = len(messages) - len(replies)
     if missing:
         if on_bad_reply == "fail":
-            raise ConfigError(f"{missing} node(s) did not reply")
+            raise FederationError(f"{missing} node(s) did not reply")
         log(f"{missing} node(s) did not reply; continuing without them")
     paths = collect_replies(replies, out, on_bad_reply, log)
-    inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), val_path, log=log)
+    inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
+                                val_path, log=log)
     meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],
                           "settings": json.loads(settings.to_json())}
     write_global_artifact(out / "global.h5", inputs.spec, inputs.clients[0].layout, meta, result.members)
@@ -213,13 +226,16 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
 
 def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, method: str = "fedbens",
                     options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
-                    on_bad_reply: str = "skip", min_nodes: int = 1) -> ServerApp:
+                    on_bad_reply: str = "skip", min_nodes: int = 1,
+                    method_settings: MethodSettings | Mapping[str, Any] | None = None) -> ServerApp:
+    """A ServerApp running :func:`run_round` (``method_settings``: the fusion method's settings)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            run_round(grid, settings, out_dir, method, options, val_path, on_bad_reply, min_nodes)
+            run_round(grid, settings, out_dir, method, options, val_path, on_bad_reply, min_nodes,
+                      method_settings=method_settings)
         except PfuseError as exc:
             print(f"error: {exc}")
             raise

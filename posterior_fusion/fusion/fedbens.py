@@ -11,22 +11,33 @@ which is the same as M independent Adam runs.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from posterior_fusion.artifact import ClientPosterior
+from posterior_fusion.artifact.objects import LOG_2PI
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.common import (
-    FusionInputs,
-    FusionResult,
-    accuracy_of,
-    require_equal_components,
-)
+from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_equal_components
+from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
+from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
 
-LOG_2PI = math.log(2 * math.pi)
+
+@dataclass(frozen=True)
+class FedBEnsSettings(OptimiserSettings):
+    """FedBEns: Adam settings plus the number of global modes and the low-rank shortcut."""
+
+    modes: int | None = setting(None, "Number of global modes; None = the clients' M.")
+    lowrank_tol: float = setting(0.0, "Kronecker low-rank shortcut: drop eigen-directions with curvature < tol·λ0 "
+                                      "(relative objective error < tol); 0 = exact.")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.modes is not None and self.modes < 1:
+            raise ConfigError("setting modes must be >= 1")
+        if not 0 <= self.lowrank_tol < 1:
+            raise ConfigError("setting lowrank_tol must be in [0, 1)")
 
 
 class GlobalLogPosterior:
@@ -70,65 +81,19 @@ def median_starts(inputs: FusionInputs, modes: int) -> torch.Tensor:
     return torch.stack([inputs.mode_maps(m).median(dim=0).values for m in range(modes)])
 
 
-def optimise_modes(objective, W0: torch.Tensor, inputs: FusionInputs, desc: str) -> tuple[torch.Tensor, list[list[dict]]]:
-    """Adam on ``objective`` from each row of ``W0`` ``(K, d)`` with per-row clipping.
-
-    Keeps, per row, the iterate with the best validation accuracy (evaluated at step 0, every
-    ``val_every`` steps and at the last step) if validation data is given, else the iterate
-    with the lowest objective. Returns ``(best (K, d), history per row)``.
-    """
-    opts = inputs.options
-    W = W0.clone().to(opts.device).requires_grad_(True)
-    adam = torch.optim.Adam([W], lr=opts.lr)
-    K = W.shape[0]
-    best = W0.clone()
-    best_score = torch.full((K,), -math.inf)
-    history: list[list[dict]] = [[] for _ in range(K)]
-
-    def consider(step: int, values: torch.Tensor) -> None:
-        with torch.no_grad():
-            if inputs.val is not None:
-                if step % opts.val_every != 0 and step != opts.steps:
-                    return
-                score = accuracy_of(inputs.spec, W.detach().cpu(), inputs.val)
-            else:
-                score = -values
-            for k in range(K):
-                entry = {"step": step, "objective": float(values[k])}
-                if inputs.val is not None:
-                    entry["val_accuracy"] = float(score[k])
-                if inputs.val is not None or step % opts.val_every == 0 or step == opts.steps:
-                    history[k].append(entry)
-            score = score.cpu()
-            improved = score > best_score
-            best[improved] = W.detach().cpu()[improved]
-            best_score[improved] = score[improved]
-
-    bar = tqdm(range(opts.steps + 1), desc=desc, leave=False, disable=None if opts.progress else True)
-    for step in bar:
-        values = objective(W)
-        consider(step, values.detach().cpu())
-        if step == opts.steps:
-            break
-        adam.zero_grad(set_to_none=True)
-        values.sum().backward()
-        with torch.no_grad():
-            norms = W.grad.norm(dim=1, keepdim=True)
-            W.grad.mul_(torch.clamp(opts.clip / (norms + 1e-12), max=1.0))
-        adam.step()
-        bar.set_postfix(objective=f"{values.mean().item():.4g}")
-    return best, history
-
-
-def fedbens(inputs: FusionInputs) -> FusionResult:
+def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     """FedBEns on any curvature structure (kron, diag, diag+full)."""
     m = require_equal_components(inputs, "fedbens")
-    modes = inputs.options.modes or m
+    modes = settings.modes or m
     if modes > m:
-        raise ConfigError(f"--modes {modes} exceeds the clients' number of mixtures {m}")
+        raise ConfigError(f"setting modes={modes} exceeds the clients' number of components {m}")
     objective = GlobalLogPosterior(
         inputs.clients, [inputs.temperature(c) for c in inputs.clients],
         [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision(),
-        lowrank_tol=inputs.options.lowrank_tol, kernel=inputs.options.kernel, device=inputs.options.device)
-    best, history = optimise_modes(objective, median_starts(inputs, modes), inputs, "fedbens")
+        lowrank_tol=settings.lowrank_tol, kernel=inputs.options.kernel, device=inputs.options.device)
+    best, history = optimise_modes(objective, median_starts(inputs, modes), inputs, settings, "fedbens")
     return FusionResult([w.clone() for w in best], {"history": history, "kron_ranks": objective.stack.ranks})
+
+
+METHOD = FusionMethod("fedbens", fedbens, FedBEnsSettings, "modes of the product of client mixtures (FedBEns)",
+                      optimises=True)

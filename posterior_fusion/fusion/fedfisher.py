@@ -6,21 +6,24 @@ best validation iterate is kept (else the best objective).
 
 from __future__ import annotations
 
-from posterior_fusion.fusion.baselines import fedavg
-from posterior_fusion.fusion.common import FusionInputs, FusionResult
-from posterior_fusion.fusion.fedbens import optimise_modes
+from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.fedavg import fedavg_weights
+from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.stack import StackedGaussians
 
 
-def fedfisher(inputs: FusionInputs) -> FusionResult:
-    m = inputs.options.mode_index
+def fedfisher(inputs: FusionInputs, settings: OptimiserSettings) -> FusionResult:
+    m = inputs.options.component
     opts = inputs.options
     stack = StackedGaussians([c.components[m] for c in inputs.clients], scale=1.0, shift=0.0,
-                             backend=opts.kernel).to(opts.device)
+                             kernel=opts.kernel).to(opts.device)
 
     def objective(W):
         return 0.5 * stack.quadratic_forms(W).sum(-1)
 
-    start = fedavg(inputs).members[0][None]
-    best, history = optimise_modes(objective, start, inputs, "fedfisher")
+    best, history = optimise_modes(objective, fedavg_weights(inputs)[None], inputs, settings, "fedfisher")
     return FusionResult([best[0].clone()], {"history": history})
+
+
+METHOD = FusionMethod("fedfisher", fedfisher, OptimiserSettings,
+                      "one model minimising the sum of client curvature quadratics (FedFisher)", optimises=True)

@@ -6,8 +6,7 @@ import os
 import re
 
 from posterior_fusion.errors import ConfigError
-
-OPTIMISING = ("fedbens", "fedfisher")
+from posterior_fusion.fusion.registry import get_method
 
 
 def parse_bytes(text: str) -> int:
@@ -40,7 +39,7 @@ def estimate_fuse_bytes(headers: list[dict], method: str, modes: int | None) -> 
     """
     data = sum(h["data_bytes"] for h in headers)
     total = data * 3
-    if method in OPTIMISING:
+    if get_method(method).optimises:
         d = headers[0]["num_params"]
         n = sum(h["num_components"] for h in headers)
         k = (modes or headers[0]["num_components"]) if method == "fedbens" else 1

@@ -20,7 +20,7 @@ import math
 import torch
 
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, ScreeningError
 
 
 def _median(values: list[float]) -> float:
@@ -61,5 +61,5 @@ def screen_clients(clients: list[ClientPosterior], curvature_ratio: float = 100.
         if not reasons:
             kept.append(client)
     if not kept:
-        raise ConfigError("robust screening excluded every client; check the inputs or loosen the ratios")
+        raise ScreeningError("robust screening excluded every client; check the inputs or loosen the ratios")
     return kept, rows

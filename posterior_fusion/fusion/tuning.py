@@ -8,12 +8,17 @@ whose ensemble has the best accuracy on the server's validation split (ties: low
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionOptions
+from posterior_fusion.fusion.run import fuse_clients
+from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.metrics import evaluate_members
 
 TUNE_TEMPERATURES = (0.01, 0.03, 0.1, 0.3, 1.0)
 TUNE_PRIOR_VARS = (0.01, 0.1, 1.0)
@@ -33,18 +38,15 @@ def parse_tune(text: str | None) -> tuple[str, ...]:
 
 def tune_fusion(clients: list[ClientPosterior], method: str, options: FusionOptions, val: SiloData | None,
                 params: tuple[str, ...], temperatures=TUNE_TEMPERATURES, prior_vars=TUNE_PRIOR_VARS,
-                log=lambda msg: None):
+                log=lambda msg: None, settings: MethodSettings | Mapping[str, Any] | None = None):
     """Run ``method`` over the grid and return the best ``(inputs, result, metadata)``."""
-    from posterior_fusion.fusion.registry import fuse_clients
-    from posterior_fusion.metrics import evaluate_members
-
     if val is None:
         raise ConfigError("--tune needs server validation data (--val)")
     ts = list(temperatures) if "T" in params else [options.temperature]
     pvs = list(prior_vars) if "prior" in params else [options.prior_var]
     table, best = [], None
     for t, pv in itertools.product(ts, pvs):
-        run = fuse_clients(clients, method, replace(options, temperature=t, prior_var=pv), val)
+        run = fuse_clients(clients, method, replace(options, temperature=t, prior_var=pv), settings, val)
         m = evaluate_members(run[0].spec, run[1].members, val)
         row = {"temperature": t, "prior_var": pv, "val_accuracy": m["accuracy"], "val_nll": m["nll"]}
         table.append(row)

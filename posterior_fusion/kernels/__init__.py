@@ -19,7 +19,6 @@ import torch
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.kernels import reference
-from posterior_fusion.kernels.reference import kron_sample
 
 BACKENDS = ("torch", "triton")
 
@@ -76,5 +75,5 @@ def kron_quadratic_forms(W: torch.Tensor, mu: torch.Tensor, UB: torch.Tensor, UA
     return KronQuadraticForms.apply(W.contiguous(), mu, UB, UA, S, choose_backend(W, backend))
 
 
-__all__ = ["kron_quadratic_forms", "kron_sample", "KronQuadraticForms", "choose_backend",
+__all__ = ["kron_quadratic_forms", "KronQuadraticForms", "choose_backend",
            "triton_available", "BACKENDS"]

@@ -36,10 +36,3 @@ def quadratic_forms_grad(Z: torch.Tensor, UB: torch.Tensor, UA: torch.Tensor, S:
     Y = 2 * grad_q[..., None, None] * Z * S
     return (UB @ Y @ UA.transpose(-1, -2)).sum(1)
 
-
-def kron_sample(UB: torch.Tensor, UA: torch.Tensor, S: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """``(U_B ⊗ U_A) diag(S^{-1/2}) eps`` per component: draws from ``N(0, Λ⁻¹)``.
-
-    ``eps`` ``(..., N, P, Q)`` standard normal; returns the same shape.
-    """
-    return UB @ (eps * S.rsqrt()) @ UA.transpose(-1, -2)

@@ -17,12 +17,11 @@ from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 
+GGN_TYPES = ("exact", "mc")
+
 
 def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
-
-
-GGN_TYPES = ("exact", "mc")
 
 
 def _laplace(model: nn.Module, structure: str, subset: str, backend, ggn: str = "exact"):

@@ -11,21 +11,7 @@ from torch.nn.utils import parameters_to_vector
 from tqdm.auto import tqdm
 
 from posterior_fusion.artifact.objects import SwagMoments
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """SGD settings. ``weight_decay`` = T·λ0/n makes the result the tempered-posterior MAP."""
-
-    epochs: int = 20
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    swag: bool = False
-    swag_epochs: int = 0          # last epochs over which SWAG snapshots are taken (0: max(1, E//4))
-    swag_snapshots_per_epoch: int = 4
-    swag_rank: int = 20           # K deviation columns kept
+from posterior_fusion.local.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +23,11 @@ class TrainResult:
 
 def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
               seed: int, desc: str = "train") -> TrainResult:
-    """Train ``model`` in place on ``x`` ``(n, ...)``, ``y`` ``(n,)``; shuffling uses ``seed``."""
+    """Train ``model`` in place on ``x`` ``(n, ...)``, ``y`` ``(n,)``; shuffling uses ``seed``.
+
+    ``cfg.weight_decay`` must be resolved (see :meth:`FitConfig.resolved`)."""
+    if cfg.weight_decay is None:
+        raise ValueError("train_map needs a resolved weight decay (FitConfig.resolved(n))")
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     loss_fn = nn.CrossEntropyLoss()

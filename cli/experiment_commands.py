@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import click
 
-from posterior_fusion.cli.common import handle_errors, log_to_stderr
+from posterior_fusion.cli.common import handle_errors, log_to_stderr, renamed
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.experiment import ExperimentConfig, run_experiment
 
 
 @click.command("experiment")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--work-dir", default=None, type=click.Path(file_okay=False),
+@click.option("--out-dir", default=None, type=click.Path(file_okay=False),
               help="Cache and output folder [default: runs/<config name>].")
 @click.option("--jobs", default=1, show_default=True, type=int, help="Parallel fit-local processes.")
+@renamed("--work-dir", "--out-dir", "out_dir", type=click.Path(file_okay=False))
 @handle_errors
-def experiment_cmd(config, work_dir, jobs):
+def experiment_cmd(config, out_dir, jobs):
     """Run (or resume) a grid from a TOML config: partition, fit (cached), fuse, evaluate, tables, plots."""
     if jobs < 1:
         raise ConfigError("--jobs must be >= 1")
     cfg = ExperimentConfig.from_toml(config)
-    work = work_dir or f"runs/{cfg.name}"
+    work = out_dir or f"runs/{cfg.name}"
     run_experiment(cfg, work, jobs, log=log_to_stderr)
     click.echo(open(f"{work}/results.md").read())
     click.echo(f"tables: {work}/results.csv, {work}/results.md; plots: {work}/accuracy_vs_*.png")

@@ -1,0 +1,224 @@
+"""Running a grid with a cache at every level: partition -> client fits -> fusion results.
+
+For every cell (α, number of clients, run seed): partition once; for every curvature
+structure: fit every client once with the largest M of the grid (component m depends only on
+its own seed and starting point, so the first m components of an M-component fit *are* the
+m-component fit); then fuse with every method and M and evaluate on the test split. Each
+level is one function whose result is cached under the work folder, keyed by the settings
+that determine it, so a re-run, an interrupted run or a new method never retrains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from posterior_fusion.artifact import ClientPosterior, load_client
+from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
+from posterior_fusion.data.prepare import partition_to_files
+from posterior_fusion.data.silo import SiloData, read_silo
+from posterior_fusion.errors import MethodNotApplicableError
+from posterior_fusion.experiment.config import ExperimentConfig
+from posterior_fusion.experiment.report import write_tables
+from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients
+from posterior_fusion.fusion.tuning import tune_fusion
+from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fit import fit_silo_to_artifact, library_versions
+from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.train import train_map
+from posterior_fusion.metrics import evaluate_members
+from posterior_fusion.models import ModelSpec
+
+Log = Callable[[str], None]
+
+
+def cache_key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the data axes; ``seed`` is the run seed (partition = init = training seed)."""
+
+    alpha: float
+    clients: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class FitJob:
+    """Fit one silo to one client artifact (runs in a worker process when jobs > 1)."""
+
+    silo: str
+    out: str
+    spec_json: str
+    components: int
+    init_seed: int
+    fit: FitConfig
+    threads: int = 0
+
+    def run(self, log: Log = lambda m: None) -> str:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        fit_silo_to_artifact(ModelSpec.from_json(self.spec_json), self.silo, self.out, self.components,
+                             self.init_seed, self.fit, log=log)
+        return self.out
+
+
+def _run_fit_job(job: FitJob) -> str:
+    return job.run()
+
+
+@dataclass(frozen=True)
+class FuseJob:
+    """One fusion of a cell: ``method`` on the first ``M`` components, optionally re-tempered
+    (``temperature``) or tuned on validation data (method ``fedbens-tuned``)."""
+
+    method: str
+    M: int
+    temperature: float | None = None
+
+
+def partition_cell(cfg: ExperimentConfig, cell: Cell, work: Path) -> tuple[str, dict]:
+    """Level 1: the cell's silos, validation and test files; returns ``(key, summary)``."""
+    pkey = cache_key({"data": cfg.data, "max_train": cfg.max_train, "alpha": cell.alpha, "clients": cell.clients,
+                      "seed": cell.seed, "val": cfg.val_size})
+    pdir = work / "partitions" / pkey
+    if not (pdir / "summary.json").exists():
+        summary = partition_to_files(pdir, clients=cell.clients, alpha=cell.alpha, partition_seed=cell.seed,
+                                     val_size=cfg.val_size, max_train=cfg.max_train,
+                                     data_dir=EMBEDDED_FMNIST_DIR if cfg.data == "embedded" else None)
+        write_json(pdir / "summary.json", summary)
+    return pkey, json.loads((pdir / "summary.json").read_text())
+
+
+def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, summary: dict, work: Path,
+                jobs: int, log: Log) -> tuple[str, list[ClientPosterior]]:
+    """Level 2: every client of the cell fitted once with the largest M; returns ``(key, posteriors)``."""
+    spec = ModelSpec(cfg.model, {})
+    m_max = max(cfg.components)
+    fit_cfg = FitConfig(structure=structure, temperature=cfg.temperature, prior_var=cfg.prior_var,
+                        train_seed=cell.seed, train=TrainConfig(epochs=cfg.epochs))
+    ckey = cache_key({"p": pkey, "fit": asdict(fit_cfg), "M": m_max, "model": spec.to_json()})
+    cdir = work / "clients" / ckey
+    cdir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+    todo = [FitJob(c["path"], str(cdir / f"post_{i}.h5"), spec.to_json(), m_max, cell.seed, fit_cfg, threads)
+            for i, c in enumerate(summary["clients"]) if not (cdir / f"post_{i}.h5").exists()]
+    t0 = time.perf_counter()
+    if todo and jobs > 1:
+        # spawn, not fork: forking after torch started its thread pools can deadlock
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for done in pool.map(_run_fit_job, todo):
+                log(f"  fitted {done}")
+    for k, job in enumerate(todo if jobs <= 1 else []):
+        log(f"  fitting client {k + 1}/{len(todo)} ({structure}, M={m_max}, {cfg.epochs} epochs)")
+        log(f"  fitted {job.run(log=lambda m: log('    ' + m))}")
+    if todo:
+        log(f"  fit-local {structure}: {len(todo)} clients in {time.perf_counter() - t0:.0f}s")
+    return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]
+
+
+def fuse_jobs(cfg: ExperimentConfig) -> list[FuseJob]:
+    jobs = [FuseJob(m, M) for M in cfg.components for m in cfg.methods]
+    jobs += [FuseJob("fedbens", max(cfg.components), t) for t in cfg.temperatures]
+    jobs += [FuseJob("fedbens-tuned", max(cfg.components))] if cfg.tune else []
+    return jobs
+
+
+def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, job: FuseJob,
+                clients: list[ClientPosterior], val: SiloData, test: SiloData, work: Path, log: Log) -> dict | None:
+    """Level 3: one fusion evaluated on the test split (``None`` if the method does not apply)."""
+    base = {"alpha": cell.alpha, "clients": cell.clients, "seed": cell.seed, "structure": structure, "M": job.M,
+            "method": job.method, "temperature": job.temperature if job.temperature is not None else cfg.temperature}
+    rpath = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps})}.json"
+    if rpath.exists():
+        return json.loads(rpath.read_text())
+    subset = [replace(c, components=c.components[: job.M]) for c in clients]
+    opts = FusionOptions(sampling_seed=cell.seed, progress=False, temperature=job.temperature)
+    method = "fedbens" if job.method == "fedbens-tuned" else job.method
+    settings = applicable_settings(method, {"steps": cfg.steps})
+    try:
+        if job.method == "fedbens-tuned":
+            _, res, meta = tune_fusion(subset, method, opts, val, ("T", "prior"), cfg.tune_temperatures,
+                                       cfg.tune_prior_vars, settings=settings)
+        else:
+            _, res, meta = fuse_clients(subset, method, opts, settings, val)
+    except MethodNotApplicableError as exc:
+        log(f"  {job.method}: skipped ({exc})")
+        return None
+    m = evaluate_members(ModelSpec(cfg.model, {}), res.members, test)
+    row = {**base, "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "brier": m["brier"],
+           "members": len(res.members), "fuse_seconds": meta["fuse_seconds"], "tuning": meta.get("tuning", {}).get("chosen")}
+    write_json(rpath, row)
+    log(f"  {structure} M={job.M} {job.method}{'' if job.temperature is None else f'@T={job.temperature}'}: "
+        f"accuracy {m['accuracy']:.4f}")
+    return row
+
+
+def centralized_result(cfg: ExperimentConfig, cell: Cell, pkey: str, summary: dict, test: SiloData, work: Path,
+                       log: Log) -> dict:
+    """The pooled-data bound: one model trained on all silos with the same recipe (tempered MAP)."""
+    base = {"alpha": cell.alpha, "clients": cell.clients, "seed": cell.seed, "structure": "-", "M": 1,
+            "method": "centralized", "temperature": cfg.temperature}
+    rpath = work / "results" / f"{cache_key({'p': pkey, **base, 'epochs': cfg.epochs})}.json"
+    if not rpath.exists():
+        silos = [read_silo(c["path"]) for c in summary["clients"]]
+        pooled = SiloData(np.concatenate([s.x for s in silos]), np.concatenate([s.y for s in silos]), silos[0].dataset, 10)
+        spec = ModelSpec(cfg.model, {})
+        fit = FitConfig(temperature=cfg.temperature, prior_var=cfg.prior_var,
+                        train=TrainConfig(epochs=cfg.epochs)).resolved(len(pooled))
+        model = spec.build()
+        vector_to_parameters(initial_weights(spec, 1, cell.seed)[0], model.parameters())
+        torch.manual_seed(cell.seed)
+        x, y = pooled.tensors()
+        train_map(model, x, y, fit.train, seed=cell.seed)
+        m = evaluate_members(spec, [parameters_to_vector(model.parameters()).detach()], test)
+        write_json(rpath, {**base, "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "brier": m["brier"],
+                           "members": 1, "fuse_seconds": 0.0, "tuning": None})
+        log(f"  centralized: accuracy {m['accuracy']:.4f}")
+    return json.loads(rpath.read_text())
+
+
+def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1, log: Log = print) -> list[dict]:
+    """Run (or resume) the grid in ``work``; returns the per-seed rows and writes the tables."""
+    work = Path(work)
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    rows = []
+    cells = [Cell(a, c, s) for a in cfg.alphas for c in cfg.clients for s in cfg.seeds]
+    for n_cell, cell in enumerate(cells, 1):
+        pkey, summary = partition_cell(cfg, cell, work)
+        test, val = read_silo(summary["test"]), read_silo(summary["server_val"])
+        log(f"[{n_cell}/{len(cells)}] alpha={cell.alpha} clients={cell.clients} seed={cell.seed}: "
+            f"{[c['n'] for c in summary['clients']]} samples")
+        for structure in cfg.structures:
+            ckey, clients = fit_clients(cfg, cell, structure, pkey, summary, work, jobs, log)
+            for job in fuse_jobs(cfg):
+                row = fuse_result(cfg, cell, structure, ckey, job, clients, val, test, work, log)
+                if row is not None:
+                    rows.append(row)
+        if cfg.centralized:
+            rows.append(centralized_result(cfg, cell, pkey, summary, test, work, log))
+        write_tables(rows, work, cfg)  # after every cell: an interrupted run leaves partial tables
+        write_json(work / "run.json", {"config": asdict(cfg), "jobs": jobs, "library_versions": library_versions(),
+                                       "cells_done": n_cell, "cells": len(cells),
+                                       "wall_seconds_this_invocation": round(time.time() - started, 1)})
+    return rows

@@ -1,0 +1,86 @@
+"""Tables and plots of an experiment's per-run rows (mean ± std over seeds)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from posterior_fusion.experiment.config import ExperimentConfig
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Mean ± std over seeds for each (structure, M, method, temperature, α, clients)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        k = (r["structure"], r["M"], r["method"], r["temperature"], r["alpha"], r["clients"])
+        groups.setdefault(k, []).append(r)
+    out = []
+    for (structure, M, method, temp, alpha, clients), rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        accs = [100 * r["accuracy"] for r in rs]
+        mean = sum(accs) / len(accs)
+        std = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1)) if len(accs) > 1 else 0.0
+        out.append({"structure": structure, "M": M, "method": method, "temperature": temp, "alpha": alpha,
+                    "clients": clients, "seeds": len(rs), "accuracy_mean": round(mean, 2), "accuracy_std": round(std, 2),
+                    "nll_mean": round(sum(r["nll"] for r in rs) / len(rs), 4)})
+    return out
+
+
+def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
+    agg = aggregate(rows)
+    with open(work / "results.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(agg[0]) if agg else ["empty"])
+        w.writeheader()
+        w.writerows(agg)
+    alphas = sorted({a["alpha"] for a in agg})
+    lines = [f"# {cfg.name}: test accuracy % (mean ± std over seeds)", "",
+             "| structure | M | method | T | " + " | ".join(f"α={a}" for a in alphas) + " |",
+             "|---|---|---|---|" + "---|" * len(alphas)]
+    keyed: dict[tuple, dict] = {}
+    for a in agg:
+        keyed.setdefault((a["structure"], a["M"], a["method"], a["temperature"]), {})[a["alpha"]] = a
+    for (structure, M, method, temp), by_alpha in keyed.items():
+        cells = [f"{by_alpha[a]['accuracy_mean']:.2f} ± {by_alpha[a]['accuracy_std']:.2f} ({by_alpha[a]['seeds']})"
+                 if a in by_alpha else "–" for a in alphas]
+        lines.append(f"| {structure} | {M} | {method} | {temp} | " + " | ".join(cells) + " |")
+    (work / "results.md").write_text("\n".join(lines) + "\n")
+    plot_results(agg, work, max(cfg.components))
+
+
+def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
+    """accuracy vs α per method; fedbens accuracy vs M; fedbens accuracy vs server temperature."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for method in sorted({a["method"] for a in agg}):
+        pts = sorted((a["alpha"], a["accuracy_mean"]) for a in agg if a["method"] == method
+                     and a["M"] in (m_max, 1 if method == "centralized" else m_max))
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=method)
+    ax.set_xscale("log")
+    ax.set_xlabel("Dirichlet α")
+    ax.set_ylabel("test accuracy %")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(work / "accuracy_vs_alpha.png", dpi=100)
+    plt.close(fig)
+    for name, key, sel in (("accuracy_vs_M.png", "M", lambda a: a["method"] == "fedbens"),
+                           ("accuracy_vs_temperature.png", "temperature", lambda a: a["method"] == "fedbens" and a["M"] == m_max)):
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for alpha in sorted({a["alpha"] for a in agg}):
+            pts = sorted((a[key], a["accuracy_mean"]) for a in agg if sel(a) and a["alpha"] == alpha)
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), marker="o", label=f"α={alpha}")
+        ax.set_xlabel(key)
+        ax.set_ylabel("fedbens test accuracy %")
+        if key == "temperature":
+            ax.set_xscale("log")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(work / name, dpi=100)
+        plt.close(fig)

@@ -1,0 +1,13 @@
+"""The plain ensemble: every component of every client as a member (prediction averaging)."""
+
+from __future__ import annotations
+
+from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.settings import MethodSettings
+
+
+def ensemble(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
+    return FusionResult([comp.map.float().clone() for c in inputs.clients for comp in c.components])
+
+
+METHOD = FusionMethod("ensemble", ensemble, MethodSettings, "all client components as one ensemble")

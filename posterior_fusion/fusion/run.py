@@ -1,0 +1,72 @@
+"""Fuse already-loaded client posteriors with one registered method."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+from posterior_fusion.artifact import ClientPosterior
+from posterior_fusion.data.silo import SiloData
+from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult, check_compatible
+from posterior_fusion.fusion.registry import get_method
+from posterior_fusion.fusion.robust import screen_clients
+from posterior_fusion.fusion.settings import MethodSettings
+
+
+def method_settings(method: str, settings: MethodSettings | Mapping[str, Any] | None = None) -> MethodSettings:
+    """The method's settings record: given, built from ``key -> value`` overrides, or its defaults."""
+    entry = get_method(method)
+    if isinstance(settings, MethodSettings):
+        if not isinstance(settings, entry.settings):
+            raise TypeError(f"method {method!r} takes {entry.settings.__name__}, got {type(settings).__name__}")
+        settings.validate()
+        return settings
+    return entry.settings.from_mapping(dict(settings or {}), method)
+
+
+def applicable_settings(method: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of ``values`` that are settings of ``method`` (grids that set ``steps`` for
+    every method apply it where it means something)."""
+    names = {row["name"] for row in get_method(method).settings.describe()}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOptions | None = None,
+                 settings: MethodSettings | Mapping[str, Any] | None = None, val: SiloData | None = None,
+                 unlabeled: SiloData | None = None, log=lambda msg: None,
+                 robust: bool = False) -> tuple[FusionInputs, FusionResult, dict]:
+    """Run ``method`` on loaded ``clients``; returns ``(inputs, result, metadata)``.
+
+    ``metadata`` holds the method, the shared options and the method's settings, the history,
+    the screening report and the provenance (path and sha256 of each client artifact).
+    """
+    entry = get_method(method)
+    options = options or FusionOptions()
+    options.validate()
+    chosen = method_settings(method, settings)
+    check_compatible(clients)
+    screening = None
+    if robust:
+        clients, screening = screen_clients(clients)
+        for row in screening:
+            if row["excluded"]:
+                log(f"robust: excluding {row['file']}: {'; '.join(row['reasons'])}")
+        check_compatible(clients)
+    inputs = FusionInputs(clients, options, val, unlabeled)
+    log(f"fusing {len(clients)} clients with {method} ({clients[0].structure}, M={clients[0].num_components})")
+    t0 = time.perf_counter()
+    result = entry(inputs, chosen)
+    seconds = time.perf_counter() - t0
+    metadata = {
+        "method": method, "options": asdict(options), "settings": asdict(chosen), "fuse_seconds": round(seconds, 3),
+        "temperature_used": [inputs.temperature(c) for c in clients],
+        "prior_precision_used": [inputs.prior_precision(c) for c in clients],
+        "server_prior_precision": inputs.server_prior_precision(),
+        "structure": clients[0].structure, "screening": screening,
+        "provenance": [{"file": c.path, "sha256": c.sha256, "n_data": c.n_data} for c in clients],
+        "validation": None if val is None else {"sha256": val.sha256(), "n": len(val)},
+        **dict(result.info.items()),
+    }
+    return inputs, result, metadata

@@ -1,0 +1,65 @@
+"""The server's entry point on files: validate every client artifact, budget memory, fuse."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from posterior_fusion.artifact import load_client
+from posterior_fusion.artifact.reader import declared_bytes
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.errors import IncompatibleArtifactsError, ResourceLimitError, SchemaError
+from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult
+from posterior_fusion.fusion.resources import default_limit, estimate_fuse_bytes
+from posterior_fusion.fusion.robust import screen_clients
+from posterior_fusion.fusion.run import fuse_clients, method_settings
+from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.tuning import tune_fusion
+
+
+def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOptions | None = None,
+         settings: MethodSettings | Mapping[str, Any] | None = None,
+         val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
+         log=lambda msg: None, robust: bool = False, max_memory: int | None = None,
+         tune: tuple[str, ...] = (), tune_temperatures=None, tune_prior_vars=None,
+         ) -> tuple[FusionInputs, FusionResult, dict]:
+    """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
+
+    ``settings``: the method's settings record, or ``key -> value`` overrides of its defaults.
+    Headers are checked and the memory need estimated first (refused above ``max_memory``
+    bytes, default 80% of available memory); then the artifacts are loaded and, with
+    ``robust``, outlying clients are screened out (:mod:`posterior_fusion.fusion.robust`).
+    ``tune`` ("T" and/or "prior") selects T / σ0² on the validation data over a grid
+    (:mod:`posterior_fusion.fusion.tuning`).
+    """
+    options = options or FusionOptions()
+    options.validate()
+    chosen = method_settings(method, settings)
+    if not client_paths:
+        raise IncompatibleArtifactsError("no client artifacts given")
+    headers = [declared_bytes(p) for p in client_paths]
+    for p, h in zip(client_paths, headers):
+        if h["kind"] != "client":
+            raise SchemaError(str(p), "expected a client artifact (from fit-local), got a global one", "/")
+    need = estimate_fuse_bytes(headers, method, getattr(chosen, "modes", None))
+    limit = max_memory if max_memory is not None else default_limit()
+    if limit is not None and need > limit:
+        raise ResourceLimitError(f"fusing these {len(headers)} artifacts with {method} needs about "
+                                 f"{need / 2**30:.2f} GiB, over the limit of {limit / 2**30:.2f} GiB "
+                                 "(--max-memory, default 80% of available memory)")
+    clients = [load_client(p) for p in client_paths]
+    k = clients[0].model_spec.num_classes
+    val = read_silo(val_path, num_classes=k) if val_path else None
+    unlabeled = read_silo(unlabeled_path, num_classes=k) if unlabeled_path else None
+    if tune:
+        if robust:
+            clients, _ = screen_clients(clients)
+        grids = {k: v for k, v in (("temperatures", tune_temperatures), ("prior_vars", tune_prior_vars)) if v}
+        inputs, result, metadata = tune_fusion(clients, method, options, val, tune, log=log, settings=chosen, **grids)
+    else:
+        inputs, result, metadata = fuse_clients(clients, method, options, chosen, val, unlabeled, log, robust)
+    metadata["memory_estimate_bytes"] = need
+    if val is not None:
+        metadata["validation"] = {"file": str(val_path), "sha256": val.sha256(), "n": len(val)}
+    return inputs, result, metadata

@@ -1,0 +1,76 @@
+"""One fit configuration: what ``pfuse fit-local``, the Flower ClientApp, the demo and the
+experiment runner all build (defaults live here and nowhere else)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.local.capture import CAPTURE, GGN_TYPES
+
+STRUCTURES = tuple(CAPTURE)  # curvature structures a silo can capture (local/capture.py)
+
+
+def auto_weight_decay(temperature: float, prior_precision: float, n_data: int) -> float:
+    """SGD weight decay ``T·λ0/n`` that makes the trained weights the tempered-posterior MAP:
+    the mean loss ``L/n`` plus ``½(T·λ0/n)‖w‖²`` is ``T/n`` times ``L/T + ½λ0‖w‖²``."""
+    return temperature * prior_precision / n_data
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """SGD settings. ``weight_decay=None``: :func:`auto_weight_decay` (resolved per silo)."""
+
+    epochs: int = 20
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float | None = None
+    swag: bool = False
+    swag_epochs: int = 0          # last epochs over which SWAG snapshots are taken (0: max(1, E//4))
+    swag_snapshots_per_epoch: int = 4
+    swag_rank: int = 20           # K deviation columns kept
+
+    def validate(self) -> None:
+        if self.epochs < 0 or self.batch_size < 1 or not self.lr > 0 or not 0 <= self.momentum < 1:
+            raise ConfigError("--epochs must be >= 0, --batch-size >= 1, --lr > 0 and 0 <= --momentum < 1")
+        if self.weight_decay is not None and not self.weight_decay >= 0:
+            raise ConfigError("--weight-decay must be >= 0 (or omitted for T·λ0/n)")
+        if self.swag_rank < 1 or self.swag_epochs < 0 or self.swag_snapshots_per_epoch < 1:
+            raise ConfigError("--swag-rank must be >= 1 (swag_epochs >= 0, swag_snapshots_per_epoch >= 1)")
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Everything that determines a silo's fit besides the data, the model and the starting points."""
+
+    structure: str = "kron"
+    temperature: float = 0.1
+    prior_var: float = 0.1
+    train_seed: int = 0
+    curvature_batch_size: int = 256
+    ggn: str = "exact"            # "exact" GGN or "mc" (Monte-Carlo Fisher, 1 sample)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        if self.structure not in STRUCTURES:
+            raise ConfigError(f"unknown curvature structure {self.structure!r}; use one of {', '.join(STRUCTURES)}")
+        if self.ggn not in GGN_TYPES:
+            raise ConfigError(f"unknown GGN type {self.ggn!r}; use 'exact' or 'mc'")
+        if not (0 < self.temperature < float("inf")) or not (0 < self.prior_var < float("inf")):
+            raise ConfigError("--temperature and --prior-var must be finite and > 0")
+        if self.curvature_batch_size < 1:
+            raise ConfigError("--curvature-batch-size must be >= 1")
+        self.train.validate()
+
+    @property
+    def prior_precision(self) -> float:
+        """λ0 = 1/σ0²."""
+        return 1.0 / self.prior_var
+
+    def resolved(self, n_data: int) -> FitConfig:
+        """A copy with the automatic weight decay filled in for a silo of ``n_data`` samples."""
+        if self.train.weight_decay is not None:
+            return self
+        wd = auto_weight_decay(self.temperature, self.prior_precision, n_data)
+        return replace(self, train=replace(self.train, weight_decay=wd))

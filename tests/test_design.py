@@ -1,0 +1,269 @@
+"""The extension points: per-method settings records, the block-type table, no import cycles."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import fit_split, random_psd
+
+import posterior_fusion
+from posterior_fusion.artifact import write_client_artifact
+from posterior_fusion.artifact.objects import Component
+from posterior_fusion.cli.main import pfuse
+from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron, Precision
+from posterior_fusion.data.silo import SiloData
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion import METHODS, FusionMethod, FusionResult, fuse
+from posterior_fusion.fusion.fedbens import FedBEnsSettings, GlobalLogPosterior
+from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.stack import StackedGaussians
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def two_clients(tmp_path_factory, small_silo):
+    return fit_split(tmp_path_factory.mktemp("design"), small_silo, 2, 100, "diag", mixtures=2)
+
+
+def test_settings_records_parse_validate_and_describe():
+    s = FedBEnsSettings.from_mapping({"steps": "12", "adam_lr": "0.5", "modes": "none"}, "fedbens")
+    assert (s.steps, s.adam_lr, s.modes, s.clip) == (12, 0.5, None, 1.0)
+    with pytest.raises(ConfigError, match="has no setting 'stepz'"):
+        FedBEnsSettings.from_mapping({"stepz": "1"}, "fedbens")
+    with pytest.raises(ConfigError, match="'steps' must be int"):
+        FedBEnsSettings.from_mapping({"steps": "1.5"}, "fedbens")
+    with pytest.raises(ConfigError, match="adam_lr"):
+        FedBEnsSettings.from_mapping({"adam_lr": "-1"}, "fedbens")
+    with pytest.raises(ConfigError, match="must be float"):
+        FedBEnsSettings.from_mapping({"adam_lr": "inf"}, "fedbens")
+    names = [r["name"] for r in FedBEnsSettings.describe()]
+    assert names == ["steps", "adam_lr", "clip", "val_every", "modes", "lowrank_tol"]
+    assert all(r["help"] for r in FedBEnsSettings.describe())
+
+
+def test_cli_set_and_help_method(tmp_path, two_clients):
+    out = tmp_path / "g.h5"
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedbens", "--set", "steps=3",
+                                   "--set", "modes=1", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    g = posterior_fusion.load(out)
+    assert g.metadata["settings"]["steps"] == 3 and len(g.members) == 1
+    assert [h["step"] for h in g.metadata["history"][0]][-1] == 3
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedavg", "--set", "steps=3",
+                                   "--out", str(tmp_path / "h.h5")])
+    assert r.exit_code == 2 and "method 'fedavg' has no setting 'steps'" in r.stderr and r.stderr.count("\n") == 1
+    r = CliRunner().invoke(pfuse, ["fuse", "--help-method", "regmean"])
+    assert r.exit_code == 0 and "alpha" in r.stdout and "[default: 1.0]" in r.stdout
+    r = CliRunner().invoke(pfuse, ["fuse", "--method", "fedbens", "--set", "oops", "--out", "x.h5", str(two_clients[0])])
+    assert r.exit_code == 2 and "key=value" in r.stderr
+
+
+def test_deprecated_spellings_warn_and_still_work(tmp_path, two_clients, small_silo):
+    from posterior_fusion.data.silo import write_silo
+
+    write_silo(tmp_path / "s.h5", SiloData(small_silo.x[:60], small_silo.y[:60], "fmnist", 10))
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "mlp", "--mixtures", "1",
+                                   "--hessian", "diag", "--seed", "4", "--epochs", "1", "--out", str(tmp_path / "a.h5")])
+    assert r.exit_code == 0, r.stderr
+    for old, new in (("--mixtures", "--components"), ("--hessian", "--structure"), ("--seed", "--train-seed")):
+        assert f"warning: {old} is deprecated" in r.stderr and new in r.stderr
+    art = posterior_fusion.load(tmp_path / "a.h5")
+    assert art.num_components == 1 and art.structure == "diag" and art.metadata["train_seed"] == 4
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedfisher", "--steps", "2",
+                                   "--lr", "0.01", "--out", str(tmp_path / "g.h5")])
+    assert r.exit_code == 0 and "--steps is deprecated; use --set steps=2" in r.stderr
+    assert posterior_fusion.load(tmp_path / "g.h5").metadata["settings"] == {"steps": 2, "adam_lr": 0.01, "clip": 1.0,
+                                                                              "val_every": 30}
+
+
+@dataclass(frozen=True)
+class ShrinkSettings(MethodSettings):
+    factor: float = setting(0.5, "Multiply the FedAvg weights by this.")
+
+
+def shrink(inputs, settings: ShrinkSettings) -> FusionResult:
+    return FusionResult([settings.factor * (inputs.n_weights()[:, None] * inputs.mode_maps()).sum(0)])
+
+
+def test_a_new_method_needs_only_its_function_settings_and_a_registry_entry(monkeypatch, two_clients):
+    monkeypatch.setitem(METHODS, "shrink", FusionMethod("shrink", shrink, ShrinkSettings, "test method"))
+    _, res, meta = fuse(two_clients, "shrink", settings={"factor": "0.25"})
+    _, avg, _ = fuse(two_clients, "fedavg")
+    torch.testing.assert_close(res.members[0], 0.25 * avg.members[0])
+    assert meta["settings"] == {"factor": 0.25} and meta["method"] == "shrink"
+
+
+class Iso(Precision):
+    """A toy block type for the table test: ``G = g·I`` stored as one scalar."""
+
+    kind = "iso"
+    dataset_names = ("iso",)
+
+    def __init__(self, g: torch.Tensor, size: int, scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__(scale, shift)
+        self.g, self.size = g, size
+
+    @property
+    def dim(self) -> int:
+        return self.size
+
+    def with_scale_shift(self, scale, shift):
+        return Iso(self.g, self.size, scale, shift)
+
+    def _lam(self):
+        return self.scale * self.g[0] + self.shift
+
+    def quadratic_form(self, v):
+        return self._lam() * v.square().sum(-1)
+
+    def matvec(self, v):
+        return self._lam() * v
+
+    def logdet(self):
+        return self.size * torch.log(self._lam())
+
+    def sample(self, n, generator=None):
+        return torch.randn(n, self.size, generator=generator, dtype=self.g.dtype) / self._lam().sqrt()
+
+    def to_dense(self):
+        return self._lam() * torch.eye(self.size, dtype=self.g.dtype)
+
+    def diagonal(self):
+        return self._lam().expand(self.size)
+
+    @property
+    def nbytes(self):
+        return self.g.element_size()
+
+    @classmethod
+    def dataset_shapes(cls, size: int, header: Mapping[str, Any]):
+        return {"iso": (1,)}
+
+    def to_tensors(self):
+        return {"iso": self.g}
+
+    @classmethod
+    def from_tensors(cls, tensors, header):
+        return cls(tensors["iso"], int(header["size"]))
+
+    @classmethod
+    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None):
+        return Diag.stacked([Diag(b.g.expand(b.size).to(dtype)) for b in blocks], offset, mu, scales, shifts, dtype)
+
+
+def test_a_new_block_type_needs_only_its_class_and_a_table_entry(monkeypatch, tmp_path):
+    """Writer, reader and stack find an unknown-to-them block type through BLOCK_TYPES."""
+    from test_fusion import TINY, TINY_LAYOUT
+
+    monkeypatch.setitem(BLOCK_TYPES, "iso", Iso)
+    gen = torch.Generator().manual_seed(0)
+    d = TINY_LAYOUT.dim
+    comps = [Component(m, torch.randn(d, generator=gen, dtype=torch.float64),
+                       BlockDiag([Iso(torch.tensor([0.5 + m], dtype=torch.float64), 15), Dense(random_psd(d - 15, gen))]),
+                       {}, 0.5, 2.0) for m in range(2)]
+    meta = {"n_data": 10, "class_counts": [4, 6], "temperature": 0.5, "prior_precision": 2.0, "structure": "iso+full"}
+    write_client_artifact(tmp_path / "iso.h5", TINY, TINY_LAYOUT, meta, comps)
+    art = posterior_fusion.load(tmp_path / "iso.h5")
+    assert art.components[1].curvature.blocks[0].kind == "iso"
+    W = torch.randn(3, d, generator=gen, dtype=torch.float64)
+    for c_read, c_made in zip(art.components, comps):
+        dense = c_made.precision().to_dense()
+        v = W - c_made.map
+        torch.testing.assert_close(c_read.precision().quadratic_form(v), torch.einsum("ki,ij,kj->k", v, dense, v))
+    stack = StackedGaussians(list(art.components), 2.0, 2.0, torch.float64)
+    ref = torch.stack([c.precision(0.5, 2.0).quadratic_form(W - c.map) for c in comps], -1)
+    torch.testing.assert_close(stack.quadratic_forms(W), ref)
+    torch.testing.assert_close(stack.logdets, torch.stack([torch.logdet(c.precision(0.5, 2.0).to_dense()) for c in comps]))
+    obj = GlobalLogPosterior([art], [0.5], [2.0], 2.0, torch.float64)
+    assert torch.isfinite(obj(W)).all()
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_every_table_entry_round_trips_and_matches_dense(kind):
+    gen = torch.Generator().manual_seed(1)
+    make = {"diag": lambda: Diag(torch.rand(12, generator=gen, dtype=torch.float64)),
+            "dense": lambda: Dense(random_psd(12, gen)),
+            "kron": lambda: Kron(random_psd(3, gen), random_psd(4, gen))}
+    blocks = [make[kind]() for _ in range(3)]
+    cls = BLOCK_TYPES[kind]
+    again = cls.from_tensors(blocks[0].to_tensors(), {"kind": kind, "size": 12, **blocks[0].header()})
+    torch.testing.assert_close(again.to_dense(), blocks[0].to_dense())
+    assert cls.dataset_shapes(12, blocks[0].header()) == {k: tuple(t.shape) for k, t in blocks[0].to_tensors().items()}
+    mu = torch.randn(3, 12, generator=gen, dtype=torch.float64)
+    scales, shifts = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64), torch.tensor([0.1, 1.0, 3.0], dtype=torch.float64)
+    st = cls.stacked(blocks, 0, mu, scales, shifts, torch.float64)
+    W = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    dense = [b.precision(1 / s.item(), t.item()).to_dense() for b, s, t in zip(blocks, scales, shifts)]
+    ref = torch.stack([torch.einsum("ki,ij,kj->k", W - m, D, W - m) for m, D in zip(mu, dense)], -1)
+    torch.testing.assert_close(st.quadratic_forms(W), ref)
+    torch.testing.assert_close(st.logdets, torch.stack([torch.logdet(D) for D in dense]))
+    # solve is the inverse of matvec (dense float64 reference)
+    p = blocks[0].precision(0.5, 0.3)
+    torch.testing.assert_close(p.solve(W), torch.linalg.solve(p.to_dense(), W.T).T)
+    if kind == "kron":
+        with pytest.raises(posterior_fusion.errors.MethodNotApplicableError):
+            cls.sum_of(blocks)
+    else:
+        torch.testing.assert_close(cls.sum_of(blocks, 0.7).to_dense(),
+                                   sum(b.to_dense() for b in blocks) + 0.7 * torch.eye(12, dtype=torch.float64))
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("posterior_fusion"):
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            real = [m for m in subs if _module_path(m) is not None]
+            out.update(real)
+            if len(real) < len(subs):
+                out.add(node.module)
+    return out
+
+
+def _module_path(name: str) -> Path | None:
+    rel = name.replace("posterior_fusion.cli", "cli", 1) if name.startswith("posterior_fusion.cli") else name
+    parts = rel.split(".")
+    for cand in (ROOT.joinpath(*parts).with_suffix(".py"), ROOT.joinpath(*parts, "__init__.py")):
+        if cand.exists():
+            return cand
+    return None
+
+
+def test_no_import_cycles_and_only_local_imports_laplace():
+    files = list((ROOT / "posterior_fusion").rglob("*.py")) + list((ROOT / "cli").rglob("*.py"))
+    names = {}
+    for f in files:
+        rel = f.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[0] == "cli":
+            parts = ["posterior_fusion", "cli"] + parts[1:]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = f
+    graph = {n: {d for d in _imports(f) if d in names and d != n} for n, f in names.items()}
+    state: dict[str, int] = {}
+
+    def visit(n, trail):
+        state[n] = 1
+        for d in graph[n]:
+            if state.get(d) == 1:
+                pytest.fail("import cycle: " + " -> ".join(trail[trail.index(d):] + [d]) if d in trail else d)
+            if d not in state:
+                visit(d, trail + [d])
+        state[n] = 2
+
+    for n in graph:
+        if n not in state:
+            visit(n, [n])
+    for n, f in names.items():
+        text = f.read_text()
+        if "import laplace" in text or "from laplace" in text:
+            assert n.startswith("posterior_fusion.local"), f"{n} imports laplace-torch"
