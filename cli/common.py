@@ -38,6 +38,12 @@ def log_to_stderr(msg: str) -> None:
     click.echo(msg, err=True)
 
 
+max_memory_option = click.option(
+    "--max-memory", default=None,
+    help="Refuse work estimated (from file headers, before loading) above this size, e.g. 8G "
+         "[default: 80% of available memory, or $PFUSE_MAX_MEMORY].")
+
+
 def renamed(old: str, new: str, target: str, **option_kwargs: Any) -> Callable:
     """Keep ``old`` as a hidden, deprecated spelling of option ``new`` (parameter ``target``)
     for one release: using it prints a warning and sets ``target``."""

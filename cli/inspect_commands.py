@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from posterior_fusion.artifact import load
-from posterior_fusion.cli.common import echo_json, handle_errors
+from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option
 from posterior_fusion.inspect import summarize
 
 
@@ -20,10 +20,11 @@ def _bytes(n: int) -> str:
 @click.command("inspect")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the full summary as JSON.")
+@max_memory_option
 @handle_errors
-def inspect_cmd(file, as_json):
+def inspect_cmd(file, as_json, max_memory):
     """Validate an artifact and summarise it (model, layout, structure, sizes, metadata)."""
-    s = summarize(load(file))
+    s = summarize(load(file, max_memory))
     if as_json:
         echo_json(s)
         return

@@ -7,7 +7,7 @@ import json
 import click
 
 from posterior_fusion.artifact import load_global, write_global_artifact
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, renamed
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
@@ -84,13 +84,14 @@ def init(model, model_kwargs, components, init_seed, out):
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted run from its partial file (.<out>.partial.h5); same settings required.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@max_memory_option
 @renamed("--mixtures", "--components", "components", type=int)
 @renamed("--hessian", "--structure", "structure", type=click.Choice(STRUCTURES))
 @renamed("--seed", "--train-seed", "train_seed", type=int)
 @handle_errors
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, structure, epochs, batch_size, lr,
                   momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, curvature_batch_size,
-                  train_seed, out, resume, as_json):
+                  train_seed, out, resume, as_json, max_memory):
     """Train M models on one silo and write their local posteriors to one artifact."""
     cfg = FitConfig(structure=structure, temperature=temperature, prior_var=prior_var, train_seed=train_seed,
                     curvature_batch_size=curvature_batch_size, ggn=ggn,
@@ -98,14 +99,14 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                                       weight_decay=weight_decay, swag=swag, swag_rank=swag_rank))
     cfg.validate()
     if init_path is not None:
-        init_art = load_global(init_path)
+        init_art = load_global(init_path, max_memory)
         spec, inits = init_art.model_spec, list(init_art.members)
     else:
         spec = parse_model(model, model_kwargs)
         if components < 1:
             raise ConfigError("--components must be >= 1")
         inits = initial_weights(spec, components, init_seed)
-    data = read_silo(data_path, num_classes=spec.num_classes)
+    data = read_silo(data_path, num_classes=spec.num_classes, max_memory=max_memory)
     init_info = {"file": init_path} if init_path else {"init_seed": init_seed}
     meta, comps = fit_to_file(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr)
     if as_json:

@@ -12,16 +12,15 @@ import numpy as np
 
 from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.artifact.atomic import atomic_h5_write
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, renamed
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_METHODS, run_demo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion import METHODS, FusionOptions, fuse, get_method
-from posterior_fusion.fusion.resources import parse_bytes
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
-from posterior_fusion.metrics import ensemble_probabilities, evaluate_members, reliability_plot
+from posterior_fusion.metrics import check_data, ensemble_probabilities, evaluate_members, reliability_plot
 
 # Options that were method settings before per-method settings existed: old flag -> (setting, type).
 LEGACY_SETTINGS = {"--steps": ("steps", int), "--lr": ("adam_lr", float), "--clip": ("clip", float),
@@ -117,8 +116,7 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--tune-prior-vars", default="0.01,0.1,1.0", show_default=True, help="Grid of σ0² for --tune.")
 @click.option("--robust", is_flag=True,
               help="Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from the others' median.")
-@click.option("--max-memory", default=None,
-              help="Refuse work estimated above this size, e.g. 8G [default: 80% of available memory, or $PFUSE_MAX_MEMORY].")
+@max_memory_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @legacy_settings
 @renamed("--seed", "--sampling-seed", "sampling_seed", type=int)
@@ -134,9 +132,8 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, temperature,
     overrides.update(parse_pairs(set_values))
     opts = FusionOptions(temperature=temperature, prior_var=prior_var, component=component,
                          sampling_seed=sampling_seed, kernel=kernel, device=device)
-    limit = parse_bytes(max_memory) if max_memory is not None else None
     inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
-                                robust=robust, max_memory=limit, tune=parse_tune(tune),
+                                robust=robust, max_memory=max_memory, tune=parse_tune(tune),
                                 tune_temperatures=parse_floats(tune_temperatures, "--tune-temperatures"),
                                 tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"))
     if "tuning" in meta:
@@ -161,14 +158,15 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, temperature,
 @click.option("--bins", default=15, show_default=True, type=int, help="ECE bins.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Write a reliability diagram PNG here.")
 @click.option("--json", "as_json", is_flag=True, help="Print metrics as JSON.")
+@max_memory_option
 @handle_errors
-def evaluate_cmd(global_artifact, data_path, bins, plot, as_json):
+def evaluate_cmd(global_artifact, data_path, bins, plot, as_json, max_memory):
     """Accuracy, NLL, ECE, Brier and member accuracy range of a fused ensemble."""
     if bins < 1:
         raise ConfigError("--bins must be >= 1")
-    g = load_global(global_artifact)
-    data = read_silo(data_path, num_classes=g.model_spec.num_classes)
-    m = evaluate_members(g.model_spec, list(g.members), data, bins)
+    g = load_global(global_artifact, max_memory)
+    data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
+    m = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory)
     if plot:
         reliability_plot(m["reliability"], plot, title=f"{g.method} (ECE {m['ece']:.3f})")
     if as_json:
@@ -183,11 +181,13 @@ def evaluate_cmd(global_artifact, data_path, bins, plot, as_json):
 @click.argument("global_artifact", type=click.Path(dir_okay=False))
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Data file with /x.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output HDF5 with /probs (n, classes).")
+@max_memory_option
 @handle_errors
-def predict_cmd(global_artifact, data_path, out):
+def predict_cmd(global_artifact, data_path, out, max_memory):
     """Write the ensemble's averaged class probabilities."""
-    g = load_global(global_artifact)
-    data = read_silo(data_path, num_classes=g.model_spec.num_classes)
+    g = load_global(global_artifact, max_memory)
+    data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
+    check_data(g.model_spec, data, len(g.members), max_memory)
     probs, _ = ensemble_probabilities(g.model_spec, list(g.members), data.tensors()[0])
 
     def fill(f: h5py.File) -> None:

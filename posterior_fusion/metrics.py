@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from posterior_fusion import budget
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
@@ -49,8 +51,19 @@ def classification_metrics(probs: torch.Tensor, y: torch.Tensor, bins: int = 15)
     }
 
 
-def evaluate_members(spec: ModelSpec, members: list[torch.Tensor], data: SiloData, bins: int = 15) -> dict:
+def check_data(spec: ModelSpec, data: SiloData, members: int = 1, max_memory: int | str | None = None) -> None:
+    """Refuse data that does not fit ``spec`` (shape, classes) or whose evaluation by ``members``
+    models would exceed the memory budget — before any forward pass."""
+    where = data.source or "data"
+    spec.check_input(data.input_shape(), where)
+    budget.require(len(data) * (2 * members * spec.num_classes + int(np.prod(data.input_shape()))) * 4,
+                   f"evaluating {members} members on {where}", max_memory)
+
+
+def evaluate_members(spec: ModelSpec, members: list[torch.Tensor], data: SiloData, bins: int = 15,
+                     max_memory: int | str | None = None) -> dict:
     """Metrics of the averaged ensemble plus min/max accuracy of the single members."""
+    check_data(spec, data, len(members), max_memory)
     x, y = data.tensors()
     mean, per_member = ensemble_probabilities(spec, members, x)
     out = classification_metrics(mean, y, bins)

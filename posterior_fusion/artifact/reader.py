@@ -27,6 +27,7 @@ import h5py
 import numpy as np
 import torch
 
+from posterior_fusion import budget
 from posterior_fusion.artifact import schema
 from posterior_fusion.artifact.objects import (
     ClientPosterior,
@@ -55,6 +56,7 @@ from posterior_fusion.errors import (
 )
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.storage import read_native, storage_problem
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -107,6 +109,9 @@ class _Checker:
             raise self.bad_schema(where, f"dtype {obj.dtype} not allowed (expected one of {', '.join(dtypes)})")
         if tuple(obj.shape) != tuple(shape):
             raise self.bad_schema(where, f"shape {tuple(obj.shape)} does not match the expected {tuple(shape)}")
+        problem = storage_problem(obj)
+        if problem:
+            raise self.bad_schema(where, problem)
         return obj
 
 
@@ -172,7 +177,7 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
 
 def _read(chk: _Checker, ds: h5py.Dataset, where: str) -> torch.Tensor:
     try:
-        arr = ds[()]
+        arr = read_native(ds)
     except (OSError, ValueError, RuntimeError) as exc:
         raise NotAnArtifactError(chk.file, f"cannot read data (truncated or corrupt file?): {exc}", where) from None
     if not np.isfinite(arr).all():
@@ -246,7 +251,7 @@ def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[Co
     return comps
 
 
-def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) -> list[torch.Tensor]:
+def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) -> int:
     n = meta.get("num_members")
     if not isinstance(n, int) or not 1 <= n <= schema.MAX_MEMBERS:
         raise chk.bad_schema("/", f"metadata num_members must be an integer in [1, {schema.MAX_MEMBERS}]")
@@ -257,6 +262,11 @@ def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) ->
         raise chk.bad_schema(bad, "members do not match metadata num_members")
     for i in range(n):
         chk.dataset(f, f"/members/{i}/weights", (layout.dim,))
+    return n
+
+
+def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) -> list[torch.Tensor]:
+    n = _global_plan(chk, f, layout, meta)
     return [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
 
 
@@ -279,6 +289,11 @@ def _open(path: Path) -> Iterator[tuple[_Checker, h5py.File]]:
         raise NotAnArtifactError(str(path), f"corrupt or truncated HDF5 file ({type(exc).__name__}: {exc})") from None
 
 
+def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
+    pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.GLOBAL_PATH_RE
+    return sum(f[p].size * f[p].dtype.itemsize for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
+
+
 def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
     """Validate an artifact's header (phase 1 only) and report its size without reading data.
 
@@ -289,22 +304,28 @@ def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
         kind, spec, layout, meta = _header(chk, f)
         if kind == schema.KIND_CLIENT:
             _client_plan(chk, f, spec, layout, meta)
-        pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.GLOBAL_PATH_RE
-        total = sum(f[p].size * f[p].dtype.itemsize for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
+        total = _data_bytes(chk, f, kind)
     return {"kind": kind, "num_params": layout.dim, "num_components": meta.get("num_components", meta.get("num_members")),
             "data_bytes": total}
 
 
-def load(path: str | os.PathLike) -> ClientPosterior | GlobalEnsemble:
+def load(path: str | os.PathLike, max_memory: int | str | None = None) -> ClientPosterior | GlobalEnsemble:
     """Validate and load an artifact; returns :class:`ClientPosterior` or :class:`GlobalEnsemble`.
 
-    Raises a subclass of :class:`~posterior_fusion.errors.ArtifactError` on any problem.
+    The header is validated and the bytes the load would allocate are checked against the
+    memory budget (``max_memory``, default 80% of available memory; see
+    :mod:`posterior_fusion.budget`) before any data is read. Raises a subclass of
+    :class:`~posterior_fusion.errors.ArtifactError` (or ``ResourceLimitError``) on any problem.
     """
     path = Path(path)
     with _open(path) as (chk, f):
         kind, spec, layout, meta = _header(chk, f)
-        if kind == schema.KIND_CLIENT:
-            comps = _client(chk, f, *_client_plan(chk, f, spec, layout, meta))
+        plan = _client_plan(chk, f, spec, layout, meta) if kind == schema.KIND_CLIENT else None
+        if kind != schema.KIND_CLIENT:
+            _global_plan(chk, f, layout, meta)
+        budget.require(2 * _data_bytes(chk, f, kind), f"loading {path}", max_memory)
+        if plan is not None:
+            comps = _client(chk, f, *plan)
         else:
             members = _global(chk, f, layout, meta)
     sha = file_sha256(path)
@@ -313,17 +334,17 @@ def load(path: str | os.PathLike) -> ClientPosterior | GlobalEnsemble:
     return GlobalEnsemble(str(path), sha, spec, layout, frozen_mapping(meta), tuple(members))
 
 
-def load_client(path: str | os.PathLike) -> ClientPosterior:
+def load_client(path: str | os.PathLike, max_memory: int | str | None = None) -> ClientPosterior:
     """:func:`load`, insisting on a client artifact."""
-    art = load(path)
+    art = load(path, max_memory)
     if not isinstance(art, ClientPosterior):
         raise SchemaError(str(path), "expected a client artifact (from fit-local), got a global one", "/")
     return art
 
 
-def load_global(path: str | os.PathLike) -> GlobalEnsemble:
+def load_global(path: str | os.PathLike, max_memory: int | str | None = None) -> GlobalEnsemble:
     """:func:`load`, insisting on a global artifact."""
-    art = load(path)
+    art = load(path, max_memory)
     if not isinstance(art, GlobalEnsemble):
         raise SchemaError(str(path), "expected a global artifact (from fuse), got a client one", "/")
     return art

@@ -1,7 +1,10 @@
-"""Silo / split data files (HDF5): ``/x`` uint8 or float32 images, ``/y`` int64 labels.
+"""Silo / split data files (HDF5): ``/x`` uint8 or float32 inputs, ``/y`` int64 labels.
 
-Root attributes: ``format = "posterior-fusion-data"``, ``format_version = 1``,
-``dataset``, ``num_classes``. Images are normalised on load with the dataset's mean/std.
+Root attributes: ``format = "posterior-fusion-data"``, ``format_version = 1``, ``dataset``,
+``num_classes``. Images are normalised on load with the dataset's mean/std. Data files come
+from strangers as much as artifacts do: :func:`read_silo` validates the header (attribute
+types, paths, links, storage inside the file, dtypes, ranks, sizes, memory budget) before
+it reads any data, and every failure is one :class:`DataError` line naming the file.
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ import h5py
 import numpy as np
 import torch
 
+from posterior_fusion import budget
 from posterior_fusion.artifact.atomic import atomic_h5_write
 from posterior_fusion.errors import DataError
+from posterior_fusion.storage import read_native, storage_problem
 
 DATA_FORMAT = "posterior-fusion-data"
 DATA_FORMAT_VERSION = 1
 NORMALISATION = {"fmnist": (0.2860, 0.3530)}
 MAX_SAMPLES = 10_000_000
+MAX_FEATURES = 3 * 512 * 512
+MAX_CLASSES = 100_000
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class SiloData:
     y: np.ndarray
     dataset: str
     num_classes: int
+    source: str = ""          # the file it was read from (for error messages)
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -49,6 +57,11 @@ class SiloData:
         if x.ndim == 3:
             x = x.unsqueeze(1)
         return x, torch.from_numpy(self.y.astype(np.int64))
+
+    def input_shape(self) -> tuple[int, ...]:
+        """Per-sample shape of :meth:`tensors`' inputs (a channel axis is added to ``(H, W)`` images)."""
+        shape = tuple(self.x.shape[1:])
+        return (1, *shape) if len(shape) == 2 else shape
 
     def sha256(self) -> str:
         h = hashlib.sha256()
@@ -70,37 +83,120 @@ def write_silo(path: str | os.PathLike, data: SiloData) -> None:
     atomic_h5_write(path, fill)
 
 
-def read_silo(path: str | os.PathLike, num_classes: int | None = None) -> SiloData:
+def _scalar_attr(f: h5py.File, path: Path, name: str, kind: str):
+    """A scalar attribute of kind 'text' or 'int', checked from the header; ``None`` if absent."""
+    if name not in f.attrs:
+        return None
+    aid = h5py.h5a.open(f.id, name.encode())
+    if aid.shape not in ((), (1,)):
+        raise DataError(f"{path} [/]: attribute {name!r} must be a scalar, not an array of shape {aid.shape}")
+    dt = aid.dtype
+    if kind == "int":
+        if dt.kind not in "iu":
+            raise DataError(f"{path} [/]: attribute {name!r} must be an integer")
+        return int(np.asarray(f.attrs[name]).reshape(()))
+    if not (dt.kind in "SU" or h5py.check_string_dtype(dt) is not None):
+        raise DataError(f"{path} [/]: attribute {name!r} must be a string")
+    if dt.itemsize > 4096:
+        raise DataError(f"{path} [/]: attribute {name!r} is too long")
+    value = f.attrs[name]
+    value = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(np.asarray(value).reshape(()))
+    if len(value) > 256:
+        raise DataError(f"{path} [/]: attribute {name!r} is too long")
+    return value
+
+
+def _dataset(f: h5py.File, path: Path, key: str) -> h5py.Dataset:
+    link = f.get(key, getlink=True)
+    if link is None:
+        raise DataError(f"{path}: missing dataset /{key}")
+    if not isinstance(link, h5py.HardLink):
+        raise DataError(f"{path} [/{key}]: {type(link).__name__} not allowed (only plain datasets)")
+    ds = f[key]
+    if not isinstance(ds, h5py.Dataset):
+        raise DataError(f"{path} [/{key}]: must be a dataset")
+    problem = storage_problem(ds)
+    if problem:
+        raise DataError(f"{path} [/{key}]: {problem}")
+    return ds
+
+
+@dataclass(frozen=True)
+class SiloHeader:
+    """What a data file declares, validated before any data is read."""
+
+    n: int
+    x_shape: tuple[int, ...]
+    x_dtype: str
+    dataset: str
+    num_classes: int
+
+    @property
+    def load_bytes(self) -> int:
+        """Bytes allocated by loading and converting to float32 tensors (4 bytes per value + labels)."""
+        return int(np.prod(self.x_shape)) * (4 + np.dtype(self.x_dtype).itemsize) + self.n * 16
+
+
+def _header(f: h5py.File, path: Path) -> SiloHeader:
+    if _scalar_attr(f, path, "format", "text") != DATA_FORMAT:
+        raise DataError(f"{path}: not a posterior-fusion data file (missing format attribute)")
+    version = _scalar_attr(f, path, "format_version", "int")
+    if version != DATA_FORMAT_VERSION:
+        raise DataError(f"{path}: unsupported data format_version {version}")
+    extra = sorted(set(f.keys()) - {"x", "y"})
+    if extra:
+        raise DataError(f"{path} [/{extra[0]}]: object not allowed in a data file (only /x and /y)")
+    xd, yd = _dataset(f, path, "x"), _dataset(f, path, "y")
+    if xd.dtype.name not in ("uint8", "float32") or xd.ndim not in (2, 3, 4):
+        raise DataError(f"{path} [/x]: expected uint8/float32 of rank 2-4, got {xd.dtype} {xd.shape}")
+    if yd.dtype.kind != "i" or yd.dtype.itemsize != 8 or yd.ndim != 1 or yd.shape[0] != xd.shape[0]:
+        raise DataError(f"{path} [/y]: expected int64 (n,) matching /x, got {yd.dtype} {yd.shape}")
+    n = xd.shape[0]
+    if n < 1:
+        raise DataError(f"{path} [/x]: the data file is empty")
+    if n > MAX_SAMPLES or int(np.prod(xd.shape[1:])) > MAX_FEATURES:
+        raise DataError(f"{path} [/x]: {xd.shape} exceeds the size cap ({MAX_SAMPLES} samples of {MAX_FEATURES} values)")
+    dataset = _scalar_attr(f, path, "dataset", "text") or "unknown"
+    k = _scalar_attr(f, path, "num_classes", "int")
+    if k is not None and not 1 <= k <= MAX_CLASSES:
+        raise DataError(f"{path} [/]: num_classes {k} out of range [1, {MAX_CLASSES}]")
+    return SiloHeader(n, tuple(xd.shape), xd.dtype.name, dataset, k or 0)
+
+
+def read_silo(path: str | os.PathLike, num_classes: int | None = None,
+              max_memory: int | str | None = None) -> SiloData:
     """Read and validate a data file; labels must lie in ``[0, num_classes)``."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
+    if not h5py.is_hdf5(path):
+        raise DataError(f"{path}: not an HDF5 file")
     try:
         with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != DATA_FORMAT:
-                raise DataError(f"{path}: not a posterior-fusion data file (missing format attribute)")
-            if int(f.attrs.get("format_version", -1)) != DATA_FORMAT_VERSION:
-                raise DataError(f"{path}: unsupported data format_version {f.attrs.get('format_version')}")
-            for key in ("x", "y"):
-                if key not in f or not isinstance(f.get(key, getlink=True), h5py.HardLink):
-                    raise DataError(f"{path}: missing dataset /{key}")
-            xd, yd = f["x"], f["y"]
-            if xd.dtype not in (np.uint8, np.float32) or xd.ndim not in (2, 3, 4):
-                raise DataError(f"{path} [/x]: expected uint8/float32 of rank 2-4, got {xd.dtype} {xd.shape}")
-            if yd.dtype != np.int64 or yd.ndim != 1 or yd.shape[0] != xd.shape[0]:
-                raise DataError(f"{path} [/y]: expected int64 (n,) matching /x, got {yd.dtype} {yd.shape}")
-            if xd.shape[0] > MAX_SAMPLES or xd.size > MAX_SAMPLES * 3 * 32 * 32:
-                raise DataError(f"{path} [/x]: {xd.shape} exceeds the size cap")
-            dataset = str(f.attrs.get("dataset", "unknown"))
-            k = int(f.attrs.get("num_classes", 0))
-            x, y = xd[()], yd[()]
-    except OSError as exc:
-        raise DataError(f"{path}: not a readable HDF5 data file ({exc})") from None
-    k = num_classes if num_classes is not None else k
+            head = _header(f, path)
+            budget.require(head.load_bytes, f"reading {path}", max_memory)
+            x, y = read_native(f["x"]), read_native(f["y"])
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: not a readable HDF5 data file ({type(exc).__name__}: {exc})") from None
+    k = num_classes if num_classes is not None else head.num_classes
     if k < 1:
         raise DataError(f"{path}: num_classes missing or invalid")
-    if y.size and (y.min() < 0 or y.max() >= k):
+    if y.min() < 0 or y.max() >= k:
         raise DataError(f"{path} [/y]: labels must be in [0, {k}), found range [{y.min()}, {y.max()}]")
     if x.dtype == np.float32 and not np.isfinite(x).all():
         raise DataError(f"{path} [/x]: contains NaN or Inf")
-    return SiloData(x, y, dataset, k)
+    return SiloData(x, y.astype(np.int64), head.dataset, k, str(path))
+
+
+def silo_header(path: str | os.PathLike) -> SiloHeader:
+    """Validate a data file's header only (no data read); used for memory estimates."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found")
+    if not h5py.is_hdf5(path):
+        raise DataError(f"{path}: not an HDF5 file")
+    try:
+        with h5py.File(path, "r") as f:
+            return _header(f, path)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: not a readable HDF5 data file ({type(exc).__name__}: {exc})") from None

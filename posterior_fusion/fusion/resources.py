@@ -1,55 +1,37 @@
-"""Memory estimate for ``fuse``, computed from artifact headers before any data is loaded."""
+"""Memory estimate for ``fuse``, computed from artifact and data headers before any data is loaded."""
 
 from __future__ import annotations
 
-import os
-import re
-
-from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.registry import get_method
+from posterior_fusion.fusion.settings import MethodSettings
 
 
-def parse_bytes(text: str) -> int:
-    """'512M', '8G', '1.5GiB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
-    if not m:
-        raise ConfigError(f"cannot read a memory size from {text!r} (use e.g. 512M, 8G)")
-    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def estimate_fuse_bytes(headers: list[dict], method: str, modes: int | None) -> int:
-    """Peak-memory estimate of a fusion from ``declared_bytes`` of each client.
+def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettings, data_bytes: int = 0,
+                        data_rows: int = 0, num_classes: int = 10) -> int:
+    """Peak-memory estimate of a fusion from ``declared_bytes`` of each client artifact and
+    the declared size of the server's data files (``data_bytes``, ``data_rows`` samples).
 
     Loaded tensors (1x) + eigendecompositions and stacked float32 copies (2x) for the
     curvature methods; the optimisers also hold K x N rotated copies of the parameter vector
-    with their autograd buffers (about 4 of them).
+    with their autograd buffers (about 4 of them); sampling methods hold their members; data
+    files are converted to float32 (4 bytes per stored byte at most) and their logits are
+    kept per member.
     """
-    data = sum(h["data_bytes"] for h in headers)
-    total = data * 3
+    d = headers[0]["num_params"]
+    n = sum(h["num_components"] for h in headers)
+    total = 3 * sum(h["data_bytes"] for h in headers)
+    members = 1
     if get_method(method).optimises:
-        d = headers[0]["num_params"]
-        n = sum(h["num_components"] for h in headers)
-        k = (modes or headers[0]["num_components"]) if method == "fedbens" else 1
+        k = getattr(settings, "modes", None) or headers[0]["num_components"] if method == "fedbens" else 1
         total += 4 * k * n * d * 4
+        members = k
+    samples = getattr(settings, "num_samples", 0)
+    if method == "fedbe":
+        members = 1 + len(headers) + samples
+    elif method == "swag":
+        members = n * max(1, samples)
+    elif method == "ensemble":
+        members = n
+    total += 2 * members * d * 4
+    total += 4 * data_bytes + members * data_rows * num_classes * 4
     return int(total)
-
-
-def default_limit() -> int | None:
-    avail = available_memory()
-    env = os.environ.get("PFUSE_MAX_MEMORY")
-    if env:
-        return parse_bytes(env)
-    return None if avail is None else int(avail * 0.8)

@@ -6,12 +6,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from posterior_fusion import budget
 from posterior_fusion.artifact import load_client
 from posterior_fusion.artifact.reader import declared_bytes
-from posterior_fusion.data.silo import read_silo
-from posterior_fusion.errors import IncompatibleArtifactsError, ResourceLimitError, SchemaError
+from posterior_fusion.data.silo import read_silo, silo_header
+from posterior_fusion.errors import IncompatibleArtifactsError, SchemaError
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult
-from posterior_fusion.fusion.resources import default_limit, estimate_fuse_bytes
+from posterior_fusion.fusion.resources import estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.run import fuse_clients, method_settings
 from posterior_fusion.fusion.settings import MethodSettings
@@ -21,7 +22,7 @@ from posterior_fusion.fusion.tuning import tune_fusion
 def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOptions | None = None,
          settings: MethodSettings | Mapping[str, Any] | None = None,
          val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
-         log=lambda msg: None, robust: bool = False, max_memory: int | None = None,
+         log=lambda msg: None, robust: bool = False, max_memory: int | str | None = None,
          tune: tuple[str, ...] = (), tune_temperatures=None, tune_prior_vars=None,
          ) -> tuple[FusionInputs, FusionResult, dict]:
     """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
@@ -42,16 +43,13 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     for p, h in zip(client_paths, headers):
         if h["kind"] != "client":
             raise SchemaError(str(p), "expected a client artifact (from fit-local), got a global one", "/")
-    need = estimate_fuse_bytes(headers, method, getattr(chosen, "modes", None))
-    limit = max_memory if max_memory is not None else default_limit()
-    if limit is not None and need > limit:
-        raise ResourceLimitError(f"fusing these {len(headers)} artifacts with {method} needs about "
-                                 f"{need / 2**30:.2f} GiB, over the limit of {limit / 2**30:.2f} GiB "
-                                 "(--max-memory, default 80% of available memory)")
-    clients = [load_client(p) for p in client_paths]
+    data = [silo_header(p) for p in (val_path, unlabeled_path) if p]
+    need = estimate_fuse_bytes(headers, method, chosen, sum(h.load_bytes for h in data), sum(h.n for h in data))
+    budget.require(need, f"fusing these {len(headers)} artifacts with {method}", max_memory)
+    clients = [load_client(p, max_memory) for p in client_paths]
     k = clients[0].model_spec.num_classes
-    val = read_silo(val_path, num_classes=k) if val_path else None
-    unlabeled = read_silo(unlabeled_path, num_classes=k) if unlabeled_path else None
+    val = read_silo(val_path, num_classes=k, max_memory=max_memory) if val_path else None
+    unlabeled = read_silo(unlabeled_path, num_classes=k, max_memory=max_memory) if unlabeled_path else None
     if tune:
         if robust:
             clients, _ = screen_clients(clients)

@@ -73,6 +73,7 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
     """
     if data.num_classes != spec.num_classes:
         raise IncompatibleArtifactsError(f"data has {data.num_classes} classes, model {spec.name!r} outputs {spec.num_classes}")
+    spec.check_input(data.input_shape(), data.source or "data")
     metadata = fit_metadata(spec, data, inits, cfg)
     cfg = cfg.resolved(len(data))
     x, y = data.tensors()

@@ -88,6 +88,22 @@ class ModelSpec:
     def build(self) -> nn.Module:
         return MODEL_REGISTRY[self.name][0](**self.kwargs)
 
+    def check_input(self, sample_shape: tuple[int, ...], where: str) -> None:
+        """Refuse data whose per-sample shape (after the loader's channel axis) does not fit
+        this model; runs the model on PyTorch's meta device (no allocation, no compute)."""
+        import torch
+
+        with torch.device("meta"):
+            model = self.build()
+            try:
+                out = model(torch.empty(2, *sample_shape))
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise ModelSpecError(f"{where}: inputs of shape {tuple(sample_shape)} do not fit model "
+                                     f"{self.name!r} {self.kwargs} ({str(exc).splitlines()[0][:120]})") from None
+        if tuple(out.shape) != (2, self.num_classes):
+            raise ModelSpecError(f"{where}: model {self.name!r} gives outputs {tuple(out.shape[1:])} on inputs "
+                                 f"of shape {tuple(sample_shape)}, expected ({self.num_classes},)")
+
     @property
     def num_classes(self) -> int:
         return int(self.kwargs.get("num_classes", 10))
