@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 
 from posterior_fusion.artifact import load_global, write_global_artifact
-from posterior_fusion.artifact.atomic import atomic_h5_write
+from posterior_fusion.artifact.atomic import atomic_h5_write, check_writable, output_lock
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_METHODS, run_demo
@@ -130,6 +130,15 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, temperature,
     for k in sorted(set(legacy) - fields):
         log_to_stderr(f"warning: method {method!r} has no setting {k!r}; ignored")
     overrides.update(parse_pairs(set_values))
+    with output_lock(out):
+        _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
+                      sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
+                      as_json)
+
+
+def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
+                  sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
+                  as_json) -> None:
     opts = FusionOptions(temperature=temperature, prior_var=prior_var, component=component,
                          sampling_seed=sampling_seed, kernel=kernel, device=device)
     inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
@@ -185,6 +194,7 @@ def evaluate_cmd(global_artifact, data_path, bins, plot, as_json, max_memory):
 @handle_errors
 def predict_cmd(global_artifact, data_path, out, max_memory):
     """Write the ensemble's averaged class probabilities."""
+    check_writable(out)
     g = load_global(global_artifact, max_memory)
     data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
     check_data(g.model_spec, data, len(g.members), max_memory)

@@ -16,7 +16,7 @@ import numpy as np
 # Filters a posterior-fusion file may use: deflate (gzip), shuffle and fletcher32 checksums.
 ALLOWED_FILTERS = {h5py.h5z.FILTER_DEFLATE: "gzip", h5py.h5z.FILTER_SHUFFLE: "shuffle",
                    h5py.h5z.FILTER_FLETCHER32: "fletcher32"}
-MAX_COMPRESSION_RATIO = 1000
+MAX_COMPRESSION_RATIO = 200
 
 
 def storage_problem(ds: h5py.Dataset) -> str | None:

@@ -28,8 +28,10 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from posterior_fusion import budget
 from posterior_fusion.artifact import load_client, write_global_artifact
-from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError
+from posterior_fusion.artifact.atomic import check_writable
+from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, TrainConfig
@@ -141,22 +143,47 @@ def make_client_app(silo_dir: str | os.PathLike | None = None) -> ClientApp:
 
 @dataclass
 class Reply:
-    """A node's answer, Flower-independent: the artifact bytes or an error text."""
+    """A node's answer, Flower-independent. ``key`` is assigned by the server (the node's
+    index in sorted node-id order) and names the file; nothing the node sent names anything.
+    ``reported_partition_id`` is what the node claimed, kept for information only."""
 
     key: int
     blob: bytes | None
     error: str | None = None
+    node_id: int | None = None
+    reported_partition_id: int | None = None
+
+
+def reply_from_message(key: int, msg: Message) -> Reply:
+    """Type-check a reply's fields; anything unexpected becomes an error reply (never an exception)."""
+    node = msg.metadata.src_node_id
+    if msg.has_error():
+        return Reply(key, None, f"node error: {str(msg.error.reason)[:200]}", node)
+    try:
+        rec = msg.content["artifact"]
+        blob = rec["artifact"] if "artifact" in rec else None
+        pid = rec["partition-id"] if "partition-id" in rec else None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return Reply(key, None, f"reply has no valid 'artifact' record ({type(exc).__name__})", node)
+    if not isinstance(blob, bytes):
+        return Reply(key, None, f"field 'artifact' must be bytes, got {type(blob).__name__}", node)
+    reported = pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 31 else None
+    return Reply(key, blob, None, node, reported)
 
 
 def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "skip",
-                    log: Callable[[str], None] = print) -> list[Path]:
+                    log: Callable[[str], None] = print, max_memory: int | str | None = None) -> list[Path]:
     """Write each reply's bytes to ``out_dir/client_<key>.h5`` and validate it as a file.
 
-    A reply with an error, no bytes, or an artifact the reader refuses is logged and left
-    out (``skip``) or stops the run (``fail``). Returns the accepted paths, ordered by key.
+    A reply with an error, no bytes, bytes over the memory budget, or an artifact the reader
+    refuses is logged and left out (``skip``) or stops the run (``fail``). Keys are the
+    server's own; two replies with one key are refused. Returns the accepted paths, ordered by key.
     """
     if on_bad_reply not in BAD_REPLY_POLICIES:
         raise ConfigError(f"on_bad_reply must be one of {BAD_REPLY_POLICIES}")
+    keys = [r.key for r in replies]
+    if len(set(keys)) != len(keys) or not all(isinstance(k, int) and k >= 0 for k in keys):
+        raise FederationError("reply keys must be distinct non-negative integers chosen by the server")
     out_dir.mkdir(parents=True, exist_ok=True)
     accepted = []
     for r in sorted(replies, key=lambda r: r.key):
@@ -164,14 +191,17 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
         problem = r.error or (None if r.blob else "empty reply")
         if problem is None:
             tmp = path.with_name(f".{path.name}.incoming")
-            tmp.write_bytes(r.blob)
             try:
-                load_client(tmp)
+                budget.require(3 * len(r.blob), f"checking the reply of client {r.key}", max_memory)
+                tmp.write_bytes(r.blob)
+                load_client(tmp, max_memory)
                 os.replace(tmp, path)
                 accepted.append(path)
                 continue
             except ArtifactError as exc:
                 problem = f"invalid artifact: {exc.reason} [{exc.hdf5_path}]"
+            except ResourceLimitError as exc:
+                problem = str(exc)
             finally:
                 tmp.unlink(missing_ok=True)
         message = f"client {r.key}: reply rejected ({problem})"
@@ -187,37 +217,45 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
               options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
               log: Callable[[str], None] = print,
-              method_settings: MethodSettings | Mapping[str, Any] | None = None) -> dict:
-    """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``."""
+              method_settings: MethodSettings | Mapping[str, Any] | None = None,
+              max_memory: int | str | None = None) -> dict:
+    """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
+
+    Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
+    node-id order), never from reply content."""
     out = Path(out_dir)
+    check_writable(out / "global.h5")
     t0 = time.time()
-    ids = list(grid.get_node_ids())
+    ids = sorted(grid.get_node_ids())
     while len(ids) < min_nodes and time.time() - t0 < wait_s:
         time.sleep(0.2)
-        ids = list(grid.get_node_ids())
+        ids = sorted(grid.get_node_ids())
     if len(ids) < min_nodes:
         raise FederationError(f"only {len(ids)} of {min_nodes} nodes connected within {wait_s:.0f}s")
+    key_of = {node: k for k, node in enumerate(ids)}
     content = RecordDict({"config": ConfigRecord({"settings": settings.to_json()})})
     messages = [Message(content, dst_node_id=i, message_type="train") for i in ids]
     log(f"sent settings to {len(messages)} nodes")
-    replies = []
+    replies: dict[int, Reply] = {}
     for m in grid.send_and_receive(messages):
-        node = m.metadata.src_node_id
-        if m.has_error():
-            replies.append(Reply(node, None, f"node error: {m.error.reason}"))
+        key = key_of.get(m.metadata.src_node_id)
+        if key is None or key in replies:
+            log(f"ignoring an unexpected or repeated reply from node {m.metadata.src_node_id}")
             continue
-        rec = m.content["artifact"]
-        key = int(rec["partition-id"]) if "partition-id" in rec else node
-        replies.append(Reply(key, bytes(rec["artifact"]) if "artifact" in rec else None))
+        replies[key] = reply_from_message(key, m)
     missing = len(messages) - len(replies)
     if missing:
         if on_bad_reply == "fail":
             raise FederationError(f"{missing} node(s) did not reply")
         log(f"{missing} node(s) did not reply; continuing without them")
-    paths = collect_replies(replies, out, on_bad_reply, log)
+    paths = collect_replies(list(replies.values()), out, on_bad_reply, log, max_memory)
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
-                                val_path, log=log)
+                                val_path, log=log, max_memory=max_memory)
+    by_name = {f"client_{r.key}.h5": r for r in replies.values()}
     meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],
+                          "clients": [{"file": p.name, "node_id": by_name[p.name].node_id,
+                                       "reported_partition_id": by_name[p.name].reported_partition_id}
+                                      for p in paths],
                           "settings": json.loads(settings.to_json())}
     write_global_artifact(out / "global.h5", inputs.spec, inputs.clients[0].layout, meta, result.members)
     log(f"wrote {out / 'global.h5'} from {len(paths)} client artifacts")

@@ -49,7 +49,9 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
     check_compatible(clients)
     screening = None
     if robust:
-        clients, screening = screen_clients(clients)
+        probe = FusionInputs(clients, options)
+        clients, screening = screen_clients(clients, temperature=probe.temperature,
+                                            prior_precision=probe.prior_precision, val=val)
         for row in screening:
             if row["excluded"]:
                 log(f"robust: excluding {row['file']}: {'; '.join(row['reasons'])}")

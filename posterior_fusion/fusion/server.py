@@ -52,7 +52,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     unlabeled = read_silo(unlabeled_path, num_classes=k, max_memory=max_memory) if unlabeled_path else None
     if tune:
         if robust:
-            clients, _ = screen_clients(clients)
+            probe = FusionInputs(clients, options)
+            clients, _ = screen_clients(clients, temperature=probe.temperature,
+                                        prior_precision=probe.prior_precision, val=val)
         grids = {k: v for k, v in (("temperatures", tune_temperatures), ("prior_vars", tune_prior_vars)) if v}
         inputs, result, metadata = tune_fusion(clients, method, options, val, tune, log=log, settings=chosen, **grids)
     else:

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from posterior_fusion.artifact.atomic import output_lock
 from posterior_fusion.artifact.objects import Component, frozen_mapping
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
-from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, OutputError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import FitConfig
@@ -113,16 +114,20 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
     component (``.<out>.partial.h5``); with ``resume`` a partial run of the same fit continues."""
     layout = ParameterLayout.from_model(spec.build())
     fingerprint = fit_metadata(spec, data, inits, cfg)["fit_fingerprint"]
-    done = resume_state(out, fingerprint, len(inits), resume, log)
-    partial = partial_path(out)
+    with output_lock(out):  # checked writable before the work; a second writer is refused
+        done = resume_state(out, fingerprint, len(inits), resume, log)
+        partial = partial_path(out)
 
-    def save_partial(meta: dict, comps: list[Component]) -> None:
-        write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps)
+        def save_partial(meta: dict, comps: list[Component]) -> None:
+            write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps)
 
-    meta, comps = fit_local(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
-    meta["init"] = init_info
-    write_client_artifact(out, spec, layout, meta, comps)
-    partial.unlink(missing_ok=True)
+        meta, comps = fit_local(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
+        meta["init"] = init_info
+        try:
+            write_client_artifact(out, spec, layout, meta, comps)
+        except OutputError as exc:
+            raise OutputError(f"{exc}; the finished components are kept in {partial} (rerun with --resume)") from None
+        partial.unlink(missing_ok=True)
     return meta, comps
 
 
