@@ -10,17 +10,18 @@ import click
 import h5py
 import numpy as np
 
-from posterior_fusion.artifact import load_global, write_global_artifact
+from posterior_fusion.artifact import load_global
 from posterior_fusion.artifact.atomic import atomic_h5_write, check_writable, output_lock
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_METHODS, run_demo
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion import METHODS, FusionOptions, fuse, get_method
+from posterior_fusion.fusion import METHODS, FusionOptions, fuse, get_method, write_fused
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
-from posterior_fusion.metrics import check_data, ensemble_probabilities, evaluate_members, reliability_plot
+from posterior_fusion.metrics import check_data, evaluate_posterior, reliability_plot
+from posterior_fusion.predictive import LINKS, PREDICTIVES
 
 # Options that were method settings before per-method settings existed: old flag -> (setting, type).
 LEGACY_SETTINGS = {"--steps": ("steps", int), "--lr": ("adam_lr", float), "--clip": ("clip", float),
@@ -149,7 +150,7 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
         chosen = meta["tuning"]["chosen"]
         click.echo(f"tuned: T={chosen['temperature']} prior_var={chosen['prior_var']} "
                    f"(val accuracy {chosen['val_accuracy']:.4f})")
-    write_global_artifact(out, inputs.spec, inputs.clients[0].layout, meta, result.members)
+    write_fused(out, inputs, result, meta)
     if as_json:
         echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"],
                    "settings": meta["settings"]})
@@ -161,52 +162,87 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
         click.echo(f"  mode {k}: best step {best['step']} objective {best['objective']:.6g}{extra}")
 
 
+predictive_options = [
+    click.option("--predictive", default="map", show_default=True, type=click.Choice(PREDICTIVES),
+                 help="map: average the members' softmax; mc: Monte-Carlo over weight samples around each mode; "
+                      "glm: linearised predictive (needs a fedbens artifact with its Laplace posterior)."),
+    click.option("--samples", default=30, show_default=True, type=int, help="Samples per mode for mc (and --link mc)."),
+    click.option("--link", default="probit", show_default=True, type=click.Choice(LINKS),
+                 help="glm: probit approximation or Monte-Carlo over the Gaussian logits."),
+    click.option("--scale", default=1.0, show_default=True, type=float,
+                 help="Multiply the posterior covariance (predictive tempering; 1 = the posterior)."),
+]
+
+
+def with_predictive_options(fn):
+    for option in reversed(predictive_options):
+        fn = option(fn)
+    return fn
+
+
 @click.command("evaluate")
-@click.argument("global_artifact", type=click.Path(dir_okay=False))
+@click.argument("global_artifacts", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Labelled data file (e.g. test.h5).")
-@click.option("--bins", default=15, show_default=True, type=int, help="ECE bins.")
-@click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Write a reliability diagram PNG here.")
+@with_predictive_options
+@click.option("--ood", default=None, type=click.Path(dir_okay=False),
+              help="Out-of-distribution data file: adds the OOD AUROC from predictive entropy [default: none].")
+@click.option("--bins", default=15, show_default=True, type=int, help="ECE/MCE bins.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Reliability + accuracy–coverage figure of every artifact (.png, .pdf or .svg) [default: none].")
 @click.option("--json", "as_json", is_flag=True, help="Print metrics as JSON.")
 @max_memory_option
 @handle_errors
-def evaluate_cmd(global_artifact, data_path, bins, plot, as_json, max_memory):
-    """Accuracy, NLL, ECE, Brier and member accuracy range of a fused ensemble."""
+def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, ood, bins, plot, as_json, max_memory):
+    """Accuracy, NLL, ECE/MCE, Brier, entropy, AUROC(correct), selective accuracy (and OOD AUROC) of global artifacts."""
     if bins < 1:
         raise ConfigError("--bins must be >= 1")
-    g = load_global(global_artifact, max_memory)
-    data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
-    m = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory)
     if plot:
-        reliability_plot(m["reliability"], plot, title=f"{g.method} (ECE {m['ece']:.3f})")
+        check_writable(plot)
+    results = []
+    for path in global_artifacts:
+        g = load_global(path, max_memory)
+        data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
+        ood_data = read_silo(ood, num_classes=g.model_spec.num_classes, max_memory=max_memory) if ood else None
+        m = evaluate_posterior(g, data, predictive, samples, scale, link, bins, ood_data, max_memory)
+        results.append((path, g, m))
+    if plot:
+        reliability_plot([(f"{g.method} [{predictive}]", m) for _, g, m in results], plot, dataset=data_path)
     if as_json:
-        echo_json({"method": g.method, **m})
+        rows = [{"file": p, "method": g.method, **m} for p, g, m in results]
+        echo_json(rows[0] if len(rows) == 1 else rows)
         return
-    click.echo(f"{g.method}: accuracy {m['accuracy']:.4f}  NLL {m['nll']:.4f}  ECE {m['ece']:.4f}  "
-               f"Brier {m['brier']:.4f}  members {m['num_members']} "
-               f"(single-member accuracy {m['member_accuracy_min']:.4f}..{m['member_accuracy_max']:.4f})  n={m['n']}")
+    for path, g, m in results:
+        extra = f"  OOD AUROC {m['ood_auroc']:.4f}" if "ood_auroc" in m else ""
+        members = (f"members {m['num_members']} (single-member accuracy {m['member_accuracy_min']:.4f}.."
+                   f"{m['member_accuracy_max']:.4f})" if "member_accuracy_min" in m else f"modes {m['num_members']}")
+        click.echo(f"{g.method} [{predictive}]: accuracy {m['accuracy']:.4f}  NLL {m['nll']:.4f}  ECE {m['ece']:.4f}  "
+                   f"MCE {m['mce']:.4f}  Brier {m['brier']:.4f}  entropy {m['entropy_mean']:.3f}  "
+                   f"AUROC(correct) {m['auroc_correct']:.4f}{extra}  {members}  n={m['n']}  ({path})")
 
 
 @click.command("predict")
 @click.argument("global_artifact", type=click.Path(dir_okay=False))
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Data file with /x.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output HDF5 with /probs (n, classes).")
+@with_predictive_options
 @max_memory_option
 @handle_errors
-def predict_cmd(global_artifact, data_path, out, max_memory):
-    """Write the ensemble's averaged class probabilities."""
+def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scale, max_memory):
+    """Write the predictive class probabilities (map ensemble, mc or glm)."""
     check_writable(out)
     g = load_global(global_artifact, max_memory)
     data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
     check_data(g.model_spec, data, len(g.members), max_memory)
-    probs, _ = ensemble_probabilities(g.model_spec, list(g.members), data.tensors()[0])
+    probs = g.predict(data.tensors()[0], predictive, samples, scale, link)
 
     def fill(f: h5py.File) -> None:
         f.attrs["format"] = "posterior-fusion-predictions"
         f.attrs["global_sha256"] = g.sha256
+        f.attrs["predictive"] = predictive
         f.create_dataset("probs", data=probs.numpy().astype(np.float32))
 
     atomic_h5_write(out, fill)
-    click.echo(f"wrote {out}: probabilities {tuple(probs.shape)}")
+    click.echo(f"wrote {out}: probabilities {tuple(probs.shape)} ({predictive})")
 
 
 @click.command("demo")

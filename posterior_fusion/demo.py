@@ -6,13 +6,12 @@ import os
 import time
 from pathlib import Path
 
-from posterior_fusion.artifact import load_global, write_global_artifact
+from posterior_fusion.artifact import load_global
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import MethodNotApplicableError
-from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse
-from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse, write_fused
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact
 from posterior_fusion.metrics import evaluate_members
@@ -46,13 +45,13 @@ def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, a
     rows = []
     for method in methods:
         try:
-            _, result, meta = fuse(paths, method, FusionOptions(sampling_seed=seed),
+            inputs, result, meta = fuse(paths, method, FusionOptions(sampling_seed=seed),
                                    applicable_settings(method, {"steps": steps}), val_path=summary["server_val"])
         except MethodNotApplicableError as exc:
             log(f"{method}: skipped ({exc})")
             continue
         gpath = out / f"global_{method}.h5"
-        write_global_artifact(gpath, spec, ParameterLayout.from_model(spec.build()), meta, result.members)
+        write_fused(gpath, inputs, result, meta)
         g = load_global(gpath)
         metrics = evaluate_members(g.model_spec, list(g.members), test)
         rows.append({"method": method, "members": len(g.members), "fuse_seconds": meta["fuse_seconds"],

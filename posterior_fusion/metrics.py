@@ -37,18 +37,76 @@ def expected_calibration_error(probs: torch.Tensor, y: torch.Tensor, bins: int =
     return ece, table
 
 
+def maximum_calibration_error(table: list[dict]) -> float:
+    """MCE: the largest |accuracy − confidence| over the non-empty bins of a reliability table."""
+    gaps = [abs(b["accuracy"] - b["confidence"]) for b in table if b["count"]]
+    return max(gaps) if gaps else 0.0
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Predictive entropy ``(n,)`` in nats of probabilities ``(n, C)``."""
+    return -(probs * probs.clamp_min(1e-12).log()).sum(-1)
+
+
+def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
+    """Area under the ROC curve of ``scores`` for the boolean labels ``positive`` (Mann–Whitney
+    statistic with average ranks for ties); NaN when one class is empty."""
+    scores = scores.double().flatten()
+    positive = positive.bool().flatten()
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    uniq, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
+    if len(uniq) < len(scores):  # average ranks of ties
+        first = torch.cumsum(counts, 0) - counts + 1
+        avg = first + (counts - 1) / 2.0
+        ranks[order] = avg[inverse].double()
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+COVERAGES = (0.5, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+def accuracy_coverage(probs: torch.Tensor, y: torch.Tensor, coverages=COVERAGES) -> list[dict]:
+    """Selective accuracy: the accuracy on the most confident fraction ``coverage`` of the inputs."""
+    conf, pred = probs.max(-1)
+    correct = (pred == y).double()[torch.argsort(conf, descending=True)]
+    out = []
+    for cov in coverages:
+        k = max(1, int(round(cov * len(y))))
+        out.append({"coverage": float(cov), "accuracy": float(correct[:k].mean())})
+    return out
+
+
 def classification_metrics(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> dict:
-    """Accuracy, NLL, ECE and Brier score of probabilities ``(n, C)`` for labels ``(n,)``."""
+    """Accuracy, NLL, ECE, MCE, Brier score, mean entropy, AUROC of correct-vs-incorrect from
+    the confidence, and the accuracy–coverage curve of probabilities ``(n, C)`` for labels ``(n,)``."""
     eps = 1e-12
     onehot = torch.nn.functional.one_hot(y, probs.shape[-1]).to(probs.dtype)
     ece, table = expected_calibration_error(probs, y, bins)
+    conf, pred = probs.max(-1)
     return {
-        "accuracy": (probs.argmax(-1) == y).float().mean().item(),
+        "accuracy": (pred == y).float().mean().item(),
         "nll": -torch.log(probs.gather(1, y[:, None]).clamp_min(eps)).mean().item(),
         "ece": ece,
+        "mce": maximum_calibration_error(table),
         "brier": (probs - onehot).square().sum(-1).mean().item(),
+        "entropy_mean": entropy(probs).mean().item(),
+        "auroc_correct": auroc(conf, pred == y),
+        "accuracy_coverage": accuracy_coverage(probs, y),
         "reliability": table,
     }
+
+
+def ood_auroc(probs_in: torch.Tensor, probs_out: torch.Tensor) -> float:
+    """OOD detection AUROC from predictive entropy (out-of-distribution = positive), FedPPD's protocol."""
+    scores = torch.cat([entropy(probs_in), entropy(probs_out)])
+    labels = torch.cat([torch.zeros(len(probs_in), dtype=torch.bool), torch.ones(len(probs_out), dtype=torch.bool)])
+    return auroc(scores, labels)
 
 
 def check_data(spec: ModelSpec, data: SiloData, members: int = 1, max_memory: int | str | None = None) -> None:
@@ -73,8 +131,36 @@ def evaluate_members(spec: ModelSpec, members: list[torch.Tensor], data: SiloDat
     return out
 
 
-def reliability_plot(table: list[dict], path: str, title: str = "") -> None:
-    """Write a reliability diagram PNG (needs matplotlib: pip install posterior-fusion[plot])."""
+def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map", samples: int = 30,
+                       scale: float = 1.0, link: str = "probit", bins: int = 15, ood: SiloData | None = None,
+                       max_memory: int | str | None = None) -> dict:
+    """Metrics of a global artifact's predictive (``map`` ensemble, ``mc`` or ``glm``) on ``data``;
+    with ``ood`` data also the OOD AUROC from predictive entropy."""
+    g = global_artifact
+    if predictive == "map":
+        out = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory)
+        x = data.tensors()[0]
+        probs_in = None
+    else:
+        check_data(g.model_spec, data, len(g.members) * (samples if predictive == "mc" else g.model_spec.num_classes),
+                   max_memory)
+        x, y = data.tensors()
+        probs_in = g.predict(x, predictive, samples, scale, link)
+        out = classification_metrics(probs_in, y, bins)
+        out.update({"num_members": len(g.members), "n": len(y)})
+    out.update({"predictive": predictive, "samples": samples if predictive == "mc" or link == "mc" else None,
+                "scale": scale})
+    if ood is not None:
+        check_data(g.model_spec, ood, len(g.members), max_memory)
+        if probs_in is None:
+            probs_in = g.predict(x, predictive, samples, scale, link)
+        probs_out = g.predict(ood.tensors()[0], predictive, samples, scale, link)
+        out["ood_auroc"] = ood_auroc(probs_in, probs_out)
+        out["ood_n"] = len(ood)
+    return out
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -84,15 +170,46 @@ def reliability_plot(table: list[dict], path: str, title: str = "") -> None:
         from posterior_fusion.errors import ConfigError
 
         raise ConfigError("--plot needs matplotlib (pip install 'posterior-fusion[plot]')") from None
-    fig, ax = plt.subplots(figsize=(4, 4))
-    mids = [(b["lo"] + b["hi"]) / 2 for b in table]
-    accs = [b["accuracy"] or 0.0 for b in table]
-    ax.bar(mids, accs, width=1 / len(table), edgecolor="k", alpha=0.7, label="accuracy")
-    ax.plot([0, 1], [0, 1], "r--", label="perfect calibration")
-    ax.set_xlabel("confidence")
+    return plt
+
+
+def reliability_plot(results: list[tuple[str, dict]], path: str, dataset: str = "") -> None:
+    """Reliability diagrams of one or more methods (``(label, metrics)`` pairs, metrics as from
+    :func:`classification_metrics`), overlaid, with the gap to the diagonal shaded, a per-bin
+    count histogram underneath, n and the data set in the title, and the accuracy–coverage
+    curves beside; the format follows the file extension (.png, .pdf, .svg)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(7.0, 5.0), gridspec_kw={"height_ratios": [3, 1]}, sharex="col")
+    ax, cov_ax, hist_ax, spare = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
+    spare.axis("off")
+    ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+    n_bins = len(results[0][1]["reliability"])
+    width = 1.0 / n_bins / max(1, len(results))
+    for i, (label, m) in enumerate(results):
+        table = m["reliability"]
+        mids = [(b["lo"] + b["hi"]) / 2 for b in table if b["count"]]
+        accs = [b["accuracy"] for b in table if b["count"]]
+        confs = [b["confidence"] for b in table if b["count"]]
+        line = ax.plot(confs, accs, marker="o", ms=3, label=f"{label} (ECE {m['ece']:.3f})")[0]
+        ax.fill_between(confs, accs, confs, color=line.get_color(), alpha=0.15)
+        hist_ax.bar([mid - 0.5 / n_bins + (i + 0.5) * width for mid in mids], [b["count"] for b in table if b["count"]],
+                    width=width, color=line.get_color(), alpha=0.7)
+        cov = m.get("accuracy_coverage") or []
+        cov_ax.plot([c["coverage"] for c in cov], [c["accuracy"] for c in cov], marker="o", ms=3,
+                    color=line.get_color(), label=label)
     ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.legend(loc="upper left")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, loc="upper left")
+    n = results[0][1].get("n", "?")
+    ax.set_title(f"reliability, {dataset} (n={n})" if dataset else f"reliability (n={n})", fontsize=9)
+    hist_ax.set_xlabel("confidence")
+    hist_ax.set_ylabel("count")
+    hist_ax.set_yscale("log")
+    cov_ax.set_xlabel("coverage (most confident fraction)")
+    cov_ax.set_ylabel("selective accuracy")
+    cov_ax.set_title("accuracy–coverage", fontsize=9)
+    cov_ax.tick_params(labelbottom=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=150)
     plt.close(fig)

@@ -16,6 +16,7 @@ from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.predictive import predict
 
 LOG_2PI = math.log(2 * math.pi)
 
@@ -68,6 +69,11 @@ class Component:
         t = self.temperature if temperature is None else temperature
         lam = self.prior_precision if prior_precision is None else prior_precision
         return self.curvature.precision(t, lam)
+
+    def sample(self, n: int, generator: torch.Generator | None = None, temperature: float | None = None,
+               prior_precision: float | None = None) -> torch.Tensor:
+        """``n`` draws ``(n, d)`` from ``N(map, Λ⁻¹)`` (``Precision.sample`` itself is zero-mean)."""
+        return self.map + self.precision(temperature, prior_precision).sample(n, generator)
 
     def log_prob(self, w: torch.Tensor, temperature: float | None = None,
                  prior_precision: float | None = None) -> torch.Tensor:
@@ -128,7 +134,9 @@ class ClientPosterior:
 
 @dataclass(frozen=True)
 class GlobalEnsemble:
-    """Result of ``pfuse fuse``: independent member weight vectors ``(d,)`` and provenance."""
+    """Result of ``pfuse fuse``: member weight vectors ``(d,)`` (independent storage), and for
+    fedbens a Laplace approximation at each member (global mode): the global posterior is
+    approximated by ``Σ_k π_k N(w*_k, Λ*_k⁻¹)`` with ``Λ*_k = curvature_k + λ0 I``."""
 
     path: str
     sha256: str
@@ -136,10 +144,55 @@ class GlobalEnsemble:
     layout: ParameterLayout
     metadata: Mapping[str, Any]
     members: tuple[torch.Tensor, ...]
+    curvatures: tuple[BlockDiag, ...] | None = None
 
     @property
     def method(self) -> str:
         return str(self.metadata.get("method", "?"))
+
+    @property
+    def has_posterior(self) -> bool:
+        return self.curvatures is not None
+
+    @property
+    def mode_weights(self) -> torch.Tensor:
+        """Mixture weights π of the members ``(K,)`` (uniform unless the fusion stored others)."""
+        w = self.metadata.get("mode_weights")
+        k = len(self.members)
+        return torch.tensor(w, dtype=torch.float64) if w else torch.full((k,), 1.0 / k, dtype=torch.float64)
+
+    def precision(self, k: int) -> BlockDiag:
+        """``Λ*_k``, the Laplace precision at member ``k``."""
+        if self.curvatures is None:
+            raise ConfigError(f"{self.path}: has no posterior curvature (only fedbens stores one)")
+        return self.curvatures[k].precision(1.0, float(self.metadata["laplace"]["prior_precision"]))
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``n`` draws ``(n, d)`` from the mixture ``Σ_k π_k N(w*_k, Λ*_k⁻¹)``."""
+        idx = torch.multinomial(self.mode_weights, n, replacement=True, generator=generator)
+        out = torch.empty(n, self.layout.dim, dtype=torch.float64)
+        for k in range(len(self.members)):
+            rows = (idx == k).nonzero().flatten()
+            if len(rows):
+                out[rows] = self.members[k].double() + self.precision(k).sample(len(rows), generator).double()
+        return out
+
+    def log_prob(self, w: torch.Tensor) -> torch.Tensor:
+        """``log Σ_k π_k N(w; w*_k, Λ*_k⁻¹)`` for ``w`` ``(..., d)``."""
+        d = self.layout.dim
+        terms = []
+        for k, mu in enumerate(self.members):
+            p = self.precision(k)
+            v = w.to(p.dtype) - mu.to(p.dtype)
+            terms.append(-0.5 * p.quadratic_form(v) + 0.5 * p.logdet() - 0.5 * d * LOG_2PI)
+        return torch.logsumexp(torch.stack(terms, -1).double() + self.mode_weights.log(), dim=-1)
+
+    def predict(self, x: torch.Tensor, predictive: str = "map", samples: int = 30, scale: float = 1.0,
+                link: str = "probit", seed: int = 0) -> torch.Tensor:
+        """Class probabilities ``(n, classes)`` for inputs ``x`` (see :mod:`posterior_fusion.predictive`)."""
+        precisions = None if self.curvatures is None else [self.precision(k) for k in range(len(self.members))]
+        return predict(self.model_spec, list(self.members), x, predictive, precisions, self.mode_weights,
+                       samples, scale, link, seed)
 
     def models(self) -> list[nn.Module]:
         """One fresh model per member; no storage is shared between them."""

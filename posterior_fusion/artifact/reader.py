@@ -37,6 +37,7 @@ from posterior_fusion.artifact.objects import (
     frozen_mapping,
 )
 from posterior_fusion.artifact.records import (
+    BlockRecord,
     ClientMetadata,
     ComponentRecord,
     HeaderProblem,
@@ -151,8 +152,9 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
         version = chk.attr(f, "format_version", "/", "int")
     except SchemaError:
         raise UnsupportedVersionError(chk.file, "format_version is not an integer", "/") from None
-    if version != schema.FORMAT_VERSION:
-        raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported (this reader knows {schema.FORMAT_VERSION})", "/")
+    if version not in schema.READABLE_VERSIONS:
+        raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported (this reader knows "
+                                                f"{', '.join(map(str, schema.READABLE_VERSIONS))})", "/")
     extra = set(f.attrs.keys()) - schema.ROOT_ATTRS
     if extra:
         raise chk.bad_schema("/", f"unexpected root attributes: {', '.join(sorted(extra))[:200]}")
@@ -234,40 +236,67 @@ def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[Co
     for r in records:
         base = f"/components/{r.index}"
         w = _read(chk, f[f"{base}/map"], f"{base}/map")
-        parts: list[Precision] = []
-        for j, b in enumerate(r.blocks):
-            where = f"{base}/curvature/{j}"
-            tensors = {name: _read(chk, f[f"{where}/{name}"], f"{where}/{name}") for name in b.datasets}
-            try:
-                parts.append(BLOCK_TYPES[b.kind].from_tensors(tensors, {**b.fields, "size": b.size}))
-            except BlockValueError as exc:
-                raise chk.bad_value(f"{where}/{exc.name}", exc.message) from None
+        curvature = _blocks(chk, f, f"{base}/curvature", r.blocks)
         swag = None
         if r.swag_rank is not None:
             swag = SwagMoments(*(_read(chk, f[f"{base}/swag/{n}"], f"{base}/swag/{n}")
                                  for n in ("mean", "sq_mean", "deviations")))
-        comps.append(Component(r.index, w, BlockDiag(parts), frozen_mapping(r.training),
+        comps.append(Component(r.index, w, curvature, frozen_mapping(r.training),
                                typed.temperature, typed.prior_precision, swag))
     return comps
 
 
-def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) -> int:
+def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout,
+                 meta: dict) -> tuple[int, list[tuple[BlockRecord, ...]] | None]:
+    """Phase 1 for a global artifact: members and, if present, each member's Laplace curvature."""
     n = meta.get("num_members")
-    if not isinstance(n, int) or not 1 <= n <= schema.MAX_MEMBERS:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= schema.MAX_MEMBERS:
         raise chk.bad_schema("/", f"metadata num_members must be an integer in [1, {schema.MAX_MEMBERS}]")
-    paths = _walk(chk, f, schema.GLOBAL_PATH_RE)
+    paths = _walk(chk, f, schema.global_path_re())
     expected = {"/members"} | {f"/members/{i}" for i in range(n)} | {f"/members/{i}/weights" for i in range(n)}
+    with_curvature = "/members/0/curvature" in paths
+    records = None
+    if with_curvature:
+        records = []
+        for i in range(n):
+            where = f"/members/{i}/curvature"
+            if where not in paths:
+                raise chk.bad_schema(where, "every member needs curvature when one has it")
+            blocks = ComponentRecord.parse_blocks(chk.json_attr(f[where], "blocks", where), where, layout)
+            expected |= {where} | {f"{where}/{j}" for j in range(len(blocks))}
+            for j, b in enumerate(blocks):
+                for name, shape in b.datasets.items():
+                    expected.add(f"{where}/{j}/{name}")
+                    chk.dataset(f, f"{where}/{j}/{name}", shape)
+            records.append(blocks)
     if paths != expected:
         bad = sorted(paths ^ expected)[0]
-        raise chk.bad_schema(bad, "members do not match metadata num_members")
+        raise chk.bad_schema(bad, "members do not match metadata num_members and their curvature headers")
     for i in range(n):
         chk.dataset(f, f"/members/{i}/weights", (layout.dim,))
-    return n
+    return n, records
 
 
-def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict) -> list[torch.Tensor]:
-    n = _global_plan(chk, f, layout, meta)
-    return [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
+def _blocks(chk: _Checker, f: h5py.File, base: str, records: tuple[BlockRecord, ...]) -> BlockDiag:
+    """Read and check the curvature blocks under ``base`` (each rebuilt by its class)."""
+    parts: list[Precision] = []
+    for j, b in enumerate(records):
+        where = f"{base}/{j}"
+        tensors = {name: _read(chk, f[f"{where}/{name}"], f"{where}/{name}") for name in b.datasets}
+        try:
+            parts.append(BLOCK_TYPES[b.kind].from_tensors(tensors, {**b.fields, "size": b.size}))
+        except BlockValueError as exc:
+            raise chk.bad_value(f"{where}/{exc.name}", exc.message) from None
+    return BlockDiag(parts)
+
+
+def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout,
+            meta: dict) -> tuple[list[torch.Tensor], list[BlockDiag] | None]:
+    n, records = _global_plan(chk, f, layout, meta)
+    members = [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
+    if records is None:
+        return members, None
+    return members, [_blocks(chk, f, f"/members/{i}/curvature", r) for i, r in enumerate(records)]
 
 
 @contextmanager
@@ -290,7 +319,7 @@ def _open(path: Path) -> Iterator[tuple[_Checker, h5py.File]]:
 
 
 def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
-    pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.GLOBAL_PATH_RE
+    pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.global_path_re()
     return sum(f[p].size * f[p].dtype.itemsize for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
 
 
@@ -327,11 +356,12 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
         if plan is not None:
             comps = _client(chk, f, *plan)
         else:
-            members = _global(chk, f, layout, meta)
+            members, precisions = _global(chk, f, layout, meta)
     sha = file_sha256(path)
     if kind == schema.KIND_CLIENT:
         return ClientPosterior(str(path), sha, spec, layout, frozen_mapping(meta), tuple(comps))
-    return GlobalEnsemble(str(path), sha, spec, layout, frozen_mapping(meta), tuple(members))
+    return GlobalEnsemble(str(path), sha, spec, layout, frozen_mapping(meta), tuple(members),
+                          None if precisions is None else tuple(precisions))
 
 
 def load_client(path: str | os.PathLike, max_memory: int | str | None = None) -> ClientPosterior:

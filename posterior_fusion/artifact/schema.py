@@ -10,7 +10,8 @@ import re
 from posterior_fusion.curvature import BLOCK_TYPES
 
 FORMAT_NAME = "posterior-fusion"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2           # 2: global artifacts may carry each member's Laplace curvature
+READABLE_VERSIONS = (1, 2)
 KIND_CLIENT = "client"
 KIND_GLOBAL = "global"
 
@@ -34,19 +35,29 @@ PRIOR_PRECISION_RANGE = (1e-8, 1e8)
 ROOT_ATTRS = {"format", "format_version", "artifact_kind", "model_spec", "layout", "metadata"}
 
 _IDX = r"(0|[1-9][0-9]{0,5})"
-GLOBAL_PATHS = [
-    r"/members",
-    rf"/members/{_IDX}",
-    rf"/members/{_IDX}/weights",
-]
-GLOBAL_PATH_RE = re.compile("^(" + "|".join(GLOBAL_PATHS) + ")$")
 
 FLOAT_DTYPES = ("float32", "float64")
 
 
+def _dataset_names() -> str:
+    return "|".join(sorted({re.escape(n) for cls in BLOCK_TYPES.values() for n in cls.dataset_names}))
+
+
+def global_path_re() -> re.Pattern:
+    """The whitelist of global-artifact paths (members, and optionally their Laplace curvature)."""
+    return re.compile("^(" + "|".join([
+        r"/members",
+        rf"/members/{_IDX}",
+        rf"/members/{_IDX}/weights",
+        rf"/members/{_IDX}/curvature",
+        rf"/members/{_IDX}/curvature/{_IDX}",
+        rf"/members/{_IDX}/curvature/{_IDX}/({_dataset_names()})",
+    ]) + ")$")
+
+
 def client_path_re() -> re.Pattern:
     """The whitelist of client-artifact paths; curvature dataset names come from the block-type table."""
-    names = "|".join(sorted({re.escape(n) for cls in BLOCK_TYPES.values() for n in cls.dataset_names}))
+    names = _dataset_names()
     return re.compile("^(" + "|".join([
         r"/components",
         rf"/components/{_IDX}",

@@ -14,6 +14,7 @@ import torch
 from posterior_fusion.artifact.atomic import atomic_h5_write
 from posterior_fusion.artifact.objects import Component
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
+from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 
@@ -36,18 +37,23 @@ def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, met
     f.attrs["metadata"] = text_attr(json.dumps(metadata, sort_keys=True))
 
 
+def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype | None = None) -> None:
+    """``group/curvature``: one subgroup per block (its class's datasets) and the ``blocks`` header."""
+    curv = group.create_group("curvature")
+    descr: list[dict[str, Any]] = []
+    for i, (block, off) in enumerate(zip(curvature.blocks, curvature.offsets)):
+        descr.append({"kind": block.kind, "offset": off, "size": block.dim, **block.header()})
+        g = curv.create_group(str(i))
+        for name, tensor in block.to_tensors().items():
+            g.create_dataset(name, data=_np(tensor if dtype is None else tensor.to(dtype)))
+    curv.attrs["blocks"] = text_attr(json.dumps(descr))
+
+
 def write_component(group: h5py.Group, comp: Component) -> None:
     """Write one component (MAP, raw curvature blocks, training info, SWAG) into ``group``."""
     group.attrs["training"] = text_attr(json.dumps(dict(comp.training), sort_keys=True))
     group.create_dataset("map", data=_np(comp.map))
-    curv = group.create_group("curvature")
-    descr: list[dict[str, Any]] = []
-    for i, (block, off) in enumerate(zip(comp.curvature.blocks, comp.curvature.offsets)):
-        descr.append({"kind": block.kind, "offset": off, "size": block.dim, **block.header()})
-        g = curv.create_group(str(i))
-        for name, tensor in block.to_tensors().items():
-            g.create_dataset(name, data=_np(tensor))
-    curv.attrs["blocks"] = text_attr(json.dumps(descr))
+    write_curvature(group, comp.curvature)
     if comp.swag is not None:
         s = group.create_group("swag")
         s.create_dataset("mean", data=_np(comp.swag.mean))
@@ -74,15 +80,21 @@ def write_client_artifact(
 
 def write_global_artifact(
     path: str | os.PathLike, spec: ModelSpec, layout: ParameterLayout,
-    metadata: dict[str, Any], members: Sequence[torch.Tensor],
+    metadata: dict[str, Any], members: Sequence[torch.Tensor], precisions: Sequence[BlockDiag] | None = None,
 ) -> None:
-    """Write a fused ensemble atomically; ``members`` are flat ``(d,)`` weight vectors."""
+    """Write a fused ensemble atomically; ``members`` are flat ``(d,)`` weight vectors and
+    ``precisions`` (optional) the raw curvature of each member's Laplace approximation."""
     meta = dict(metadata, num_members=len(members))
+    if precisions is not None and len(precisions) != len(members):
+        raise ValueError("one precision per member is needed")
 
     def fill(f: h5py.File) -> None:
         _root(f, KIND_GLOBAL, spec, layout, meta)
         g = f.create_group("members")
         for i, w in enumerate(members):
-            g.create_group(str(i)).create_dataset("weights", data=_np(w.to(torch.float32)))
+            member = g.create_group(str(i))
+            member.create_dataset("weights", data=_np(w.to(torch.float32)))
+            if precisions is not None:
+                write_curvature(member, precisions[i], torch.float32)
 
     atomic_h5_write(path, fill)

@@ -73,6 +73,11 @@ class Precision(ABC):
         return self._shift
 
     @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the stored curvature tensors."""
+        return next(iter(self.to_tensors().values())).dtype
+
+    @property
     @abstractmethod
     def dim(self) -> int:
         """Number of parameters d covered by this matrix."""
@@ -150,6 +155,12 @@ class Precision(ABC):
                 kernel: str | None = None) -> StackedBlock:
         """N raw blocks of this type with means ``mu`` ``(N, size)`` and per-component
         ``scales``/``shifts`` ``(N,)`` stacked for batched quadratic forms."""
+        raise NotImplementedError
+
+    @classmethod
+    def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor) -> tuple[Precision, float]:
+        """Raw curvature ``Σ_n weights[n] · G_n`` of N raw blocks in this structure, float64,
+        and the relative Frobenius error of the representation (0 where it is exact)."""
         raise NotImplementedError
 
     @classmethod

@@ -42,6 +42,14 @@ class BlockDiag(Precision):
         self._check_vec(v)
         return torch.cat([block.matvec(part) for block, part in self._slices(v)], dim=-1)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks[0].dtype
+
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return torch.cat([block.solve(part) for block, part in self._slices(v)], dim=-1)
+
     def logdet(self) -> torch.Tensor:
         return sum(block.logdet() for block in self.blocks)
 

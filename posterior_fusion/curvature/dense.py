@@ -96,6 +96,10 @@ class Dense(Precision):
         return StackedDense(offset, mu.shape[1], mu, S, U, S.log().sum(1))
 
     @classmethod
+    def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor) -> tuple[Dense, float]:
+        return cls(sum(float(w) * b.G.double() for w, b in zip(weights, blocks))), 0.0
+
+    @classmethod
     def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Dense:
         eye = torch.eye(blocks[0].dim, dtype=torch.float64)
         return cls(sum(b.to_dense().double() for b in blocks) + extra_shift * eye)

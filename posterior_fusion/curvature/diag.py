@@ -79,6 +79,10 @@ class Diag(Precision):
         return StackedDiag(offset, mu.shape[1], mu, S, S.log().sum(1))
 
     @classmethod
+    def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor) -> tuple[Diag, float]:
+        return cls(sum(float(w) * b.g.double() for w, b in zip(weights, blocks))), 0.0
+
+    @classmethod
     def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Diag:
         return cls(sum(b.diagonal().double() for b in blocks) + extra_shift)
 

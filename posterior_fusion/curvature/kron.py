@@ -125,6 +125,41 @@ class Kron(Precision):
         return cls(tensors["kron_B"], tensors["kron_A"])
 
     @classmethod
+    def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor, iterations: int = 500) -> tuple[Kron, float]:
+        """The Frobenius-nearest Kronecker product ``B̃ ⊗ Ã`` to ``T = Σ_n w_n B_n ⊗ A_n``
+        (Van Loan & Pitsianis: the top singular pair of the rearranged ``Σ_n w_n vec(B_n) vec(A_n)ᵀ``),
+        computed in the N-dimensional span of the factors: ``B̃ = Σ α_n B_n``, ``Ã = Σ β_n A_n``.
+        Exact when the clients' factors are proportional; PSD because every Gram entry
+        ``⟨B_n, B_m⟩`` of PSD factors and every weight is non-negative. Returns ``(Kron(B̃, Ã),
+        ‖T − B̃ ⊗ Ã‖_F / ‖T‖_F)``."""
+        w = torch.as_tensor(weights, dtype=torch.float64).clamp_min(0)
+        Bs = torch.stack([b.B.double() for b in blocks])
+        As = torch.stack([b.A.double() for b in blocks])
+        GB = torch.einsum("nij,mij->nm", Bs, Bs)
+        GA = torch.einsum("nij,mij->nm", As, As)
+        total_sq = float(w @ (GB * GA) @ w)
+        if total_sq <= 0:
+            return cls(torch.zeros_like(Bs[0]), torch.zeros_like(As[0])), 0.0
+        M = (w[:, None] * GA * w[None, :]) @ GB
+        alpha = torch.full((len(blocks),), 1.0 / len(blocks), dtype=torch.float64)
+        for _ in range(iterations):  # power iteration; M is similar to a symmetric PSD matrix
+            nxt = M @ alpha
+            nxt = nxt / nxt.norm().clamp_min(1e-300)
+            if torch.allclose(nxt, alpha, rtol=0, atol=1e-14):
+                alpha = nxt
+                break
+            alpha = nxt
+        u_norm = float(alpha @ GB @ alpha) ** 0.5
+        alpha = alpha / u_norm                        # ‖B̃‖_F = 1
+        beta = w * (GB @ alpha)                       # Ã = Rᵀ vec(B̃)
+        B = torch.einsum("n,nij->ij", alpha, Bs)
+        A = torch.einsum("n,nij->ij", beta, As)
+        cross = float((w * (GB @ alpha) * (GA @ beta)).sum())
+        approx_sq = float(beta @ GA @ beta)
+        err = max(total_sq - 2 * cross + approx_sq, 0.0) ** 0.5 / total_sq ** 0.5
+        return cls(0.5 * (B + B.T), 0.5 * (A + A.T)), err
+
+    @classmethod
     def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedKron:
         """Eigen-bases sorted ascending per component; with ``lowrank_tol > 0`` the low-rank
         shortcut of ``fusion/stack.py`` keeps only directions with curvature ``>= tol · shift``."""

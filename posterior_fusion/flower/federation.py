@@ -29,10 +29,10 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion import budget
-from posterior_fusion.artifact import load_client, write_global_artifact
+from posterior_fusion.artifact import load_client
 from posterior_fusion.artifact.atomic import check_writable
 from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
-from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact
@@ -257,7 +257,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
                                        "reported_partition_id": by_name[p.name].reported_partition_id}
                                       for p in paths],
                           "settings": json.loads(settings.to_json())}
-    write_global_artifact(out / "global.h5", inputs.spec, inputs.clients[0].layout, meta, result.members)
+    write_fused(out / "global.h5", inputs, result, meta)
     log(f"wrote {out / 'global.h5'} from {len(paths)} client artifacts")
     return meta
 

@@ -7,8 +7,8 @@ are its settings record (``METHODS[name].settings``).
 
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionOptions, FusionResult
 from posterior_fusion.fusion.registry import METHODS, get_method
-from posterior_fusion.fusion.run import applicable_settings, fuse_clients, method_settings
+from posterior_fusion.fusion.run import applicable_settings, fuse_clients, method_settings, write_fused
 from posterior_fusion.fusion.server import fuse
 
 __all__ = ["FusionInputs", "FusionMethod", "FusionOptions", "FusionResult", "METHODS", "get_method", "fuse",
-           "fuse_clients", "method_settings", "applicable_settings"]
+           "fuse_clients", "method_settings", "applicable_settings", "write_fused"]

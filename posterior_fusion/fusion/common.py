@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.artifact import ClientPosterior
+from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError
 from posterior_fusion.fusion.settings import MethodSettings
@@ -95,6 +96,7 @@ class FusionResult:
 
     members: list[torch.Tensor]
     info: dict[str, Any] = field(default_factory=dict)
+    curvatures: list[BlockDiag] | None = None  # raw Laplace curvature per member (precision = curvature + λ0 I)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_equal_components
+from posterior_fusion.fusion.laplace import laplace_mode_weights, mode_precisions, uniform_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
@@ -29,6 +30,9 @@ class FedBEnsSettings(OptimiserSettings):
     """FedBEns: Adam settings plus the number of global modes and the low-rank shortcut."""
 
     modes: int | None = setting(None, "Number of global modes; None = the clients' M.")
+    laplace: bool = setting(True, "Store a Laplace approximation of the global posterior at each mode "
+                                  "(enables evaluate --predictive mc|glm).")
+    mode_weights: str = setting("equal", "Mixture weights of the modes: 'equal', or 'laplace' (∝ p(w*|D) |Λ*|^-1/2).")
     lowrank_tol: float = setting(0.0, "Kronecker low-rank shortcut: drop eigen-directions with curvature < tol·λ0 "
                                       "(relative objective error < tol); 0 = exact.")
 
@@ -38,6 +42,10 @@ class FedBEnsSettings(OptimiserSettings):
             raise ConfigError("setting modes must be >= 1")
         if not 0 <= self.lowrank_tol < 1:
             raise ConfigError("setting lowrank_tol must be in [0, 1)")
+        if self.mode_weights not in ("equal", "laplace"):
+            raise ConfigError("setting mode_weights must be 'equal' or 'laplace'")
+        if self.mode_weights == "laplace" and not self.laplace:
+            raise ConfigError("setting mode_weights=laplace needs laplace=true")
 
 
 class GlobalLogPosterior:
@@ -92,7 +100,22 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision(),
         lowrank_tol=settings.lowrank_tol, kernel=inputs.options.kernel, device=inputs.options.device)
     best, history = optimise_modes(objective, median_starts(inputs, modes), inputs, settings, "fedbens")
-    return FusionResult([w.clone() for w in best], {"history": history, "kron_ranks": objective.stack.ranks})
+    info = {"history": history, "kron_ranks": objective.stack.ranks}
+    if not settings.laplace:
+        return FusionResult([w.clone() for w in best], info)
+    temps = [inputs.temperature(c) for c in inputs.clients]
+    lams = [inputs.prior_precision(c) for c in inputs.clients]
+    lam0 = inputs.server_prior_precision()
+    curvatures, errors = mode_precisions(inputs.clients, temps, lams, lam0, best)
+    with torch.no_grad():
+        values = objective(best.to(inputs.options.device)).cpu()
+    precisions = [c.precision(1.0, lam0) for c in curvatures]
+    weights = (laplace_mode_weights(values, precisions) if settings.mode_weights == "laplace"
+               else uniform_weights(len(precisions)))
+    info.update({"laplace": {"prior_precision": lam0, "block_relative_errors": errors,
+                             "objective_at_modes": values.tolist()},
+                 "mode_weights": weights.tolist()})
+    return FusionResult([w.clone() for w in best], info, curvatures)
 
 
 METHOD = FusionMethod("fedbens", fedbens, FedBEnsSettings, "modes of the product of client mixtures (FedBEns)",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from posterior_fusion.artifact import ClientPosterior
+from posterior_fusion.artifact import ClientPosterior, write_global_artifact
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult, check_compatible
 from posterior_fusion.fusion.registry import get_method
@@ -24,6 +25,11 @@ def method_settings(method: str, settings: MethodSettings | Mapping[str, Any] | 
         settings.validate()
         return settings
     return entry.settings.from_mapping(dict(settings or {}), method)
+
+
+def write_fused(path: str | os.PathLike, inputs: FusionInputs, result: FusionResult, metadata: dict) -> None:
+    """Write the global artifact of a fusion (members, and their Laplace curvature when the method made one)."""
+    write_global_artifact(path, inputs.spec, inputs.clients[0].layout, metadata, result.members, result.curvatures)
 
 
 def applicable_settings(method: str, values: Mapping[str, Any]) -> dict[str, Any]:
