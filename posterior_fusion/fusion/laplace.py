@@ -38,9 +38,9 @@ def responsibilities(clients: list[ClientPosterior], temperatures: list[float], 
 
 def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                     server_prior_precision: float, W: torch.Tensor) -> tuple[list[BlockDiag], list[list[float]]]:
-    """Raw curvature of ``Λ*`` at each row of ``W``: a BlockDiag with ``scale = 1`` whose
-    ``shift`` is ``λ0`` (``precision(1, λ0)`` gives ``Λ*``), and per mode the relative
-    Frobenius error of each block's representation (0 = exact)."""
+    """Raw curvature ``Σ_c Σ_m r_cm s_c G_cm`` at each row of ``W`` (a BlockDiag;
+    ``.precision(1, λ0)`` is ``Λ*``), and per mode the relative Frobenius error of each block's
+    representation (0 = exact)."""
     resp = responsibilities(clients, temperatures, prior_precisions, W)
     ref = clients[0].components[0].curvature
     precisions, errors = [], []
@@ -56,7 +56,7 @@ def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], p
             block, err = BLOCK_TYPES[proto.kind].weighted_sum([bs[j] for bs in blocks_per_comp], w)
             parts.append(block)
             errs.append(err)
-        precisions.append(BlockDiag(parts).with_scale_shift(1.0, server_prior_precision))
+        precisions.append(BlockDiag(parts))
         errors.append(errs)
     return precisions, errors
 

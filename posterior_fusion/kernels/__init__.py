@@ -16,6 +16,7 @@ import importlib.util
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.kernels import reference
@@ -57,6 +58,7 @@ class KronQuadraticForms(torch.autograd.Function):
         return q
 
     @staticmethod
+    @once_differentiable  # no double backward: a Hessian through this Function must fail loudly, not be wrong
     def backward(ctx, grad_q):  # noqa: D102
         if ctx.backend == "triton":
             from posterior_fusion.kernels import triton_kron
