@@ -20,7 +20,7 @@ from posterior_fusion.fusion import METHODS, FusionOptions, fuse, get_method, wr
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
-from posterior_fusion.metrics import check_data, evaluate_posterior, reliability_plot
+from posterior_fusion.metrics import check_data, choose_scale, evaluate_posterior, reliability_plot
 from posterior_fusion.predictive import LINKS, PREDICTIVES
 
 # Options that were method settings before per-method settings existed: old flag -> (setting, type).
@@ -171,6 +171,8 @@ predictive_options = [
                  help="glm: probit approximation or Monte-Carlo over the Gaussian logits."),
     click.option("--scale", default=1.0, show_default=True, type=float,
                  help="Multiply the posterior covariance (predictive tempering; 1 = the posterior)."),
+    click.option("--scale-from", "scale_from", default=None, type=click.Path(dir_okay=False),
+                 help="Choose --scale on this labelled validation file (lowest NLL over 1e-4..1) [default: use --scale]."),
 ]
 
 
@@ -178,6 +180,16 @@ def with_predictive_options(fn):
     for option in reversed(predictive_options):
         fn = option(fn)
     return fn
+
+
+def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple[float, list[dict]]:
+    if scale_from is None or predictive == "map":
+        return scale, []
+    val = read_silo(scale_from, num_classes=g.model_spec.num_classes, max_memory=max_memory)
+    check_data(g.model_spec, val, len(g.members), max_memory)
+    chosen, table = choose_scale(g, val, predictive, samples, link)
+    log_to_stderr(f"{g.path}: predictive scale {chosen:g} chosen on {scale_from} (lowest validation NLL)")
+    return chosen, table
 
 
 @click.command("evaluate")
@@ -192,7 +204,8 @@ def with_predictive_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="Print metrics as JSON.")
 @max_memory_option
 @handle_errors
-def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, ood, bins, plot, as_json, max_memory):
+def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, scale_from, ood, bins, plot, as_json,
+                 max_memory):
     """Accuracy, NLL, ECE/MCE, Brier, entropy, AUROC(correct), selective accuracy (and OOD AUROC) of global artifacts."""
     if bins < 1:
         raise ConfigError("--bins must be >= 1")
@@ -203,7 +216,10 @@ def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, 
         g = load_global(path, max_memory)
         data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
         ood_data = read_silo(ood, num_classes=g.model_spec.num_classes, max_memory=max_memory) if ood else None
-        m = evaluate_posterior(g, data, predictive, samples, scale, link, bins, ood_data, max_memory)
+        chosen, tuning = _scale(g, predictive, samples, link, scale, scale_from, max_memory)
+        m = evaluate_posterior(g, data, predictive, samples, chosen, link, bins, ood_data, max_memory)
+        if tuning:
+            m["scale_tuning"] = {"file": scale_from, "grid": tuning}
         results.append((path, g, m))
     if plot:
         reliability_plot([(f"{g.method} [{predictive}]", m) for _, g, m in results], plot, dataset=data_path)
@@ -227,18 +243,20 @@ def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, 
 @with_predictive_options
 @max_memory_option
 @handle_errors
-def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scale, max_memory):
+def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scale, scale_from, max_memory):
     """Write the predictive class probabilities (map ensemble, mc or glm)."""
     check_writable(out)
     g = load_global(global_artifact, max_memory)
     data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
     check_data(g.model_spec, data, len(g.members), max_memory)
+    scale, _ = _scale(g, predictive, samples, link, scale, scale_from, max_memory)
     probs = g.predict(data.tensors()[0], predictive, samples, scale, link)
 
     def fill(f: h5py.File) -> None:
         f.attrs["format"] = "posterior-fusion-predictions"
         f.attrs["global_sha256"] = g.sha256
         f.attrs["predictive"] = predictive
+        f.attrs["scale"] = scale
         f.create_dataset("probs", data=probs.numpy().astype(np.float32))
 
     atomic_h5_write(out, fill)

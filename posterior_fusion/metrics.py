@@ -160,6 +160,25 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
     return out
 
 
+SCALE_GRID = (1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0)
+
+
+def choose_scale(global_artifact, val: SiloData, predictive: str, samples: int = 30, link: str = "probit",
+                 grid=SCALE_GRID) -> tuple[float, list[dict]]:
+    """Predictive tempering: the covariance scale with the lowest NLL on labelled validation
+    data (ties: the larger scale), and the grid's table. ``map`` needs no scale (returns 1)."""
+    if predictive == "map":
+        return 1.0, []
+    x, y = val.tensors()
+    table = []
+    for s in grid:
+        p = global_artifact.predict(x, predictive, samples, s, link)
+        nll = -torch.log(p.gather(1, y[:, None]).clamp_min(1e-12)).mean().item()
+        table.append({"scale": s, "val_nll": nll, "val_accuracy": (p.argmax(-1) == y).float().mean().item()})
+    best = min(table, key=lambda r: (r["val_nll"], -r["scale"]))
+    return best["scale"], table
+
+
 def _pyplot():
     try:
         import matplotlib

@@ -267,3 +267,11 @@ def test_end_to_end_predictives_metrics_and_plot(fused):
     r = CliRunner().invoke(pfuse, ["predict", str(folder / "g_equal.h5"), "--data", str(folder / "test.h5"),
                                    "--predictive", "mc", "--samples", "3", "--out", str(folder / "p.h5")])
     assert r.exit_code == 0, r.stderr
+    r = CliRunner().invoke(pfuse, ["evaluate", str(folder / "g_equal.h5"), "--data", str(folder / "test.h5"),
+                                   "--predictive", "glm", "--scale-from", str(folder / "test.h5"), "--json"])
+    assert r.exit_code == 0 and "chosen on" in r.stderr, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    grid = out["scale_tuning"]["grid"]
+    assert out["scale"] == min(grid, key=lambda g: (g["val_nll"], -g["scale"]))["scale"]
