@@ -9,12 +9,13 @@ import click
 from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
 from posterior_fusion.data.silo import read_silo
+from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_to_file
 from posterior_fusion.local.init import initial_weights
-from posterior_fusion.models import MODEL_REGISTRY, ModelSpec
+from posterior_fusion.models import ModelSpec
 
 FIT, TRAIN = FitConfig(), TrainConfig()
 
@@ -27,8 +28,9 @@ def parse_model(name: str, kwargs_json: str | None) -> ModelSpec:
     return ModelSpec(name, kwargs)
 
 
-model_option = click.option("--model", default="lenet", show_default=True, type=click.Choice(sorted(MODEL_REGISTRY)),
-                            help="Registered model architecture.")
+model_option = click.option("--model", default="lenet", show_default=True,
+                            help="Model architecture: a built-in (lenet, cnn, mlp, resnet20) or one registered by an "
+                                 "installed package under the 'posterior_fusion.models' entry points.")
 model_kwargs_option = click.option("--model-kwargs", default=None,
                                    help='JSON keyword arguments of the model, e.g. \'{"bias": true}\' [default: none].')
 
@@ -39,18 +41,23 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
 @click.option("--components", "-M", default=5, show_default=True, type=int,
               help="Number of shared starting points M (one per mixture component).")
 @click.option("--init-seed", default=0, show_default=True, type=int, help="Seed of the starting points (same as fit-local --init-seed).")
+@click.option("--transform-from", default=None, type=click.Path(dir_okay=False),
+              help="A data file whose input transform every silo must share (recorded in the init file and "
+                   "checked by fit-local) [default: not recorded].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output init file (HDF5).")
 @renamed("--mixtures", "--components", "components", type=int)
 @renamed("--seed", "--init-seed", "init_seed", type=int)
 @handle_errors
-def init(model, model_kwargs, components, init_seed, out):
+def init(model, model_kwargs, components, init_seed, transform_from, out):
     """Write M shared starting points that every client trains from."""
     spec = parse_model(model, model_kwargs)
     if components < 1:
         raise ConfigError("--components must be >= 1")
+    meta = {"method": "init", "init_seed": init_seed}
+    if transform_from:
+        meta["input_transform"] = read_silo(transform_from, labels=False).input_transform.to_dict()
     ws = initial_weights(spec, components, init_seed)
-    write_global_artifact(out, spec, ParameterLayout.from_model(spec.build()),
-                          {"method": "init", "init_seed": init_seed}, ws)
+    write_global_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, ws)
     click.echo(f"wrote {out}: {components} starting points for {spec.name} ({ws[0].numel()} parameters)")
 
 
@@ -101,12 +108,25 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     if init_path is not None:
         init_art = load_global(init_path, max_memory)
         spec, inits = init_art.model_spec, list(init_art.members)
+        ctx = click.get_current_context()
+        explicit = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+                    for name in ("model", "model_kwargs", "components")}
+        if init_art.method != "init":
+            raise ConfigError(f"{init_path}: is a fused global artifact (method {init_art.method!r}), not an init file "
+                              "from 'pfuse init'")
+        if (explicit["model"] or explicit["model_kwargs"]) and parse_model(model, model_kwargs) != spec:
+            raise ConfigError(f"{init_path}: holds starting points for {spec.to_json()}, but --model asks for "
+                              f"{parse_model(model, model_kwargs).to_json()}")
+        if explicit["components"] and components != len(inits):
+            raise ConfigError(f"{init_path}: holds {len(inits)} starting points, but --components asks for {components}")
     else:
         spec = parse_model(model, model_kwargs)
         if components < 1:
             raise ConfigError("--components must be >= 1")
         inits = initial_weights(spec, components, init_seed)
     data = read_silo(data_path, num_classes=spec.num_classes, max_memory=max_memory)
+    if init_path is not None:
+        check_transform(init_art.metadata.get("input_transform"), data.input_transform, data_path, init_path)
     init_info = {"file": init_path} if init_path else {"init_seed": init_seed}
     meta, comps = fit_to_file(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr)
     if as_json:

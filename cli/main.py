@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from posterior_fusion import __version__
-from posterior_fusion.cli.data_commands import partition
+from posterior_fusion.cli.data_commands import import_data_cmd, partition
 from posterior_fusion.cli.experiment_commands import experiment_cmd
 from posterior_fusion.cli.inspect_commands import inspect_cmd
 from posterior_fusion.cli.local_commands import fit_local_cmd, init
@@ -21,7 +21,7 @@ def pfuse() -> None:
     """
 
 
-for command in (partition, init, fit_local_cmd, fuse_cmd, evaluate_cmd, predict_cmd, inspect_cmd, demo_cmd,
+for command in (import_data_cmd, partition, init, fit_local_cmd, fuse_cmd, evaluate_cmd, predict_cmd, inspect_cmd, demo_cmd,
                 experiment_cmd):
     pfuse.add_command(command)
 

@@ -247,10 +247,10 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
     """Write the predictive class probabilities (map ensemble, mc or glm)."""
     check_writable(out)
     g = load_global(global_artifact, max_memory)
-    data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory)
-    check_data(g.model_spec, data, len(g.members), max_memory)
+    data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory, labels=False)
+    check_data(g.model_spec, data, len(g.members), max_memory, g.metadata.get("input_transform"), g.path)
     scale, _ = _scale(g, predictive, samples, link, scale, scale_from, max_memory)
-    probs = g.predict(data.tensors()[0], predictive, samples, scale, link)
+    probs = g.predict(data.inputs(), predictive, samples, scale, link)
 
     def fill(f: h5py.File) -> None:
         f.attrs["format"] = "posterior-fusion-predictions"

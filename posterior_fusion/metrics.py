@@ -7,6 +7,7 @@ import torch
 
 from posterior_fusion import budget
 from posterior_fusion.data.silo import SiloData
+from posterior_fusion.data.transform import check_transform
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 
@@ -109,11 +110,14 @@ def ood_auroc(probs_in: torch.Tensor, probs_out: torch.Tensor) -> float:
     return auroc(scores, labels)
 
 
-def check_data(spec: ModelSpec, data: SiloData, members: int = 1, max_memory: int | str | None = None) -> None:
+def check_data(spec: ModelSpec, data: SiloData, members: int = 1, max_memory: int | str | None = None,
+               expected_transform: dict | None = None, artifact: str = "the artifact") -> None:
     """Refuse data that does not fit ``spec`` (shape, classes) or whose evaluation by ``members``
     models would exceed the memory budget — before any forward pass."""
     where = data.source or "data"
     spec.check_input(data.input_shape(), where)
+    if expected_transform is not None:
+        check_transform(expected_transform, data.input_transform, where, artifact)
     budget.require(len(data) * (2 * members * spec.num_classes + int(np.prod(data.input_shape()))) * 4,
                    f"evaluating {members} members on {where}", max_memory)
 
@@ -137,9 +141,10 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
     """Metrics of a global artifact's predictive (``map`` ensemble, ``mc`` or ``glm``) on ``data``;
     with ``ood`` data also the OOD AUROC from predictive entropy."""
     g = global_artifact
+    check_data(g.model_spec, data, 1, max_memory, g.metadata.get("input_transform"), g.path)
     if predictive == "map":
         out = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory)
-        x = data.tensors()[0]
+        x = data.inputs()
         probs_in = None
     else:
         check_data(g.model_spec, data, len(g.members) * (samples if predictive == "mc" else g.model_spec.num_classes),
@@ -154,7 +159,7 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
         check_data(g.model_spec, ood, len(g.members), max_memory)
         if probs_in is None:
             probs_in = g.predict(x, predictive, samples, scale, link)
-        probs_out = g.predict(ood.tensors()[0], predictive, samples, scale, link)
+        probs_out = g.predict(ood.inputs(), predictive, samples, scale, link)
         out["ood_auroc"] = ood_auroc(probs_in, probs_out)
         out["ood_n"] = len(ood)
     return out

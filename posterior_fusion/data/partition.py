@@ -45,3 +45,31 @@ def dirichlet_partition(
         if min(len(o) for o in out) >= min_size:
             return out
     raise ConfigError(f"no partition with every client >= {min_size} samples after {max_tries} draws; lower --min-size")
+
+
+def label_skew_partition(labels: np.ndarray, num_clients: int, classes_per_client: int, seed: int,
+                         min_size: int = 1) -> list[np.ndarray]:
+    """"At most k classes per client" (the split of FedAvg's pathological non-IID setting, used by
+    FedBE and FedPPD): client c owns classes ``perm[(c·k + j) mod K]``, j < k, for a random class
+    permutation; each class is split evenly, at random, among the clients that own it."""
+    classes = np.unique(labels)
+    K = len(classes)
+    if not 1 <= classes_per_client <= K:
+        raise ConfigError(f"--classes-per-client must be in [1, {K}]")
+    if num_clients * classes_per_client < K:
+        raise ConfigError(f"{num_clients} clients with {classes_per_client} classes each cannot cover {K} classes")
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(K)
+    owners: dict[int, list[int]] = {int(k): [] for k in range(K)}
+    for c in range(num_clients):
+        for j in range(classes_per_client):
+            owners[int(perm[(c * classes_per_client + j) % K])].append(c)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for k_idx, k in enumerate(classes):
+        idx = rng.permutation(np.flatnonzero(labels == k))
+        for chunk, c in zip(np.array_split(idx, len(owners[k_idx])), owners[k_idx]):
+            parts[c].append(chunk)
+    out = [np.sort(np.concatenate(p)) if p else np.zeros(0, dtype=np.int64) for p in parts]
+    if min(len(o) for o in out) < min_size:
+        raise ConfigError(f"a client got fewer than {min_size} samples; lower --min-size or use fewer clients")
+    return out

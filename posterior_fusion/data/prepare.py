@@ -1,4 +1,5 @@
-"""Build experiment splits on disk: client silos, a disjoint server validation set, a test set."""
+"""Build data files on disk: import a data set (``pfuse import-data``) and split one into client
+silos, a disjoint server validation set and a test set (``pfuse partition``)."""
 
 from __future__ import annotations
 
@@ -8,47 +9,108 @@ from pathlib import Path
 import numpy as np
 
 from posterior_fusion.data.idx import find_fmnist_dir, load_fmnist
-from posterior_fusion.data.partition import dirichlet_partition
-from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.data.importers import load_source
+from posterior_fusion.data.partition import dirichlet_partition, label_skew_partition
+from posterior_fusion.data.silo import SiloData, read_silo, write_silo
+from posterior_fusion.data.transform import InputTransform
+from posterior_fusion.errors import ConfigError, DataError
 
 DATASETS = ("fmnist",)
+SCHEMES = ("fedbens", "per-class", "label-skew")
+
+
+def resolve_transform(spec: str, x: np.ndarray, source: str) -> InputTransform:
+    """``auto`` (computed from ``x``), ``none``, ``constants:NAME`` or ``from:FILE`` (another data file's)."""
+    if spec == "auto":
+        return InputTransform.compute(x, source)
+    if spec == "none":
+        return InputTransform(1 / 255 if x.dtype == np.uint8 else 1.0, (0.0,), (1.0,), "none")
+    if spec.startswith("constants:"):
+        return InputTransform.constants(spec.split(":", 1)[1], x.dtype == np.uint8)
+    if spec.startswith("from:"):
+        other = read_silo(spec.split(":", 1)[1], labels=False)
+        return other.input_transform
+    raise ConfigError(f"--transform takes auto, none, constants:NAME or from:FILE, got {spec!r}")
+
+
+def import_data(source: str, out: str | os.PathLike, fmt: str = "auto", transform: str = "auto",
+                name: str | None = None, num_classes: int | None = None, **kwargs) -> dict:
+    """Read ``source`` (see :mod:`.importers`) and write the silo file ``out`` with its transform."""
+    x, y = load_source(source, fmt, **kwargs)
+    k = num_classes if num_classes is not None else (int(y.max()) + 1 if y is not None and y.size else 0)
+    if y is not None and (k < 1 or y.max() >= k):
+        raise DataError(f"{source}: labels reach {int(y.max())}, more than --num-classes {k} allows")
+    t = resolve_transform(transform, x, str(source))
+    dataset = name or Path(str(source).split(":")[-1]).stem
+    write_silo(out, SiloData(x, y, dataset, max(k, 1), str(out), t))
+    return {"out": str(out), "n": int(x.shape[0]), "input_shape": list(x.shape[1:]), "dtype": str(x.dtype),
+            "num_classes": k, "labels": y is not None, "transform": t.to_dict(), "dataset": dataset}
+
+
+def _split_indices(labels: np.ndarray, clients: int, alpha: float, seed: int, min_size: int, scheme: str,
+                   classes_per_client: int | None) -> list[np.ndarray]:
+    if scheme == "label-skew":
+        if classes_per_client is None:
+            raise ConfigError("--scheme label-skew needs --classes-per-client")
+        return label_skew_partition(labels, clients, classes_per_client, seed, min_size)
+    return dirichlet_partition(labels, clients, alpha, seed, min_size=min_size, scheme=scheme)
 
 
 def partition_to_files(
     out_dir: str | os.PathLike, dataset: str = "fmnist", clients: int = 5, alpha: float = 0.1,
     partition_seed: int = 0, val_size: int = 500, min_size: int = 10, scheme: str = "fedbens",
-    data_dir: str | os.PathLike | None = None, max_train: int | None = None,
+    data_dir: str | os.PathLike | None = None, max_train: int | None = None, source: str | os.PathLike | None = None,
+    test: str | os.PathLike | None = None, classes_per_client: int | None = None, test_size: int = 0,
 ) -> dict:
-    """Write ``client_<i>.h5``, ``server_val.h5`` and ``test.h5`` into ``out_dir``.
+    """Write ``client_<i>.h5``, ``server_val.h5`` and (with a test split) ``test.h5`` into ``out_dir``.
 
-    The server validation set (``val_size`` samples drawn with ``partition_seed``) is removed from the
-    training pool before partitioning, so it is disjoint from every client. Returns a summary
-    dict with paths and per-client class counts.
+    The data: ``source`` (an imported, labelled data file; ``test`` its test file) or the
+    built-in ``dataset`` (Fashion-MNIST from ``data_dir``). The server validation set
+    (``val_size`` samples drawn with ``partition_seed``) is removed from the training pool
+    before partitioning, so it is disjoint from every client. Every file carries the source's
+    input transform. Returns a summary dict with paths and per-client class counts.
     """
-    if dataset not in DATASETS:
-        raise ConfigError(f"unknown dataset {dataset!r}; available: {', '.join(DATASETS)}")
-    source = find_fmnist_dir(data_dir)
-    x, y = load_fmnist("train", source)
-    xt, yt = load_fmnist("test", source)
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown partition scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
+    if source is not None:
+        train = read_silo(source)
+        x, y, name, k, t = train.x, train.labels(), train.dataset, train.num_classes, train.input_transform
+        test_data = read_silo(test, num_classes=k) if test else None
+        origin = str(source)
+    else:
+        if dataset not in DATASETS:
+            raise ConfigError(f"unknown dataset {dataset!r}; available: {', '.join(DATASETS)} (or --from FILE)")
+        folder = find_fmnist_dir(data_dir)
+        x, y = load_fmnist("train", folder)
+        xt, yt = load_fmnist("test", folder)
+        name, k, t = dataset, 10, InputTransform.constants("fmnist")
+        test_data = SiloData(xt, yt, name, k, transform=t)
+        origin = str(folder)
     rng = np.random.default_rng(partition_seed)
     order = rng.permutation(len(y))
+    if test_size:
+        if test_data is not None or not 0 < test_size < len(order):
+            raise ConfigError("--test-size needs --from without --test, and fewer samples than the data set")
+        held, order = order[:test_size], order[test_size:]
+        test_data = SiloData(x[held], y[held], name, k, transform=t)
     if max_train is not None:
         order = order[: max_train + val_size]
     if val_size < 0 or val_size >= len(order):
         raise ConfigError(f"--val-size {val_size} must be in [0, {len(order)})")
     val_idx, pool = order[:val_size], order[val_size:]
-    parts = dirichlet_partition(y[pool], clients, alpha, partition_seed, min_size=min_size, scheme=scheme)
+    parts = _split_indices(y[pool], clients, alpha, partition_seed, min_size, scheme, classes_per_client)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"dataset": dataset, "source": str(source), "alpha": alpha, "partition_seed": partition_seed, "scheme": scheme,
-               "clients": [], "server_val": str(out / "server_val.h5"), "test": str(out / "test.h5")}
+    summary = {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": partition_seed, "scheme": scheme,
+               "clients": [], "server_val": str(out / "server_val.h5"),
+               "test": str(out / "test.h5") if test_data is not None else None, "transform": t.to_dict()}
     for c, local in enumerate(parts):
         idx = pool[local]
-        silo = SiloData(x[idx], y[idx], dataset, 10)
+        silo = SiloData(x[idx], y[idx], name, k, transform=t)
         path = out / f"client_{c}.h5"
         write_silo(path, silo)
         summary["clients"].append({"path": str(path), "n": len(silo), "class_counts": silo.class_counts()})
-    write_silo(out / "server_val.h5", SiloData(x[val_idx], y[val_idx], dataset, 10))
-    write_silo(out / "test.h5", SiloData(xt, yt, dataset, 10))
+    write_silo(out / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t))
+    if test_data is not None:
+        write_silo(out / "test.h5", SiloData(test_data.x, test_data.labels(), name, k, transform=t))
     return summary

@@ -1,7 +1,9 @@
-"""Silo / split data files (HDF5): ``/x`` uint8 or float32 inputs, ``/y`` int64 labels.
+"""Silo / split data files (HDF5): ``/x`` uint8 or float32 inputs, ``/y`` int64 labels
+(optional for prediction-only files). Specified in ``docs/data-format.md``.
 
 Root attributes: ``format = "posterior-fusion-data"``, ``format_version = 1``, ``dataset``,
-``num_classes``. Images are normalised on load with the dataset's mean/std. Data files come
+``num_classes``, ``transform`` (the shared input transform, JSON; files without it use the
+data set's standard constants for ``fmnist``, else none). Data files come
 from strangers as much as artifacts do: :func:`read_silo` validates the header (attribute
 types, paths, links, storage inside the file, dtypes, ranks, sizes, memory budget) before
 it reads any data, and every failure is one :class:`DataError` line naming the file.
@@ -20,12 +22,12 @@ import torch
 
 from posterior_fusion import budget
 from posterior_fusion.artifact.atomic import atomic_h5_write
+from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import DataError
 from posterior_fusion.storage import read_native, storage_problem
 
 DATA_FORMAT = "posterior-fusion-data"
 DATA_FORMAT_VERSION = 1
-NORMALISATION = {"fmnist": (0.2860, 0.3530)}
 MAX_SAMPLES = 10_000_000
 MAX_FEATURES = 3 * 512 * 512
 MAX_CLASSES = 100_000
@@ -33,30 +35,43 @@ MAX_CLASSES = 100_000
 
 @dataclass(frozen=True)
 class SiloData:
-    """One split: ``x`` ``(n, H, W)`` uint8 or float32, ``y`` ``(n,)`` int64."""
+    """One split: ``x`` ``(n, H, W)``, ``(n, C, H, W)`` or ``(n, F)`` uint8/float32, ``y`` ``(n,)``
+    int64 (``None`` in a prediction-only file), and the shared input transform."""
 
     x: np.ndarray
-    y: np.ndarray
+    y: np.ndarray | None
     dataset: str
     num_classes: int
     source: str = ""          # the file it was read from (for error messages)
+    transform: InputTransform | None = None
 
     def __len__(self) -> int:
-        return int(self.y.shape[0])
+        return int(self.x.shape[0])
+
+    @property
+    def input_transform(self) -> InputTransform:
+        """The stored transform, else the legacy default (``fmnist`` constants, or identity)."""
+        if self.transform is not None:
+            return self.transform
+        if self.dataset == "fmnist":
+            return InputTransform.constants("fmnist", self.x.dtype == np.uint8)
+        return InputTransform(1 / 255 if self.x.dtype == np.uint8 else 1.0, (0.0,), (1.0,), "identity")
+
+    def labels(self) -> np.ndarray:
+        if self.y is None:
+            raise DataError(f"{self.source or 'data'}: has no labels (/y); this needs a labelled file")
+        return self.y
 
     def class_counts(self) -> list[int]:
-        return np.bincount(self.y, minlength=self.num_classes).astype(int).tolist()
+        return np.bincount(self.labels(), minlength=self.num_classes).astype(int).tolist()
+
+    def inputs(self) -> torch.Tensor:
+        """Transformed float32 inputs ``(n, C, H, W)`` or ``(n, F)``."""
+        return self.input_transform.apply(self.x)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised float32 inputs ``(n, 1, H, W)`` and int64 labels ``(n,)``."""
-        x = torch.from_numpy(np.asarray(self.x, dtype=np.float32))
-        if self.x.dtype == np.uint8:
-            x = x / 255.0
-        mean, std = NORMALISATION.get(self.dataset, (0.0, 1.0))
-        x = (x - mean) / std
-        if x.ndim == 3:
-            x = x.unsqueeze(1)
-        return x, torch.from_numpy(self.y.astype(np.int64))
+        """Transformed float32 inputs and int64 labels ``(n,)``."""
+        return self.inputs(), torch.from_numpy(self.labels().astype(np.int64))
 
     def input_shape(self) -> tuple[int, ...]:
         """Per-sample shape of :meth:`tensors`' inputs (a channel axis is added to ``(H, W)`` images)."""
@@ -66,8 +81,13 @@ class SiloData:
     def sha256(self) -> str:
         h = hashlib.sha256()
         h.update(np.ascontiguousarray(self.x).tobytes())
-        h.update(np.ascontiguousarray(self.y).tobytes())
+        if self.y is not None:
+            h.update(np.ascontiguousarray(self.y).tobytes())
         return h.hexdigest()
+
+    def subset(self, idx: np.ndarray) -> SiloData:
+        return SiloData(self.x[idx], None if self.y is None else self.y[idx], self.dataset, self.num_classes,
+                        self.source, self.transform)
 
 
 def write_silo(path: str | os.PathLike, data: SiloData) -> None:
@@ -77,13 +97,16 @@ def write_silo(path: str | os.PathLike, data: SiloData) -> None:
         f.attrs["format_version"] = DATA_FORMAT_VERSION
         f.attrs["dataset"] = data.dataset
         f.attrs["num_classes"] = data.num_classes
+        if data.transform is not None:
+            f.attrs["transform"] = np.bytes_(data.transform.to_json().encode())
         f.create_dataset("x", data=data.x, compression="gzip", compression_opts=4)
-        f.create_dataset("y", data=data.y.astype(np.int64))
+        if data.y is not None:
+            f.create_dataset("y", data=data.y.astype(np.int64))
 
     atomic_h5_write(path, fill)
 
 
-def _scalar_attr(f: h5py.File, path: Path, name: str, kind: str):
+def _scalar_attr(f: h5py.File, path: Path, name: str, kind: str, max_len: int = 256):
     """A scalar attribute of kind 'text' or 'int', checked from the header; ``None`` if absent."""
     if name not in f.attrs:
         return None
@@ -97,11 +120,11 @@ def _scalar_attr(f: h5py.File, path: Path, name: str, kind: str):
         return int(np.asarray(f.attrs[name]).reshape(()))
     if not (dt.kind in "SU" or h5py.check_string_dtype(dt) is not None):
         raise DataError(f"{path} [/]: attribute {name!r} must be a string")
-    if dt.itemsize > 4096:
+    if dt.itemsize > max(4096, max_len):
         raise DataError(f"{path} [/]: attribute {name!r} is too long")
     value = f.attrs[name]
     value = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(np.asarray(value).reshape(()))
-    if len(value) > 256:
+    if len(value) > max_len:
         raise DataError(f"{path} [/]: attribute {name!r} is too long")
     return value
 
@@ -130,6 +153,8 @@ class SiloHeader:
     x_dtype: str
     dataset: str
     num_classes: int
+    has_labels: bool = True
+    transform: InputTransform | None = None
 
     @property
     def load_bytes(self) -> int:
@@ -146,11 +171,14 @@ def _header(f: h5py.File, path: Path) -> SiloHeader:
     extra = sorted(set(f.keys()) - {"x", "y"})
     if extra:
         raise DataError(f"{path} [/{extra[0]}]: object not allowed in a data file (only /x and /y)")
-    xd, yd = _dataset(f, path, "x"), _dataset(f, path, "y")
+    xd = _dataset(f, path, "x")
     if xd.dtype.name not in ("uint8", "float32") or xd.ndim not in (2, 3, 4):
         raise DataError(f"{path} [/x]: expected uint8/float32 of rank 2-4, got {xd.dtype} {xd.shape}")
-    if yd.dtype.kind != "i" or yd.dtype.itemsize != 8 or yd.ndim != 1 or yd.shape[0] != xd.shape[0]:
-        raise DataError(f"{path} [/y]: expected int64 (n,) matching /x, got {yd.dtype} {yd.shape}")
+    has_labels = "y" in f or f.get("y", getlink=True) is not None
+    if has_labels:
+        yd = _dataset(f, path, "y")
+        if yd.dtype.kind != "i" or yd.dtype.itemsize != 8 or yd.ndim != 1 or yd.shape[0] != xd.shape[0]:
+            raise DataError(f"{path} [/y]: expected int64 (n,) matching /x, got {yd.dtype} {yd.shape}")
     n = xd.shape[0]
     if n < 1:
         raise DataError(f"{path} [/x]: the data file is empty")
@@ -160,12 +188,15 @@ def _header(f: h5py.File, path: Path) -> SiloHeader:
     k = _scalar_attr(f, path, "num_classes", "int")
     if k is not None and not 1 <= k <= MAX_CLASSES:
         raise DataError(f"{path} [/]: num_classes {k} out of range [1, {MAX_CLASSES}]")
-    return SiloHeader(n, tuple(xd.shape), xd.dtype.name, dataset, k or 0)
+    text = _scalar_attr(f, path, "transform", "text", 4_000_000) if "transform" in f.attrs else None
+    transform = InputTransform.from_json(text, f"{path} [/]") if text else None
+    return SiloHeader(n, tuple(xd.shape), xd.dtype.name, dataset, k or 0, has_labels, transform)
 
 
 def read_silo(path: str | os.PathLike, num_classes: int | None = None,
-              max_memory: int | str | None = None) -> SiloData:
-    """Read and validate a data file; labels must lie in ``[0, num_classes)``."""
+              max_memory: int | str | None = None, labels: bool = True) -> SiloData:
+    """Read and validate a data file; labels must lie in ``[0, num_classes)``. With
+    ``labels=False`` a file without ``/y`` is accepted (prediction only)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
@@ -175,17 +206,20 @@ def read_silo(path: str | os.PathLike, num_classes: int | None = None,
         with h5py.File(path, "r") as f:
             head = _header(f, path)
             budget.require(head.load_bytes, f"reading {path}", max_memory)
-            x, y = read_native(f["x"]), read_native(f["y"])
+            if labels and not head.has_labels:
+                raise DataError(f"{path}: missing dataset /y (labels are needed here)")
+            x = read_native(f["x"])
+            y = read_native(f["y"]) if head.has_labels else None
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: not a readable HDF5 data file ({type(exc).__name__}: {exc})") from None
     k = num_classes if num_classes is not None else head.num_classes
     if k < 1:
         raise DataError(f"{path}: num_classes missing or invalid")
-    if y.min() < 0 or y.max() >= k:
+    if y is not None and (y.min() < 0 or y.max() >= k):
         raise DataError(f"{path} [/y]: labels must be in [0, {k}), found range [{y.min()}, {y.max()}]")
     if x.dtype == np.float32 and not np.isfinite(x).all():
         raise DataError(f"{path} [/x]: contains NaN or Inf")
-    return SiloData(x, y.astype(np.int64), head.dataset, k, str(path))
+    return SiloData(x, None if y is None else y.astype(np.int64), head.dataset, k, str(path), head.transform)
 
 
 def silo_header(path: str | os.PathLike) -> SiloHeader:

@@ -123,6 +123,16 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
             raise IncompatibleArtifactsError(f"{c.path}: model {c.model_spec.to_json()} differs from {ref.path}'s {ref.model_spec.to_json()}")
         if c.layout != ref.layout:
             raise IncompatibleArtifactsError(f"{c.path}: parameter layout differs from {ref.path}")
+    ref_t = ref.metadata.get("input_transform")
+    for c in clients[1:]:
+        if c.metadata.get("input_transform") != ref_t:
+            raise IncompatibleArtifactsError(f"{c.path}: trained with another input transform than {ref.path} "
+                                             f"({c.metadata.get('input_transform')} vs {ref_t})")
+    structures = {c.structure for c in clients}
+    if len(structures) > 1:
+        odd = next(c for c in clients if c.structure != ref.structure)
+        raise IncompatibleArtifactsError(f"{odd.path}: curvature structure {odd.structure!r} differs from "
+                                         f"{ref.path}'s {ref.structure!r}")
     shas = {}
     for c in clients:
         if c.sha256 in shas:

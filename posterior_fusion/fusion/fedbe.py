@@ -42,7 +42,7 @@ def fedbe(inputs: FusionInputs, settings: FedBESettings) -> FusionResult:
 def distill(inputs: FusionInputs, teachers: torch.Tensor, start: torch.Tensor, gen: torch.Generator, epochs: int,
             lr: float = 1e-3, batch_size: int = 64) -> torch.Tensor:
     """Distil the teachers' averaged softmax on the unlabeled data into one SWA model."""
-    x, _ = inputs.unlabeled.tensors()
+    x = inputs.unlabeled.inputs()
     targets = torch.softmax(batched_logits(inputs.spec, teachers, x), -1).mean(0)  # (n, classes)
     model = inputs.spec.build()
     vector_to_parameters(start.clone(), model.parameters())

@@ -17,7 +17,7 @@ import torch
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_equal_components
 from posterior_fusion.fusion.laplace import laplace_mode_weights, mode_precisions, uniform_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
@@ -33,6 +33,8 @@ class FedBEnsSettings(OptimiserSettings):
     laplace: bool = setting(True, "Store a Laplace approximation of the global posterior at each mode "
                                   "(enables evaluate --predictive mc|glm).")
     mode_weights: str = setting("equal", "Mixture weights of the modes: 'equal', or 'laplace' (∝ p(w*|D) |Λ*|^-1/2).")
+    allow_different_inits: bool = setting(False, "Fuse clients whose starting points differ (their m-th components "
+                                                 "then need not be near each other; the per-mode median start is then meaningless).")
     lowrank_tol: float = setting(0.0, "Kronecker low-rank shortcut: drop eigen-directions with curvature < tol·λ0 "
                                       "(relative objective error < tol); 0 = exact.")
 
@@ -84,6 +86,18 @@ class GlobalLogPosterior:
         return -total
 
 
+def require_shared_inits(inputs: FusionInputs) -> None:
+    """Refuse clients trained from different starting points (recorded ``init.fingerprint``)."""
+    prints = [(c.path, (c.metadata.get("init") or {}).get("fingerprint")) for c in inputs.clients]
+    known = [(p, f) for p, f in prints if f is not None]
+    if len({f for _, f in known}) > 1:
+        first = known[0]
+        odd = next(p for p, f in known if f != first[1])
+        raise IncompatibleArtifactsError(f"{odd}: trained from other starting points than {first[0]} (init fingerprints "
+                                         "differ); use one init file or --init-seed for every silo, or --set "
+                                         "allow_different_inits=true")
+
+
 def median_starts(inputs: FusionInputs, modes: int) -> torch.Tensor:
     """``(modes, d)``: element-wise median over clients of ŵ_cm for each mode index m."""
     return torch.stack([inputs.mode_maps(m).median(dim=0).values for m in range(modes)])
@@ -92,6 +106,8 @@ def median_starts(inputs: FusionInputs, modes: int) -> torch.Tensor:
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     """FedBEns on any curvature structure (kron, diag, diag+full)."""
     m = require_equal_components(inputs, "fedbens")
+    if not settings.allow_different_inits:
+        require_shared_inits(inputs)
     modes = settings.modes or m
     if modes > m:
         raise ConfigError(f"setting modes={modes} exceeds the clients' number of components {m}")

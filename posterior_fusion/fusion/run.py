@@ -73,6 +73,7 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
         "prior_precision_used": [inputs.prior_precision(c) for c in clients],
         "server_prior_precision": inputs.server_prior_precision(),
         "structure": clients[0].structure, "screening": screening,
+        "input_transform": clients[0].metadata.get("input_transform"),
         "provenance": [{"file": c.path, "sha256": c.sha256, "n_data": c.n_data} for c in clients],
         "validation": None if val is None else {"sha256": val.sha256(), "n": len(val)},
         **dict(result.info.items()),

@@ -10,6 +10,7 @@ from posterior_fusion import budget
 from posterior_fusion.artifact import load_client
 from posterior_fusion.artifact.reader import declared_bytes
 from posterior_fusion.data.silo import read_silo, silo_header
+from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import IncompatibleArtifactsError, SchemaError
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult
 from posterior_fusion.fusion.resources import estimate_fuse_bytes
@@ -49,7 +50,13 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     clients = [load_client(p, max_memory) for p in client_paths]
     k = clients[0].model_spec.num_classes
     val = read_silo(val_path, num_classes=k, max_memory=max_memory) if val_path else None
-    unlabeled = read_silo(unlabeled_path, num_classes=k, max_memory=max_memory) if unlabeled_path else None
+    unlabeled = (read_silo(unlabeled_path, num_classes=k, max_memory=max_memory, labels=False)
+                 if unlabeled_path else None)
+    for data in (val, unlabeled):
+        if data is not None:
+            check_transform(clients[0].metadata.get("input_transform"), data.input_transform, data.source,
+                            clients[0].path)
+            clients[0].model_spec.check_input(data.input_shape(), data.source)
     if tune:
         if robust:
             probe = FusionInputs(clients, options)

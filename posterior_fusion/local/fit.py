@@ -28,7 +28,7 @@ from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, Out
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import FitConfig
-from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.init import init_fingerprint, initial_weights
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
@@ -53,11 +53,12 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
     h.update(spec.to_json().encode())
     h.update(json.dumps(asdict(cfg), sort_keys=True).encode())
     h.update(data.sha256().encode())
+    h.update(data.input_transform.to_json().encode())
     for w in inits:
         h.update(w.detach().cpu().float().numpy().tobytes())
     return {
         "n_data": n, "class_counts": data.class_counts(), "num_classes": data.num_classes,
-        "dataset": data.dataset, "data_sha256": data.sha256(),
+        "dataset": data.dataset, "data_sha256": data.sha256(), "input_transform": data.input_transform.to_dict(),
         "temperature": cfg.temperature, "prior_precision": cfg.prior_precision, "structure": cfg.structure,
         "train_seed": cfg.train_seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,
         "train": asdict(cfg.train), "library_versions": library_versions(), "fit_fingerprint": h.hexdigest(),
@@ -113,6 +114,7 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
     """Fit and write the client artifact ``out``, saving a partial artifact after each
     component (``.<out>.partial.h5``); with ``resume`` a partial run of the same fit continues."""
     layout = ParameterLayout.from_model(spec.build())
+    init_info = dict(init_info, fingerprint=init_fingerprint(spec, inits))
     fingerprint = fit_metadata(spec, data, inits, cfg)["fit_fingerprint"]
     with output_lock(out):  # checked writable before the work; a second writer is refused
         done = resume_state(out, fingerprint, len(inits), resume, log)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch.nn.utils import parameters_to_vector
 
 from posterior_fusion.models import ModelSpec
+
+
+def init_fingerprint(spec: ModelSpec, inits: list[torch.Tensor]) -> str:
+    """sha256 of the model spec and the starting points: equal on every client that trains
+    component m from the same point for every m (what FedBEns' per-mode fusion needs)."""
+    h = hashlib.sha256(spec.to_json().encode())
+    for w in inits:
+        h.update(w.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()
 
 
 def initial_weights(spec: ModelSpec, num_modes: int, init_seed: int) -> list[torch.Tensor]:

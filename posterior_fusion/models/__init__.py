@@ -1,62 +1,83 @@
 """Model registry: models are rebuilt from a JSON spec ``{"name": ..., "kwargs": {...}}``.
 
 Nothing is ever unpickled: a spec names a registered builder and keyword arguments, which
-are checked against the builder's declared arguments and types.
+are checked against the builder's declared arguments and types. Builders are the built-in
+ones (:mod:`.builtin`) and those that *installed* packages register under the entry-point
+group ``posterior_fusion.models`` (name = model name, value = ``module:builder``; the
+builder's annotated keyword arguments of type int, float, bool, str or list[int] are the
+spec's allowed kwargs). A spec never names code: an unknown name is refused, and an artifact
+records which package provided its model so the server can say what to install.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any
 
 from torch import nn
 
 from posterior_fusion.errors import ModelSpecError
-
-
-def lenet(num_classes: int = 10, in_channels: int = 1, bias: bool = False) -> nn.Sequential:
-    """FedBEns LeNet for 28x28 inputs: conv(1->6,5) pool conv(6->16,5) pool fc 256->120->84->C.
-
-    Without biases (the paper's default) it has 44,190 parameters.
-    """
-    return nn.Sequential(
-        nn.Conv2d(in_channels, 6, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(256, 120, bias=bias), nn.ReLU(),
-        nn.Linear(120, 84, bias=bias), nn.ReLU(),
-        nn.Linear(84, num_classes, bias=bias),
-    )
-
-
-def cnn(num_classes: int = 10, in_channels: int = 3, bias: bool = False) -> nn.Sequential:
-    """The paper's SVHN/CIFAR10 CNN for 32x32 inputs: conv(3->32,5) conv(32->64,5) fc 1600->512->128->C."""
-    return nn.Sequential(
-        nn.Conv2d(in_channels, 32, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(1600, 512, bias=bias), nn.ReLU(),
-        nn.Linear(512, 128, bias=bias), nn.ReLU(),
-        nn.Linear(128, num_classes, bias=bias),
-    )
-
-
-def mlp(num_classes: int = 10, in_features: int = 784, hidden: int = 32, bias: bool = True) -> nn.Sequential:
-    """A small two-layer perceptron on flattened inputs (used by fast tests)."""
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(in_features, hidden, bias=bias), nn.ReLU(),
-        nn.Linear(hidden, num_classes, bias=bias),
-    )
-
+from posterior_fusion.models import builtin
 
 # name -> (builder, {kwarg: type}); the types are what a JSON spec may carry.
 MODEL_REGISTRY: dict[str, tuple[Callable[..., nn.Module], dict[str, type]]] = {
-    "lenet": (lenet, {"num_classes": int, "in_channels": int, "bias": bool}),
-    "cnn": (cnn, {"num_classes": int, "in_channels": int, "bias": bool}),
-    "mlp": (mlp, {"num_classes": int, "in_features": int, "hidden": int, "bias": bool}),
+    "lenet": (builtin.lenet, {"num_classes": int, "in_channels": int, "bias": bool}),
+    "cnn": (builtin.cnn, {"num_classes": int, "in_channels": int, "bias": bool}),
+    "mlp": (builtin.mlp, {"num_classes": int, "in_features": int, "hidden": int, "bias": bool, "hidden_sizes": list}),
+    "resnet20": (builtin.resnet20, {"num_classes": int, "in_channels": int, "width": int, "norm": str}),
 }
+ENTRY_POINT_GROUP = "posterior_fusion.models"
+_ALLOWED_TYPES = {int: int, float: float, bool: bool, str: str, "int": int, "float": float, "bool": bool, "str": str,
+                  "list[int]": list, "list[int] | None": list}
+
+
+def _plugin_types(builder: Callable) -> dict[str, type]:
+    out = {}
+    for name, p in inspect.signature(builder).parameters.items():
+        ann = p.annotation
+        if ann in _ALLOWED_TYPES:
+            out[name] = _ALLOWED_TYPES[ann]
+        elif p.default is not inspect.Parameter.empty and type(p.default) in (int, float, bool, str):
+            out[name] = type(p.default)
+    return out
+
+
+def plugin_models() -> dict[str, tuple[Callable[..., nn.Module], dict[str, type], str]]:
+    """Installed plugins: name -> (builder, kwarg types, "package==version")."""
+    found = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in MODEL_REGISTRY:
+            continue  # built-in names cannot be shadowed
+        try:
+            builder = ep.load()
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the CLI
+            found[ep.name] = (None, {}, f"{getattr(ep.dist, 'name', '?')} (failed to load: {exc})")
+            continue
+        dist = ep.dist
+        found[ep.name] = (builder, _plugin_types(builder), f"{dist.name}=={dist.version}" if dist else "unknown")
+    return found
+
+
+def resolve_model(name: str, provider: str | None = None) -> tuple[Callable[..., nn.Module], dict[str, type], str | None]:
+    """(builder, kwarg types, provider) of ``name``: a built-in, or an installed plugin."""
+    if name in MODEL_REGISTRY:
+        return (*MODEL_REGISTRY[name], None)
+    plugins = plugin_models()
+    if name in plugins and plugins[name][0] is not None:
+        return plugins[name]
+    hint = f" (the artifact says it comes from {provider}: install that package)" if provider else ""
+    if name in plugins:
+        hint = f" (its plugin {plugins[name][2]})"
+    known = sorted(MODEL_REGISTRY) + sorted(k for k, v in plugins.items() if v[0] is not None)
+    raise ModelSpecError(f"unknown model {name!r}{hint}; known: {', '.join(known)}")
+
+
+def known_models() -> list[str]:
+    return sorted(MODEL_REGISTRY) + sorted(k for k, v in plugin_models().items() if v[0] is not None)
 
 MAX_SPEC_INT = 1 << 20
 
@@ -67,26 +88,40 @@ class ModelSpec:
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    provider: str | None = field(default=None, compare=False)  # "package==version" of a plugin model
 
     def __post_init__(self) -> None:
-        if self.name not in MODEL_REGISTRY:
-            raise ModelSpecError(f"unknown model {self.name!r}; known: {', '.join(sorted(MODEL_REGISTRY))}")
-        allowed = MODEL_REGISTRY[self.name][1]
+        if not isinstance(self.name, str) or len(self.name) > 128:
+            raise ModelSpecError("model name must be a short string")
+        builder, allowed, provider = resolve_model(self.name, self.provider)
+        object.__setattr__(self, "provider", provider)
         if not isinstance(self.kwargs, dict):
             raise ModelSpecError("model kwargs must be a JSON object")
         for key, value in self.kwargs.items():
             if key not in allowed:
                 raise ModelSpecError(f"model {self.name!r} takes no argument {key!r}; allowed: {', '.join(allowed)}")
             expected = allowed[key]
+            if expected is list:
+                ok = (isinstance(value, list) and len(value) <= 64
+                      and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SPEC_INT for v in value))
+                if not ok:
+                    raise ModelSpecError(f"model argument {key!r} must be a list of at most 64 positive integers")
+                continue
             ok = isinstance(value, bool) if expected is bool else (
                 isinstance(value, expected) and not isinstance(value, bool))
             if not ok:
                 raise ModelSpecError(f"model argument {key!r} must be {expected.__name__}, got {value!r}")
             if expected is int and not (1 <= value <= MAX_SPEC_INT):
                 raise ModelSpecError(f"model argument {key!r}={value} is out of range [1, {MAX_SPEC_INT}]")
+            if expected is str and len(value) > 64:
+                raise ModelSpecError(f"model argument {key!r} is too long")
 
     def build(self) -> nn.Module:
-        return MODEL_REGISTRY[self.name][0](**self.kwargs)
+        builder = resolve_model(self.name, self.provider)[0]
+        try:
+            return builder(**self.kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ModelSpecError(f"model {self.name!r} {self.kwargs}: {exc}") from None
 
     def check_input(self, sample_shape: tuple[int, ...], where: str) -> None:
         """Refuse data whose per-sample shape (after the loader's channel axis) does not fit
@@ -109,7 +144,10 @@ class ModelSpec:
         return int(self.kwargs.get("num_classes", 10))
 
     def to_json(self) -> str:
-        return json.dumps({"name": self.name, "kwargs": self.kwargs}, sort_keys=True)
+        obj = {"name": self.name, "kwargs": self.kwargs}
+        if self.provider:
+            obj["provider"] = self.provider
+        return json.dumps(obj, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ModelSpec:
@@ -117,6 +155,7 @@ class ModelSpec:
             obj = json.loads(text)
         except (json.JSONDecodeError, TypeError) as exc:
             raise ModelSpecError(f"model spec is not valid JSON: {exc}") from None
-        if not isinstance(obj, dict) or set(obj) != {"name", "kwargs"} or not isinstance(obj["name"], str):
-            raise ModelSpecError('model spec must be {"name": str, "kwargs": {...}}')
-        return cls(obj["name"], obj["kwargs"])
+        if (not isinstance(obj, dict) or not {"name", "kwargs"} <= set(obj) <= {"name", "kwargs", "provider"}
+                or not isinstance(obj["name"], str) or not isinstance(obj.get("provider", ""), str)):
+            raise ModelSpecError('model spec must be {"name": str, "kwargs": {...}} (and optionally "provider")')
+        return cls(obj["name"], obj["kwargs"], obj.get("provider"))

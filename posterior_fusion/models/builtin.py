@@ -1,0 +1,93 @@
+"""Built-in architectures (the FedBEns LeNet and CNN, a configurable MLP, a ResNet-20-style network)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def lenet(num_classes: int = 10, in_channels: int = 1, bias: bool = False) -> nn.Sequential:
+    """FedBEns LeNet for 28x28 inputs: conv(1->6,5) pool conv(6->16,5) pool fc 256->120->84->C.
+
+    Without biases (the paper's default) it has 44,190 parameters.
+    """
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 6, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(256, 120, bias=bias), nn.ReLU(),
+        nn.Linear(120, 84, bias=bias), nn.ReLU(),
+        nn.Linear(84, num_classes, bias=bias),
+    )
+
+
+def cnn(num_classes: int = 10, in_channels: int = 3, bias: bool = False) -> nn.Sequential:
+    """The paper's SVHN/CIFAR10 CNN for 32x32 inputs: conv(3->32,5) conv(32->64,5) fc 1600->512->128->C."""
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 32, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(1600, 512, bias=bias), nn.ReLU(),
+        nn.Linear(512, 128, bias=bias), nn.ReLU(),
+        nn.Linear(128, num_classes, bias=bias),
+    )
+
+
+def mlp(num_classes: int = 10, in_features: int = 784, hidden: int = 32, bias: bool = True,
+        hidden_sizes: list[int] | None = None) -> nn.Sequential:
+    """A perceptron on flattened inputs: one hidden layer of ``hidden`` units, or the layers
+    ``hidden_sizes`` (e.g. ``[64, 32]``; ``[]`` = logistic regression). Suits tabular data."""
+    sizes = [hidden] if hidden_sizes is None else list(hidden_sizes)
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for h in sizes:
+        layers += [nn.Linear(width, h, bias=bias), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, num_classes, bias=bias))
+    return nn.Sequential(*layers)
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str) -> None:
+        super().__init__()
+
+        def normal(c: int) -> nn.Module:
+            return nn.GroupNorm(min(8, c), c) if norm == "group" else nn.Identity()
+
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.n1 = normal(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.n2 = normal(cout)
+        self.short = (nn.Conv2d(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else nn.Identity())
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        out = self.relu(self.n1(self.conv1(x)))
+        return self.relu(self.n2(self.conv2(out)) + self.short(x))
+
+
+class ResNet20(nn.Module):
+    """ResNet-20-style network for 32x32 colour images (3 stages of 3 basic blocks, widths
+    w, 2w, 4w) without BatchNorm: ``norm="none"`` (every parameter is a conv or linear weight,
+    so K-FAC capture applies) or ``"group"`` (GroupNorm; use the diag structure)."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 16, norm: str = "none") -> None:
+        super().__init__()
+        if norm not in ("none", "group"):
+            raise ValueError("norm must be 'none' or 'group'")
+        self.stem = nn.Conv2d(in_channels, width, 3, 1, 1, bias=False)
+        blocks, cin = [], width
+        for stage, cout in enumerate((width, 2 * width, 4 * width)):
+            for b in range(3):
+                blocks.append(_Block(cin, cout, 2 if stage and b == 0 else 1, norm))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.flatten(self.pool(self.blocks(nn.functional.relu(self.stem(x))))))
+
+
+def resnet20(num_classes: int = 10, in_channels: int = 3, width: int = 16, norm: str = "none") -> ResNet20:
+    return ResNet20(num_classes, in_channels, width, norm)
