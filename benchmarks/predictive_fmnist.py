@@ -24,7 +24,7 @@ import torch
 import posterior_fusion
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
-from posterior_fusion.metrics import evaluate_posterior
+from posterior_fusion.metrics import choose_scale, evaluate_posterior
 
 
 def digits_ood(path: Path) -> SiloData:
@@ -50,6 +50,7 @@ def main() -> None:
     paths = sorted(glob.glob(args.clients))
     part = Path(args.partition)
     test, ood = read_silo(part / "test.h5"), digits_ood(out / "digits_ood.h5")
+    val = read_silo(part / "server_val.h5")
     runs = {"fedbens": ("fedbens", {"mode_weights": "equal"}), "fedbens-laplace-weights": ("fedbens", {"mode_weights": "laplace"}),
             "ensemble": ("ensemble", {}), "fedbe": ("fedbe", {})}
     rows = []
@@ -59,20 +60,25 @@ def main() -> None:
         write_fused(out / f"{name}.h5", inputs, res, meta)
         g = posterior_fusion.load(out / f"{name}.h5")
         print(f"{name}: fused in {time.perf_counter() - t0:.0f}s", flush=True)
-        for predictive in (["map", "mc", "glm"] if g.has_posterior else ["map"]):
+        variants = [("map", 1.0)]
+        if g.has_posterior:
+            for predictive in ("mc", "glm"):
+                scale, _ = choose_scale(g, val, predictive, args.samples)
+                variants += [(predictive, 1.0), (predictive, scale)] if scale != 1.0 else [(predictive, 1.0)]
+        for predictive, scale in variants:
             t0 = time.perf_counter()
-            m = evaluate_posterior(g, test, predictive, args.samples, ood=ood)
-            row = {"method": name, "predictive": predictive, "members": len(g.members),
+            m = evaluate_posterior(g, test, predictive, args.samples, scale, ood=ood)
+            row = {"method": name, "predictive": predictive, "scale": scale, "members": len(g.members),
                    "serving_params": len(g.members) * g.layout.dim * (args.samples if predictive == "mc" else 1),
                    **{k: m[k] for k in ("accuracy", "nll", "ece", "mce", "brier", "auroc_correct", "ood_auroc")},
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    lines = ["| method | predictive | members | accuracy % | NLL | ECE | MCE | AUROC(correct) | OOD AUROC (digits) | eval s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | predictive | scale | members | accuracy % | NLL | ECE | MCE | AUROC(correct) | OOD AUROC (digits) | eval s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['predictive']} | {r['members']} | {100 * r['accuracy']:.2f} | {r['nll']:.3f} | "
+        lines.append(f"| {r['method']} | {r['predictive']} | {r['scale']:g} | {r['members']} | {100 * r['accuracy']:.2f} | {r['nll']:.3f} | "
                      f"{r['ece']:.3f} | {r['mce']:.3f} | {r['auroc_correct']:.3f} | {r['ood_auroc']:.3f} | {r['seconds']} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

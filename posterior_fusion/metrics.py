@@ -10,6 +10,7 @@ from posterior_fusion.data.silo import SiloData
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.predictive import logit_moments, probit
 
 
 def ensemble_probabilities(spec: ModelSpec, members: list[torch.Tensor] | torch.Tensor,
@@ -175,9 +176,16 @@ def choose_scale(global_artifact, val: SiloData, predictive: str, samples: int =
     if predictive == "map":
         return 1.0, []
     x, y = val.tensors()
+    g = global_artifact
+    moments = None
+    if predictive == "glm" and link == "probit":  # the Jacobians do not depend on the scale: compute once
+        moments = [logit_moments(g.model_spec, w, g.precision(k), x) for k, w in enumerate(g.members)]
     table = []
     for s in grid:
-        p = global_artifact.predict(x, predictive, samples, s, link)
+        if moments is not None:
+            p = sum(float(pi) * probit(m, s * c) for pi, (m, c) in zip(g.mode_weights, moments)).float()
+        else:
+            p = g.predict(x, predictive, samples, s, link)
         nll = -torch.log(p.gather(1, y[:, None]).clamp_min(1e-12)).mean().item()
         table.append({"scale": s, "val_nll": nll, "val_accuracy": (p.argmax(-1) == y).float().mean().item()})
     best = min(table, key=lambda r: (r["val_nll"], -r["scale"]))

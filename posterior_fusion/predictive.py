@@ -57,9 +57,8 @@ def logit_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: tor
         with torch.no_grad():
             J = vmap(jacrev(f), in_dims=(None, 0))(w, xb)  # (b, C, d)
             b, C, d = J.shape
-            Jd = J.reshape(b * C, d).to(torch.float64)
-            S = precision.solve(Jd.to(precision.dtype)).to(torch.float64)  # Λ⁻¹ Jᵀ
-            covs.append(scale * torch.einsum("bcd,bed->bce", Jd.reshape(b, C, d), S.reshape(b, C, d)))
+            U = precision.whiten(J.reshape(b * C, d).to(precision.dtype)).to(torch.float64).reshape(b, C, d)
+            covs.append(scale * torch.einsum("bcd,bed->bce", U, U))  # J Λ⁻¹ Jᵀ
             means.append(batched_logits(spec, w[None], xb)[0].double())
     return torch.cat(means), torch.cat(covs)
 

@@ -209,6 +209,8 @@ def test_every_table_entry_round_trips_and_matches_dense(kind):
     # solve is the inverse of matvec (dense float64 reference)
     p = blocks[0].precision(0.5, 0.3)
     torch.testing.assert_close(p.solve(W), torch.linalg.solve(p.to_dense(), W.T).T)
+    u = p.whiten(W)  # u uᵀ = W Λ⁻¹ Wᵀ
+    torch.testing.assert_close(u @ u.T, W @ torch.linalg.solve(p.to_dense(), W.T))
     if kind == "kron":
         with pytest.raises(posterior_fusion.errors.MethodNotApplicableError):
             cls.sum_of(blocks)

@@ -50,6 +50,10 @@ class BlockDiag(Precision):
         self._check_vec(v)
         return torch.cat([block.solve(part) for block, part in self._slices(v)], dim=-1)
 
+    def whiten(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return torch.cat([block.whiten(part) for block, part in self._slices(v)], dim=-1)
+
     def logdet(self) -> torch.Tensor:
         return sum(block.logdet() for block in self.blocks)
 

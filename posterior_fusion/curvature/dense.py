@@ -59,6 +59,11 @@ class Dense(Precision):
             return torch.linalg.solve(self.to_dense(), v)
         return torch.linalg.solve(self.to_dense(), v.reshape(-1, self.dim).T).T.reshape(v.shape)
 
+    def whiten(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        _, U = self.eigen()
+        return (v @ U) * self.eigenvalues().rsqrt()
+
     def logdet(self) -> torch.Tensor:
         return self.eigenvalues().log().sum()
 

@@ -43,6 +43,10 @@ class Diag(Precision):
         self._check_vec(v)
         return v / self.diagonal()
 
+    def whiten(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return v * self.diagonal().rsqrt()
+
     def logdet(self) -> torch.Tensor:
         return self.diagonal().log().sum()
 

@@ -82,6 +82,10 @@ class Kron(Precision):
         Z = self._rotate(v) / self.eigenvalue_grid()
         return (UB @ Z @ UA.T).reshape(v.shape)
 
+    def whiten(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_vec(v)
+        return (self._rotate(v) * self.eigenvalue_grid().rsqrt()).reshape(v.shape)
+
     def logdet(self) -> torch.Tensor:
         return self.eigenvalue_grid().log().sum()
 
