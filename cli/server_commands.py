@@ -14,7 +14,7 @@ from posterior_fusion.artifact import load_global
 from posterior_fusion.artifact.atomic import atomic_h5_write, check_writable, output_lock
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.demo import DEMO_METHODS, run_demo
+from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, run_demo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion import METHODS, FusionOptions, fuse, get_method, write_fused
 from posterior_fusion.fusion.settings import parse_pairs
@@ -266,6 +266,8 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @click.command("demo")
 @click.option("--out-dir", default="demo-run", show_default=True, type=click.Path(file_okay=False), help="Working folder.")
 @click.option("--full", is_flag=True, help="Use the full Fashion-MNIST (Debian package) instead of the embedded subset.")
+@click.option("--dataset", default="fmnist", show_default=True, type=click.Choice(DEMO_DATASETS),
+              help="fmnist (LeNet) or digits (scikit-learn's real 8x8 digits, an MLP).")
 @click.option("--clients", default=5, show_default=True, type=int, help="Number of clients.")
 @click.option("--alpha", default=0.1, show_default=True, type=float, help="Dirichlet α.")
 @click.option("--components", "-M", default=3, show_default=True, type=int, help="Mixture components per client.")
@@ -279,12 +281,13 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @renamed("--mixtures", "--components", "components", type=int)
 @renamed("--hessian", "--structure", "structure", type=click.Choice(STRUCTURES))
 @handle_errors
-def demo_cmd(out_dir, full, clients, alpha, components, epochs, structure, steps, methods, seed, as_json):
+def demo_cmd(out_dir, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, as_json):
     """Partition -> fit-local per silo -> fuse with every method -> side-by-side test table."""
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
     for m in chosen:
         get_method(m)
-    rows = run_demo(out_dir, full, clients, alpha, components, epochs, structure, seed, chosen, steps, log=log_to_stderr)
+    rows = run_demo(out_dir, full, clients, alpha, components, epochs, structure, seed, chosen, steps, log=log_to_stderr,
+                    dataset=dataset)
     if as_json:
         echo_json(rows)
         return

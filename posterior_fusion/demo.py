@@ -8,9 +8,9 @@ from pathlib import Path
 
 from posterior_fusion.artifact import load_global
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
-from posterior_fusion.data.prepare import partition_to_files
+from posterior_fusion.data.prepare import import_data, partition_to_files
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.errors import MethodNotApplicableError
+from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse, write_fused
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact
@@ -20,21 +20,34 @@ from posterior_fusion.models import ModelSpec
 DEMO_METHODS = ("fedbens", "fedfisher", "regmean", "fisher-merge", "fedavg", "product", "fedbe", "swag", "ensemble")
 
 
+DEMO_DATASETS = ("fmnist", "digits")
+
+
 def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, alpha: float = 0.1,
              components: int = 3, epochs: int = 5, structure: str = "kron", seed: int = 0,
              methods: tuple[str, ...] = DEMO_METHODS, steps: int = 300, max_train: int | None = None,
-             log=print) -> list[dict]:
+             log=print, dataset: str = "fmnist") -> list[dict]:
     """Run the whole pipeline in ``out_dir``; returns one row of test metrics per method.
 
-    ``seed`` is the run seed: partition, init and training seeds all equal it."""
+    ``seed`` is the run seed: partition, init and training seeds all equal it. ``dataset``:
+    ``fmnist`` (LeNet; the embedded subset, or the full set with ``full``) or ``digits``
+    (scikit-learn's 8x8 handwritten digits, an MLP)."""
     out = Path(out_dir)
     t0 = time.perf_counter()
-    source = None if full else EMBEDDED_FMNIST_DIR
-    summary = partition_to_files(out / "data", clients=clients, alpha=alpha, partition_seed=seed, data_dir=source,
-                                 max_train=max_train)
+    if dataset == "digits":
+        import_data("sklearn:digits", out / "data" / "digits.h5")
+        summary = partition_to_files(out / "data", clients=clients, alpha=alpha, partition_seed=seed, val_size=150,
+                                     source=out / "data" / "digits.h5", test_size=400)
+        spec = ModelSpec("mlp", {"in_features": 64, "hidden": 32})
+    elif dataset == "fmnist":
+        source = None if full else EMBEDDED_FMNIST_DIR
+        summary = partition_to_files(out / "data", clients=clients, alpha=alpha, partition_seed=seed,
+                                     data_dir=source, max_train=max_train)
+        spec = ModelSpec("lenet", {})
+    else:
+        raise ConfigError(f"unknown demo data set {dataset!r}; use one of {', '.join(DEMO_DATASETS)}")
     log(f"partitioned {summary['source']} into {clients} clients (alpha={alpha}): "
         + ", ".join(str(c["n"]) for c in summary["clients"]) + " samples")
-    spec = ModelSpec("lenet", {})
     cfg = FitConfig(structure=structure, train_seed=seed, train=TrainConfig(epochs=epochs, swag=True, swag_rank=10))
     paths = []
     for i, c in enumerate(summary["clients"]):

@@ -14,7 +14,8 @@ def summarize(art: ClientPosterior | GlobalEnsemble) -> dict:
     out = {
         "file": art.path, "sha256": art.sha256, "file_bytes": os.path.getsize(art.path),
         "kind": "client" if isinstance(art, ClientPosterior) else "global",
-        "model": {"name": art.model_spec.name, "kwargs": dict(art.model_spec.kwargs)},
+        "model": {"name": art.model_spec.name, "kwargs": dict(art.model_spec.kwargs),
+                  **({"provider": art.model_spec.provider} if art.model_spec.provider else {})},
         "num_params": d,
         "layout": [{"name": e.name, "shape": list(e.shape), "offset": e.offset} for e in art.layout.entries],
         "metadata": dict(art.metadata),

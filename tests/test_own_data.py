@@ -1,0 +1,236 @@
+"""Own silos and own models: importers against files in their real formats, the shared input
+transform, label-skew partitions, prediction-only files, entry-point model plugins, and the
+shared-starting-point checks."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import posterior_fusion
+from posterior_fusion.cli.main import pfuse
+from posterior_fusion.data.importers import load_source
+from posterior_fusion.data.partition import label_skew_partition
+from posterior_fusion.data.silo import read_silo, write_silo
+from posterior_fusion.data.transform import CONSTANTS, InputTransform
+from posterior_fusion.errors import DataError, ModelSpecError
+from posterior_fusion.models import ModelSpec
+
+RNG = np.random.default_rng(0)
+
+
+def cli(*args):
+    return CliRunner().invoke(pfuse, [str(a) for a in args])
+
+
+def test_cifar10_binary_records(tmp_path):
+    x = RNG.integers(0, 256, (7, 3, 32, 32), dtype=np.uint8)
+    y = RNG.integers(0, 10, 7).astype(np.uint8)
+    folder = tmp_path / "cifar-10-batches-bin"
+    folder.mkdir()
+    for name, sl in (("data_batch_1.bin", slice(0, 4)), ("data_batch_2.bin", slice(4, 7))):
+        np.concatenate([y[sl, None], x[sl].reshape(-1, 3072)], axis=1).tofile(folder / name)
+    r = cli("import-data", folder, "--transform", "constants:cifar10", "--out", tmp_path / "c.h5")
+    assert r.exit_code == 0, r.stderr
+    d = read_silo(tmp_path / "c.h5")
+    np.testing.assert_array_equal(d.x, x)
+    np.testing.assert_array_equal(d.y, y.astype(np.int64))
+    assert d.transform.mean == CONSTANTS["cifar10"][0] and d.transform.scale == pytest.approx(1 / 255)
+    expected = (x[:, 1].astype(np.float32) / 255 - CONSTANTS["cifar10"][0][1]) / CONSTANTS["cifar10"][1][1]
+    np.testing.assert_allclose(d.inputs()[:, 1].numpy(), expected, rtol=1e-6, atol=1e-6)
+    (folder / "junk_batch.bin").write_bytes(b"\x01" * 100)
+    with pytest.raises(DataError, match="3073"):
+        load_source(str(folder), "cifar10")
+
+
+def test_svhn_mat(tmp_path):
+    from scipy.io import savemat
+
+    x = RNG.integers(0, 256, (32, 32, 3, 5), dtype=np.uint8)
+    y = np.array([[10], [1], [2], [10], [9]], dtype=np.uint8)
+    savemat(tmp_path / "train_32x32.mat", {"X": x, "y": y})
+    r = cli("import-data", tmp_path / "train_32x32.mat", "--transform", "constants:svhn", "--out", tmp_path / "s.h5")
+    assert r.exit_code == 0, r.stderr
+    d = read_silo(tmp_path / "s.h5")
+    np.testing.assert_array_equal(d.x, x.transpose(3, 2, 0, 1))
+    np.testing.assert_array_equal(d.y, [0, 1, 2, 0, 9])
+
+
+def test_image_folder_csv_npz_hdf5_and_idx(tmp_path):
+    from PIL import Image
+
+    imgs = {}
+    for cls in ("cat", "dog"):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        for i in range(3):
+            arr = RNG.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(tmp_path / "imgs" / cls / f"{i}.png")
+            imgs[(cls, i)] = arr
+    x, y = load_source(str(tmp_path / "imgs"))
+    assert x.shape == (6, 3, 6, 5) and x.dtype == np.uint8 and y.tolist() == [0, 0, 0, 1, 1, 1]
+    np.testing.assert_array_equal(x[4], imgs[("dog", 1)].transpose(2, 0, 1))
+
+    (tmp_path / "t.csv").write_text("a,b,label\n1.5,2,yes\n3,-4.25,no\n0,1,yes\n")
+    r = cli("import-data", tmp_path / "t.csv", "--out", tmp_path / "t.h5", "--json")
+    assert r.exit_code == 0, r.stderr
+    d = read_silo(tmp_path / "t.h5")
+    np.testing.assert_array_equal(d.x, np.array([[1.5, 2], [3, -4.25], [0, 1]], np.float32))
+    assert d.y.tolist() == [1, 0, 1]  # sorted class names: no=0, yes=1
+    # auto transform: per-feature mean and std of the data, exactly
+    np.testing.assert_allclose(d.transform.mean, d.x.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(d.transform.std, d.x.std(0), rtol=1e-6)
+    np.testing.assert_allclose(d.inputs().numpy(), (d.x - d.x.mean(0)) / d.x.std(0), rtol=1e-5, atol=1e-6)
+
+    xa, ya = RNG.normal(size=(9, 4)).astype(np.float64), RNG.integers(0, 3, 9)
+    np.savez(tmp_path / "a.npz", x=xa, y=ya)
+    xb, yb = load_source(str(tmp_path / "a.npz"))
+    np.testing.assert_array_equal(xb, xa.astype(np.float32))
+    np.testing.assert_array_equal(yb, ya)
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object))
+    with pytest.raises(DataError, match="cannot read"):
+        load_source(str(tmp_path / "obj.npy"))  # never unpickled
+
+    with h5py.File(tmp_path / "plain.h5", "w") as f:
+        f["x"] = RNG.integers(0, 256, (4, 8, 8), dtype=np.uint8)
+        f["y"] = np.arange(4)
+    xh, yh = load_source(str(tmp_path / "plain.h5"))
+    assert xh.shape == (4, 8, 8) and yh.tolist() == [0, 1, 2, 3]
+
+    images = RNG.integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    with gzip.open(tmp_path / "k-images-idx3-ubyte.gz", "wb") as fh:
+        fh.write(struct.pack(">HBB3I", 0, 8, 3, 3, 28, 28) + images.tobytes())
+    with gzip.open(tmp_path / "k-labels-idx1-ubyte.gz", "wb") as fh:
+        fh.write(struct.pack(">HBBI", 0, 8, 1, 3) + bytes([4, 0, 9]))
+    r = cli("import-data", tmp_path / "k-images-idx3-ubyte.gz", "--labels", tmp_path / "k-labels-idx1-ubyte.gz",
+            "--transform", "constants:mnist", "--out", tmp_path / "k.h5")
+    assert r.exit_code == 0, r.stderr
+    d = read_silo(tmp_path / "k.h5")
+    np.testing.assert_array_equal(d.x, images)
+    assert d.y.tolist() == [4, 0, 9] and d.transform.mean == (0.1307,)
+
+
+def test_label_skew_partition_is_complete_disjoint_and_k_classes():
+    labels = np.repeat(np.arange(10), 30)
+    parts = label_skew_partition(labels, 5, 2, seed=3)
+    allidx = np.concatenate(parts)
+    assert sorted(allidx.tolist()) == list(range(300))
+    assert all(len(np.unique(labels[p])) <= 2 for p in parts)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("digits")
+    assert cli("import-data", "sklearn:digits", "--out", folder / "digits.h5").exit_code == 0
+    r = cli("partition", "--from", folder / "digits.h5", "--clients", 3, "--alpha", 0.5, "--val-size", 150,
+            "--test-size", 300, "--out-dir", folder / "part", "--json")
+    assert r.exit_code == 0, r.stderr
+    return folder
+
+
+def test_transform_travels_and_mismatches_are_one_line(tmp_path, digits):
+    part = digits / "part"
+    t0 = read_silo(part / "client_0.h5").transform
+    assert t0 == read_silo(digits / "digits.h5").transform == read_silo(part / "test.h5").transform
+    assert cli("init", "--model", "mlp", "--model-kwargs", '{"in_features": 64, "hidden": 16}', "-M", 2,
+               "--transform-from", part / "client_0.h5", "--out", tmp_path / "init.h5").exit_code == 0
+    for c in range(3):
+        r = cli("fit-local", "--data", part / f"client_{c}.h5", "--init", tmp_path / "init.h5", "--structure", "kron",
+                "--epochs", 2, "--train-seed", c, "--out", tmp_path / f"post_{c}.h5")
+        assert r.exit_code == 0, r.stderr
+    art = posterior_fusion.load(tmp_path / "post_0.h5")
+    assert InputTransform.from_dict(art.metadata["input_transform"]).key() == t0.key()
+    r = cli("fuse", *[tmp_path / f"post_{c}.h5" for c in range(3)], "--val", part / "server_val.h5",
+            "--set", "steps=20", "--out", tmp_path / "g.h5")
+    assert r.exit_code == 0, r.stderr
+    assert cli("evaluate", tmp_path / "g.h5", "--data", part / "test.h5").exit_code == 0
+    # the same test images imported with another transform are refused in one line
+    other = read_silo(part / "test.h5")
+    write_silo(tmp_path / "other.h5", other.__class__(other.x, other.y, "digits", 10,
+                                                      transform=InputTransform(1 / 255, (0.5,), (0.25,))))
+    r = cli("evaluate", tmp_path / "g.h5", "--data", tmp_path / "other.h5")
+    assert r.exit_code == 2 and "input transform" in r.stderr and r.stderr.count("\n") == 1
+    # a silo whose transform differs from the init file's is refused by fit-local
+    r = cli("fit-local", "--data", tmp_path / "other.h5", "--init", tmp_path / "init.h5", "--out", tmp_path / "x.h5")
+    assert r.exit_code == 2 and "input transform" in r.stderr
+    # prediction on a file without labels
+    with h5py.File(tmp_path / "other.h5", "a") as f:
+        del f["y"]
+    unlabeled = read_silo(tmp_path / "other.h5", labels=False)
+    write_silo(tmp_path / "nolabels.h5", unlabeled.__class__(unlabeled.x, None, "digits", 10, transform=t0))
+    r = cli("predict", tmp_path / "g.h5", "--data", tmp_path / "nolabels.h5", "--out", tmp_path / "p.h5")
+    assert r.exit_code == 0, r.stderr
+    with h5py.File(tmp_path / "p.h5") as f:
+        assert f["probs"].shape == (300, 10)
+    r = cli("evaluate", tmp_path / "g.h5", "--data", tmp_path / "nolabels.h5")
+    assert r.exit_code == 2 and "labels" in r.stderr
+
+
+def test_shared_starting_points_are_checked(tmp_path, digits):
+    part = digits / "part"
+    kw = ["--model", "mlp", "--model-kwargs", '{"in_features": 64, "hidden": 8}', "-M", 2, "--epochs", 1,
+          "--structure", "diag"]
+    for c, seed in enumerate((0, 1)):
+        assert cli("fit-local", "--data", part / f"client_{c}.h5", *kw, "--init-seed", seed,
+                   "--out", tmp_path / f"p{c}.h5").exit_code == 0
+    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--out", tmp_path / "g.h5")
+    assert r.exit_code == 2 and "other starting points" in r.stderr and "p1.h5" in r.stderr
+    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--set", "allow_different_inits=true", "--set", "steps=2",
+            "--out", tmp_path / "g.h5")
+    assert r.exit_code == 0, r.stderr
+    r = cli("fit-local", "--data", part / "client_0.h5", "--init", tmp_path / "g.h5", "--out", tmp_path / "x.h5")
+    assert r.exit_code == 2 and "not an init file" in r.stderr
+    assert cli("init", "--model", "mlp", "--model-kwargs", '{"in_features": 64, "hidden": 8}', "-M", 2,
+               "--out", tmp_path / "i.h5").exit_code == 0
+    r = cli("fit-local", "--data", part / "client_0.h5", "--init", tmp_path / "i.h5", "--model", "lenet",
+            "--out", tmp_path / "x.h5")
+    assert r.exit_code == 2 and "--model asks for" in r.stderr and r.stderr.count("\n") == 1
+    r = cli("fit-local", "--data", part / "client_0.h5", "--init", tmp_path / "i.h5", "--components", 7,
+            "--out", tmp_path / "x.h5")
+    assert r.exit_code == 2 and "holds 2 starting points" in r.stderr
+
+
+PLUGIN = '''
+from torch import nn
+
+
+def tinynet(num_classes: int = 10, in_features: int = 64, width: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, width), nn.Tanh(), nn.Linear(width, num_classes))
+'''
+
+
+def test_entry_point_plugin_end_to_end_and_refused_when_missing(tmp_path, digits, monkeypatch):
+    site = tmp_path / "site"
+    (site / "tinyplug").mkdir(parents=True)
+    (site / "tinyplug" / "__init__.py").write_text(PLUGIN)
+    dist = site / "tinyplug-0.3.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tinyplug\nVersion: 0.3\n")
+    (dist / "entry_points.txt").write_text("[posterior_fusion.models]\ntinynet = tinyplug:tinynet\n")
+    monkeypatch.syspath_prepend(str(site))
+    part = digits / "part"
+    spec = ModelSpec("tinynet", {"width": 6})
+    assert spec.provider == "tinyplug==0.3"
+    for c in range(2):
+        r = cli("fit-local", "--data", part / f"client_{c}.h5", "--model", "tinynet", "--model-kwargs", '{"width": 6}',
+                "-M", 2, "--epochs", 1, "--structure", "kron", "--train-seed", c, "--out", tmp_path / f"p{c}.h5")
+        assert r.exit_code == 0, r.stderr
+    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--set", "steps=5", "--out", tmp_path / "g.h5")
+    assert r.exit_code == 0, r.stderr
+    r = cli("evaluate", tmp_path / "g.h5", "--data", part / "test.h5", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["accuracy"] > 0.1
+    model = json.loads(cli("inspect", tmp_path / "p0.h5", "--json").stdout)["model"]
+    assert model == {"name": "tinynet", "kwargs": {"width": 6}, "provider": "tinyplug==0.3"}
+    with pytest.raises(ModelSpecError, match="takes no argument"):
+        ModelSpec("tinynet", {"evil": 1})
+    # without the package installed: one line, naming what to install
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(site)])
+    for cmd in (["inspect", tmp_path / "p0.h5"], ["fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--out", tmp_path / "h.h5"]):
+        r = cli(*cmd)
+        assert r.exit_code == 2 and "tinyplug==0.3" in r.stderr and r.stderr.count("\n") == 1, r.stderr
