@@ -34,6 +34,8 @@ def inspect_cmd(file, as_json, max_memory):
     for e in s["layout"]:
         click.echo(f"  {e['name']:<14} {str(tuple(e['shape'])):<18} offset {e['offset']}")
     meta = s["metadata"]
+    if s["metadata"].get("partial"):
+        click.echo("PARTIAL: an interrupted fit-local run (finish it with --resume); fuse refuses it")
     if s["kind"] == "client":
         click.echo(f"structure: {s['structure']}  n_data={meta['n_data']}  T={meta['temperature']}  "
                    f"λ0={meta['prior_precision']}  class counts {meta['class_counts']}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from posterior_fusion import __version__
@@ -27,4 +29,18 @@ for command in (import_data_cmd, partition, init, fit_local_cmd, fuse_cmd, evalu
 
 
 def main() -> None:
-    pfuse()
+    """Console entry point: usage errors are one ``error:`` line with exit code 2, like every other error."""
+    try:
+        pfuse(standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        sys.exit(2)
+    except click.ClickException as exc:
+        where = f" ({exc.ctx.command_path})" if getattr(exc, "ctx", None) else ""
+        click.echo(f"error: {exc.format_message()}{where}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)

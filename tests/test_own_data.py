@@ -234,3 +234,25 @@ def test_entry_point_plugin_end_to_end_and_refused_when_missing(tmp_path, digits
     for cmd in (["inspect", tmp_path / "p0.h5"], ["fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--out", tmp_path / "h.h5"]):
         r = cli(*cmd)
         assert r.exit_code == 2 and "tinyplug==0.3" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_partial_files_are_refused_and_marked(tmp_path, kron_artifact):
+    import shutil
+
+    from posterior_fusion.artifact import write_client_artifact
+
+    art = posterior_fusion.load(kron_artifact)
+    write_client_artifact(tmp_path / ".x.h5.partial.h5", art.model_spec, art.layout, dict(art.metadata, partial=True),
+                          list(art.components))
+    shutil.copy(kron_artifact, tmp_path / "ok.h5")
+    r = cli("fuse", tmp_path / ".x.h5.partial.h5", tmp_path / "ok.h5", "--method", "fedavg", "--out", tmp_path / "g.h5")
+    assert r.exit_code == 2 and "partial file" in r.stderr
+    assert "PARTIAL" in cli("inspect", tmp_path / ".x.h5.partial.h5").stdout
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", "from posterior_fusion.cli.main import main; main()", "fuse",
+                           "--methd", "x"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: No such option")

@@ -117,6 +117,10 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
     """Refuse sets that cannot be fused, naming the first offending file."""
     if not clients:
         raise IncompatibleArtifactsError("no client artifacts given")
+    for c in clients:
+        if c.metadata.get("partial"):
+            raise IncompatibleArtifactsError(f"{c.path}: is the partial file of an interrupted fit-local run, not a "
+                                             "finished artifact (finish it with fit-local --resume)")
     ref = clients[0]
     for c in clients[1:]:
         if c.model_spec != ref.model_spec:

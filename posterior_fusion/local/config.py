@@ -32,8 +32,12 @@ class TrainConfig:
     swag_rank: int = 20           # K deviation columns kept
 
     def validate(self) -> None:
-        if self.epochs < 0 or self.batch_size < 1 or not self.lr > 0 or not 0 <= self.momentum < 1:
-            raise ConfigError("--epochs must be >= 0, --batch-size >= 1, --lr > 0 and 0 <= --momentum < 1")
+        for ok, message in ((self.epochs >= 0, f"--epochs must be >= 0, got {self.epochs}"),
+                            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+                            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+                            (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")):
+            if not ok:
+                raise ConfigError(message)
         if self.weight_decay is not None and not self.weight_decay >= 0:
             raise ConfigError("--weight-decay must be >= 0 (or omitted for T·λ0/n)")
         if self.swag_rank < 1 or self.swag_epochs < 0 or self.swag_snapshots_per_epoch < 1:

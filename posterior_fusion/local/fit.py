@@ -24,7 +24,7 @@ from posterior_fusion.artifact.atomic import output_lock
 from posterior_fusion.artifact.objects import Component, frozen_mapping
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
-from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, OutputError
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, OutputError, ResumeError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import FitConfig
@@ -123,7 +123,11 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
         def save_partial(meta: dict, comps: list[Component]) -> None:
             write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps)
 
-        meta, comps = fit_local(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
+        try:
+            meta, comps = fit_local(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
+        except KeyboardInterrupt:
+            kept = f"the finished components are kept in {partial}; " if partial.exists() else ""
+            raise ResumeError(f"interrupted; {kept}rerun the same command with --resume to continue") from None
         meta["init"] = init_info
         try:
             write_client_artifact(out, spec, layout, meta, comps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,9 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
         bar.set_postfix(loss=f"{loss_sum / n:.4f}", acc=f"{correct / n:.3f}")
     model.eval()
     swag = None
+    if cfg.swag and count < cfg.swag_rank:
+        warnings.warn(f"SWAG collected {count} snapshots, fewer than swag_rank={cfg.swag_rank}: the deviation matrix "
+                      f"has rank {count} (train longer or lower --swag-rank)", stacklevel=2)
     if cfg.swag and count > 0:
         swag = SwagMoments(mean.float(), sq.float(), torch.stack(devs))
     return TrainResult(loss_sum / n, correct / n, swag)
