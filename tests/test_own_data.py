@@ -256,3 +256,18 @@ def test_usage_errors_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "from posterior_fusion.cli.main import main; main()", "fuse",
                            "--methd", "x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: No such option")
+
+
+@pytest.mark.parametrize("kwargs", [{"width": 4}, {"width": 4, "norm": "group"}])
+def test_resnet20_and_configurable_mlp_build_from_specs(kwargs):
+    import torch
+
+    spec = ModelSpec("resnet20", kwargs)
+    assert spec.build()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    spec.check_input((3, 32, 32), "x")
+    mlp = ModelSpec("mlp", {"in_features": 30, "hidden_sizes": [8, 4], "num_classes": 2})
+    assert [m.out_features for m in mlp.build() if isinstance(m, torch.nn.Linear)] == [8, 4, 2]
+    with pytest.raises(ModelSpecError, match="list"):
+        ModelSpec("mlp", {"hidden_sizes": [0]})
+    with pytest.raises(ModelSpecError, match="norm"):
+        ModelSpec("resnet20", {"norm": "batch"}).build()
