@@ -6,7 +6,7 @@ import click
 
 from posterior_fusion.cli.common import echo_json, handle_errors, renamed
 from posterior_fusion.data.importers import FORMATS
-from posterior_fusion.data.prepare import DATASETS, SCHEMES, import_data, partition_to_files
+from posterior_fusion.data.prepare import DATASETS, PROTOCOLS, SCHEMES, import_data, partition_to_files
 from posterior_fusion.errors import ConfigError
 
 
@@ -69,6 +69,10 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
               help="fedbens: client-wise Dir(α·1_K) class proportions; per-class: Dir(α·1_C) over clients per class; "
                    "label-skew: at most --classes-per-client classes per client.")
 @click.option("--classes-per-client", default=None, type=int, help="Classes per client of --scheme label-skew.")
+@click.option("--protocol", default="ours", show_default=True, type=click.Choice(PROTOCOLS),
+              help="ours: independent split per --partition-seed, disjoint validation; fedbens-reference: the "
+                   "FedBEns authors' split (NumPy seed 3, validation drawn with replacement from all training "
+                   "data, MNIST normalisation; train with --epochs 30 as their scripts do).")
 @click.option("--data-dir", default=None, type=click.Path(file_okay=False),
               help="Folder with the Fashion-MNIST IDX .gz files [default: /usr/share/datasets/fashion-mnist, else the embedded subset].")
 @click.option("--max-train", default=None, type=int, help="Use at most this many training samples [default: all].")
@@ -76,10 +80,10 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
 @renamed("--seed", "--partition-seed", "partition_seed", type=int)
 @handle_errors
 def partition(source, test_path, test_size, dataset, clients, alpha, partition_seed, out_dir, val_size, min_size, scheme,
-              classes_per_client, data_dir, max_train, as_json):
+              classes_per_client, protocol, data_dir, max_train, as_json):
     """Split a data set into non-IID client silos plus server validation and test files."""
     summary = partition_to_files(out_dir, dataset, clients, alpha, partition_seed, val_size, min_size, scheme,
-                                 data_dir, max_train, source, test_path, classes_per_client, test_size)
+                                 data_dir, max_train, source, test_path, classes_per_client, test_size, protocol)
     if as_json:
         echo_json(summary)
         return

@@ -271,3 +271,42 @@ def test_resnet20_and_configurable_mlp_build_from_specs(kwargs):
         ModelSpec("mlp", {"hidden_sizes": [0]})
     with pytest.raises(ModelSpecError, match="norm"):
         ModelSpec("resnet20", {"norm": "batch"}).build()
+
+
+def authors_partition_transcribed(y, n, alpha, num_c):
+    """An independent transcription of the FedBEns authors' data.py on NumPy's global generator."""
+    np.random.seed(3)
+    p_client = np.zeros((n, num_c))
+    for i in range(n):
+        p_client[i] = np.random.dirichlet(np.repeat(alpha, num_c))
+    idx_batch = [[] for _ in range(n)]
+    for k in range(num_c):
+        idx_k = np.where(y == k)[0]
+        np.random.shuffle(idx_k)
+        prop = p_client[:, k] / p_client[:, k].sum()
+        prop = (np.cumsum(prop) * len(idx_k)).astype(int)[:-1]
+        idx_batch = [a + b.tolist() for a, b in zip(idx_batch, np.split(idx_k, prop))]
+    for j in range(n):
+        np.random.shuffle(idx_batch[j])
+    return idx_batch, np.random.choice(len(y), 500)
+
+
+def test_fedbens_reference_partition_matches_the_authors_calls():
+    from posterior_fusion.data.partition import fedbens_reference_partition
+
+    y = np.random.default_rng(1).integers(0, 10, 2000)
+    parts, val = fedbens_reference_partition(y, 5, 0.1, 10)
+    ref_parts, ref_val = authors_partition_transcribed(y, 5, 0.1, 10)
+    assert [p.tolist() for p in parts] == ref_parts
+    np.testing.assert_array_equal(val, ref_val)
+
+
+def test_fedbens_reference_client_sizes_on_the_full_data():
+    from posterior_fusion.data.idx import SYSTEM_FMNIST_DIR, load_fmnist
+    from posterior_fusion.data.partition import fedbens_reference_partition
+
+    if not (SYSTEM_FMNIST_DIR / "train-labels-idx1-ubyte.gz").exists():
+        pytest.skip("the full Fashion-MNIST (Debian package dataset-fashion-mnist) is not installed")
+    _, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
+    parts, _ = fedbens_reference_partition(y, 5, 0.1, 10)
+    assert [len(p) for p in parts] == [14962, 12151, 18845, 4849, 9193]

@@ -73,3 +73,32 @@ def label_skew_partition(labels: np.ndarray, num_clients: int, classes_per_clien
     if min(len(o) for o in out) < min_size:
         raise ConfigError(f"a client got fewer than {min_size} samples; lower --min-size or use fewer clients")
     return out
+
+
+def fedbens_reference_partition(labels: np.ndarray, num_clients: int, alpha: float, num_classes: int,
+                                num_val: int = 500, seed: int = 3) -> tuple[list[np.ndarray], np.ndarray]:
+    """The FedBEns authors' partition and validation draw (jacopot96/FedBEns, ``data.py`` and
+    ``main_FedBEns_*.py``), reproduced call for call on NumPy's legacy generator:
+
+    ``np.random.seed(3)``; for each client ``dirichlet(α·1_K)``; for each class k in order:
+    shuffle the indices of class k, split them by the class's normalised proportions
+    (``cumsum · n_k`` truncated); then shuffle each client's index list; then the server
+    validation set is ``choice(n, 500)`` **with replacement from the whole training set**
+    (it overlaps the clients). No minimum client size. Every run with any training seed uses
+    this one partition. Returns ``(client index arrays, validation indices)``.
+    """
+    rs = np.random.RandomState(seed)  # the same stream as np.random.seed(seed) + module functions
+    props = np.zeros((num_clients, num_classes))
+    for i in range(num_clients):
+        props[i] = rs.dirichlet(np.repeat(alpha, num_classes))
+    batches: list[list[int]] = [[] for _ in range(num_clients)]
+    for k in range(num_classes):
+        idx_k = np.where(labels == k)[0]
+        rs.shuffle(idx_k)
+        p = props[:, k] / props[:, k].sum()
+        cuts = (np.cumsum(p) * len(idx_k)).astype(int)[:-1]
+        batches = [b + part.tolist() for b, part in zip(batches, np.split(idx_k, cuts))]
+    for b in batches:
+        rs.shuffle(b)
+    val = rs.choice(len(labels), num_val)
+    return [np.asarray(b, dtype=np.int64) for b in batches], val

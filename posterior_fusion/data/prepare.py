@@ -10,13 +10,14 @@ import numpy as np
 
 from posterior_fusion.data.idx import find_fmnist_dir, load_fmnist
 from posterior_fusion.data.importers import load_source
-from posterior_fusion.data.partition import dirichlet_partition, label_skew_partition
+from posterior_fusion.data.partition import dirichlet_partition, fedbens_reference_partition, label_skew_partition
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import ConfigError, DataError
 
 DATASETS = ("fmnist",)
 SCHEMES = ("fedbens", "per-class", "label-skew")
+PROTOCOLS = ("ours", "fedbens-reference")
 
 
 def resolve_transform(spec: str, x: np.ndarray, source: str) -> InputTransform:
@@ -61,6 +62,7 @@ def partition_to_files(
     partition_seed: int = 0, val_size: int = 500, min_size: int = 10, scheme: str = "fedbens",
     data_dir: str | os.PathLike | None = None, max_train: int | None = None, source: str | os.PathLike | None = None,
     test: str | os.PathLike | None = None, classes_per_client: int | None = None, test_size: int = 0,
+    protocol: str = "ours",
 ) -> dict:
     """Write ``client_<i>.h5``, ``server_val.h5`` and (with a test split) ``test.h5`` into ``out_dir``.
 
@@ -69,7 +71,14 @@ def partition_to_files(
     (``val_size`` samples drawn with ``partition_seed``) is removed from the training pool
     before partitioning, so it is disjoint from every client. Every file carries the source's
     input transform. Returns a summary dict with paths and per-client class counts.
+
+    ``protocol="fedbens-reference"`` reproduces the FedBEns authors' split instead
+    (:func:`~posterior_fusion.data.partition.fedbens_reference_partition`: NumPy seed 3 whatever
+    ``partition_seed`` is, no minimum size, 500 validation samples drawn with replacement from
+    the whole training set, MNIST normalisation (0.1307, 0.3081)).
     """
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"unknown protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown partition scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
     if source is not None:
@@ -86,6 +95,16 @@ def partition_to_files(
         name, k, t = dataset, 10, InputTransform.constants("fmnist")
         test_data = SiloData(xt, yt, name, k, transform=t)
         origin = str(folder)
+    if protocol == "fedbens-reference":
+        if scheme != "fedbens" or max_train is not None or test_size:
+            raise ConfigError("--protocol fedbens-reference fixes the scheme (fedbens) and uses all training data")
+        if source is None:
+            t = InputTransform.constants("mnist")
+            test_data = SiloData(test_data.x, test_data.labels(), name, k, transform=t)
+        parts, val_idx = fedbens_reference_partition(y, clients, alpha, k, num_val=val_size)
+        return _write_split(Path(out_dir), x, y, name, k, t, parts, np.arange(len(y)), val_idx, test_data,
+                            {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": 3,
+                             "scheme": scheme, "protocol": protocol})
     rng = np.random.default_rng(partition_seed)
     order = rng.permutation(len(y))
     if test_size:
@@ -99,11 +118,15 @@ def partition_to_files(
         raise ConfigError(f"--val-size {val_size} must be in [0, {len(order)})")
     val_idx, pool = order[:val_size], order[val_size:]
     parts = _split_indices(y[pool], clients, alpha, partition_seed, min_size, scheme, classes_per_client)
-    out = Path(out_dir)
+    return _write_split(Path(out_dir), x, y, name, k, t, parts, pool, val_idx, test_data,
+                        {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": partition_seed,
+                         "scheme": scheme, "protocol": protocol})
+
+
+def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, test_data, summary: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": partition_seed, "scheme": scheme,
-               "clients": [], "server_val": str(out / "server_val.h5"),
-               "test": str(out / "test.h5") if test_data is not None else None, "transform": t.to_dict()}
+    summary = dict(summary, clients=[], server_val=str(out / "server_val.h5"),
+                   test=str(out / "test.h5") if test_data is not None else None, transform=t.to_dict())
     for c, local in enumerate(parts):
         idx = pool[local]
         silo = SiloData(x[idx], y[idx], name, k, transform=t)

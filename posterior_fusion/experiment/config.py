@@ -39,6 +39,7 @@ class ExperimentConfig:
     temperature: float = 0.1
     prior_var: float = 0.1
     val_size: int = 500
+    protocol: str = "ours"            # or "fedbens-reference" (the authors' partition; see pfuse partition --help)
     temperatures: list[float] = field(default_factory=list)  # server re-tempering sweep for fedbens
     tune: bool = False                # fedbens with T and prior chosen on validation ("fedbens-tuned")
     tune_temperatures: list[float] = field(default_factory=lambda: [0.01, 0.03, 0.1, 0.3, 1.0])
@@ -76,5 +77,7 @@ class ExperimentConfig:
             raise ConfigError(f"{where}: structures must be among {STRUCTURES}")
         if not all(a > 0 for a in self.alphas) or not all(m >= 1 for m in self.components) or not self.seeds:
             raise ConfigError(f"{where}: alphas must be > 0, components >= 1, seeds non-empty")
+        if self.protocol not in ("ours", "fedbens-reference"):
+            raise ConfigError(f"{where}: protocol must be 'ours' or 'fedbens-reference'")
         if self.epochs < 0 or self.steps < 0 or not self.temperature > 0 or not self.prior_var > 0:
             raise ConfigError(f"{where}: epochs and steps must be >= 0, temperature and prior_var > 0")

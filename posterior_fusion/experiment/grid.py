@@ -98,12 +98,15 @@ class FuseJob:
 
 def partition_cell(cfg: ExperimentConfig, cell: Cell, work: Path) -> tuple[str, dict]:
     """Level 1: the cell's silos, validation and test files; returns ``(key, summary)``."""
-    pkey = cache_key({"data": cfg.data, "max_train": cfg.max_train, "alpha": cell.alpha, "clients": cell.clients,
-                      "seed": cell.seed, "val": cfg.val_size})
+    key = {"data": cfg.data, "max_train": cfg.max_train, "alpha": cell.alpha, "clients": cell.clients,
+           "seed": cell.seed, "val": cfg.val_size}
+    if cfg.protocol != "ours":  # older caches (protocol "ours") keep their keys
+        key["protocol"] = cfg.protocol
+    pkey = cache_key(key)
     pdir = work / "partitions" / pkey
     if not (pdir / "summary.json").exists():
         summary = partition_to_files(pdir, clients=cell.clients, alpha=cell.alpha, partition_seed=cell.seed,
-                                     val_size=cfg.val_size, max_train=cfg.max_train,
+                                     val_size=cfg.val_size, max_train=cfg.max_train, protocol=cfg.protocol,
                                      data_dir=EMBEDDED_FMNIST_DIR if cfg.data == "embedded" else None)
         write_json(pdir / "summary.json", summary)
     return pkey, json.loads((pdir / "summary.json").read_text())
