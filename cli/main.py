@@ -1,31 +1,52 @@
-"""``pfuse`` entry point: registers the commands; each lives in its own module."""
+"""``pfuse`` entry point: a lazy command group. Each command lives in its own module, imported
+only when that command runs, so ``pfuse --help`` starts without importing torch."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
 from posterior_fusion import __version__
-from posterior_fusion.cli.data_commands import import_data_cmd, partition
-from posterior_fusion.cli.experiment_commands import experiment_cmd
-from posterior_fusion.cli.inspect_commands import inspect_cmd
-from posterior_fusion.cli.local_commands import fit_local_cmd, init
-from posterior_fusion.cli.server_commands import demo_cmd, evaluate_cmd, fuse_cmd, predict_cmd
+
+# name -> (module, attribute, one-line help shown by `pfuse --help`)
+COMMANDS = {
+    "import-data": ("data_commands", "import_data_cmd", "Convert a data set into a posterior-fusion data file."),
+    "partition": ("data_commands", "partition", "Split a data set into non-IID silos, server validation and test files."),
+    "init": ("local_commands", "init", "Write M shared starting points that every client trains from."),
+    "fit-local": ("local_commands", "fit_local_cmd", "Train M models on one silo and write their local posteriors."),
+    "fuse": ("server_commands", "fuse_cmd", "Validate client artifacts and fuse them into a global posterior."),
+    "evaluate": ("server_commands", "evaluate_cmd", "Accuracy, NLL, calibration and uncertainty metrics of global artifacts."),
+    "predict": ("server_commands", "predict_cmd", "Write predictive class probabilities (map, mc or glm)."),
+    "inspect": ("inspect_commands", "inspect_cmd", "Validate an artifact and summarise it."),
+    "demo": ("server_commands", "demo_cmd", "Partition -> fit-local -> fuse with every method -> table."),
+    "experiment": ("experiment_commands", "experiment_cmd", "Run or resume a cached grid of experiments."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(f"posterior_fusion.cli.{module}"), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, text) for name, (_, _, text) in COMMANDS.items()])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(__version__, prog_name="pfuse")
 def pfuse() -> None:
     """posterior-fusion: one-shot federated learning by Bayesian posterior fusion.
 
     Typical flow: partition -> fit-local (each silo) -> fuse (server) -> evaluate.
     """
-
-
-for command in (import_data_cmd, partition, init, fit_local_cmd, fuse_cmd, evaluate_cmd, predict_cmd, inspect_cmd, demo_cmd,
-                experiment_cmd):
-    pfuse.add_command(command)
 
 
 def main() -> None:

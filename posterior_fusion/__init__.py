@@ -1,14 +1,33 @@
 """posterior-fusion: one-shot federated learning by Bayesian posterior fusion.
 
-``posterior_fusion.load(path)`` validates an artifact and returns typed objects.
+``posterior_fusion.load(path)`` validates an artifact and returns typed objects. Attributes
+are imported on first use (PEP 562), so ``import posterior_fusion`` does not import torch.
 """
 
-from posterior_fusion.artifact import ClientPosterior, Component, GlobalEnsemble, load
-from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
-from posterior_fusion.errors import PfuseError
-from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.models import ModelSpec
+from __future__ import annotations
 
-__version__ = "0.1.0"
-__all__ = ["load", "ClientPosterior", "Component", "GlobalEnsemble", "Precision", "Diag", "Dense",
-           "Kron", "BlockDiag", "PfuseError", "ParameterLayout", "ModelSpec", "__version__"]
+import importlib
+from typing import Any
+
+__version__ = "0.2.0"
+
+_LAZY = {
+    "load": "posterior_fusion.artifact", "ClientPosterior": "posterior_fusion.artifact",
+    "Component": "posterior_fusion.artifact", "GlobalEnsemble": "posterior_fusion.artifact",
+    "Precision": "posterior_fusion.curvature", "Diag": "posterior_fusion.curvature",
+    "Dense": "posterior_fusion.curvature", "Kron": "posterior_fusion.curvature",
+    "BlockDiag": "posterior_fusion.curvature", "PfuseError": "posterior_fusion.errors",
+    "ParameterLayout": "posterior_fusion.layout", "ModelSpec": "posterior_fusion.models",
+}
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in ("artifact", "curvature", "errors", "layout", "models", "fusion", "data", "local", "kernels",
+                "metrics", "predictive", "experiment", "flower", "budget", "storage", "inspect", "demo"):
+        return importlib.import_module(f"posterior_fusion.{name}")
+    raise AttributeError(f"module 'posterior_fusion' has no attribute {name!r}")
