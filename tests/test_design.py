@@ -272,3 +272,19 @@ def test_no_import_cycles_and_only_local_imports_laplace():
                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(m == "laplace" or m.startswith("laplace.") for m in mods):
                 assert n.startswith("posterior_fusion.local"), f"{n} imports laplace-torch"
+
+
+def test_plain_adam_matches_torch_adam():
+    from posterior_fusion.fusion.optimise import Adam
+
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    a = torch.zeros(3, 7, dtype=torch.float64, requires_grad=True)
+    b = a.detach().clone().requires_grad_(True)
+    ours, ref = Adam(a, lr=0.05), torch.optim.Adam([b], lr=0.05)
+    for _ in range(50):
+        for w, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            ((w - target) ** 4).sum().backward()
+            opt.step()
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

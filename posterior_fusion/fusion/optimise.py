@@ -32,6 +32,33 @@ class OptimiserSettings(MethodSettings):
             raise ConfigError("settings need steps >= 0, adam_lr > 0, clip > 0 and val_every >= 1")
 
 
+class Adam:
+    """Adam (Kingma & Ba; torch.optim.Adam's defaults: betas (0.9, 0.999), eps 1e-8, bias
+    correction, no weight decay) on one tensor. Written out so that fusing never imports
+    ``torch._dynamo`` (which ``torch.optim`` does on its first step: seconds per CLI call);
+    ``tests/test_design.py`` checks its iterates against ``torch.optim.Adam``."""
+
+    def __init__(self, param: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        self.param, self.lr, self.betas, self.eps = param, lr, betas, eps
+        self.m = torch.zeros_like(param)
+        self.v = torch.zeros_like(param)
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        g = self.param.grad
+        b1, b2 = self.betas
+        self.t += 1
+        self.m.mul_(b1).add_(g, alpha=1 - b1)
+        self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (self.v / (1 - b2 ** self.t)).sqrt_().add_(self.eps)
+        self.param.addcdiv_(self.m, denom, value=-self.lr / (1 - b1 ** self.t))
+
+    def zero_grad(self) -> None:
+        self.param.grad = None
+
+
 def accuracy_of(spec: ModelSpec, W: torch.Tensor, data: SiloData) -> torch.Tensor:
     """Accuracy of each of the K weight vectors on ``data``: ``(K,)``."""
     x, y = data.tensors()
@@ -48,7 +75,7 @@ def optimise_modes(objective: Callable[[torch.Tensor], torch.Tensor], W0: torch.
     """
     opts = inputs.options
     W = W0.clone().to(opts.device).requires_grad_(True)
-    adam = torch.optim.Adam([W], lr=settings.adam_lr)
+    adam = Adam(W, lr=settings.adam_lr)
     K = W.shape[0]
     best = W0.clone()
     best_score = torch.full((K,), -math.inf)
@@ -80,7 +107,7 @@ def optimise_modes(objective: Callable[[torch.Tensor], torch.Tensor], W0: torch.
         consider(step, values.detach().cpu())
         if step == last:
             break
-        adam.zero_grad(set_to_none=True)
+        adam.zero_grad()
         values.sum().backward()
         with torch.no_grad():
             norms = W.grad.norm(dim=1, keepdim=True)
