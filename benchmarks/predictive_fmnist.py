@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--partition", required=True, help="folder with test.h5 and server_val.h5")
     ap.add_argument("--out", required=True)
     ap.add_argument("--samples", type=int, default=30)
+    ap.add_argument("--methods", default="fedbens,fedbens-laplace-weights,ensemble,fedbe")
+    ap.add_argument("--predictives", default="map,mc,glm", help="which predictives to evaluate (glm is the slow one)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,6 +55,7 @@ def main() -> None:
     val = read_silo(part / "server_val.h5")
     runs = {"fedbens": ("fedbens", {"mode_weights": "equal"}), "fedbens-laplace-weights": ("fedbens", {"mode_weights": "laplace"}),
             "ensemble": ("ensemble", {}), "fedbe": ("fedbe", {})}
+    runs = {k: v for k, v in runs.items() if k in args.methods.split(",")}
     rows = []
     for name, (method, settings) in runs.items():
         t0 = time.perf_counter()
@@ -62,9 +65,10 @@ def main() -> None:
         print(f"{name}: fused in {time.perf_counter() - t0:.0f}s", flush=True)
         variants = [("map", 1.0)]
         if g.has_posterior:  # mc at the posterior's own scale and tuned; glm tuned (its Jacobians are the cost)
-            mc_scale, _ = choose_scale(g, val, "mc", args.samples)
-            glm_scale, _ = choose_scale(g, val, "glm", args.samples)
+            mc_scale = choose_scale(g, val, "mc", args.samples)[0] if "mc" in args.predictives else 1.0
+            glm_scale = choose_scale(g, val, "glm", args.samples)[0] if "glm" in args.predictives else 1.0
             variants += [("mc", 1.0)] * (name == "fedbens") + [("mc", mc_scale), ("glm", glm_scale)]
+        variants = [v for v in variants if v[0] in args.predictives.split(",")]
         for predictive, scale in variants:
             t0 = time.perf_counter()
             m = evaluate_posterior(g, test, predictive, args.samples, scale, ood=ood)
@@ -74,6 +78,9 @@ def main() -> None:
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    previous = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else []
+    done = {(r["method"], r["predictive"], r["scale"]) for r in rows}
+    rows = [r for r in previous if (r["method"], r["predictive"], r["scale"]) not in done] + rows
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     lines = ["| method | predictive | scale | members | accuracy % | NLL | ECE | MCE | AUROC(correct) | OOD AUROC (digits) | eval s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
