@@ -277,17 +277,22 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @click.option("--methods", default=",".join(DEMO_METHODS), show_default=True, help="Comma-separated fusion methods.")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Run seed: the partition, init and training seeds of the demo all equal it.")
+@click.option("--quick", is_flag=True,
+              help="A seconds-long smoke run (3 clients, M=2, 1 epoch, 600 images, 20 steps, fedbens and fedavg).")
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 @renamed("--mixtures", "--components", "components", type=int)
 @renamed("--hessian", "--structure", "structure", type=click.Choice(STRUCTURES))
 @handle_errors
-def demo_cmd(out_dir, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, as_json):
+def demo_cmd(out_dir, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, quick, as_json):
     """Partition -> fit-local per silo -> fuse with every method -> side-by-side test table."""
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    max_train = None
+    if quick:
+        clients, components, epochs, steps, chosen, max_train = 3, 2, 1, 20, ("fedbens", "fedavg"), 600
     for m in chosen:
         get_method(m)
-    rows = run_demo(out_dir, full, clients, alpha, components, epochs, structure, seed, chosen, steps, log=log_to_stderr,
-                    dataset=dataset)
+    rows = run_demo(out_dir, full, clients, alpha, components, epochs, structure, seed, chosen, steps, max_train,
+                    log=log_to_stderr, dataset=dataset)
     if as_json:
         echo_json(rows)
         return

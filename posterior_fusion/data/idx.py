@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,10 @@ import numpy as np
 from posterior_fusion.errors import DataError
 
 SYSTEM_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-EMBEDDED_FMNIST_DIR = Path(__file__).resolve().parents[2] / "data" / "fashion-mnist-subset"
+_IN_REPO = Path(__file__).resolve().parents[2] / "data" / "fashion-mnist-subset"
+_INSTALLED = Path(sys.prefix) / "share" / "posterior-fusion" / "fashion-mnist-subset"
+# The embedded subset: the checkout's data/ folder, else where a wheel install puts it.
+EMBEDDED_FMNIST_DIR = _IN_REPO if (_IN_REPO / "train-images-idx3-ubyte.gz").exists() else _INSTALLED
 FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
