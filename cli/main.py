@@ -4,6 +4,7 @@ only when that command runs, so ``pfuse --help`` starts without importing torch.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -42,11 +43,14 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(__version__, prog_name="pfuse")
-def pfuse() -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress display (bars on a terminal, a line every 5 s otherwise).")
+def pfuse(quiet: bool) -> None:
     """posterior-fusion: one-shot federated learning by Bayesian posterior fusion.
 
     Typical flow: partition -> fit-local (each silo) -> fuse (server) -> evaluate.
     """
+    if quiet:
+        os.environ["PFUSE_PROGRESS"] = "0"
 
 
 def main() -> None:

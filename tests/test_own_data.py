@@ -310,3 +310,16 @@ def test_fedbens_reference_client_sizes_on_the_full_data():
     _, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
     parts, _ = fedbens_reference_partition(y, 5, 0.1, 10)
     assert [len(p) for p in parts] == [14962, 12151, 18845, 4849, 9193]
+
+
+def test_progress_plain_lines_off_a_terminal_and_quiet(monkeypatch, capsys):
+    from posterior_fusion import progress as prog
+
+    monkeypatch.setattr(prog, "EVERY_SECONDS", 0.0)
+    monkeypatch.setenv("PFUSE_PROGRESS", "1")
+    assert list(prog.progress(range(3), "phase")) == [0, 1, 2]
+    err = capsys.readouterr().err
+    assert "phase: 3/3 (100%)" in err and err.count("\n") == 3
+    monkeypatch.setenv("PFUSE_PROGRESS", "0")
+    assert list(prog.progress(range(3), "phase")) == [0, 1, 2]
+    assert capsys.readouterr().err == ""

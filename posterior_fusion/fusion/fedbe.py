@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
-from tqdm.auto import tqdm
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.progress import progress
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def distill(inputs: FusionInputs, teachers: torch.Tensor, start: torch.Tensor, g
     vector_to_parameters(start.clone(), model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     swa, count = None, 0
-    for _ in tqdm(range(epochs), desc="fedbe distill", leave=False, disable=None if inputs.options.progress else True):
+    for _ in progress(range(epochs), "fedbe distill", show=inputs.options.progress):
         perm = torch.randperm(x.shape[0], generator=gen)
         for i in range(0, x.shape[0], batch_size):
             idx = perm[i : i + batch_size]

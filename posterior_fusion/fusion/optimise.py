@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
@@ -16,6 +15,7 @@ from posterior_fusion.fusion.common import FusionInputs
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.progress import progress
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def optimise_modes(objective: Callable[[torch.Tensor], torch.Tensor], W0: torch.
             best[improved] = W.detach().cpu()[improved]
             best_score[improved] = score[improved]
 
-    bar = tqdm(range(last + 1), desc=desc, leave=False, disable=None if opts.progress else True)
+    bar = progress(range(last + 1), desc, show=opts.progress)
     for step in bar:
         values = objective(W)
         consider(step, values.detach().cpu())

@@ -16,12 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.progress import LoaderProgress
 
 GGN_TYPES = ("exact", "mc")
 
 
-def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str = "curvature") -> LoaderProgress:
+    return LoaderProgress(DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False), desc)
 
 
 def _laplace(model: nn.Module, structure: str, subset: str, backend, ggn: str = "exact"):

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
-from tqdm.auto import tqdm
 
 from posterior_fusion.artifact.objects import SwagMoments
 from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.progress import progress
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
     count = 0
     loss_sum = correct = 0.0
     model.train()
-    bar = tqdm(range(cfg.epochs), desc=desc, leave=False, disable=None)
+    bar = progress(range(cfg.epochs), f"{desc} training")
     for epoch in bar:
         perm = torch.randperm(n, generator=gen)
         loss_sum, correct = 0.0, 0.0
