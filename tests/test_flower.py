@@ -93,3 +93,21 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
     _, ref, _ = fuse(files, "fedbens", OPTIONS, FUSE_SETTINGS, val_path=tmp_path / "val.h5")
     for u, v in zip(ref.members, g.members, strict=True):
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)
+
+
+def test_example_run_config_carries_fit_and_fusion_settings():
+    import tomllib
+    from pathlib import Path
+
+    from flwr.common.config import flatten_dict
+
+    from posterior_fusion.flower.apps import fusion_from_run_config
+    from posterior_fusion.fusion import method_settings
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "flower" / "pyproject.toml"
+    flat = flatten_dict(tomllib.loads(example.read_text())["tool"]["flwr"]["app"]["config"])
+    method, options, settings, robust = fusion_from_run_config(flat)
+    chosen = method_settings(method, settings)
+    assert (method, chosen.steps, chosen.val_every, robust) == ("fedbens", 300, 30, False)
+    fit = FederatedSettings.from_run_config(flat)
+    assert fit.components == 3 and fit.swag_rank == 20 and fit.fit_config().train.swag_rank == 20

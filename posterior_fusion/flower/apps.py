@@ -1,11 +1,16 @@
 """Module-level apps for ``flwr run`` (components named in examples/flower/pyproject.toml).
 
-Run config keys: model, model-kwargs, mixtures, init-seed, structure, temperature, prior-var,
-epochs, batch-size, lr, momentum, swag, ggn, seed (the fit settings); silo-dir, out-dir,
-method, val, on-bad-reply, min-nodes (the round).
+Run config keys (names as on the CLI):
+- fit settings sent to every node: model, model-kwargs, components, init-seed, structure,
+  temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed;
+- the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, max-memory;
+- the fusion: method, robust, fuse-temperature, fuse-prior-var, and every setting of the method
+  as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -17,10 +22,18 @@ clientapp = make_client_app()
 serverapp = ServerApp()
 
 
+def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dict[str, Any], bool]:
+    """(method, shared options, the method's settings, robust) from a flat Flower run config."""
+    settings = {k[len("set."):]: v for k, v in cfg.items() if k.startswith("set.")}
+    options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False)
+    return str(cfg.get("method", "fedbens")), options, settings, bool(cfg.get("robust", False))
+
+
 @serverapp.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = dict(context.run_config)
+    method, options, settings, robust = fusion_from_run_config(cfg)
     run_round(grid, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
-              method=str(cfg.get("method", "fedbens")), options=FusionOptions(progress=False),
-              val_path=str(cfg["val"]) if cfg.get("val") else None,
-              on_bad_reply=str(cfg.get("on-bad-reply", "skip")), min_nodes=int(cfg.get("min-nodes", 1)))
+              method=method, options=options, val_path=str(cfg["val"]) if cfg.get("val") else None,
+              on_bad_reply=str(cfg.get("on-bad-reply", "skip")), min_nodes=int(cfg.get("min-nodes", 1)),
+              method_settings=settings, max_memory=cfg.get("max-memory"), robust=robust)

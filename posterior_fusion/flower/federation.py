@@ -60,6 +60,7 @@ class FederatedSettings:
     lr: float = _TRAIN.lr
     momentum: float = _TRAIN.momentum
     swag: bool = _TRAIN.swag
+    swag_rank: int = _TRAIN.swag_rank
     ggn: str = _FIT.ggn
     train_seed: int = _FIT.train_seed
 
@@ -95,7 +96,7 @@ class FederatedSettings:
         cfg = FitConfig(structure=self.structure, temperature=self.temperature, prior_var=self.prior_var,
                         train_seed=self.train_seed, ggn=self.ggn,
                         train=TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                                          momentum=self.momentum, swag=self.swag))
+                                          momentum=self.momentum, swag=self.swag, swag_rank=self.swag_rank))
         cfg.validate()
         return cfg
 
@@ -218,7 +219,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
               log: Callable[[str], None] = print,
               method_settings: MethodSettings | Mapping[str, Any] | None = None,
-              max_memory: int | str | None = None) -> dict:
+              max_memory: int | str | None = None, robust: bool = False) -> dict:
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
 
     Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
@@ -250,7 +251,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
         log(f"{missing} node(s) did not reply; continuing without them")
     paths = collect_replies(list(replies.values()), out, on_bad_reply, log, max_memory)
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
-                                val_path, log=log, max_memory=max_memory)
+                                val_path, log=log, max_memory=max_memory, robust=robust)
     by_name = {f"client_{r.key}.h5": r for r in replies.values()}
     meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],
                           "clients": [{"file": p.name, "node_id": by_name[p.name].node_id,
