@@ -96,9 +96,9 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
 
 
 def test_example_run_config_carries_fit_and_fusion_settings():
-    import tomllib
     from pathlib import Path
 
+    import tomllib
     from flwr.common.config import flatten_dict
 
     from posterior_fusion.flower.apps import fusion_from_run_config
