@@ -192,6 +192,9 @@ class Kron(Precision):
                            shifts.clone(), (out, inn, keep_b, keep_a), kernel)
 
 
+CHUNK_BYTES = 64 * 2**20  # working-set bound of the batched Kronecker quadratic forms
+
+
 @dataclass(frozen=True)
 class StackedKron:
     """N Kronecker blocks: ``mu`` ``(N, out, in)``, rotated weights ``S`` ``(N, R1, R2)``,
@@ -209,9 +212,16 @@ class StackedKron:
     rank: tuple[int, int, int, int]
     kernel: str | None = None
 
-    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+    def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None) -> torch.Tensor:
+        """``(K, N)``; components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay
+        under ``chunk_bytes`` (default :data:`CHUNK_BYTES`), so memory does not grow with N."""
         Wk = w.reshape(w.shape[0], *self.mu.shape[1:])
-        total = kron_quadratic_forms(Wk, self.mu, self.UB, self.UA, self.S, self.kernel)
+        N = self.mu.shape[0]
+        per = max(1, Wk.shape[0] * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
+        step = max(1, min(N, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // per))
+        total = torch.cat([kron_quadratic_forms(Wk, self.mu[i : i + step], self.UB[i : i + step],
+                                                self.UA[i : i + step], self.S[i : i + step], self.kernel)
+                           for i in range(0, N, step)], dim=1)
         if self.shift is not None:  # closed-form λ0 ‖W − μ‖² of the low-rank shortcut
             flat_mu = self.mu.flatten(1)
             sq = w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None]
