@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,25 +195,31 @@ def _header(f: h5py.File, path: Path) -> SiloHeader:
     return SiloHeader(n, tuple(xd.shape), xd.dtype.name, dataset, k or 0, has_labels, transform)
 
 
-def read_silo(path: str | os.PathLike, num_classes: int | None = None,
-              max_memory: int | str | None = None, labels: bool = True) -> SiloData:
-    """Read and validate a data file; labels must lie in ``[0, num_classes)``. With
-    ``labels=False`` a file without ``/y`` is accepted (prediction only)."""
-    path = Path(path)
+@contextmanager
+def _open_data(path: Path) -> Iterator[tuple[h5py.File, SiloHeader]]:
+    """Open a data file and validate its header; every h5py/OS failure becomes one DataError."""
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
     if not h5py.is_hdf5(path):
         raise DataError(f"{path}: not an HDF5 file")
     try:
         with h5py.File(path, "r") as f:
-            head = _header(f, path)
-            budget.require(head.load_bytes, f"reading {path}", max_memory)
-            if labels and not head.has_labels:
-                raise DataError(f"{path}: missing dataset /y (labels are needed here)")
-            x = read_native(f["x"])
-            y = read_native(f["y"]) if head.has_labels else None
+            yield f, _header(f, path)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: not a readable HDF5 data file ({type(exc).__name__}: {exc})") from None
+
+
+def read_silo(path: str | os.PathLike, num_classes: int | None = None,
+              max_memory: int | str | None = None, labels: bool = True) -> SiloData:
+    """Read and validate a data file; labels must lie in ``[0, num_classes)``. With
+    ``labels=False`` a file without ``/y`` is accepted (prediction only)."""
+    path = Path(path)
+    with _open_data(path) as (f, head):
+        budget.require(head.load_bytes, f"reading {path}", max_memory)
+        if labels and not head.has_labels:
+            raise DataError(f"{path}: missing dataset /y (labels are needed here)")
+        x = read_native(f["x"])
+        y = read_native(f["y"]) if head.has_labels else None
     k = num_classes if num_classes is not None else head.num_classes
     if k < 1:
         raise DataError(f"{path}: num_classes missing or invalid")
@@ -224,13 +232,5 @@ def read_silo(path: str | os.PathLike, num_classes: int | None = None,
 
 def silo_header(path: str | os.PathLike) -> SiloHeader:
     """Validate a data file's header only (no data read); used for memory estimates."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found")
-    if not h5py.is_hdf5(path):
-        raise DataError(f"{path}: not an HDF5 file")
-    try:
-        with h5py.File(path, "r") as f:
-            return _header(f, path)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
-        raise DataError(f"{path}: not a readable HDF5 data file ({type(exc).__name__}: {exc})") from None
+    with _open_data(Path(path)) as (_, head):
+        return head
