@@ -323,3 +323,21 @@ def test_progress_plain_lines_off_a_terminal_and_quiet(monkeypatch, capsys):
     monkeypatch.setenv("PFUSE_PROGRESS", "0")
     assert list(prog.progress(range(3), "phase")) == [0, 1, 2]
     assert capsys.readouterr().err == ""
+
+
+def test_reference_protocol_partition_files(tmp_path):
+    from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, load_fmnist
+    from posterior_fusion.data.partition import fedbens_reference_partition
+
+    r = cli("partition", "--protocol", "fedbens-reference", "--data-dir", EMBEDDED_FMNIST_DIR, "--alpha", 0.1,
+            "--out-dir", tmp_path, "--json")
+    assert r.exit_code == 0, r.stderr
+    summary = json.loads(r.stdout)
+    _, y = load_fmnist("train", EMBEDDED_FMNIST_DIR)
+    parts, val = fedbens_reference_partition(y, 5, 0.1, 10)
+    assert [c["n"] for c in summary["clients"]] == [len(p) for p in parts]
+    v = read_silo(tmp_path / "server_val.h5")
+    assert len(v) == 500 and v.transform.mean == (0.1307,) and v.transform.std == (0.3081,)
+    np.testing.assert_array_equal(v.y, y[val])
+    r = cli("partition", "--protocol", "fedbens-reference", "--scheme", "per-class", "--out-dir", tmp_path / "x")
+    assert r.exit_code == 2 and "fixes the scheme" in r.stderr
