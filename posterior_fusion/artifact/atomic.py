@@ -83,6 +83,8 @@ def output_lock(path: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     finally:
+        # Removing the lock file keeps folders clean; the price is a narrow race (a writer that opened
+        # the old file just before the unlink can lock that orphan while a third locks a new file).
         with contextlib.suppress(OSError):
             lock.unlink()
         os.close(fd)
