@@ -16,7 +16,7 @@ from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr,
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, run_demo
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion import METHODS, FusionOptions, fuse, get_method, write_fused
+from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, get_method, write_fused
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
@@ -126,9 +126,8 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, temperature, prior_var, component, sampling_seed,
              kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory, as_json, legacy):
     """Validate client artifacts and fuse them into a global ensemble."""
-    fields = {row["name"] for row in get_method(method).settings.describe()}
-    overrides = {k: v for k, v in legacy.items() if k in fields}
-    for k in sorted(set(legacy) - fields):
+    overrides = applicable_settings(method, legacy)
+    for k in sorted(set(legacy) - set(overrides)):
         log_to_stderr(f"warning: method {method!r} has no setting {k!r}; ignored")
     overrides.update(parse_pairs(set_values))
     with output_lock(out):

@@ -46,20 +46,21 @@ def logit_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: tor
     shapes = [p.shape for _, p in model.named_parameters()]
     sizes = [math.prod(s) for s in shapes]
 
-    def f(flat: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    def f(flat: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         params = {n: t.reshape(s) for n, t, s in zip(names, torch.split(flat, sizes), shapes)}
-        return functional_call(model, params, (xb[None],))[0]
+        out = functional_call(model, params, (xb[None],))[0]
+        return out, out.detach()  # (differentiated, aux: the logits themselves)
 
     w = w.detach().float()
     means, covs = [], []
     for i in range(0, x.shape[0], batch_size):
         xb = x[i : i + batch_size]
         with torch.no_grad():
-            J = vmap(jacrev(f), in_dims=(None, 0))(w, xb)  # (b, C, d)
+            J, logits = vmap(jacrev(f, has_aux=True), in_dims=(None, 0))(w, xb)  # (b, C, d), (b, C)
             b, C, d = J.shape
             U = precision.whiten(J.reshape(b * C, d).to(precision.dtype)).to(torch.float64).reshape(b, C, d)
             covs.append(scale * torch.einsum("bcd,bed->bce", U, U))  # J Λ⁻¹ Jᵀ
-            means.append(batched_logits(spec, w[None], xb)[0].double())
+            means.append(logits.double())
     return torch.cat(means), torch.cat(covs)
 
 

@@ -63,6 +63,22 @@ class Precision(ABC):
             raise ConfigError(f"scale and shift must be >= 0, got scale={scale}, shift={shift}")
         self._scale = float(scale)
         self._shift = float(shift)
+        # Decompositions of the raw curvature, shared by every copy made with with_scale_shift:
+        # re-tempering (precision(T, λ0)) never repeats an eigendecomposition.
+        self._raw_cache: dict[str, object] = {}
+
+    def _share_cache(self, other: Precision) -> Precision:
+        """``other`` (a re-scaled copy of this curvature) uses this object's decomposition cache."""
+        other._raw_cache = self._raw_cache
+        return other
+
+    @property
+    def _eig(self):
+        return self._raw_cache.get("eig")
+
+    @_eig.setter
+    def _eig(self, value) -> None:
+        self._raw_cache["eig"] = value
 
     @property
     def scale(self) -> float:

@@ -20,16 +20,13 @@ class Dense(Precision):
     def __init__(self, G: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
         self.G = G
-        self._eig: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def dim(self) -> int:
         return self.G.shape[0]
 
     def with_scale_shift(self, scale: float, shift: float) -> Dense:
-        out = Dense(self.G, scale, shift)
-        out._eig = self._eig
-        return out
+        return self._share_cache(Dense(self.G, scale, shift))
 
     def eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw eigenpairs of ``G``: ``(g (p,), U (p, p))`` with ``G = U diag(g) Uᵀ``."""

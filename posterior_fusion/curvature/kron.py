@@ -32,7 +32,6 @@ class Kron(Precision):
         super().__init__(scale, shift)
         self.B = B
         self.A = A
-        self._eig: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -43,9 +42,7 @@ class Kron(Precision):
         return self.B.shape[0] * self.A.shape[0]
 
     def with_scale_shift(self, scale: float, shift: float) -> Kron:
-        out = Kron(self.B, self.A, scale, shift)
-        out._eig = self._eig
-        return out
+        return self._share_cache(Kron(self.B, self.A, scale, shift))
 
     def eigen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw factor eigenpairs ``(b (out,), U_B (out,out), a (in,), U_A (in,in))``."""
