@@ -12,6 +12,8 @@ from posterior_fusion.fusion import FusionOptions, fuse
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'posterior-fusion[flower]'")
 
+from flwr.app import Message, RecordDict  # noqa: E402
+
 from posterior_fusion.flower import (  # noqa: E402
     FederatedSettings,
     Reply,
@@ -111,3 +113,62 @@ def test_example_run_config_carries_fit_and_fusion_settings():
     assert (method, chosen.steps, chosen.val_every, robust) == ("fedbens", 300, 30, False)
     fit = FederatedSettings.from_run_config(flat)
     assert fit.components == 3 and fit.swag_rank == 20 and fit.fit_config().train.swag_rank == 20
+
+
+def test_example_is_a_current_flower_app_without_legacy_connection_tables():
+    """flwr 1.41 moves connections to its own config; a ``[tool.flwr.federations]`` table makes
+    ``flwr run`` rewrite the user's pyproject.toml ("legacy usage")."""
+    from pathlib import Path
+
+    from flwr.cli.config_utils import load_and_validate
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "flower" / "pyproject.toml"
+    config, warnings = load_and_validate(example, check_module=True)  # the components import
+    assert warnings == []
+    assert "federations" not in config["tool"]["flwr"]
+
+
+class FakeGrid:
+    """Stands in for Flower's Grid: message ids are set in place by push; replies come per pull."""
+
+    def __init__(self, replies_per_pull):
+        self.replies_per_pull = list(replies_per_pull)  # list of lists of (index, src_node_id or None)
+        self.pushed = []
+
+    def push_messages(self, messages):
+        for i, m in enumerate(messages):
+            m.metadata.__dict__["_message_id"] = f"id-{i}"
+            self.pushed.append(m)
+        return [f"id-{i}" for i in range(len(messages))]
+
+    def pull_messages(self, message_ids):
+        from flwr.app import Error
+
+        batch = self.replies_per_pull.pop(0) if self.replies_per_pull else []
+        out = []
+        for i, src in batch:
+            if f"id-{i}" not in set(message_ids):
+                continue
+            if src is None:  # the SuperLink's "node unavailable" reply: its source is not the node
+                r = Message(Error(code=0, reason="Node Unavailable"), reply_to=self.pushed[i])
+            else:
+                r = Message(RecordDict(), reply_to=self.pushed[i])
+            out.append(r)
+        return out
+
+
+def test_exchange_matches_replies_by_message_and_times_out():
+    from posterior_fusion.flower.federation import exchange
+
+    def messages(n):
+        return [Message(RecordDict(), dst_node_id=100 + i, message_type="train") for i in range(n)]
+
+    # node 1's answer is Flower's own unavailability error; node 2 never answers
+    grid = FakeGrid([[(0, 100)], [(1, None)], [], []])
+    replies, missing = exchange(grid, messages(3), [0, 1, 2], timeout_s=0.05, log=lambda m: None, poll_s=0.01)
+    assert sorted(replies) == [0, 1] and replies[1].has_error()
+    assert list(missing) == [2] and "timeout" in missing[2]
+    # no timeout: waits until every message is answered
+    grid = FakeGrid([[], [(2, 102)], [], [(0, 100), (1, 101)]])
+    replies, missing = exchange(grid, messages(3), [5, 6, 7], timeout_s=0, log=lambda m: None, poll_s=0.0)
+    assert sorted(replies) == [5, 6, 7] and missing == {}

@@ -3,7 +3,7 @@
 Run config keys (names as on the CLI):
 - fit settings sent to every node: model, model-kwargs, components, init-seed, structure,
   temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed;
-- the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, max-memory;
+- the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
 - the fusion: method, robust, fuse-temperature, fuse-prior-var, and every setting of the method
   as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300``.
 """
@@ -36,4 +36,5 @@ def main(grid: Grid, context: Context) -> None:
     run_round(grid, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
               method=method, options=options, val_path=str(cfg["val"]) if cfg.get("val") else None,
               on_bad_reply=str(cfg.get("on-bad-reply", "skip")), min_nodes=int(cfg.get("min-nodes", 1)),
-              method_settings=settings, max_memory=cfg.get("max-memory"), robust=robust)
+              method_settings=settings, max_memory=cfg.get("max-memory"), robust=robust,
+              round_timeout=cfg.get("round-timeout", 0.0))

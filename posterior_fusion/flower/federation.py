@@ -205,6 +205,7 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
                 problem = str(exc)
             finally:
                 tmp.unlink(missing_ok=True)
+        r.error = problem
         message = f"client {r.key}: reply rejected ({problem})"
         if on_bad_reply == "fail":
             raise FederationError(message)
@@ -214,16 +215,58 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
     return accepted
 
 
+def exchange(grid: Grid, messages: list[Message], keys: list[int], timeout_s: float = 0.0,
+             log: Callable[[str], None] = print, poll_s: float = 1.0) -> tuple[dict[int, Message], dict[int, str]]:
+    """Send ``messages`` (the k-th for server key ``keys[k]``) and collect the replies.
+
+    Replies are matched by the id of the message they answer (Flower's own "node unavailable"
+    error replies come from the SuperLink, not from the node). Waits until every message is
+    answered, or ``timeout_s`` seconds (0 = no limit), logging a line every 30 s while waiting.
+    Returns ``(replies by key, why each other key is missing)``.
+    """
+    returned = {str(i) for i in grid.push_messages(messages) if i}
+    waiting, missing = {}, {}
+    for key, m in zip(keys, messages):
+        mid = str(m.metadata.message_id or "")
+        if mid and mid in returned:
+            waiting[mid] = key
+        else:
+            missing[key] = "the SuperLink did not accept the message for this node"
+    replies: dict[int, Message] = {}
+    t0 = last = time.time()
+    while waiting and (timeout_s <= 0 or time.time() - t0 < timeout_s):
+        for m in grid.pull_messages(list(waiting)):
+            key = waiting.pop(str(m.metadata.reply_to_message_id), None)
+            if key is None:
+                log("ignoring a reply to no message of this round")
+                continue
+            replies[key] = m
+        if waiting:
+            if time.time() - last >= 30:
+                last = time.time()
+                log(f"waiting for {len(waiting)} of {len(messages)} node(s), {last - t0:.0f}s")
+            time.sleep(poll_s)
+    for key in waiting.values():
+        missing[key] = f"no reply within the round timeout ({timeout_s:g}s)"
+    return replies, missing
+
+
 def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str = "fedbens",
               options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
               log: Callable[[str], None] = print,
               method_settings: MethodSettings | Mapping[str, Any] | None = None,
-              max_memory: int | str | None = None, robust: bool = False) -> dict:
+              max_memory: int | str | None = None, robust: bool = False, round_timeout: float = 0.0) -> dict:
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
 
     Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
-    node-id order), never from reply content."""
+    node-id order), never from reply content. ``round_timeout``: seconds to wait for replies
+    (0 = until every node answered or Flower reported it unavailable). The global artifact's
+    metadata ``federation.left_out`` records every node left out and why."""
+    if on_bad_reply not in BAD_REPLY_POLICIES:
+        raise ConfigError(f"on-bad-reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
+    if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
+        raise ConfigError(f"round-timeout must be a number of seconds >= 0, got {round_timeout!r}")
     out = Path(out_dir)
     check_writable(out / "global.h5")
     t0 = time.time()
@@ -233,33 +276,32 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
         ids = sorted(grid.get_node_ids())
     if len(ids) < min_nodes:
         raise FederationError(f"only {len(ids)} of {min_nodes} nodes connected within {wait_s:.0f}s")
-    key_of = {node: k for k, node in enumerate(ids)}
     content = RecordDict({"config": ConfigRecord({"settings": settings.to_json()})})
     messages = [Message(content, dst_node_id=i, message_type="train") for i in ids]
     log(f"sent settings to {len(messages)} nodes")
-    replies: dict[int, Reply] = {}
-    for m in grid.send_and_receive(messages):
-        key = key_of.get(m.metadata.src_node_id)
-        if key is None or key in replies:
-            log(f"ignoring an unexpected or repeated reply from node {m.metadata.src_node_id}")
-            continue
-        replies[key] = reply_from_message(key, m)
-    missing = len(messages) - len(replies)
+    answers, missing = exchange(grid, messages, list(range(len(ids))), float(round_timeout), log)
     if missing:
         if on_bad_reply == "fail":
-            raise FederationError(f"{missing} node(s) did not reply")
-        log(f"{missing} node(s) did not reply; continuing without them")
-    paths = collect_replies(list(replies.values()), out, on_bad_reply, log, max_memory)
+            raise FederationError(f"{len(missing)} node(s) did not reply: "
+                                  + "; ".join(f"node {ids[k]}: {why}" for k, why in sorted(missing.items())))
+        log(f"{len(missing)} node(s) did not reply; continuing without them")
+    replies = [reply_from_message(k, m) for k, m in sorted(answers.items())]
+    paths = collect_replies(replies, out, on_bad_reply, log, max_memory)
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
                                 val_path, log=log, max_memory=max_memory, robust=robust)
-    by_name = {f"client_{r.key}.h5": r for r in replies.values()}
+    by_name = {f"client_{r.key}.h5": r for r in replies}
+    left_out = [{"node_id": ids[k], "key": k, "reason": why} for k, why in missing.items()]
+    left_out += [{"node_id": ids[r.key], "key": r.key, "reason": r.error or "rejected"}
+                 for r in replies if f"client_{r.key}.h5" not in {p.name for p in paths}]
     meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],
                           "clients": [{"file": p.name, "node_id": by_name[p.name].node_id,
                                        "reported_partition_id": by_name[p.name].reported_partition_id}
                                       for p in paths],
+                          "left_out": sorted(left_out, key=lambda d: d["key"]),
                           "settings": json.loads(settings.to_json())}
     write_fused(out / "global.h5", inputs, result, meta)
-    log(f"wrote {out / 'global.h5'} from {len(paths)} client artifacts")
+    gone = ", ".join(f"node {d['node_id']}" for d in meta["federation"]["left_out"])
+    log(f"wrote {out / 'global.h5'} from {len(paths)} client artifacts" + (f"; left out: {gone}" if gone else ""))
     return meta
 
 
