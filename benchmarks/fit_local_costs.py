@@ -55,7 +55,7 @@ def main() -> None:
         for ggn in ("exact", "mc"):
             torch.manual_seed(0)
             t0 = time.perf_counter()
-            curv = capture(structure, model, x, y, 256, ggn)
+            curv, _ = capture(structure, model, x, y, 256, ggn, method="laplace")
             cap_s = time.perf_counter() - t0
             path = out / f"{structure}-{ggn}.h5"
             meta = {"n_data": len(data), "class_counts": data.class_counts(), "temperature": 0.1,

@@ -12,6 +12,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.local.capture import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_to_file
 from posterior_fusion.local.init import initial_weights
@@ -84,6 +85,9 @@ def init(model, model_kwargs, components, init_seed, transform_from, out):
 @click.option("--swag-rank", default=TRAIN.swag_rank, show_default=True, type=int, help="SWAG deviation columns K.")
 @click.option("--ggn", default=FIT.ggn, show_default=True, type=click.Choice(GGN_TYPES),
               help="exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one sampled label (faster).")
+@click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
+              help="fast: this package's capture (one forward + one batched backward per batch) for models whose "
+                   "parameters all sit in Linear/Conv2d layers, laplace-torch otherwise; laplace: always laplace-torch.")
 @click.option("--curvature-batch-size", default=FIT.curvature_batch_size, show_default=True, type=int,
               help="Batch size of the curvature pass.")
 @click.option("--train-seed", default=FIT.train_seed, show_default=True, type=int, help="Training seed (data order per component).")
@@ -97,11 +101,11 @@ def init(model, model_kwargs, components, init_seed, transform_from, out):
 @renamed("--seed", "--train-seed", "train_seed", type=int)
 @handle_errors
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, structure, epochs, batch_size, lr,
-                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, curvature_batch_size,
+                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, capture, curvature_batch_size,
                   train_seed, out, resume, as_json, max_memory):
     """Train M models on one silo and write their local posteriors to one artifact."""
     cfg = FitConfig(structure=structure, temperature=temperature, prior_var=prior_var, train_seed=train_seed,
-                    curvature_batch_size=curvature_batch_size, ggn=ggn,
+                    curvature_batch_size=curvature_batch_size, ggn=ggn, capture=capture,
                     train=TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                                       weight_decay=weight_decay, swag=swag, swag_rank=swag_rank))
     cfg.validate()

@@ -39,7 +39,7 @@ def test_round_trip_predictions_equal_trained_model(tmp_path, small_silo):
     net = spec.build()
     x, y = small_silo.tensors()
     res = train_map(net, x, y, TrainConfig(epochs=1, batch_size=32, weight_decay=0.0, swag=True, swag_rank=3), seed=0)
-    comp = Component(0, parameters_to_vector(net.parameters()).detach().clone(), capture("kron", net, x, y),
+    comp = Component(0, parameters_to_vector(net.parameters()).detach().clone(), capture("kron", net, x, y)[0],
                      {"final_loss": res.final_loss}, 0.1, 10.0, res.swag)
     meta = {"n_data": len(small_silo), "class_counts": small_silo.class_counts(), "temperature": 0.1,
             "prior_precision": 10.0, "structure": "kron"}

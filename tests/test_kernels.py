@@ -160,9 +160,40 @@ def test_chunked_kron_quadratic_forms_equal_unchunked(kron_clients):
     kron = [b for b in stack.blocks if hasattr(b, "rank")]
     for b in kron:
         w = W[:, b.offset : b.offset + b.size]
-        whole = b.quadratic_forms(w, chunk_bytes=1 << 40)
-        tiny = b.quadratic_forms(w, chunk_bytes=1)  # one component per chunk
-        torch.testing.assert_close(tiny, whole, rtol=1e-12, atol=1e-10)
-        g1 = torch.autograd.grad(whole.sum(), W, retain_graph=True)[0]
-        g2 = torch.autograd.grad(tiny.sum(), W)[0]
-        torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-10)
+        for form in ("direct", "rotated"):
+            whole = b.quadratic_forms(w, chunk_bytes=1 << 40, form=form)
+            tiny = b.quadratic_forms(w, chunk_bytes=1, form=form)  # one component per chunk
+            torch.testing.assert_close(tiny, whole, rtol=1e-12, atol=1e-10)
+            g1 = torch.autograd.grad(whole.sum(), W, retain_graph=True)[0]
+            g2 = torch.autograd.grad(tiny.sum(), W)[0]
+            torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
+def test_direct_form_equals_rotated_and_dense_reference(dtype, rtol):
+    """q[k, n] = (w_k − μ_n)ᵀ (s_n B_n ⊗ A_n + λ_n I)(w_k − μ_n) from the raw factors equals the
+    rotated kernel and a dense float64 matrix, values and gradients (weighted by random g)."""
+    gen = torch.Generator().manual_seed(0)
+    N, P, Q, K = 6, 7, 5, 3
+    blocks = [Kron(random_psd(P, gen, rank=3), random_psd(Q, gen)) for _ in range(N)]  # B rank-deficient
+    mu = torch.randn(N, P * Q, generator=gen, dtype=torch.float64)
+    scales = torch.rand(N, generator=gen, dtype=torch.float64) + 0.5
+    shifts = torch.rand(N, generator=gen, dtype=torch.float64) + 0.1
+    st = Kron.stacked(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype)
+    W = torch.randn(K, P * Q, generator=gen, dtype=torch.float64)
+    g = torch.randn(K, N, generator=gen, dtype=torch.float64)
+    ref, ref_grad = torch.zeros(K, N, dtype=torch.float64), torch.zeros(K, P * Q, dtype=torch.float64)
+    for n, b in enumerate(blocks):
+        L = scales[n] * torch.kron(b.B, b.A) + shifts[n] * torch.eye(P * Q, dtype=torch.float64)
+        V = W - mu[n]
+        ref[:, n] = torch.einsum("ki,ij,kj->k", V, L, V)
+        ref_grad += 2 * g[:, n : n + 1] * (V @ L)
+    for form in ("direct", "rotated"):
+        w = W.to(dtype).requires_grad_(True)
+        q = st.quadratic_forms(w, form=form)
+        (grad,) = torch.autograd.grad((q * g.to(dtype)).sum(), w)
+        torch.testing.assert_close(q.double(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=rtol, atol=rtol * ref_grad.abs().max().item())
+    if dtype == torch.float64:
+        w = W.clone().requires_grad_(True)
+        assert torch.autograd.gradcheck(lambda v: st.quadratic_forms(v, form="direct"), (w,))

@@ -28,7 +28,7 @@ def test_log_prob_matches_laplace_torch(tmp_path, small_silo, structure, backend
     x, y = x[:200], y[:200]
     T, lam = 0.1, 10.0
     w_map = parameters_to_vector(net.parameters()).detach().clone()
-    comp = Component(0, w_map, capture(structure, net, x, y, batch_size=64), {}, T, lam)
+    comp = Component(0, w_map, capture(structure, net, x, y, batch_size=64, method="laplace")[0], {}, T, lam)
     meta = {"n_data": 200, "class_counts": [20] * 10, "temperature": T, "prior_precision": lam, "structure": structure}
     write_client_artifact(tmp_path / "a.h5", spec, ParameterLayout.from_model(net), meta, [comp])
     loaded = posterior_fusion.load(tmp_path / "a.h5").components[0]
@@ -52,7 +52,7 @@ def test_diag_full_last_block_is_exact_ggn(small_silo):
     net = spec.build().double()
     x, y = small_silo.tensors()
     x = x[:50].double()
-    curv = capture("diag+full", net, x, y[:50], batch_size=16)
+    curv = capture("diag+full", net, x, y[:50], batch_size=16, method="laplace")[0]
     H = curv.blocks[-1].G
     # GGN of summed cross-entropy for the last linear layer W (10x8): J = I ⊗ h, Hess of CE = diag(p) - p pᵀ.
     feats = net[:3](x)  # (n, 8) hidden activations

@@ -144,6 +144,7 @@ TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "seed": (int,), "epochs": (int,), "final_loss": (int, float), "final_accuracy": (int, float),
     "train_seconds": (int, float), "curvature_seconds": (int, float),
 }
+TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace")}  # string fields: allowed values
 
 
 def parse_training(raw: Any, where: str) -> dict[str, Any]:
@@ -151,6 +152,10 @@ def parse_training(raw: Any, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise HeaderProblem(where, "attribute 'training' must be a JSON object")
     for key, value in raw.items():
+        if key in TRAINING_CHOICES:
+            if value not in TRAINING_CHOICES[key]:
+                raise HeaderProblem(where, f"training field {key!r} must be one of {TRAINING_CHOICES[key]}")
+            continue
         types = TRAINING_FIELDS.get(key)
         if types is None:
             raise HeaderProblem(where, f"training field {str(key)[:40]!r} is not part of the schema")

@@ -104,7 +104,8 @@ class Dense(Precision):
     @classmethod
     def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Dense:
         eye = torch.eye(blocks[0].dim, dtype=torch.float64)
-        return cls(sum(b.to_dense().double() for b in blocks) + extra_shift * eye)
+        # scaled in float64: without a prior the sum can be ill-conditioned (hbfl)
+        return cls(sum(b.scale * b.G.double() + b.shift * eye for b in blocks) + extra_shift * eye)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ class Diag(Precision):
 
     @classmethod
     def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Diag:
-        return cls(sum(b.diagonal().double() for b in blocks) + extra_shift)
+        # scaled in float64: without a prior the sum can be ill-conditioned (hbfl)
+        return cls(sum(b.scale * b.g.double() + b.shift for b in blocks) + extra_shift)
 
 
 @dataclass(frozen=True)

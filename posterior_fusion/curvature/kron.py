@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd
-from posterior_fusion.kernels import kron_quadratic_forms
+from posterior_fusion.kernels import choose_backend, kron_direct_forms, kron_quadratic_forms
 
 
 class Kron(Precision):
@@ -179,8 +179,12 @@ class Kron(Precision):
         logdets = (curv + shifts[:, None, None]).log().flatten(1).sum(1)
         mu = mu.reshape(-1, out, inn)
         if lowrank_tol <= 0:
+            # raw factors rebuilt from the clamped spectra: the direct form is the same matrix
+            Bs = (UB * b[:, None, :]) @ UB.transpose(1, 2)
+            As = (UA * a[:, None, :]) @ UA.transpose(1, 2)
+            direct = (Bs, As, Bs @ mu.to(dtype), scales.to(dtype).clone(), shifts.to(dtype).clone())
             return StackedKron(offset, out * inn, mu, curv + shifts[:, None, None], UB, UA, logdets, None,
-                               (out, inn, out, inn), kernel)
+                               (out, inn, out, inn), kernel, direct)
         thresh = lowrank_tol * shifts
         keep_b = int((scales[:, None] * b * a[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
         keep_a = int((scales[:, None] * a * b[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
@@ -196,7 +200,9 @@ CHUNK_BYTES = 64 * 2**20  # working-set bound of the batched Kronecker quadratic
 class StackedKron:
     """N Kronecker blocks: ``mu`` ``(N, out, in)``, rotated weights ``S`` ``(N, R1, R2)``,
     bases ``UB`` ``(N, out, R1)`` / ``UA`` ``(N, in, R2)``; ``shift`` ``(N,)`` only under the
-    low-rank shortcut (its closed-form ``shift ‖W − μ‖²`` term); ``rank`` = (out, in, R1, R2)."""
+    low-rank shortcut (its closed-form ``shift ‖W − μ‖²`` term); ``rank`` = (out, in, R1, R2).
+    ``direct`` = ``(B (N, out, out), A (N, in, in), B μ, scales (N,), shifts (N,))``: the raw
+    factors for the direct form (torch backend, no low-rank shortcut)."""
 
     offset: int
     size: int
@@ -208,14 +214,26 @@ class StackedKron:
     shift: torch.Tensor | None
     rank: tuple[int, int, int, int]
     kernel: str | None = None
+    direct: tuple[torch.Tensor, ...] | None = None
 
-    def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None) -> torch.Tensor:
+    def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None, form: str | None = None) -> torch.Tensor:
         """``(K, N)``; components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay
-        under ``chunk_bytes`` (default :data:`CHUNK_BYTES`), so memory does not grow with N."""
+        under ``chunk_bytes`` (default :data:`CHUNK_BYTES`), so memory does not grow with N.
+        ``form``: ``"direct"`` (raw factors; the default on the torch backend when available) or
+        ``"rotated"`` (eigenbases; Triton and the low-rank shortcut)."""
         Wk = w.reshape(w.shape[0], *self.mu.shape[1:])
         N = self.mu.shape[0]
         per = max(1, Wk.shape[0] * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
         step = max(1, min(N, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // per))
+        if form is None:
+            form = "direct" if self.direct is not None and choose_backend(Wk, self.kernel) == "torch" else "rotated"
+        if form == "direct":
+            if self.direct is None:
+                raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
+            B, A, Bmu, sc, sh = self.direct
+            return torch.cat([kron_direct_forms(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step],
+                                                Bmu[i : i + step], sc[i : i + step], sh[i : i + step])
+                              for i in range(0, N, step)], dim=1)
         total = torch.cat([kron_quadratic_forms(Wk, self.mu[i : i + step], self.UB[i : i + step],
                                                 self.UA[i : i + step], self.S[i : i + step], self.kernel)
                            for i in range(0, N, step)], dim=1)
@@ -230,4 +248,5 @@ class StackedKron:
             return None if t is None else t.to(device)
 
         return StackedKron(self.offset, self.size, mv(self.mu), mv(self.S), mv(self.UB), mv(self.UA),
-                           mv(self.logdets), mv(self.shift), self.rank, self.kernel)
+                           mv(self.logdets), mv(self.shift), self.rank, self.kernel,
+                           None if self.direct is None else tuple(mv(t) for t in self.direct))

@@ -62,6 +62,7 @@ class FederatedSettings:
     swag: bool = _TRAIN.swag
     swag_rank: int = _TRAIN.swag_rank
     ggn: str = _FIT.ggn
+    capture: str = _FIT.capture
     train_seed: int = _FIT.train_seed
 
     def to_json(self) -> str:
@@ -94,7 +95,7 @@ class FederatedSettings:
 
     def fit_config(self) -> FitConfig:
         cfg = FitConfig(structure=self.structure, temperature=self.temperature, prior_var=self.prior_var,
-                        train_seed=self.train_seed, ggn=self.ggn,
+                        train_seed=self.train_seed, ggn=self.ggn, capture=self.capture,
                         train=TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                           momentum=self.momentum, swag=self.swag, swag_rank=self.swag_rank))
         cfg.validate()

@@ -6,7 +6,18 @@ Adding a method: write its module (function, settings record, ``METHOD``) and ad
 from __future__ import annotations
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion import ensemble, fedavg, fedbe, fedbens, fedfisher, fisher_merge, product, regmean, swag
+from posterior_fusion.fusion import (
+    ensemble,
+    fedavg,
+    fedbe,
+    fedbens,
+    fedfisher,
+    fisher_merge,
+    hbfl,
+    product,
+    regmean,
+    swag,
+)
 from posterior_fusion.fusion.common import FusionMethod
 
 METHODS: dict[str, FusionMethod] = {m.name: m for m in (
@@ -15,6 +26,7 @@ METHODS: dict[str, FusionMethod] = {m.name: m for m in (
     ensemble.METHOD,
     fisher_merge.METHOD,
     product.METHOD,
+    hbfl.METHOD,
     fedfisher.METHOD,
     regmean.METHOD,
     fedbe.METHOD,

@@ -4,6 +4,10 @@
 layer at once (no Python loop over components), ``q[k, n] = Σ (UB[n]ᵀ (W[k] − mu[n]) UA[n])² ∘ S[n]``
 and is differentiable w.r.t. ``W`` through :class:`KronQuadraticForms`.
 
+On the torch backend the fusion uses the *direct form* :func:`kron_direct_forms` (raw factors,
+no rotation, the product reused for the gradient: half the FLOPs); the rotated form stays for
+Triton and the low-rank shortcut.
+
 Backends: ``"torch"`` (batched matmuls, :mod:`.reference`; CPU default and test oracle) and
 ``"triton"`` (fused kernels, :mod:`.triton_kron`; default for CUDA tensors when Triton is
 installed — ``pip install posterior-fusion[gpu]``). ``$PFUSE_KERNEL`` forces one; Triton on
@@ -71,11 +75,33 @@ class KronQuadraticForms(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+class KronDirectForms(torch.autograd.Function):
+    """:func:`reference.direct_forms` as a Function: ``q (K, N)`` from ``W``; gradient w.r.t. ``W`` only."""
+
+    @staticmethod
+    def forward(ctx, W, mu, B, A, Bmu, scale, shift):  # noqa: D102
+        q, M = reference.direct_forms(W, mu, B, A, Bmu, scale, shift)
+        ctx.save_for_backward(W, mu, M, scale, shift)
+        return q
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q):  # noqa: D102
+        W, mu, M, scale, shift = ctx.saved_tensors
+        return reference.direct_forms_grad(W, mu, M, scale, shift, grad_q), None, None, None, None, None, None
+
+
+def kron_direct_forms(W: torch.Tensor, mu: torch.Tensor, B: torch.Tensor, A: torch.Tensor, Bmu: torch.Tensor,
+                      scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``(K, N)`` quadratic forms from the raw factors (torch; see :func:`reference.direct_forms`)."""
+    return KronDirectForms.apply(W.contiguous(), mu, B, A, Bmu, scale, shift)
+
+
 def kron_quadratic_forms(W: torch.Tensor, mu: torch.Tensor, UB: torch.Tensor, UA: torch.Tensor, S: torch.Tensor,
                          backend: str | None = None) -> torch.Tensor:
     """``(K, N)`` quadratic forms (see module docstring); differentiable w.r.t. ``W``."""
     return KronQuadraticForms.apply(W.contiguous(), mu, UB, UA, S, choose_backend(W, backend))
 
 
-__all__ = ["kron_quadratic_forms", "KronQuadraticForms", "choose_backend",
+__all__ = ["kron_quadratic_forms", "KronQuadraticForms", "kron_direct_forms", "KronDirectForms", "choose_backend",
            "triton_available", "BACKENDS"]

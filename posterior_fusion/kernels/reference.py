@@ -36,3 +36,33 @@ def quadratic_forms_grad(Z: torch.Tensor, UB: torch.Tensor, UA: torch.Tensor, S:
     Y = 2 * grad_q[..., None, None] * Z * S
     return (UB @ Y @ UA.transpose(-1, -2)).sum(1)
 
+
+
+def direct_forms(W: torch.Tensor, mu: torch.Tensor, B: torch.Tensor, A: torch.Tensor, Bmu: torch.Tensor,
+                 scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same quadratic forms from the raw factors, no rotation (FedFisher's way):
+    ``q[k, n] = scale_n ⟨V, B_n V A_n⟩ + shift_n ‖V‖²`` with ``V = W[k] − mu[n]``.
+
+    ``B`` ``(N, P, P)``, ``A`` ``(N, Q, Q)`` symmetric, ``Bmu = B @ mu`` ``(N, P, Q)``,
+    ``scale``/``shift`` ``(N,)``. One GEMM gives ``B_n W_k`` for every pair, a batched multiply
+    by ``A_n`` gives ``M = B V A`` ``(K, N, P, Q)``, kept for the gradient (no second pass);
+    ``‖V‖²`` and ``⟨V, M⟩`` never form V. Returns ``(q (K, N), M)``.
+    """
+    K, P, Q = W.shape
+    N = mu.shape[0]
+    BW = (B.reshape(N * P, P) @ W.permute(1, 0, 2).reshape(P, K * Q)).reshape(N, P, K, Q).permute(2, 0, 1, 3)
+    M = (BW - Bmu[None]) @ A[None]
+    Wf, muf = W.reshape(K, P * Q), mu.reshape(N, P * Q)
+    VM = torch.einsum("kx,knx->kn", Wf, M.reshape(K, N, P * Q)) - torch.einsum("nx,knx->kn", muf, M.reshape(K, N, P * Q))
+    sq = Wf.square().sum(1)[:, None] - 2 * Wf @ muf.T + muf.square().sum(1)[None]
+    return scale[None] * VM + shift[None] * sq, M
+
+
+def direct_forms_grad(W: torch.Tensor, mu: torch.Tensor, M: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                      grad_q: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. ``W`` ``(K, P, Q)`` of ``Σ grad_q ∘ q``: ``Σ_n 2 g (scale_n M + shift_n V)``."""
+    K, P, Q = W.shape
+    gs, gl = grad_q * scale[None], grad_q * shift[None]  # (K, N)
+    grad = 2 * torch.einsum("kn,knx->kx", gs, M.reshape(K, M.shape[1], P * Q))
+    grad = grad + 2 * (gl.sum(1)[:, None] * W.reshape(K, P * Q) - gl @ mu.reshape(-1, P * Q))
+    return grad.reshape(K, P, Q)

@@ -1,8 +1,11 @@
-"""Curvature capture through laplace-torch. This is the only module importing laplace.
+"""Curvature capture: the fast path (``local/fastcapture.py``) or laplace-torch. This is the
+only module importing laplace.
 
 Returns the raw GGN summed over the data as a :class:`BlockDiag` (no prior, no temperature).
-Backends (measured, see DESIGN.md): kron via Curvlinops K-FAC; diag via ASDL (the default
-Curvlinops diag is ~250x slower); last-layer full via Curvlinops.
+laplace-torch backends (measured, see DESIGN.md): kron via Curvlinops K-FAC; diag via ASDL (the
+default Curvlinops diag is ~250x slower); last-layer full via Curvlinops. ``capture(...,
+method="fast")`` computes the same quantities for models whose parameters all sit in Linear /
+Conv2d layers, and falls back to laplace-torch for any other model.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.progress import LoaderProgress
 
 GGN_TYPES = ("exact", "mc")
+CAPTURE_METHODS = ("fast", "laplace")
 
 
 def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str = "curvature") -> LoaderProgress:
@@ -86,9 +90,24 @@ CAPTURE = {"kron": capture_kron, "diag": capture_diag, "diag+full": capture_diag
 
 
 def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
-            ggn: str = "exact") -> BlockDiag:
-    """Raw curvature of ``structure``. ``ggn="exact"``: exact GGN (one backward pass per
-    class); ``"mc"``: Monte-Carlo Fisher with one sampled label (one backward pass)."""
+            ggn: str = "exact", method: str = "fast", generator: torch.Generator | None = None,
+            log=lambda m: None) -> tuple[BlockDiag, str]:
+    """Raw curvature of ``structure`` and the method that computed it (``"fast"`` or ``"laplace"``).
+
+    ``ggn="exact"``: exact GGN (one backward pass per class); ``"mc"``: Monte-Carlo Fisher with
+    one sampled label (``generator`` draws it on the fast path). ``method="fast"`` uses
+    :mod:`posterior_fusion.local.fastcapture` when the model is supported (else laplace-torch,
+    with a log line); the last-layer full block of ``diag+full`` is always exact on the fast path
+    (closed form, cheaper than sampling)."""
+    from posterior_fusion.local.fastcapture import FAST_CAPTURE, unsupported_reason
+
     if structure not in CAPTURE:
         raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(CAPTURE)}")
-    return CAPTURE[structure](model, x, y, batch_size, ggn)
+    if method not in CAPTURE_METHODS:
+        raise ConfigError(f"unknown capture method {method!r}; use one of {', '.join(CAPTURE_METHODS)}")
+    if method == "fast":
+        reason = unsupported_reason(model, x[:2])
+        if reason is None:
+            return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator), "fast"
+        log(f"fast capture not available ({reason}); using laplace-torch")
+    return CAPTURE[structure](model, x, y, batch_size, ggn), "laplace"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.capture import CAPTURE, GGN_TYPES
+from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
 
 STRUCTURES = tuple(CAPTURE)  # curvature structures a silo can capture (local/capture.py)
 
@@ -54,6 +54,7 @@ class FitConfig:
     train_seed: int = 0
     curvature_batch_size: int = 256
     ggn: str = "exact"            # "exact" GGN or "mc" (Monte-Carlo Fisher, 1 sample)
+    capture: str = "fast"         # "fast" (local/fastcapture.py, where the model allows) or "laplace"
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
@@ -63,6 +64,8 @@ class FitConfig:
             raise ConfigError(f"unknown GGN type {self.ggn!r}; use 'exact' or 'mc'")
         if not (0 < self.temperature < float("inf")) or not (0 < self.prior_var < float("inf")):
             raise ConfigError("--temperature and --prior-var must be finite and > 0")
+        if self.capture not in CAPTURE_METHODS:
+            raise ConfigError(f"unknown --capture {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.curvature_batch_size < 1:
             raise ConfigError("--curvature-batch-size must be >= 1")
         self.train.validate()

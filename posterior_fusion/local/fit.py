@@ -51,7 +51,9 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
     cfg = cfg.resolved(n)
     h = hashlib.sha256()
     h.update(spec.to_json().encode())
-    h.update(json.dumps(asdict(cfg), sort_keys=True).encode())
+    # ``capture`` (fast or laplace-torch) changes the curvature only at rounding level (tested to
+    # 1e-5), like a thread count: it is recorded per component, not part of the fingerprint.
+    h.update(json.dumps({k: v for k, v in asdict(cfg).items() if k != "capture"}, sort_keys=True).encode())
     h.update(data.sha256().encode())
     h.update(data.input_transform.to_json().encode())
     for w in inits:
@@ -94,11 +96,12 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
         t0 = time.perf_counter()
         res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}")
         t1 = time.perf_counter()
-        curv = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn)
+        curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
+                                    torch.Generator().manual_seed(component_seed), log)
         t2 = time.perf_counter()
         training = {"seed": component_seed, "epochs": cfg.train.epochs, "final_loss": res.final_loss,
                     "final_accuracy": res.final_accuracy, "train_seconds": round(t1 - t0, 3),
-                    "curvature_seconds": round(t2 - t1, 3)}
+                    "curvature_seconds": round(t2 - t1, 3), "capture": captured_by}
         log(f"component {m + 1}/{len(inits)}: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} "
             f"train {t1 - t0:.1f}s curvature {t2 - t1:.1f}s")
         w = parameters_to_vector(model.parameters()).detach().clone()

@@ -1,0 +1,286 @@
+"""Fast curvature capture for models whose parameters all sit in ``nn.Linear`` / ``nn.Conv2d``.
+
+The same quantities as laplace-torch (``local/capture.py``, the test oracle), computed with one
+forward pass per batch and one batched backward pass to the layer *outputs* (no weight
+gradients). For a batch of M inputs with logits f ``(M, C)`` and probabilities p:
+
+- exact GGN: the C columns of the cross-entropy Hessian square root, s_c = √p_c (e_c − p)
+  ``(C, M, C)``, are back-propagated together (``is_grads_batched``); MC Fisher: one column
+  p − e_ŷ per sample, ŷ ~ Categorical(p).
+- K-FAC ("expand", laplace-torch's convention): for a layer with inputs u ``(M, S, I)`` (S
+  spatial positions, unfolded patches for a convolution) and output gradients g ``(R, M, S, O)``
+  (R = C columns, or 1 for MC): A = Σ uuᵀ / (N·S), B = Σ ggᵀ, weight block ``Kron(B, A)``,
+  bias block ``Dense(B)`` (N: the silo's size).
+- diagonal: per-sample gradients per column, squared and summed (Linear: Σ g² ⊗ u² without
+  forming them).
+- last layer full: Σ_n H_n ⊗ φ̃_n φ̃_nᵀ in closed form, H_n = diag(p_n) − p_n p_nᵀ, φ̃ = [φ; 1].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.progress import LoaderProgress
+
+SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) -> str | None:
+    """Why the fast capture cannot handle ``model`` (None when it can). With ``example`` (a
+    small input batch) it also checks that every layer runs exactly once per forward pass."""
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own and not isinstance(module, SUPPORTED_LAYERS):
+            return f"module {name or '<root>'} ({type(module).__name__}) has parameters"
+        if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
+                                              or isinstance(module.padding, str)):
+            return f"convolution {name} uses groups, a padding mode or string padding"
+    if not any(isinstance(m, SUPPORTED_LAYERS) for m in model.modules()):
+        return "the model has no Linear or Conv2d layer"
+    if example is not None:
+        calls: dict[nn.Module, int] = {}
+        handles = [m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1))
+                   for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)]
+        try:
+            with torch.no_grad():
+                model(example)
+        finally:
+            for h in handles:
+                h.remove()
+        layers = [m for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)]
+        if any(calls.get(m, 0) != 1 for m in layers):
+            return "a Linear/Conv2d layer does not run exactly once per forward pass"
+    return None
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)]
+
+
+def _input_columns(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Layer input as columns ``(I, M·S)`` (unfolded patches for a convolution) and S."""
+    if isinstance(module, nn.Conv2d):
+        u = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)  # (M, I, S)
+        return u.transpose(0, 1).reshape(u.shape[1], -1), u.shape[2]
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2.T, x2.shape[0] // x.shape[0]
+
+
+def _grad_columns(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """Output gradient ``(M, O, ...)`` (conv) or ``(M, ..., O)`` (linear) as columns ``(O, M·S)``."""
+    if isinstance(module, nn.Conv2d):
+        return g.transpose(0, 1).reshape(g.shape[1], -1)
+    return g.reshape(-1, g.shape[-1]).T
+
+
+def _patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Layer input per sample as ``(M, I, S)``: unfolded patches (conv) or ``(M, I, S)`` positions (linear)."""
+    if isinstance(module, nn.Conv2d):
+        return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
+    return x.reshape(x.shape[0], -1, x.shape[-1]).transpose(1, 2)
+
+
+def _per_sample(module: nn.Module, patches: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample weight and bias gradients ``(M, O, I)``, ``(M, O)`` of one back-propagated column,
+    from the input ``patches`` ``(M, I, S)`` and the output gradient."""
+    M = patches.shape[0]
+    g3 = g.reshape(M, g.shape[1], -1) if isinstance(module, nn.Conv2d) else g.reshape(M, -1, g.shape[-1]).transpose(1, 2)
+    return g3 @ patches.transpose(1, 2), g3.sum(2)
+
+
+CHUNK_COLUMNS = 1 << 13  # float32 partial sums over at most this many columns, accumulated in float64
+
+
+def _gram(X: torch.Tensor) -> torch.Tensor:
+    """``X Xᵀ`` in float64 for ``X`` ``(D, K)``, K up to ~10^6: float32 GEMMs over column chunks
+    (error ~√chunk·ε), summed in float64 — laplace-torch's float32 sums are up to 1.4e-5 off."""
+    out = torch.zeros(X.shape[0], X.shape[0], dtype=torch.float64, device=X.device)
+    for c in X.split(CHUNK_COLUMNS, dim=1):
+        out += (c @ c.T).double()
+    return out
+
+
+def _columns(logits: torch.Tensor, ggn: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Back-propagated columns ``(R, M, C)``: the CE Hessian square root (exact) or p − e_ŷ (MC)."""
+    p = logits.detach().softmax(-1)
+    if ggn == "exact":
+        eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
+        return p.sqrt().T.unsqueeze(-1) * (eye.unsqueeze(1) - p.unsqueeze(0))  # s_c[n] = √p_nc (e_c − p_n)
+    y = torch.multinomial(p, 1, generator=generator).squeeze(1)
+    return (p - F.one_hot(y, p.shape[1]).to(p.dtype)).unsqueeze(0)
+
+
+def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn: str,
+                generator: torch.Generator | None, on_column) -> None:
+    """One forward pass, then one backward pass per column to the layer *outputs* only (the
+    graph is kept between them); calls ``on_column(r, inputs, grads)`` with the column index, the
+    layers' inputs and their output gradients for that column. (A single vmapped backward over the C columns,
+    ``is_grads_batched``, measured 1.8x slower on the CPU.)"""
+    ins: dict[nn.Module, torch.Tensor] = {}
+    outs: dict[nn.Module, torch.Tensor] = {}
+
+    def hook(m, inp, out):
+        ins[m] = inp[0].detach()
+        if not out.requires_grad:  # the first layer: its output starts the graph (no input gradients)
+            out = out.detach().requires_grad_(True)
+        outs[m] = out
+        return out
+
+    handles = [m.register_forward_hook(hook) for m in layers]
+    try:
+        with torch.enable_grad():
+            logits = model(xb)
+    finally:
+        for h in handles:
+            h.remove()
+    cols = _columns(logits, ggn, generator)
+    inputs = [ins[m] for m in layers]
+    targets = [outs[m] for m in layers]
+    for r in range(len(cols)):
+        grads = torch.autograd.grad(logits, targets, cols[r], retain_graph=r < len(cols) - 1)
+        on_column(r, inputs, grads)
+
+
+def _no_param_grads(model: nn.Module):
+    """Parameters need no gradient during the capture (only layer outputs are differentiated)."""
+    flags = [p.requires_grad for p in model.parameters()]
+
+    class _Ctx:
+        def __enter__(self):
+            for p in model.parameters():
+                p.requires_grad_(False)
+
+        def __exit__(self, *exc):
+            for p, f in zip(model.parameters(), flags):
+                p.requires_grad_(f)
+
+    return _Ctx()
+
+
+def _loader(x, y, batch_size, desc):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return LoaderProgress(DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False), desc)
+
+
+def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact",
+              generator: torch.Generator | None = None) -> BlockDiag:
+    """K-FAC GGN as laplace-torch's curvlinops backend: ``Kron(B, A)`` per weight, ``Dense(B)`` per bias."""
+    layers = _layers(model)
+    n = x.shape[0]
+    A = [0.0] * len(layers)
+    B = [0.0] * len(layers)
+
+    def on_column(r, inputs, grads):
+        for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
+            B[i] = B[i] + _gram(_grad_columns(layer, g))
+            if r == 0:  # A depends on the inputs only: once per batch
+                X, S = _input_columns(layer, u)
+                A[i] = A[i] + _gram(X) / (n * S)
+
+    with _no_param_grads(model):
+        for xb, _ in _loader(x, y, batch_size, "curvature"):
+            _batch_pass(model, layers, xb, ggn, generator, on_column)
+    blocks: list[Precision] = []
+    for layer, a, b in zip(layers, A, B):
+        a, b = a.to(layer.weight.dtype), b.to(layer.weight.dtype)
+        blocks.append(Kron(b, a))
+        if layer.bias is not None:
+            blocks.append(Dense(b.clone()))
+    return BlockDiag(blocks)
+
+
+def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
+                     ggn: str = "exact", generator: torch.Generator | None = None) -> torch.Tensor:
+    """Diagonal of the GGN (or MC Fisher) ``(d,)`` in ``model.parameters()`` order."""
+    layers = _layers(model)
+    diag_w = [0.0] * len(layers)
+    diag_b = [0.0] * len(layers)
+
+    squared: dict[int, torch.Tensor] = {}  # per batch: u² (linear) or the input patches (weight sharing)
+
+    def on_column(r, inputs, grads):
+        for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
+            if isinstance(layer, nn.Linear) and u.ndim == 2:  # per-sample gradient g uᵀ: square = g² (u²)ᵀ
+                if r == 0:
+                    squared[i] = u.double() ** 2
+                g2 = g.double() ** 2
+                diag_w[i] = diag_w[i] + g2.T @ squared[i]
+                diag_b[i] = diag_b[i] + g2.sum(0)
+            else:  # weight sharing: per-sample gradients summed over positions, then squared
+                if r == 0:
+                    squared[i] = _patches(layer, u)
+                pw, pb = _per_sample(layer, squared[i], g)
+                diag_w[i] = diag_w[i] + (pw * pw).sum(0, dtype=torch.float64)
+                diag_b[i] = diag_b[i] + (pb * pb).sum(0, dtype=torch.float64)
+
+    with _no_param_grads(model):
+        for xb, _ in _loader(x, y, batch_size, "curvature"):
+            _batch_pass(model, layers, xb, ggn, generator, on_column)
+    parts = []
+    for layer, dw, db in zip(layers, diag_w, diag_b):
+        parts.append(dw.reshape(-1).to(layer.weight.dtype))
+        if layer.bias is not None:
+            parts.append(db.to(layer.weight.dtype))
+    return torch.cat(parts)
+
+
+def fast_diag(model, x, y, batch_size=256, ggn="exact", generator=None) -> BlockDiag:
+    return BlockDiag([Diag(fast_diag_vector(model, x, y, batch_size, ggn, generator))])
+
+
+def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+    """Exact GGN of the last ``nn.Linear`` (weight row-major, then bias): Σ_n H_n ⊗ φ̃_n φ̃_nᵀ
+    ``(O·I + O, O·I + O)``, with φ the layer's input and H_n the CE Hessian at the logits."""
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    feats: list[torch.Tensor] = []
+    handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
+    n_out, n_in = last.weight.shape
+    has_b = last.bias is not None
+    k = n_in + 1 if has_b else n_in
+    first = torch.zeros(n_out, k, k, dtype=torch.float64)
+    second = torch.zeros(n_out * k, n_out * k, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            for xb, _ in _loader(x, x.new_zeros(len(x)), batch_size, "curvature (last layer)"):
+                feats.clear()
+                p = model(xb).softmax(-1).double()
+                phi = feats[0].reshape(len(xb), -1).double()
+                if has_b:
+                    phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
+                first += torch.einsum("no,ni,nj->oij", p, phi, phi)
+                v = (p.unsqueeze(2) * phi.unsqueeze(1)).reshape(len(xb), -1)  # p_n ⊗ φ̃_n
+                second += v.T @ v
+    finally:
+        handle.remove()
+    H = (torch.block_diag(*first) - second).to(last.weight.dtype)  # index (o, i), i < k
+    if not has_b:
+        return H
+    idx = torch.arange(n_out * k).reshape(n_out, k)
+    order = torch.cat([idx[:, :n_in].reshape(-1), idx[:, n_in]])  # weights row-major, then the bias
+    return H[order][:, order]
+
+
+def fast_diag_full(model, x, y, batch_size=256, ggn="exact", generator=None) -> BlockDiag:
+    """Diagonal GGN for all but the last layer, exact full GGN block of the last ``nn.Linear``."""
+    g = fast_diag_vector(model, x, y, batch_size, ggn, generator)
+    H = last_layer_ggn(model, x, batch_size)
+    p = H.shape[0]
+    return BlockDiag([Diag(g[:-p]), Dense(0.5 * (H + H.T))])
+
+
+FAST_CAPTURE = {"kron": fast_kron, "diag": fast_diag, "diag+full": fast_diag_full}
+
+
+def fast_capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
+                 ggn: str = "exact", generator: torch.Generator | None = None) -> BlockDiag:
+    if structure not in FAST_CAPTURE:
+        raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(FAST_CAPTURE)}")
+    reason = unsupported_reason(model)
+    if reason:
+        raise ConfigError(f"the fast capture does not support this model: {reason}; use --capture laplace")
+    return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator)
