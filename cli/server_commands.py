@@ -14,7 +14,7 @@ from posterior_fusion.artifact import load_global
 from posterior_fusion.artifact.atomic import atomic_h5_write, check_writable, output_lock
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, run_demo
+from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, get_method, write_fused
 from posterior_fusion.fusion.settings import parse_pairs
@@ -264,7 +264,10 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 
 @click.command("demo")
 @click.option("--out-dir", default="demo-run", show_default=True, type=click.Path(file_okay=False), help="Working folder.")
-@click.option("--full", is_flag=True, help="Use the full Fashion-MNIST (Debian package) instead of the embedded subset.")
+@click.option("--subset", is_flag=True,
+              help="Use the embedded 6,000-image Fashion-MNIST subset even when the full set (Debian's "
+                   "dataset-fashion-mnist) is installed [default: the full set when installed].")
+@click.option("--full", is_flag=True, hidden=True, help="Deprecated: the full set is the default when installed.")
 @click.option("--dataset", default="fmnist", show_default=True, type=click.Choice(DEMO_DATASETS),
               help="fmnist (LeNet) or digits (scikit-learn's real 8x8 digits, an MLP).")
 @click.option("--clients", default=5, show_default=True, type=int, help="Number of clients.")
@@ -277,20 +280,24 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Run seed: the partition, init and training seeds of the demo all equal it.")
 @click.option("--quick", is_flag=True,
-              help="A seconds-long smoke run (3 clients, M=2, 1 epoch, 600 images, 20 steps, fedbens and fedavg).")
+              help="A seconds-long smoke run (embedded subset, 3 clients, M=2, 1 epoch, 600 images, 20 steps, fedbens "
+                   "and fedavg).")
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 @renamed("--mixtures", "--components", "components", type=int)
 @renamed("--hessian", "--structure", "structure", type=click.Choice(STRUCTURES))
 @handle_errors
-def demo_cmd(out_dir, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, quick, as_json):
+def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, quick, as_json):
     """Partition -> fit-local per silo -> fuse with every method -> side-by-side test table."""
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
     max_train = None
     if quick:
         clients, components, epochs, steps, chosen, max_train = 3, 2, 1, 20, ("fedbens", "fedavg"), 600
+        subset = True
     for m in chosen:
         get_method(m)
-    rows = run_demo(out_dir, full, clients, alpha, components, epochs, structure, seed, chosen, steps, max_train,
+    if full:
+        click.echo("warning: --full is deprecated: the full Fashion-MNIST is the default when installed", err=True)
+    rows = run_demo(out_dir, subset, clients, alpha, components, epochs, structure, seed, chosen, steps, max_train,
                     log=log_to_stderr, dataset=dataset)
     if as_json:
         echo_json(rows)
@@ -299,3 +306,10 @@ def demo_cmd(out_dir, full, dataset, clients, alpha, components, epochs, structu
     for r in rows:
         click.echo(f"{r['method']:<14}{r['members']:>8}{r['accuracy']:>10.4f}{r['nll']:>8.3f}{r['ece']:>8.3f}"
                    f"{r['brier']:>8.3f}{r['fuse_seconds']:>8.1f}")
+    click.echo("\nOn the test set: accuracy (higher is better); NLL, the mean negative log-likelihood, and ECE,"
+               "\nthe expected calibration error (lower is better: honest probabilities); Brier score (lower"
+               "\nis better). members = models served per prediction (the serving cost).")
+    for r in rows:
+        click.echo(f"  {r['method']:<13} {LEGEND.get(r['method'], '')}")
+    click.echo("A demo-sized run (few epochs, M small); the full-data tables with spread over seeds are in"
+               "\ndocs/results/ (table1_*, vs_paper.md).")

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from posterior_fusion.artifact import load_global
-from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
+from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, find_fmnist_dir
 from posterior_fusion.data.prepare import import_data, partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
@@ -22,16 +22,40 @@ DEMO_METHODS = ("fedbens", "fedfisher", "regmean", "fisher-merge", "fedavg", "pr
 
 DEMO_DATASETS = ("fmnist", "digits")
 
+LEGEND = {
+    "fedbens": "FedBEns: M modes of the product of the client mixtures (the toolkit's method)",
+    "fedfisher": "FedFisher: one model minimising the clients' curvature quadratics",
+    "regmean": "RegMean: Gram-weighted merge of the linear layers",
+    "fisher-merge": "Fisher merging: diagonal-Fisher-weighted average",
+    "fedavg": "FedAvg, one shot: n-weighted mean of the client models",
+    "product": "closed-form Gaussian product (diag, diag+full only)",
+    "hbfl": "HBFL's q-weighted product of the clients' scaled likelihoods",
+    "fedbe": "FedBE: client ensemble distilled into one model",
+    "swag": "samples of every client's SWAG Gaussian (an ensemble)",
+    "swag-product": "mean of the product of the clients' SWAG Gaussians",
+    "ensemble": "all C x M client models averaged (serving cost C x M models)",
+}
 
-def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, alpha: float = 0.1,
+
+def fmnist_source(subset: bool = False) -> tuple[Path, str]:
+    """The Fashion-MNIST folder the demo uses and a description: the installed full set (Debian's
+    ``dataset-fashion-mnist``) unless ``subset`` or it is missing, else the embedded subset."""
+    folder = EMBEDDED_FMNIST_DIR if subset else find_fmnist_dir()
+    if folder == SYSTEM_FMNIST_DIR:
+        return folder, f"the full Fashion-MNIST ({folder})"
+    return folder, (f"the embedded Fashion-MNIST subset ({folder}; 6,000 training images — smoke-sized, its "
+                    "ranking of methods is not representative; install dataset-fashion-mnist for the full set)")
+
+
+def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5, alpha: float = 0.1,
              components: int = 3, epochs: int = 5, structure: str = "kron", seed: int = 0,
              methods: tuple[str, ...] = DEMO_METHODS, steps: int = 300, max_train: int | None = None,
              log=print, dataset: str = "fmnist") -> list[dict]:
     """Run the whole pipeline in ``out_dir``; returns one row of test metrics per method.
 
     ``seed`` is the run seed: partition, init and training seeds all equal it. ``dataset``:
-    ``fmnist`` (LeNet; the embedded subset, or the full set with ``full``) or ``digits``
-    (scikit-learn's 8x8 handwritten digits, an MLP)."""
+    ``fmnist`` (LeNet; the installed full set, or the embedded subset with ``subset`` or when the
+    full set is not installed) or ``digits`` (scikit-learn's 8x8 handwritten digits, an MLP)."""
     out = Path(out_dir)
     t0 = time.perf_counter()
     if dataset == "digits":
@@ -40,7 +64,8 @@ def run_demo(out_dir: str | os.PathLike, full: bool = False, clients: int = 5, a
                                      source=out / "data" / "digits.h5", test_size=400)
         spec = ModelSpec("mlp", {"in_features": 64, "hidden": 32})
     elif dataset == "fmnist":
-        source = None if full else EMBEDDED_FMNIST_DIR
+        source, description = fmnist_source(subset)
+        log(f"data: {description}")
         summary = partition_to_files(out / "data", clients=clients, alpha=alpha, partition_seed=seed,
                                      data_dir=source, max_train=max_train)
         spec = ModelSpec("lenet", {})

@@ -73,7 +73,30 @@ def test_help_lists_every_option_default():
 
 
 def test_demo_smoke(tmp_path):
-    rows = run_demo(tmp_path, clients=3, components=2, epochs=1, steps=10, max_train=900,
-                    methods=("fedbens", "fedavg", "product"), log=lambda *_: None)
+    logs = []
+    rows = run_demo(tmp_path, subset=True, clients=3, components=2, epochs=1, steps=10, max_train=900,
+                    methods=("fedbens", "fedavg", "product"), log=logs.append)
+    assert any(m.startswith("data: the embedded Fashion-MNIST subset") and "not representative" in m for m in logs)
     assert [r["method"] for r in rows] == ["fedbens", "fedavg"]  # product refuses kron and is skipped
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+
+
+def test_demo_uses_the_installed_full_fashion_mnist(monkeypatch, tmp_path):
+    """The full set when Debian's package is installed (faked here by pointing the system folder at
+    a copy of the embedded files), the embedded subset otherwise or with ``subset``."""
+    import shutil
+
+    import posterior_fusion.data.idx as idx
+    from posterior_fusion import demo
+
+    fake = tmp_path / "share" / "fashion-mnist"
+    shutil.copytree(idx.EMBEDDED_FMNIST_DIR, fake)
+    monkeypatch.setattr(idx, "SYSTEM_FMNIST_DIR", fake)
+    monkeypatch.setattr(demo, "SYSTEM_FMNIST_DIR", fake)
+    folder, text = demo.fmnist_source()
+    assert folder == fake and text.startswith("the full Fashion-MNIST")
+    folder, text = demo.fmnist_source(subset=True)
+    assert folder == idx.EMBEDDED_FMNIST_DIR and "subset" in text
+    monkeypatch.setattr(idx, "SYSTEM_FMNIST_DIR", tmp_path / "missing")
+    monkeypatch.setattr(demo, "SYSTEM_FMNIST_DIR", tmp_path / "missing")
+    assert demo.fmnist_source()[0] == idx.EMBEDDED_FMNIST_DIR

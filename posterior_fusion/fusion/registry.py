@@ -17,6 +17,7 @@ from posterior_fusion.fusion import (
     product,
     regmean,
     swag,
+    swag_product,
 )
 from posterior_fusion.fusion.common import FusionMethod
 
@@ -31,6 +32,7 @@ METHODS: dict[str, FusionMethod] = {m.name: m for m in (
     regmean.METHOD,
     fedbe.METHOD,
     swag.METHOD,
+    swag_product.METHOD,
 )}
 
 

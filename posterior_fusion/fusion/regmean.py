@@ -1,8 +1,17 @@
-"""RegMean (Jin et al.) from the K-FAC input factors: for each weight ``(out, in)``
+"""RegMean (Jin et al., "Dataless knowledge fusion by merging weights of language models"),
+from the clients' K-FAC input factors. For a merged weight ``(out, in)``:
 
-    W* = (Σ_c W_c G_c)(Σ_c G_c)⁻¹ ,   G_c = n_c · A_c  (A_c = mean of x xᵀ on client c)
+    W* = (Σ_c W_c G_c)(Σ_c G_c)⁺ ,   G_c = q_c · A_c   (A_c = mean of x xᵀ on client c, q_c = n_c / n)
 
-with RegMean's α scaling the off-diagonal Gram entries; other parameters are n-averaged.
+where every G_c has its off-diagonal entries scaled by α (RegMean's shrinkage).
+
+``protocol = "reference"`` (default) runs it as the FedBEns authors' code does
+(``One_shot_FL/algs/regmean.py``): only ``nn.Linear`` weights are merged, every other parameter
+(convolutions, biases) is the plain unweighted mean, and α is chosen from ``alpha_grid``
+(their {0.1, 0.9}) by validation accuracy (without validation data: the grid's last value).
+Their 8-bit quantisation of weights and Grams for communication is not reproduced.
+``protocol = "kfac"``: every Kronecker block (convolutions too, whose A is the patch
+covariance) is merged with the given ``alpha`` (1.0: no shrinkage), the rest n-averaged.
 """
 
 from __future__ import annotations
@@ -16,38 +25,91 @@ from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionRes
 from posterior_fusion.fusion.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings import MethodSettings, setting
 
+PROTOCOLS = ("reference", "kfac")
+
 
 @dataclass(frozen=True)
 class RegMeanSettings(MethodSettings):
-    alpha: float = setting(1.0, "Scale of the off-diagonal Gram entries (RegMean's α), in [0, 1].")
+    protocol: str = setting("reference", "reference: the FedBEns authors' RegMean (nn.Linear weights only, plain "
+                                         "mean of the rest, alpha from alpha_grid on validation); kfac: every "
+                                         "Kronecker block, n-weighted mean of the rest, the given alpha.")
+    alpha: float | None = setting(None, "Scale of the off-diagonal Gram entries (RegMean's α) in [0, 1]; None: "
+                                        "reference chooses from alpha_grid, kfac uses 1.0.")
+    alpha_grid: str = setting("0.1,0.9", "Comma-separated α values tried on the validation data (reference).")
 
     def validate(self) -> None:
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError("setting alpha must be in [0, 1]")
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"regmean setting protocol must be one of {PROTOCOLS}")
+        if self.alpha is not None and not 0 <= self.alpha <= 1:
+            raise ConfigError("regmean setting alpha must be in [0, 1]")
+        try:
+            grid = [float(a) for a in self.alpha_grid.split(",")]
+        except ValueError:
+            raise ConfigError("regmean setting alpha_grid must be comma-separated numbers") from None
+        if not grid or not all(0 <= a <= 1 for a in grid):
+            raise ConfigError("regmean setting alpha_grid needs values in [0, 1]")
+
+    def grid(self) -> list[float]:
+        return [float(a) for a in self.alpha_grid.split(",")]
 
 
-def regmean(inputs: FusionInputs, settings: RegMeanSettings) -> FusionResult:
-    require_structures(inputs, ("kron",), "regmean", " (it needs the K-FAC input factors)")
+def _shrink(G: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Off-diagonal entries times α, the diagonal kept (the reference's ``reduce_non_diag``)."""
+    return alpha * G + (1 - alpha) * torch.diag(torch.diagonal(G))
+
+
+def merge(inputs: FusionInputs, alpha: float, linear_only: bool, plain_mean: bool) -> torch.Tensor:
+    """The merged weight vector ``(d,)`` for one α."""
     m = inputs.options.component
-    out = fedavg_weights(inputs).clone()
-    ref = inputs.clients[0].components[m].curvature
+    clients = inputs.clients
+    if plain_mean:
+        out = torch.stack([c.components[m].map.double() for c in clients]).mean(0)
+    else:
+        out = fedavg_weights(inputs).double()
+    ref = clients[0].components[m].curvature
+    entries = {e.offset: e for e in clients[0].layout.entries}
+    q = torch.tensor([float(c.n_data) for c in clients], dtype=torch.float64)
+    q = q / q.sum()
     for j, (block, off) in enumerate(zip(ref.blocks, ref.offsets)):
         if block.kind != "kron":
+            continue
+        entry = entries.get(off)
+        if linear_only and (entry is None or len(entry.shape) != 2):  # a convolution weight (out, in, kh, kw)
             continue
         shape = block.shape
         num = torch.zeros(shape, dtype=torch.float64)
         den = torch.zeros(shape[1], shape[1], dtype=torch.float64)
-        for c in inputs.clients:
+        for qc, c in zip(q, clients):
             comp = c.components[m]
-            A = comp.curvature.blocks[j].A.double() * c.n_data
-            A = settings.alpha * A + (1 - settings.alpha) * torch.diag(torch.diagonal(A))
-            W = comp.map[off : off + block.dim].double().reshape(shape)
-            num += W @ A
-            den += A
-        den += 1e-8 * torch.diagonal(den).mean().clamp_min(1e-30) * torch.eye(shape[1], dtype=torch.float64)
-        merged = torch.linalg.solve(den, num.T).T  # den is symmetric: (num den⁻¹)ᵀ = den⁻¹ numᵀ
-        out[off : off + block.dim] = merged.reshape(-1).float()
-    return FusionResult([out])
+            G = _shrink(qc * comp.curvature.blocks[j].A.double(), alpha)
+            num += comp.map[off : off + block.dim].double().reshape(shape) @ G
+            den += G
+        out[off : off + block.dim] = (num @ torch.linalg.pinv(den, hermitian=True)).reshape(-1)
+    return out
 
 
-METHOD = FusionMethod("regmean", regmean, RegMeanSettings, "Gram-weighted merge of linear layers from K-FAC input factors")
+def regmean(inputs: FusionInputs, settings: RegMeanSettings) -> FusionResult:
+    require_structures(inputs, ("kron",), "regmean", " (it needs the K-FAC input factors)")
+    reference = settings.protocol == "reference"
+    if settings.alpha is not None:
+        alphas = [settings.alpha]
+    elif reference:
+        alphas = settings.grid()
+    else:
+        alphas = [1.0]
+    candidates = [(a, merge(inputs, a, linear_only=reference, plain_mean=reference)) for a in alphas]
+    scores = None
+    if len(candidates) > 1 and inputs.val is not None:
+        from posterior_fusion.metrics import evaluate_members
+
+        scores = [evaluate_members(inputs.spec, [w.float()], inputs.val)["accuracy"] for _, w in candidates]
+        best = max(range(len(candidates)), key=lambda i: (scores[i], -i))
+    else:
+        best = len(candidates) - 1
+    alpha, w = candidates[best]
+    return FusionResult([w.float()], {"regmean_alpha": alpha, "regmean_val_accuracy": scores,
+                                      "regmean_protocol": settings.protocol})
+
+
+METHOD = FusionMethod("regmean", regmean, RegMeanSettings,
+                      "Gram-weighted merge of linear layers from K-FAC input factors (RegMean)")
