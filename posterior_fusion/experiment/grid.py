@@ -31,7 +31,7 @@ from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.experiment.config import ExperimentConfig
 from posterior_fusion.experiment.report import write_tables
-from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients
+from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, method_settings
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact, library_versions
@@ -140,6 +140,9 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
     return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]
 
 
+SETTINGS_CHANGED = {"regmean"}  # methods whose default settings changed after results were first cached
+
+
 def fuse_jobs(cfg: ExperimentConfig) -> list[FuseJob]:
     jobs = [FuseJob(m, M) for M in cfg.components for m in cfg.methods]
     jobs += [FuseJob("fedbens", max(cfg.components), t) for t in cfg.temperatures]
@@ -152,13 +155,17 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
     """Level 3: one fusion evaluated on the test split (``None`` if the method does not apply)."""
     base = {"alpha": cell.alpha, "clients": cell.clients, "seed": cell.seed, "structure": structure, "M": job.M,
             "method": job.method, "temperature": job.temperature if job.temperature is not None else cfg.temperature}
-    rpath = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps})}.json"
-    if rpath.exists():
-        return json.loads(rpath.read_text())
-    subset = [replace(c, components=c.components[: job.M]) for c in clients]
-    opts = FusionOptions(sampling_seed=cell.seed, progress=False, temperature=job.temperature)
     method = "fedbens" if job.method == "fedbens-tuned" else job.method
     settings = applicable_settings(method, {"steps": cfg.steps})
+    rpath = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps, 'settings': asdict(method_settings(method, settings))})}.json"
+    # caches written before the settings entered the key stay valid for methods whose defaults
+    # did not change since (regmean's did: its reference protocol became the default)
+    legacy = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps})}.json"
+    for path in (rpath, legacy if method not in SETTINGS_CHANGED else None):
+        if path is not None and path.exists():
+            return json.loads(path.read_text())
+    subset = [replace(c, components=c.components[: job.M]) for c in clients]
+    opts = FusionOptions(sampling_seed=cell.seed, progress=False, temperature=job.temperature)
     try:
         if job.method == "fedbens-tuned":
             _, res, meta = tune_fusion(subset, method, opts, val, ("T", "prior"), cfg.tune_temperatures,
