@@ -17,6 +17,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, get_method, write_fused
+from posterior_fusion.fusion.distill import DistillConfig
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
@@ -26,7 +27,7 @@ from posterior_fusion.predictive import LINKS, PREDICTIVES
 # Options that were method settings before per-method settings existed: old flag -> (setting, type).
 LEGACY_SETTINGS = {"--steps": ("steps", int), "--lr": ("adam_lr", float), "--clip": ("clip", float),
                    "--val-every": ("val_every", int), "--modes": ("modes", int), "--num-samples": ("num_samples", int),
-                   "--regmean-alpha": ("alpha", float), "--distill-epochs": ("distill_epochs", int),
+                   "--regmean-alpha": ("alpha", float),
                    "--lowrank-tol": ("lowrank_tol", float)}
 
 
@@ -102,7 +103,13 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output global artifact (HDF5).")
 @click.option("--val", "val_path", default=None, type=click.Path(dir_okay=False),
               help="Server validation data; selects the best iterate per mode [default: best objective].")
-@click.option("--unlabeled", default=None, type=click.Path(dir_okay=False), help="Unlabeled server data (fedbe distillation).")
+@click.option("--unlabeled", default=None, type=click.Path(dir_okay=False),
+              help="Unlabeled server data (labels not needed): fedbe's and --distill's distillation set.")
+@click.option("--distill", is_flag=True,
+              help="Distil the fused ensemble into one model on --unlabeled with FedBE's schedule (SWA, cyclic step "
+                   "size 1e-3 -> 4e-4, sharpened pseudo-labels) [default: no distillation].")
+@click.option("--distill-epochs", default=None, type=int,
+              help="Distillation epochs of --distill and of fedbe (its setting distill_epochs) [default: 20, FedBE's].")
 @click.option("--temperature", default=None, type=float, help="Re-temper every client with this T [default: each client's T].")
 @click.option("--prior-var", default=None, type=float, help="Prior variance σ0² for every client and the global prior [default: clients'].")
 @click.option("--component", default=0, show_default=True, type=int, help="Client component used by unimodal methods.")
@@ -123,28 +130,31 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @renamed("--seed", "--sampling-seed", "sampling_seed", type=int)
 @renamed("--mode-index", "--component", "component", type=int)
 @handle_errors
-def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, temperature, prior_var, component, sampling_seed,
-             kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory, as_json, legacy):
+def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, distill_epochs, temperature, prior_var,
+             component, sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
+             as_json, legacy):
     """Validate client artifacts and fuse them into a global ensemble."""
     overrides = applicable_settings(method, legacy)
     for k in sorted(set(legacy) - set(overrides)):
         log_to_stderr(f"warning: method {method!r} has no setting {k!r}; ignored")
     overrides.update(parse_pairs(set_values))
+    if distill_epochs is not None and "distill_epochs" in applicable_settings(method, {"distill_epochs": 0}):
+        overrides["distill_epochs"] = distill_epochs
     with output_lock(out):
         _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                       sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
-                      as_json)
+                      as_json, DistillConfig(epochs=20 if distill_epochs is None else distill_epochs) if distill else None)
 
 
 def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                   sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
-                  as_json) -> None:
+                  as_json, distill=None) -> None:
     opts = FusionOptions(temperature=temperature, prior_var=prior_var, component=component,
                          sampling_seed=sampling_seed, kernel=kernel, device=device)
     inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
                                 robust=robust, max_memory=max_memory, tune=parse_tune(tune),
                                 tune_temperatures=parse_floats(tune_temperatures, "--tune-temperatures"),
-                                tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"))
+                                tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"), distill=distill)
     if "tuning" in meta:
         chosen = meta["tuning"]["chosen"]
         click.echo(f"tuned: T={chosen['temperature']} prior_var={chosen['prior_var']} "

@@ -62,7 +62,7 @@ def test_cli_set_and_help_method(tmp_path, two_clients):
                                    "--out", str(tmp_path / "h.h5")])
     assert r.exit_code == 2 and "method 'fedavg' has no setting 'steps'" in r.stderr and r.stderr.count("\n") == 1
     r = CliRunner().invoke(pfuse, ["fuse", "--help-method", "regmean"])
-    assert r.exit_code == 0 and "alpha" in r.stdout and "[default: 1.0]" in r.stdout
+    assert r.exit_code == 0 and "alpha" in r.stdout and "[default: reference]" in r.stdout
     r = CliRunner().invoke(pfuse, ["fuse", "--method", "fedbens", "--set", "oops", "--out", "x.h5", str(two_clients[0])])
     assert r.exit_code == 2 and "key=value" in r.stderr
 

@@ -327,7 +327,7 @@ def raw_tensors(block):
 
 def test_fedbe_distillation_with_unlabeled_data(fitted):
     folder, paths = fitted
-    inputs, res, meta = fuse(paths, "fedbe", FusionOptions(progress=False), {"num_samples": 4, "distill_epochs": 2},
+    inputs, res, meta = fuse(paths, "fedbe", FusionOptions(progress=False), {"num_samples": 4, "distill_epochs": 5, "sharpen": 1.0},
                              unlabeled_path=folder / "val.h5")
     assert len(res.members) == 1 and meta["distilled_from"] == 1 + 3 + 4
     # The student moved away from the Gaussian mean it started from, towards the teachers.

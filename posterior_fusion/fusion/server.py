@@ -11,8 +11,9 @@ from posterior_fusion.artifact import load_client
 from posterior_fusion.artifact.reader import declared_bytes
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
-from posterior_fusion.errors import IncompatibleArtifactsError, SchemaError
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, SchemaError
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult
+from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.resources import estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.run import fuse_clients, method_settings
@@ -25,6 +26,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
          val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
          log=lambda msg: None, robust: bool = False, max_memory: int | str | None = None,
          tune: tuple[str, ...] = (), tune_temperatures=None, tune_prior_vars=None,
+         distill: DistillConfig | None = None,
          ) -> tuple[FusionInputs, FusionResult, dict]:
     """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
 
@@ -33,11 +35,16 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     bytes, default 80% of available memory); then the artifacts are loaded and, with
     ``robust``, outlying clients are screened out (:mod:`posterior_fusion.fusion.robust`).
     ``tune`` ("T" and/or "prior") selects T / σ0² on the validation data over a grid
-    (:mod:`posterior_fusion.fusion.tuning`).
+    (:mod:`posterior_fusion.fusion.tuning`). ``distill``: distil the fused ensemble into one
+    model on the unlabeled data (:mod:`posterior_fusion.fusion.distill`; fedbe distils by itself).
     """
     options = options or FusionOptions()
     options.validate()
     chosen = method_settings(method, settings)
+    if distill is not None:
+        distill.validate()
+        if not unlabeled_path:
+            raise ConfigError("--distill needs unlabeled server data (--unlabeled FILE)")
     if not client_paths:
         raise IncompatibleArtifactsError("no client artifacts given")
     headers = [declared_bytes(p) for p in client_paths]
@@ -66,6 +73,12 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
         inputs, result, metadata = tune_fusion(clients, method, options, val, tune, log=log, settings=chosen, **grids)
     else:
         inputs, result, metadata = fuse_clients(clients, method, options, chosen, val, unlabeled, log, robust)
+    if distill is not None and method != "fedbe":  # fedbe distils with the same schedule itself
+        log(f"distilling {len(result.members)} members into one model on {len(unlabeled)} unlabeled inputs")
+        w, record = distill_members(inputs.spec, result.members, unlabeled.inputs(), distill,
+                                    options.sampling_seed, options.progress)
+        result = FusionResult([w], {**result.info, "distill": record})
+        metadata["distill"] = {**record, "file": str(unlabeled_path), "sha256": unlabeled.sha256()}
     metadata["memory_estimate_bytes"] = need
     if val is not None:
         metadata["validation"] = {"file": str(val_path), "sha256": val.sha256(), "n": len(val)}

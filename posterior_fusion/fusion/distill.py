@@ -1,0 +1,107 @@
+"""Knowledge distillation of an ensemble into one model on unlabeled server data (FedBE's
+server step, ``004``, section 5.1), shared by ``fedbe`` and ``pfuse fuse --distill``.
+
+The teachers' averaged softmax on the unlabeled inputs is sharpened, p[c] ← p[c]^s / Σ p^s
+(FedBE: s = 2), and one model, started from the given weights (FedBE: the weight average), is
+trained on it with momentum SGD and SWA: a cyclic step size decaying from ``lr_max`` to
+``lr_min`` within every cycle of ``cycle`` steps, the weights collected at the end of every
+cycle after step ``swa_start`` and averaged (FedBE: 1e-3 → 4e-4, 25 steps, after step 250,
+20 epochs, batch 128). Without any collected model the last iterate is returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.progress import progress
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """FedBE's distillation schedule (the defaults)."""
+
+    epochs: int = 20
+    batch_size: int = 128
+    lr_max: float = 1e-3
+    lr_min: float = 4e-4
+    cycle: int = 25
+    swa_start: int = 250
+    momentum: float = 0.9
+    sharpen: float = 2.0  # power of the pseudo-label sharpening (1: none)
+
+    def validate(self) -> None:
+        if (self.epochs < 0 or self.batch_size < 1 or not 0 < self.lr_min <= self.lr_max or self.cycle < 1
+                or self.swa_start < 0 or not 0 <= self.momentum < 1 or not self.sharpen > 0):
+            raise ConfigError("distillation needs epochs >= 0, batch_size >= 1, 0 < lr_min <= lr_max, cycle >= 1, "
+                              "swa_start >= 0, momentum in [0, 1) and sharpen > 0")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def swa_lr(step: int, cfg: DistillConfig) -> float:
+    """Step size at (0-based) ``step``: SWA's cyclic schedule (1 − t) lr_max + t lr_min with
+    t = ((step mod cycle) + 1) / cycle, so the last step of every cycle uses ``lr_min``."""
+    t = ((step % cfg.cycle) + 1) / cfg.cycle
+    return (1 - t) * cfg.lr_max + t * cfg.lr_min
+
+
+def collects(step: int, cfg: DistillConfig) -> bool:
+    """Whether the weights after (0-based) ``step`` enter the SWA average: end of a cycle, after ``swa_start``."""
+    return (step + 1) % cfg.cycle == 0 and step + 1 > cfg.swa_start
+
+
+def soft_labels(spec: ModelSpec, teachers: torch.Tensor, x: torch.Tensor, sharpen: float = 2.0,
+                chunk: int = 1024) -> torch.Tensor:
+    """Sharpened mean softmax of the teachers ``(K, d)`` on ``x`` ``(n, ...)``: ``(n, classes)``."""
+    parts = []
+    for i in range(0, x.shape[0], chunk):
+        p = torch.softmax(batched_logits(spec, teachers, x[i : i + chunk]), -1).mean(0)
+        p = p.pow(sharpen)
+        parts.append(p / p.sum(-1, keepdim=True))
+    return torch.cat(parts)
+
+
+def distill(spec: ModelSpec, teachers: torch.Tensor, start: torch.Tensor, x: torch.Tensor,
+            cfg: DistillConfig | None = None, generator: torch.Generator | None = None,
+            show_progress: bool = True) -> tuple[torch.Tensor, dict]:
+    """One model ``(d,)`` distilled from the teachers ``(K, d)`` on unlabeled inputs ``x``, and a
+    record (steps, models averaged, the config)."""
+    cfg = cfg or DistillConfig()
+    cfg.validate()
+    targets = soft_labels(spec, teachers, x, cfg.sharpen)
+    model = spec.build()
+    vector_to_parameters(start.detach().clone().float(), model.parameters())
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr_max, momentum=cfg.momentum)
+    swa, count, step = None, 0, 0
+    for _ in progress(range(cfg.epochs), "distill", show=show_progress):
+        perm = torch.randperm(x.shape[0], generator=generator)
+        for i in range(0, x.shape[0], cfg.batch_size):
+            idx = perm[i : i + cfg.batch_size]
+            for group in opt.param_groups:
+                group["lr"] = swa_lr(step, cfg)
+            loss = -(targets[idx] * torch.log_softmax(model(x[idx]), -1)).sum(-1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if collects(step, cfg):
+                w = parameters_to_vector(model.parameters()).detach()
+                count += 1
+                swa = w.clone() if swa is None else swa + (w - swa) / count
+            step += 1
+    out = swa if swa is not None else parameters_to_vector(model.parameters()).detach().clone()
+    return out, {"steps": step, "swa_models": count, "teachers": int(teachers.shape[0]), "config": cfg.to_json()}
+
+
+def distill_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor, cfg: DistillConfig | None = None,
+                    seed: int = 0, show_progress: bool = True) -> tuple[torch.Tensor, dict]:
+    """Any ensemble (``pfuse fuse --distill``): its members ``(d,)`` as teachers, started from their mean."""
+    teachers = torch.stack([m.float() for m in members])
+    return distill(spec, teachers, teachers.mean(0), x, cfg, torch.Generator().manual_seed(seed), show_progress)
