@@ -16,9 +16,10 @@ from posterior_fusion.local.capture import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_to_file
 from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.ppd import PPDConfig
 from posterior_fusion.models import ModelSpec
 
-FIT, TRAIN = FitConfig(), TrainConfig()
+FIT, TRAIN, PPD = FitConfig(), TrainConfig(), PPDConfig()
 
 
 def parse_model(name: str, kwargs_json: str | None) -> ModelSpec:
@@ -85,6 +86,13 @@ def init(model, model_kwargs, components, init_seed, transform_from, out):
 @click.option("--swag-rank", default=TRAIN.swag_rank, show_default=True, type=int, help="SWAG deviation columns K.")
 @click.option("--ggn", default=FIT.ggn, show_default=True, type=click.Choice(GGN_TYPES),
               help="exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one sampled label (faster).")
+@click.option("--ppd", is_flag=True,
+              help="FedPPD: also run an SGLD chain from each component's MAP and distil its posterior predictive "
+                   "into a student network stored beside the MAP (fuse --method fedppd / fedppd-distill).")
+@click.option("--ppd-steps", default=PPD.steps, show_default=True, type=int, help="SGLD steps of --ppd (burn-in included).")
+@click.option("--ppd-burn-in", default=PPD.burn_in, show_default=True, type=int, help="SGLD burn-in steps of --ppd.")
+@click.option("--ppd-thin", default=PPD.thin, show_default=True, type=int, help="Keep every this many SGLD iterates.")
+@click.option("--ppd-step-size", default=PPD.step_size, show_default=True, type=float, help="SGLD step size ε.")
 @click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
               help="fast: this package's capture (one forward + one batched backward per batch) for models whose "
                    "parameters all sit in Linear/Conv2d layers, laplace-torch otherwise; laplace: always laplace-torch.")
@@ -101,11 +109,14 @@ def init(model, model_kwargs, components, init_seed, transform_from, out):
 @renamed("--seed", "--train-seed", "train_seed", type=int)
 @handle_errors
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, structure, epochs, batch_size, lr,
-                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, capture, curvature_batch_size,
+                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, ppd, ppd_steps, ppd_burn_in, ppd_thin,
+                  ppd_step_size, capture, curvature_batch_size,
                   train_seed, out, resume, as_json, max_memory):
     """Train M models on one silo and write their local posteriors to one artifact."""
     cfg = FitConfig(structure=structure, temperature=temperature, prior_var=prior_var, train_seed=train_seed,
                     curvature_batch_size=curvature_batch_size, ggn=ggn, capture=capture,
+                    ppd=PPDConfig(steps=ppd_steps, burn_in=ppd_burn_in, thin=ppd_thin, step_size=ppd_step_size)
+                    if ppd else None,
                     train=TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                                       weight_decay=weight_decay, swag=swag, swag_rank=swag_rank))
     cfg.validate()

@@ -63,6 +63,7 @@ class Component:
     temperature: float
     prior_precision: float
     swag: SwagMoments | None = None
+    student: torch.Tensor | None = None  # FedPPD: the distilled posterior-predictive network (d,)
 
     def precision(self, temperature: float | None = None, prior_precision: float | None = None) -> BlockDiag:
         """``Λ = G / T + λ0 I`` (defaults: the client's T and λ0)."""

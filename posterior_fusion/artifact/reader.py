@@ -212,7 +212,10 @@ def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: Parameter
             rank = dev.shape[0]
             for name, shape in (("mean", (d,)), ("sq_mean", (d,)), ("deviations", (rank, d))):
                 chk.dataset(f, f"{base}/swag/{name}", shape)
-        record = ComponentRecord(i, training, blocks, rank)
+        has_student = f"{base}/ppd_student" in paths
+        if has_student:
+            chk.dataset(f, f"{base}/ppd_student", (d,))
+        record = ComponentRecord(i, training, blocks, rank, has_student)
         for path, shape in record.dataset_paths().items():
             chk.dataset(f, path, shape)
         records.append(record)
@@ -241,8 +244,9 @@ def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[Co
         if r.swag_rank is not None:
             swag = SwagMoments(*(_read(chk, f[f"{base}/swag/{n}"], f"{base}/swag/{n}")
                                  for n in ("mean", "sq_mean", "deviations")))
+        student = _read(chk, f[f"{base}/ppd_student"], f"{base}/ppd_student") if r.has_student else None
         comps.append(Component(r.index, w, curvature, frozen_mapping(r.training),
-                               typed.temperature, typed.prior_precision, swag))
+                               typed.temperature, typed.prior_precision, swag, student))
     return comps
 
 

@@ -143,6 +143,7 @@ class BlockRecord:
 TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "seed": (int,), "epochs": (int,), "final_loss": (int, float), "final_accuracy": (int, float),
     "train_seconds": (int, float), "curvature_seconds": (int, float),
+    "ppd_samples": (int,), "ppd_seconds": (int, float),
 }
 TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace")}  # string fields: allowed values
 
@@ -166,12 +167,14 @@ def parse_training(raw: Any, where: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ComponentRecord:
-    """Header of ``/components/<index>``: training record, curvature blocks, SWAG rank (or None)."""
+    """Header of ``/components/<index>``: training record, curvature blocks, SWAG rank (or None),
+    and whether it carries a FedPPD student (``ppd_student``)."""
 
     index: int
     training: Mapping[str, Any]
     blocks: tuple[BlockRecord, ...]
     swag_rank: int | None
+    has_student: bool = False
 
     @staticmethod
     def parse_blocks(raw: Any, where: str, layout: ParameterLayout) -> tuple[BlockRecord, ...]:

@@ -67,4 +67,5 @@ def client_path_re() -> re.Pattern:
         rf"/components/{_IDX}/curvature/{_IDX}/({names})",
         rf"/components/{_IDX}/swag",
         rf"/components/{_IDX}/swag/(mean|sq_mean|deviations)",
+        rf"/components/{_IDX}/ppd_student",
     ]) + ")$")

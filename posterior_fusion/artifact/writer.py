@@ -59,6 +59,8 @@ def write_component(group: h5py.Group, comp: Component) -> None:
         s.create_dataset("mean", data=_np(comp.swag.mean))
         s.create_dataset("sq_mean", data=_np(comp.swag.sq_mean))
         s.create_dataset("deviations", data=_np(comp.swag.deviations))
+    if comp.student is not None:
+        group.create_dataset("ppd_student", data=_np(comp.student))
 
 
 def write_client_artifact(

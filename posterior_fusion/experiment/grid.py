@@ -119,7 +119,7 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
     m_max = max(cfg.components)
     fit_cfg = FitConfig(structure=structure, temperature=cfg.temperature, prior_var=cfg.prior_var,
                         train_seed=cell.seed, train=TrainConfig(epochs=cfg.epochs))
-    fit_key = {k: v for k, v in asdict(fit_cfg).items() if k != "capture"}  # as the fit fingerprint
+    fit_key = fit_cfg.fingerprint_dict()
     ckey = cache_key({"p": pkey, "fit": fit_key, "M": m_max, "model": spec.to_json()})
     cdir = work / "clients" / ckey
     cdir.mkdir(parents=True, exist_ok=True)

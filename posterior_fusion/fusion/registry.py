@@ -12,6 +12,7 @@ from posterior_fusion.fusion import (
     fedbe,
     fedbens,
     fedfisher,
+    fedppd,
     fisher_merge,
     hbfl,
     product,
@@ -33,6 +34,8 @@ METHODS: dict[str, FusionMethod] = {m.name: m for m in (
     fedbe.METHOD,
     swag.METHOD,
     swag_product.METHOD,
+    fedppd.METHOD,
+    fedppd.DISTILL_METHOD,
 )}
 
 

@@ -3,10 +3,11 @@ experiment runner all build (defaults live here and nowhere else)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
+from posterior_fusion.local.ppd import PPDConfig
 
 STRUCTURES = tuple(CAPTURE)  # curvature structures a silo can capture (local/capture.py)
 
@@ -55,6 +56,7 @@ class FitConfig:
     curvature_batch_size: int = 256
     ggn: str = "exact"            # "exact" GGN or "mc" (Monte-Carlo Fisher, 1 sample)
     capture: str = "fast"         # "fast" (local/fastcapture.py, where the model allows) or "laplace"
+    ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
@@ -66,6 +68,8 @@ class FitConfig:
             raise ConfigError("--temperature and --prior-var must be finite and > 0")
         if self.capture not in CAPTURE_METHODS:
             raise ConfigError(f"unknown --capture {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
+        if self.ppd is not None:
+            self.ppd.validate()
         if self.curvature_batch_size < 1:
             raise ConfigError("--curvature-batch-size must be >= 1")
         self.train.validate()
@@ -74,6 +78,15 @@ class FitConfig:
     def prior_precision(self) -> float:
         """λ0 = 1/σ0²."""
         return 1.0 / self.prior_var
+
+    def fingerprint_dict(self) -> dict:
+        """The settings that determine the result: ``capture`` (fast or laplace-torch, equal at
+        rounding level) is left out, and ``ppd`` when off, so caches and partial files written
+        before these options existed keep their keys."""
+        out = {k: v for k, v in asdict(self).items() if k != "capture"}
+        if self.ppd is None:
+            out.pop("ppd")
+        return out
 
     def resolved(self, n_data: int) -> FitConfig:
         """A copy with the automatic weight decay filled in for a silo of ``n_data`` samples."""

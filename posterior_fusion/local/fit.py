@@ -29,6 +29,7 @@ from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import FitConfig
 from posterior_fusion.local.init import init_fingerprint, initial_weights
+from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
@@ -53,7 +54,7 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
     h.update(spec.to_json().encode())
     # ``capture`` (fast or laplace-torch) changes the curvature only at rounding level (tested to
     # 1e-5), like a thread count: it is recorded per component, not part of the fingerprint.
-    h.update(json.dumps({k: v for k, v in asdict(cfg).items() if k != "capture"}, sort_keys=True).encode())
+    h.update(json.dumps(cfg.fingerprint_dict(), sort_keys=True).encode())
     h.update(data.sha256().encode())
     h.update(data.input_transform.to_json().encode())
     for w in inits:
@@ -102,10 +103,17 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
         training = {"seed": component_seed, "epochs": cfg.train.epochs, "final_loss": res.final_loss,
                     "final_accuracy": res.final_accuracy, "train_seconds": round(t1 - t0, 3),
                     "curvature_seconds": round(t2 - t1, 3), "capture": captured_by}
+        student = None
+        if cfg.ppd is not None:
+            w_map = parameters_to_vector(model.parameters()).detach().clone()
+            student, record = distil_ppd(spec.build, w_map, x, y, cfg.ppd, cfg.prior_precision, cfg.temperature,
+                                         seed=component_seed)
+            training.update(ppd_samples=record["samples"], ppd_seconds=round(time.perf_counter() - t2, 3))
         log(f"component {m + 1}/{len(inits)}: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} "
             f"train {t1 - t0:.1f}s curvature {t2 - t1:.1f}s")
         w = parameters_to_vector(model.parameters()).detach().clone()
-        comps.append(Component(m, w, curv, frozen_mapping(training), cfg.temperature, cfg.prior_precision, res.swag))
+        comps.append(Component(m, w, curv, frozen_mapping(training), cfg.temperature, cfg.prior_precision, res.swag,
+                               student))
         if on_component is not None:
             on_component(metadata, comps)
     return metadata, comps

@@ -1,0 +1,109 @@
+"""FedPPD's client step (paper ``002``, section 2.1; Bayesian Dark Knowledge, Korattikara Balan
+et al. 2015): SGLD samples from the client's tempered posterior, distilled online into one
+"student" network that represents the client's posterior predictive distribution (PPD).
+
+SGLD (Welling & Teh 2011) on U(θ) = (n / b) Σ_batch ℓ(θ) / T + λ0/2 ‖θ‖², with ℓ the negative
+log-likelihood of one sample: θ ← θ − (ε/2) ∇U(θ) + N(0, ε I). After ``burn_in`` steps, every
+``thin``-th iterate is a posterior sample; each sample is "injected" into the student by one SGD
+step on the cross-entropy between the sample's predictive p(y|x', θ) and the student's on a
+perturbed input batch x' = x + N(0, ``perturb``²) (the paper's unlabeled distillation set
+D'_k). The chain is warm-started from the component's MAP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.progress import progress
+
+
+@dataclass(frozen=True)
+class PPDConfig:
+    """SGLD and distillation settings of ``pfuse fit-local --ppd``."""
+
+    steps: int = 2000          # SGLD steps (burn-in included)
+    burn_in: int = 500
+    thin: int = 5              # every thin-th iterate after burn-in is a sample
+    step_size: float = 1e-5    # SGLD ε
+    batch_size: int = 64
+    student_lr: float = 1e-3   # SGD (momentum 0.9) step of the student per sample
+    perturb: float = 0.1       # std of the Gaussian input perturbation of the distillation batch
+
+    def validate(self) -> None:
+        if (self.steps < 1 or not 0 <= self.burn_in < self.steps or self.thin < 1 or not self.step_size > 0
+                or self.batch_size < 1 or not self.student_lr > 0 or not self.perturb >= 0):
+            raise ConfigError("--ppd needs steps >= 1, 0 <= burn_in < steps, thin >= 1, step_size > 0, batch_size >= 1, "
+                              "student_lr > 0, perturb >= 0")
+
+
+def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+         x: torch.Tensor, y: torch.Tensor, steps: int, step_size: float, prior_precision: float,
+         temperature: float = 1.0, batch_size: int = 64, burn_in: int = 0, thin: int = 1,
+         generator: torch.Generator | None = None,
+         on_sample: Callable[[int, nn.Module, torch.Tensor, torch.Tensor], None] | None = None,
+         desc: str = "sgld", show_progress: bool = True) -> int:
+    """Run SGLD on ``model`` in place; ``neg_log_lik(model, xb, yb)`` is the *summed* negative
+    log-likelihood of a batch. Calls ``on_sample(k, model, xb, yb)`` for every kept iterate
+    (after ``burn_in``, every ``thin``-th) with the batch of that step; returns the number kept."""
+    n = x.shape[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    kept = 0
+    order = torch.randperm(n, generator=generator)
+    pos = 0
+    for step in progress(range(steps), desc, show=show_progress):
+        if pos + batch_size > n:
+            order, pos = torch.randperm(n, generator=generator), 0
+        idx = order[pos : pos + batch_size]
+        pos += batch_size
+        xb, yb = x[idx], y[idx]
+        model.zero_grad(set_to_none=True)
+        U = neg_log_lik(model, xb, yb) * (n / len(idx)) / temperature
+        U = U + 0.5 * prior_precision * sum(p.square().sum() for p in params)
+        U.backward()
+        with torch.no_grad():
+            for p in params:
+                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype) * step_size**0.5
+                p.add_(-0.5 * step_size * p.grad + noise)
+        if step >= burn_in and (step - burn_in) % thin == 0:
+            if on_sample is not None:
+                on_sample(kept, model, xb, yb)
+            kept += 1
+    return kept
+
+
+def _cross_entropy_sum(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(xb), yb, reduction="sum")
+
+
+def distil_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               cfg: PPDConfig, prior_precision: float, temperature: float, seed: int = 0,
+               show_progress: bool = True) -> tuple[torch.Tensor, dict]:
+    """The PPD student ``(d,)`` of an SGLD chain started at ``start`` (both networks built by
+    ``build``: the student has the teacher's architecture), and a record of the run."""
+    cfg.validate()
+    gen = torch.Generator().manual_seed(seed)
+    teacher, student = build(), build()
+    vector_to_parameters(start.detach().clone(), teacher.parameters())
+    vector_to_parameters(start.detach().clone(), student.parameters())
+    teacher.train()
+    student.train()
+    opt = torch.optim.SGD(student.parameters(), lr=cfg.student_lr, momentum=0.9)
+
+    def inject(k: int, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        xp = xb + cfg.perturb * torch.randn(xb.shape, generator=gen, dtype=xb.dtype)
+        with torch.no_grad():
+            target = torch.softmax(model(xp), -1)
+        loss = -(target * torch.log_softmax(student(xp), -1)).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    kept = sgld(teacher, _cross_entropy_sum, x, y, cfg.steps, cfg.step_size, prior_precision, temperature,
+                cfg.batch_size, cfg.burn_in, cfg.thin, gen, inject, "ppd (sgld + distill)", show_progress)
+    return parameters_to_vector(student.parameters()).detach().clone(), {"samples": kept}

@@ -1,0 +1,108 @@
+"""FedPPD's client step: SGLD recovers a known posterior (conjugate Bayesian linear regression),
+and the distilled student matches the SGLD samples' predictive better than its starting point."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from posterior_fusion.local.ppd import PPDConfig, distil_ppd, sgld
+
+
+def test_sgld_recovers_the_conjugate_gaussian_posterior():
+    """y = Xw + ε, ε ~ N(0, σ²), prior w ~ N(0, λ0⁻¹ I): posterior N(μ, Λ⁻¹) with
+    Λ = XᵀX/σ² + λ0 I and μ = Λ⁻¹ Xᵀy/σ². SGLD's sample mean and variances match it."""
+    gen = torch.Generator().manual_seed(0)
+    n, d, sigma2, lam0 = 50, 3, 0.25, 2.0
+    X = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + sigma2**0.5 * torch.randn(n, generator=gen,
+                                                                                            dtype=torch.float64)
+    Lam = X.T @ X / sigma2 + lam0 * torch.eye(d, dtype=torch.float64)
+    cov = torch.linalg.inv(Lam)
+    mu = cov @ X.T @ y / sigma2
+    model = nn.Linear(d, 1, bias=False).double()
+
+    def nll(m, xb, yb):
+        return ((m(xb)[:, 0] - yb) ** 2).sum() / (2 * sigma2)
+
+    samples = []
+    sgld(model, nll, X, y, steps=60000, step_size=1e-4, prior_precision=lam0, batch_size=n, burn_in=2000, thin=10,
+         generator=torch.Generator().manual_seed(1),
+         on_sample=lambda k, m, xb, yb: samples.append(m.weight.detach()[0].clone()), show_progress=False)
+    S = torch.stack(samples)
+    sd = cov.diagonal().sqrt()
+    assert ((S.mean(0) - mu).abs() / sd).max() < 0.2, (S.mean(0), mu)
+    assert ((S.var(0) / cov.diagonal()) - 1).abs().max() < 0.15, (S.var(0), cov.diagonal())
+    # and not a point mass at the mode (the noise term is there)
+    assert (S.std(0) > 0.5 * sd).all()
+
+
+def test_ppd_student_moves_towards_the_samples_predictive(fmnist_train):
+    from posterior_fusion.models import ModelSpec
+
+    x, y = fmnist_train
+    xs = torch.as_tensor(x[:200]).float() / 255.0
+    ys = torch.as_tensor(y[:200]).long()
+    spec = ModelSpec("mlp", {"hidden": 16})
+    torch.manual_seed(0)
+    start = torch.nn.utils.parameters_to_vector(spec.build().parameters()).detach()
+    cfg = PPDConfig(steps=300, burn_in=100, thin=2, step_size=1e-4, batch_size=32, student_lr=0.05, perturb=0.05)
+    student, record = distil_ppd(spec.build, start, xs, ys, cfg, prior_precision=10.0, temperature=1.0, seed=0,
+                                 show_progress=False)
+    assert record["samples"] == 100
+    # the student's predictions on the data moved from the (random) start towards the labels the chain learnt
+    from posterior_fusion.models.functional import batched_logits
+
+    acc = lambda w: (batched_logits(spec, w[None], xs)[0].argmax(-1) == ys).float().mean().item()  # noqa: E731
+    assert acc(student) > acc(start) + 0.2
+
+
+def test_fit_local_ppd_stores_students_and_fedppd_averages_them(tmp_path, fmnist_train):
+    """``fit-local --ppd`` writes ``/components/<m>/ppd_student`` (read back equal); ``fedppd`` is
+    the n-weighted average of the students (by hand); ``fedppd-distill`` needs unlabeled data."""
+    import h5py
+    from click.testing import CliRunner
+
+    import posterior_fusion
+    from posterior_fusion.cli.main import pfuse
+    from posterior_fusion.data.silo import SiloData, write_silo
+
+    x, y = fmnist_train
+    paths = []
+    for c, n in enumerate((60, 120)):
+        silo = tmp_path / f"silo{c}.h5"
+        write_silo(silo, SiloData(x[c * 200 : c * 200 + n], y[c * 200 : c * 200 + n], "fmnist", 10))
+        paths.append(tmp_path / f"c{c}.h5")
+        r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(silo), "--model", "mlp", "--model-kwargs",
+                                       '{"hidden": 8}', "--components", "2", "--epochs", "1", "--structure", "diag",
+                                       "--ppd", "--ppd-steps", "40", "--ppd-burn-in", "10", "--ppd-thin", "5",
+                                       "--out", str(paths[-1])])
+        assert r.exit_code == 0, r.output
+    with h5py.File(paths[0]) as f:
+        stored = f["/components/1/ppd_student"][()]
+    clients = [posterior_fusion.load(p) for p in paths]
+    comp = clients[0].components[1]
+    assert comp.student is not None and torch.equal(comp.student, torch.as_tensor(stored))
+    assert comp.training["ppd_samples"] == 6 and not torch.equal(comp.student, comp.map)
+    out = tmp_path / "g.h5"
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedppd", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    want = (60 * clients[0].components[0].student + 120 * clients[1].components[0].student) / 180
+    torch.testing.assert_close(posterior_fusion.load(out).members[0], want, rtol=1e-6, atol=1e-7)
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedppd-distill", "--out", str(tmp_path / "h.h5")])
+    assert r.exit_code == 2 and "needs unlabeled server data" in r.output
+    unl = tmp_path / "unl.h5"
+    write_silo(unl, SiloData(x[1000:1100], None, "fmnist", 10))
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedppd-distill", "--unlabeled", str(unl),
+                                   "--set", "distill_epochs=2", "--out", str(tmp_path / "h.h5")])
+    assert r.exit_code == 0, r.output
+    meta = posterior_fusion.load(tmp_path / "h.h5").metadata
+    assert meta["distill"]["teachers"] == 4
+    # a client without students is refused with the file named
+    plain = tmp_path / "plain.h5"
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "silo0.h5"), "--model", "mlp", "--model-kwargs",
+                                   '{"hidden": 8}', "--components", "2", "--epochs", "1", "--structure", "diag",
+                                   "--out", str(plain)])
+    assert r.exit_code == 0
+    r = CliRunner().invoke(pfuse, ["fuse", str(plain), str(paths[1]), "--method", "fedppd", "--out", str(tmp_path / "k.h5")])
+    assert r.exit_code == 2 and "plain.h5" in r.output and "fit-local --ppd" in r.output
