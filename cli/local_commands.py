@@ -13,7 +13,7 @@ from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import CAPTURE_METHODS
-from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, TrainConfig
+from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, PrivateModelConfig, TrainConfig
 from posterior_fusion.local.fit import fit_to_file
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.ppd import PPDConfig
@@ -93,6 +93,13 @@ def init(model, model_kwargs, components, init_seed, transform_from, out):
 @click.option("--ppd-burn-in", default=PPD.burn_in, show_default=True, type=int, help="SGLD burn-in steps of --ppd.")
 @click.option("--ppd-thin", default=PPD.thin, show_default=True, type=int, help="Keep every this many SGLD iterates.")
 @click.option("--ppd-step-size", default=PPD.step_size, show_default=True, type=float, help="SGLD step size ε.")
+@click.option("--private-model", default=None,
+              help="HBFL's heterogeneous client: this silo's own architecture (a model name), trained first and "
+                   "distilled on the silo's data into the shared --model; it never leaves the silo [default: none].")
+@click.option("--private-model-kwargs", default="{}", show_default=True, help="JSON keyword arguments of --private-model.")
+@click.option("--private-epochs", default=None, type=int, help="Epochs of the private model [default: --epochs].")
+@click.option("--private-weight", default=0.5, show_default=True, type=float,
+              help="Weight of the distillation term in the shared model's loss (HBFL's 1 − α).")
 @click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
               help="fast: this package's capture (one forward + one batched backward per batch) for models whose "
                    "parameters all sit in Linear/Conv2d layers, laplace-torch otherwise; laplace: always laplace-torch.")
@@ -110,13 +117,16 @@ def init(model, model_kwargs, components, init_seed, transform_from, out):
 @handle_errors
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, structure, epochs, batch_size, lr,
                   momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, ppd, ppd_steps, ppd_burn_in, ppd_thin,
-                  ppd_step_size, capture, curvature_batch_size,
+                  ppd_step_size, private_model, private_model_kwargs, private_epochs, private_weight, capture,
+                  curvature_batch_size,
                   train_seed, out, resume, as_json, max_memory):
     """Train M models on one silo and write their local posteriors to one artifact."""
     cfg = FitConfig(structure=structure, temperature=temperature, prior_var=prior_var, train_seed=train_seed,
                     curvature_batch_size=curvature_batch_size, ggn=ggn, capture=capture,
                     ppd=PPDConfig(steps=ppd_steps, burn_in=ppd_burn_in, thin=ppd_thin, step_size=ppd_step_size)
                     if ppd else None,
+                    private=PrivateModelConfig(private_model, dict(parse_model(private_model, private_model_kwargs).kwargs),
+                                               private_epochs, private_weight) if private_model else None,
                     train=TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                                       weight_decay=weight_decay, swag=swag, swag_rank=swag_rank))
     cfg.validate()

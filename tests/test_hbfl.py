@@ -68,3 +68,68 @@ def test_hbfl_kron_reaches_the_dense_optimum(tmp_path, small_silo):
     best = torch.linalg.solve(Lam + eps * torch.eye(len(rhs), dtype=torch.float64), rhs + eps * avg)
     gap, scale = f(got) - f(best), f(avg) - f(best)
     assert scale > 0 and gap <= 1e-3 * scale, (gap, scale)
+
+
+def test_soft_targets_with_full_weight_on_one_hot_labels_equal_plain_training(small_silo):
+    """``(1 − β) CE(y) + β CE(one_hot(y))`` is CE(y) for any β: the same trajectory."""
+    from posterior_fusion.local.config import TrainConfig
+    from posterior_fusion.local.train import train_map
+    from posterior_fusion.models import ModelSpec
+
+    x, y = small_silo.tensors()
+    x, y = x[:128], y[:128]
+    spec = ModelSpec("mlp", {"hidden": 8})
+    runs = []
+    for soft in (None, torch.nn.functional.one_hot(y, 10).float()):
+        torch.manual_seed(0)
+        model = spec.build()
+        train_map(model, x, y, TrainConfig(epochs=2, weight_decay=0.0), seed=0, soft_targets=soft, soft_weight=0.7)
+        runs.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
+
+
+def plain_dim(folder) -> int:
+    return posterior_fusion.load(folder / "plain.h5").layout.dim
+
+
+def test_private_model_is_distilled_into_the_shared_model_and_never_stored(tmp_path, small_silo):
+    """HBFL's heterogeneous client: a private MLP (another architecture) trained on the silo; the
+    shared model trained with the distillation term agrees with it more often than without; the
+    artifact holds neither the private weights nor its name or settings."""
+    from click.testing import CliRunner
+
+    from posterior_fusion.cli.main import pfuse
+    from posterior_fusion.data.silo import write_silo
+
+    silo = tmp_path / "silo.h5"
+    write_silo(silo, SiloData(small_silo.x[:200], small_silo.y[:200], "fmnist", 10))
+    common = ["fit-local", "--data", str(silo), "--model", "mlp", "--model-kwargs", '{"hidden": 16}',
+              "--components", "1", "--epochs", "10", "--structure", "diag"]
+    r = CliRunner().invoke(pfuse, [*common, "--out", str(tmp_path / "plain.h5")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(pfuse, [*common, "--private-model", "mlp", "--private-model-kwargs",
+                                   '{"hidden_sizes": [57, 33]}', "--private-epochs", "6", "--private-weight", "0.9",
+                                   "--out", str(tmp_path / "hbfl.h5")])
+    assert r.exit_code == 0, r.output
+    raw = (tmp_path / "hbfl.h5").read_bytes()
+    assert b"hidden_sizes" not in raw  # neither the private architecture's settings ...
+    art = posterior_fusion.load(tmp_path / "hbfl.h5")
+    assert art.metadata["hbfl_private"] == {"weight": 0.9, "epochs": 6}
+    assert len(art.components) == 1 and art.layout.dim == plain_dim(tmp_path)  # ... nor its weights
+    # agreement with the private model's predictions: rebuild it exactly as fit-local did
+    from posterior_fusion.local.config import FitConfig, PrivateModelConfig, TrainConfig
+    from posterior_fusion.local.fit import private_teacher
+    from posterior_fusion.models.functional import batched_logits
+
+    data = SiloData(small_silo.x[:200], small_silo.y[:200], "fmnist", 10)
+    x, y = data.tensors()
+    cfg = FitConfig(structure="diag", train=TrainConfig(epochs=10),
+                    private=PrivateModelConfig("mlp", {"hidden_sizes": [57, 33]}, 6, 0.9)).resolved(200)
+    teacher = private_teacher(cfg, x, y, 10, log=lambda m: None)
+    plain = posterior_fusion.load(tmp_path / "plain.h5")
+
+    def cross_entropy_to_teacher(a):  # what the distillation term lowers
+        logq = torch.log_softmax(batched_logits(a.model_spec, a.components[0].map[None], x)[0], -1)
+        return -(teacher * logq).sum(-1).mean().item()
+
+    assert cross_entropy_to_teacher(art) < 0.9 * cross_entropy_to_teacher(plain)

@@ -46,6 +46,24 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class PrivateModelConfig:
+    """HBFL's heterogeneous client: the silo's own architecture (never written to the artifact),
+    trained first and distilled on the silo's data into the shared model (``weight``: the
+    weight of the distillation term, HBFL's 1 − α; ``epochs`` None: the shared model's epochs)."""
+
+    model: str
+    model_kwargs: dict = field(default_factory=dict)
+    epochs: int | None = None
+    weight: float = 0.5
+
+    def validate(self) -> None:
+        if not 0 <= self.weight <= 1:
+            raise ConfigError(f"--private-weight must be in [0, 1], got {self.weight}")
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError(f"--private-epochs must be >= 1, got {self.epochs}")
+
+
+@dataclass(frozen=True)
 class FitConfig:
     """Everything that determines a silo's fit besides the data, the model and the starting points."""
 
@@ -57,6 +75,7 @@ class FitConfig:
     ggn: str = "exact"            # "exact" GGN or "mc" (Monte-Carlo Fisher, 1 sample)
     capture: str = "fast"         # "fast" (local/fastcapture.py, where the model allows) or "laplace"
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
+    private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
@@ -70,6 +89,8 @@ class FitConfig:
             raise ConfigError(f"unknown --capture {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.ppd is not None:
             self.ppd.validate()
+        if self.private is not None:
+            self.private.validate()
         if self.curvature_batch_size < 1:
             raise ConfigError("--curvature-batch-size must be >= 1")
         self.train.validate()
@@ -84,8 +105,9 @@ class FitConfig:
         rounding level) is left out, and ``ppd`` when off, so caches and partial files written
         before these options existed keep their keys."""
         out = {k: v for k, v in asdict(self).items() if k != "capture"}
-        if self.ppd is None:
-            out.pop("ppd")
+        for optional in ("ppd", "private"):
+            if out[optional] is None:
+                out.pop(optional)
         return out
 
     def resolved(self, n_data: int) -> FitConfig:

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -65,7 +65,28 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         "temperature": cfg.temperature, "prior_precision": cfg.prior_precision, "structure": cfg.structure,
         "train_seed": cfg.train_seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,
         "train": asdict(cfg.train), "library_versions": library_versions(), "fit_fingerprint": h.hexdigest(),
+        **({"ppd": asdict(cfg.ppd)} if cfg.ppd is not None else {}),
+        # HBFL: the private architecture stays in the silo; only how it was used is recorded
+        **({"hbfl_private": {"weight": cfg.private.weight, "epochs": cfg.private.epochs or cfg.train.epochs}}
+           if cfg.private is not None else {}),
     }
+
+
+def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classes: int, log=print) -> torch.Tensor:
+    """HBFL's heterogeneous client: train the silo's private model (same SGD settings, its own
+    epochs) and return its probabilities on the silo ``(n, classes)`` for distillation."""
+    spec = ModelSpec(cfg.private.model, dict(cfg.private.model_kwargs))
+    if spec.num_classes != num_classes:
+        raise ConfigError(f"--private-model outputs {spec.num_classes} classes, the shared model {num_classes}")
+    spec.check_input(tuple(x.shape[1:]), "the silo")
+    model = spec.build()
+    train = replace(cfg.train, epochs=cfg.private.epochs or cfg.train.epochs, swag=False)
+    seed = cfg.train_seed * 1_000_003 + 999_983
+    torch.manual_seed(seed)
+    res = train_map(model, x, y, train, seed=seed, desc="private model")
+    log(f"private model: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} (kept in the silo)")
+    with torch.no_grad():
+        return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])
 
 
 def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig, log=print,
@@ -86,6 +107,7 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
     comps = list(done or [])
     if [c.index for c in comps] != list(range(len(comps))) or len(comps) > len(inits):
         raise ConfigError("resumed components must be 0..k-1 of the same run")
+    soft_targets = private_teacher(cfg, x, y, spec.num_classes, log) if cfg.private is not None and len(comps) < len(inits) else None
     for m in range(len(comps), len(inits)):
         w0 = inits[m]
         if w0.shape != (layout.dim,):
@@ -95,7 +117,8 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
         component_seed = cfg.train_seed * 1_000_003 + m
         torch.manual_seed(component_seed)
         t0 = time.perf_counter()
-        res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}")
+        res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}",
+                        soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0)
         t1 = time.perf_counter()
         curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
                                     torch.Generator().manual_seed(component_seed), log)

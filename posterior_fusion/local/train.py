@@ -23,10 +23,14 @@ class TrainResult:
 
 
 def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-              seed: int, desc: str = "train") -> TrainResult:
+              seed: int, desc: str = "train", soft_targets: torch.Tensor | None = None,
+              soft_weight: float = 0.0) -> TrainResult:
     """Train ``model`` in place on ``x`` ``(n, ...)``, ``y`` ``(n,)``; shuffling uses ``seed``.
 
-    ``cfg.weight_decay`` must be resolved (see :meth:`FitConfig.resolved`)."""
+    ``cfg.weight_decay`` must be resolved (see :meth:`FitConfig.resolved`). With
+    ``soft_targets`` ``(n, classes)`` (a teacher's probabilities) the loss is
+    ``(1 − soft_weight) · CE(y) + soft_weight · CE(soft_targets)`` (HBFL's eq. 4.2 with
+    α = 1 − soft_weight; the cross-entropy equals the KL up to a constant)."""
     if cfg.weight_decay is None:
         raise ValueError("train_map needs a resolved weight decay (FitConfig.resolved(n))")
     gen = torch.Generator().manual_seed(seed)
@@ -50,6 +54,9 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
             idx = perm[step * cfg.batch_size : (step + 1) * cfg.batch_size]
             out = model(x[idx])
             loss = loss_fn(out, y[idx])
+            if soft_targets is not None and soft_weight > 0:
+                soft = -(soft_targets[idx] * torch.log_softmax(out, -1)).sum(-1).mean()
+                loss = (1 - soft_weight) * loss + soft_weight * soft
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
