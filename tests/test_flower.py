@@ -172,3 +172,22 @@ def test_exchange_matches_replies_by_message_and_times_out():
     grid = FakeGrid([[], [(2, 102)], [], [(0, 100), (1, 101)]])
     replies, missing = exchange(grid, messages(3), [5, 6, 7], timeout_s=0, log=lambda m: None, poll_s=0.0)
     assert sorted(replies) == [5, 6, 7] and missing == {}
+
+
+def test_ppd_settings_and_a_node_s_private_model():
+    from types import SimpleNamespace
+
+    from posterior_fusion.flower.federation import node_private_model
+
+    cfg = FederatedSettings(ppd=True, ppd_steps=50, ppd_burn_in=10).fit_config()
+    assert cfg.ppd is not None and (cfg.ppd.steps, cfg.ppd.burn_in) == (50, 10)
+    assert FederatedSettings().fit_config().ppd is None
+    node = SimpleNamespace(node_config={"private-model": "mlp", "private-model-kwargs": '{"hidden": 7}',
+                                        "private-weight": 0.3})
+    private = node_private_model(node)
+    assert (private.model, private.model_kwargs, private.epochs, private.weight) == ("mlp", {"hidden": 7}, None, 0.3)
+    assert node_private_model(SimpleNamespace(node_config={})) is None
+    from posterior_fusion.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="private-model-kwargs"):
+        node_private_model(SimpleNamespace(node_config={"private-model": "mlp", "private-model-kwargs": "{bad"}))

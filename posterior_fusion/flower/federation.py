@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,14 @@ from posterior_fusion.artifact.atomic import check_writable
 from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.config import FitConfig, PrivateModelConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact
+from posterior_fusion.local.ppd import PPDConfig
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
 RENAMED_KEYS = {"mixtures": "components", "seed": "train_seed"}  # deprecated spellings, one release
-_FIT, _TRAIN = FitConfig(), TrainConfig()
+_FIT, _TRAIN, _PPD = FitConfig(), TrainConfig(), PPDConfig()
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class FederatedSettings:
     swag_rank: int = _TRAIN.swag_rank
     ggn: str = _FIT.ggn
     capture: str = _FIT.capture
+    ppd: bool = False
+    ppd_steps: int = _PPD.steps
+    ppd_burn_in: int = _PPD.burn_in
+    ppd_thin: int = _PPD.thin
+    ppd_step_size: float = _PPD.step_size
     train_seed: int = _FIT.train_seed
 
     def to_json(self) -> str:
@@ -96,6 +102,8 @@ class FederatedSettings:
     def fit_config(self) -> FitConfig:
         cfg = FitConfig(structure=self.structure, temperature=self.temperature, prior_var=self.prior_var,
                         train_seed=self.train_seed, ggn=self.ggn, capture=self.capture,
+                        ppd=PPDConfig(steps=self.ppd_steps, burn_in=self.ppd_burn_in, thin=self.ppd_thin,
+                                      step_size=self.ppd_step_size) if self.ppd else None,
                         train=TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                           momentum=self.momentum, swag=self.swag, swag_rank=self.swag_rank))
         cfg.validate()
@@ -103,10 +111,30 @@ class FederatedSettings:
 
 
 def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
-                    log: Callable[[str], None] = lambda m: None) -> None:
-    """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does."""
-    fit_silo_to_artifact(settings.spec(), silo_path, out, settings.components, settings.init_seed,
-                         settings.fit_config(), log=log)
+                    log: Callable[[str], None] = lambda m: None, private: PrivateModelConfig | None = None) -> None:
+    """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does (``private``:
+    the node's own architecture, HBFL's heterogeneous client — chosen by the node, not the server)."""
+    cfg = settings.fit_config()
+    if private is not None:
+        cfg = replace(cfg, private=private)
+        cfg.validate()
+    fit_silo_to_artifact(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log)
+
+
+def node_private_model(context: Context) -> PrivateModelConfig | None:
+    """The node's own architecture from its node config (``private-model``, ``private-model-kwargs``,
+    ``private-epochs``, ``private-weight``), or None."""
+    nc = context.node_config
+    if "private-model" not in nc:
+        return None
+    try:
+        kwargs = json.loads(str(nc.get("private-model-kwargs", "{}")))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"node config private-model-kwargs is not valid JSON: {exc.msg}") from None
+    spec = ModelSpec(str(nc["private-model"]), kwargs)
+    epochs = nc.get("private-epochs")
+    return PrivateModelConfig(spec.name, dict(spec.kwargs), int(epochs) if epochs is not None else None,
+                              float(nc.get("private-weight", 0.5)))
 
 
 def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:
@@ -124,7 +152,7 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
     silo = node_silo(context, silo_dir)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
-        fit_to_artifact(settings, silo, out)
+        fit_to_artifact(settings, silo, out, private=node_private_model(context))
         blob = out.read_bytes()
     reply = {"artifact": blob, "silo": str(silo)}
     if "partition-id" in context.node_config:
