@@ -288,3 +288,23 @@ def test_plain_adam_matches_torch_adam():
             ((w - target) ** 4).sum().backward()
             opt.step()
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_plain_momentum_sgd_matches_torch_sgd():
+    from posterior_fusion.fusion.optimise import MomentumSGD
+
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    a = torch.zeros(4, 5, dtype=torch.float64, requires_grad=True)
+    b = a.detach().clone().requires_grad_(True)
+    ours, ref = MomentumSGD([a], lr=0.01, momentum=0.9), torch.optim.SGD([b], lr=0.01, momentum=0.9)
+    for step in range(40):
+        lr = 0.01 * (1 - step / 80)  # the step size may change between steps (SWA's cycles)
+        ours.lr = lr
+        for group in ref.param_groups:
+            group["lr"] = lr
+        for w, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            ((w - target) ** 4).sum().backward()
+            opt.step()
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

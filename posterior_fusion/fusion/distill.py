@@ -17,6 +17,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.optimise import MomentumSGD
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.progress import progress
@@ -79,16 +80,15 @@ def distill(spec: ModelSpec, teachers: torch.Tensor, start: torch.Tensor, x: tor
     model = spec.build()
     vector_to_parameters(start.detach().clone().float(), model.parameters())
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr_max, momentum=cfg.momentum)
+    opt = MomentumSGD(model.parameters(), lr=cfg.lr_max, momentum=cfg.momentum)  # no torch._dynamo import
     swa, count, step = None, 0, 0
     for _ in progress(range(cfg.epochs), "distill", show=show_progress):
         perm = torch.randperm(x.shape[0], generator=generator)
         for i in range(0, x.shape[0], cfg.batch_size):
             idx = perm[i : i + cfg.batch_size]
-            for group in opt.param_groups:
-                group["lr"] = swa_lr(step, cfg)
+            opt.lr = swa_lr(step, cfg)
             loss = -(targets[idx] * torch.log_softmax(model(x[idx]), -1)).sum(-1).mean()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             loss.backward()
             opt.step()
             if collects(step, cfg):

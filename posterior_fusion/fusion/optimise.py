@@ -59,6 +59,31 @@ class Adam:
         self.param.grad = None
 
 
+class MomentumSGD:
+    """SGD with momentum on a list of tensors (torch.optim.SGD's update without dampening,
+    Nesterov or weight decay: b ← μ b + g, p ← p − lr b), written out for the same reason as
+    :class:`Adam`; its ``lr`` may change between steps. Tested against ``torch.optim.SGD``."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.9) -> None:
+        self.params = list(params)
+        self.lr, self.momentum = lr, momentum
+        self.bufs: list[torch.Tensor | None] = [None] * len(self.params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            b = self.bufs[i]
+            b = p.grad.clone() if b is None else b.mul_(self.momentum).add_(p.grad)
+            self.bufs[i] = b
+            p.add_(b, alpha=-self.lr)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 def accuracy_of(spec: ModelSpec, W: torch.Tensor, data: SiloData) -> torch.Tensor:
     """Accuracy of each of the K weight vectors on ``data``: ``(K,)``."""
     x, y = data.tensors()
