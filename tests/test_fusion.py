@@ -341,3 +341,24 @@ def test_fedbe_distillation_with_unlabeled_data(fitted):
     teacher = torch.softmax(batched_logits(inputs.spec, torch.stack(no_distill.members), x), -1).mean(0)
     kl = lambda w: (teacher * (teacher.clamp_min(1e-12).log() - torch.log_softmax(batched_logits(inputs.spec, w[None], x)[0], -1))).sum(-1).mean()  # noqa: E731
     assert kl(res.members[0]) < kl(no_distill.members[0])
+
+
+@pytest.mark.parametrize("starts", ["clients", "median+clients"])
+def test_fedbens_starts_from_client_maps(fitted, starts):
+    """More global modes than M: one Adam run per client component's MAP (and the medians)."""
+    folder, paths = fitted
+    clients = [posterior_fusion.load(p) for p in paths]
+    inputs = FusionInputs(clients, FusionOptions(progress=False))
+    res0 = fedbens(inputs, FedBEnsSettings(steps=0, laplace=False, starts=starts))
+    maps = [comp.map for c in clients for comp in c.components]
+    medians = [torch.stack([c.components[m].map for c in clients]).median(0).values for m in range(2)]
+    want = maps if starts == "clients" else medians + maps
+    assert len(res0.members) == len(want)
+    for got, w in zip(res0.members, want):
+        torch.testing.assert_close(got, w)
+    res = fedbens(inputs, FedBEnsSettings(steps=20, laplace=True, starts=starts))
+    assert len(res.members) == len(want) == len(res.curvatures)
+    obj = GlobalLogPosterior(clients, [c.temperature for c in clients], [c.prior_precision for c in clients],
+                             clients[0].prior_precision)
+    with torch.no_grad():
+        assert (obj(torch.stack(res.members)) <= obj(torch.stack(want)) + 1e-3).all()

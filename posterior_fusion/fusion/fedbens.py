@@ -37,6 +37,8 @@ class FedBEnsSettings(OptimiserSettings):
                                                  "then need not be near each other; the per-mode median start is then meaningless).")
     lowrank_tol: float = setting(0.0, "Kronecker low-rank shortcut: drop eigen-directions with curvature < tol·λ0 "
                                       "(relative objective error < tol); 0 = exact.")
+    starts: str = setting("median", "Where the global modes start: 'median' (per component index, the paper), "
+                                    "'clients' (every client component's MAP: C·M modes) or 'median+clients'.")
 
     def validate(self) -> None:
         super().validate()
@@ -48,6 +50,8 @@ class FedBEnsSettings(OptimiserSettings):
             raise ConfigError("setting mode_weights must be 'equal' or 'laplace'")
         if self.mode_weights == "laplace" and not self.laplace:
             raise ConfigError("setting mode_weights=laplace needs laplace=true")
+        if self.starts not in STARTS:
+            raise ConfigError(f"setting starts must be one of {STARTS}")
 
 
 class GlobalLogPosterior:
@@ -98,6 +102,14 @@ def require_shared_inits(inputs: FusionInputs) -> None:
                                          "allow_different_inits=true")
 
 
+STARTS = ("median", "clients", "median+clients")
+
+
+def client_starts(inputs: FusionInputs) -> torch.Tensor:
+    """``(C·M, d)``: every client component's MAP (client-major)."""
+    return torch.stack([comp.map.float() for c in inputs.clients for comp in c.components])
+
+
 def median_starts(inputs: FusionInputs, modes: int) -> torch.Tensor:
     """``(modes, d)``: element-wise median over clients of ŵ_cm for each mode index m."""
     return torch.stack([inputs.mode_maps(m).median(dim=0).values for m in range(modes)])
@@ -115,7 +127,9 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         inputs.clients, [inputs.temperature(c) for c in inputs.clients],
         [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision(),
         lowrank_tol=settings.lowrank_tol, kernel=inputs.options.kernel, device=inputs.options.device)
-    best, history = optimise_modes(objective, median_starts(inputs, modes), inputs, settings, "fedbens")
+    starts = {"median": lambda: median_starts(inputs, modes), "clients": lambda: client_starts(inputs),
+              "median+clients": lambda: torch.cat([median_starts(inputs, modes), client_starts(inputs)])}
+    best, history = optimise_modes(objective, starts[settings.starts](), inputs, settings, "fedbens")
     info = {"history": history, "kron_ranks": objective.stack.ranks}
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
