@@ -68,3 +68,16 @@ def kron_artifact(tmp_path_factory, small_silo):
     path = tmp_path_factory.mktemp("art") / "kron.h5"
     fit_artifact(path, small_silo, "kron", swag=True)
     return path
+
+
+def install_fake_plugin(folder, monkeypatch, package: str, version: str, entry: str, source: str) -> None:
+    """A model plugin as pip would install it: ``folder/site/<package>`` with ``source`` and a
+    dist-info registering ``entry = <package>:<entry>`` under ``posterior_fusion.models``."""
+    site = folder / "site"
+    (site / package).mkdir(parents=True)
+    (site / package / "__init__.py").write_text(source)
+    dist = site / f"{package}-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    (dist / "entry_points.txt").write_text(f"[posterior_fusion.models]\n{entry} = {package}:{entry}\n")
+    monkeypatch.syspath_prepend(str(site))

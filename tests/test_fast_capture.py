@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import install_fake_plugin
 from torch import nn
 
 from posterior_fusion.local.capture import capture
@@ -26,14 +27,7 @@ def stridenet(num_classes: int = 10, channels: int = 4) -> nn.Module:
 
 @pytest.fixture
 def plugin_spec(tmp_path, monkeypatch) -> ModelSpec:
-    site = tmp_path / "site"
-    (site / "strideplug").mkdir(parents=True)
-    (site / "strideplug" / "__init__.py").write_text(PLUGIN)
-    dist = site / "strideplug-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: strideplug\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[posterior_fusion.models]\nstridenet = strideplug:stridenet\n")
-    monkeypatch.syspath_prepend(str(site))
+    install_fake_plugin(tmp_path, monkeypatch, "strideplug", "0.1", "stridenet", PLUGIN)
     spec = ModelSpec("stridenet", {"channels": 3})
     assert spec.provider == "strideplug==0.1"
     return spec

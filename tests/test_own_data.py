@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import install_fake_plugin
 
 import posterior_fusion
 from posterior_fusion.cli.main import pfuse
@@ -206,14 +207,8 @@ def tinynet(num_classes: int = 10, in_features: int = 64, width: int = 8) -> nn.
 
 
 def test_entry_point_plugin_end_to_end_and_refused_when_missing(tmp_path, digits, monkeypatch):
+    install_fake_plugin(tmp_path, monkeypatch, "tinyplug", "0.3", "tinynet", PLUGIN)
     site = tmp_path / "site"
-    (site / "tinyplug").mkdir(parents=True)
-    (site / "tinyplug" / "__init__.py").write_text(PLUGIN)
-    dist = site / "tinyplug-0.3.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tinyplug\nVersion: 0.3\n")
-    (dist / "entry_points.txt").write_text("[posterior_fusion.models]\ntinynet = tinyplug:tinynet\n")
-    monkeypatch.syspath_prepend(str(site))
     part = digits / "part"
     spec = ModelSpec("tinynet", {"width": 6})
     assert spec.provider == "tinyplug==0.3"

@@ -1,0 +1,103 @@
+"""The ensemble question (issue 17): the C·M-member client ensemble against fusion at equal or
+lower serving cost, on the cached α = 0.1 cells of an experiment grid.
+
+    nice -n 10 .venv/bin/python benchmarks/ensemble_question.py --config benchmarks/table1_seeds12.toml \
+        --work runs/table1_seeds12 --alpha 0.1 --out docs/results/ensemble_question
+
+For every cached cell (seed): the client ensemble (C·M members), fedbens with the paper's M
+median starts, fedbens started from every client component's MAP (C·M modes) and from both
+(M + C·M), each with the plain-average and the Laplace-weighted mode mixture; test accuracy,
+NLL, ECE and serving cost (members × parameters). Writes ``results.json`` and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from posterior_fusion.artifact import load_client
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.experiment import ExperimentConfig
+from posterior_fusion.fusion import FusionOptions, fuse_clients
+from posterior_fusion.metrics import evaluate_members
+
+VARIANTS = [
+    ("ensemble", "ensemble", {}),
+    ("fedbens (M median starts)", "fedbens", {"steps": 300}),
+    ("fedbens (C·M client starts)", "fedbens", {"steps": 300, "starts": "clients"}),
+    ("fedbens (M + C·M starts)", "fedbens", {"steps": 300, "starts": "median+clients"}),
+]
+
+
+def cached_cells(work: Path, alpha: float):
+    """``(seed, partition summary, loaded clients)`` for every cached cell of ``alpha`` in ``work``,
+    matched by the data hash the client artifacts record (so caches written by an older version
+    of the key scheme are found too; nothing is refitted)."""
+    by_sha = {}
+    for cdir in sorted((work / "clients").iterdir()):
+        posts = sorted(cdir.glob("post_*.h5"))
+        if posts:
+            by_sha[load_client(posts[0]).metadata["data_sha256"]] = cdir
+    for sfile in sorted((work / "partitions").glob("*/summary.json")):
+        summary = json.loads(sfile.read_text())
+        if summary["alpha"] != alpha:
+            continue
+        cdir = by_sha.get(read_silo(summary["clients"][0]["path"]).sha256())
+        n = len(summary["clients"])
+        if cdir is None or not all((cdir / f"post_{i}.h5").exists() for i in range(n)):
+            continue
+        yield summary["seed"], summary, [load_client(cdir / f"post_{i}.h5") for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--alpha", type=float, default=0.1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    cfg = ExperimentConfig.from_toml(args.config)
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    done = {(r["seed"], r["variant"]) for r in rows}
+    for seed, summary, clients in cached_cells(work, args.alpha):
+        val, test = read_silo(summary["server_val"]), read_silo(summary["test"])
+        d = clients[0].layout.dim
+        for name, method, settings in VARIANTS:
+            if (seed, name) in done:
+                continue
+            t0 = time.perf_counter()
+            _, res, meta = fuse_clients(clients, method, FusionOptions(progress=False, sampling_seed=seed), settings, val)
+            fuse_s = time.perf_counter() - t0
+            m = evaluate_members(clients[0].model_spec, res.members, test)
+            rows.append({"seed": seed, "variant": name, "members": len(res.members), "serving_params": len(res.members) * d,
+                         "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "fuse_seconds": round(fuse_s, 1)})
+            print(f"seed {seed} {name}: acc {m['accuracy']:.4f} nll {m['nll']:.3f} ece {m['ece']:.3f} "
+                  f"({len(res.members)} members, {fuse_s:.0f}s)", flush=True)
+            path.write_text(json.dumps(rows, indent=1))
+    lines = ["# The ensemble question: client ensemble vs fusion at equal serving cost", "",
+             f"α = {args.alpha}, C = {cfg.clients[0]}, M = {max(cfg.components)}, kron, {cfg.epochs} local epochs; "
+             f"seeds {', '.join(str(s) for s in sorted({r['seed'] for r in rows}))} (cached fits in `{args.work}`). Command:", "",
+             f"    .venv/bin/python benchmarks/ensemble_question.py --config {args.config} --work {args.work} "
+             f"--alpha {args.alpha} --out {args.out}", "",
+             "| variant | members | accuracy % (mean ± std) | NLL | ECE | per seed |", "|---|---|---|---|---|---|"]
+    for name, _, _ in VARIANTS:
+        rs = [r for r in rows if r["variant"] == name]
+        if not rs:
+            continue
+        acc = [100 * r["accuracy"] for r in rs]
+        sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
+        lines.append(f"| {name} | {rs[0]['members']} | {statistics.mean(acc):.2f} ± {sd:.2f} | "
+                     f"{statistics.mean(r['nll'] for r in rs):.3f} | {statistics.mean(r['ece'] for r in rs):.3f} | "
+                     + ", ".join(f"{a:.2f}" for a in acc) + " |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
