@@ -87,3 +87,26 @@ def test_parallel_jobs_give_the_same_artifacts(tmp_path):
     seq = run_experiment(cfg, tmp_path / "seq", jobs=1, log=lambda m: None)
     par = run_experiment(cfg, tmp_path / "par", jobs=2, log=lambda m: None)
     assert [r["accuracy"] for r in seq] == pytest.approx([r["accuracy"] for r in par], abs=0.02)
+
+
+def test_fits_cached_under_an_older_key_are_found_not_refitted(tmp_path):
+    """A grid resumed after the cache-key scheme changed finds the cell's fits by the data hash
+    and settings the artifacts record."""
+    import shutil
+
+    cfg = replace(ExperimentConfig.from_toml(SMOKE), alphas=[0.5], seeds=[0], components=[1], methods=["fedavg"],
+                  temperatures=[], tune=False, centralized=False)
+    first = run_experiment(cfg, tmp_path, jobs=1, log=lambda m: None)
+    (cdir,) = list((tmp_path / "clients").iterdir())
+    old = cdir.with_name("0123456789abcdef")  # as if written under another key
+    shutil.move(cdir, old)
+    shutil.rmtree(tmp_path / "results")
+    logs: list[str] = []
+    again = run_experiment(cfg, tmp_path, jobs=1, log=logs.append)
+    assert not any("fitting client" in m for m in logs)
+    assert any("reusing the fits in" in m and old.name in m for m in logs)
+    assert [r["accuracy"] for r in again] == [r["accuracy"] for r in first]
+    # other settings (another number of epochs) are not matched: those clients are fitted anew
+    logs = []
+    run_experiment(replace(cfg, epochs=cfg.epochs + 1), tmp_path, jobs=1, log=logs.append)
+    assert any("fitting client" in m for m in logs)

@@ -122,6 +122,11 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
     fit_key = fit_cfg.fingerprint_dict()
     ckey = cache_key({"p": pkey, "fit": fit_key, "M": m_max, "model": spec.to_json()})
     cdir = work / "clients" / ckey
+    if not cdir.exists():
+        older = equivalent_cached_fits(work, summary, spec, fit_cfg, m_max, cell.seed)
+        if older is not None:
+            log(f"  reusing the fits in {older} (cached under an older key scheme; same data and settings)")
+            ckey, cdir = older.name, older
     cdir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
     todo = [FitJob(c["path"], str(cdir / f"post_{i}.h5"), spec.to_json(), m_max, cell.seed, fit_cfg, threads)
@@ -138,6 +143,44 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
     if todo:
         log(f"  fit-local {structure}: {len(todo)} clients in {time.perf_counter() - t0:.0f}s")
     return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]
+
+
+def equivalent_cached_fits(work: Path, summary: dict, spec: ModelSpec, fit_cfg: FitConfig, m_max: int,
+                           init_seed: int) -> Path | None:
+    """A client folder written for the same cell under an older cache key: its first artifact
+    was fitted on this cell's first silo (data hash), with this model, M and settings. Settings
+    fields the older artifact does not record must hold their defaults now (an option added
+    later defaults to the old behaviour)."""
+    import h5py
+
+    want_sha = read_silo(summary["clients"][0]["path"]).sha256()
+    resolved = fit_cfg.resolved(summary["clients"][0]["n"])
+    want_train = asdict(resolved.train)
+    defaults = asdict(TrainConfig())
+    for cdir in sorted((work / "clients").iterdir()) if (work / "clients").exists() else []:
+        first = cdir / "post_0.h5"
+        if not first.exists():
+            continue
+        try:
+            with h5py.File(first, "r") as f:
+                meta = json.loads(f.attrs["metadata"])
+                model = json.loads(f.attrs["model_spec"])
+        except (OSError, KeyError, ValueError):
+            continue
+        train = meta.get("train", {})
+        same = (meta.get("data_sha256") == want_sha and meta.get("num_components") == m_max
+                and model.get("name") == spec.name and dict(model.get("kwargs", {})) == dict(spec.kwargs)
+                and meta.get("structure") == resolved.structure
+                and meta.get("train_seed", meta.get("seed")) == resolved.train_seed  # "seed" before the rename
+                and meta.get("init", {}).get("init_seed", init_seed) == init_seed
+                and meta.get("temperature") == resolved.temperature
+                and meta.get("prior_precision") == resolved.prior_precision
+                and meta.get("ggn", "exact") == resolved.ggn
+                and meta.get("curvature_batch_size") == resolved.curvature_batch_size
+                and all(train[k] == v if k in train else v == defaults[k] for k, v in want_train.items()))
+        if same:
+            return cdir
+    return None
 
 
 SETTINGS_CHANGED = {"regmean"}  # methods whose default settings changed after results were first cached
