@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
-from posterior_fusion.artifact import load
+from posterior_fusion.artifact.preview import preview
 from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option
-from posterior_fusion.inspect import summarize
 
 
 def _bytes(n: int) -> str:
@@ -17,36 +16,51 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def _num(value, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
+
+
 @click.command("inspect")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the full summary as JSON.")
 @max_memory_option
 @handle_errors
 def inspect_cmd(file, as_json, max_memory):
-    """Validate an artifact and summarise it (model, layout, structure, sizes, metadata)."""
-    s = summarize(load(file, max_memory))
+    """Summarise an artifact (model, layout, structure, sizes, metadata) and validate it.
+
+    The summary comes from the header at once (torch is not needed for it); then the whole file,
+    values included, is validated as fuse would — a bad file still ends with one line and exit 2."""
     if as_json:
-        echo_json(s)
+        from posterior_fusion.artifact import load
+        from posterior_fusion.inspect import summarize
+
+        echo_json(summarize(load(file, max_memory)))
         return
+    s = preview(file)
     click.echo(f"{s['file']}  ({s['kind']} artifact, {_bytes(s['file_bytes'])}, sha256 {s['sha256'][:16]}…)")
-    click.echo(f"model: {s['model']['name']} {s['model']['kwargs']}  parameters d={s['num_params']}")
+    click.echo(f"model: {s['model'].get('name', '?')} {s['model'].get('kwargs', {})}  parameters d={s['num_params']}")
     click.echo("layout:")
     for e in s["layout"]:
         click.echo(f"  {e['name']:<14} {str(tuple(e['shape'])):<18} offset {e['offset']}")
     meta = s["metadata"]
-    if s["metadata"].get("partial"):
+    if meta.get("partial"):
         click.echo("PARTIAL: an interrupted fit-local run (finish it with --resume); fuse refuses it")
     if s["kind"] == "client":
-        click.echo(f"structure: {s['structure']}  n_data={meta['n_data']}  T={meta['temperature']}  "
-                   f"λ0={meta['prior_precision']}  class counts {meta['class_counts']}")
+        click.echo(f"structure: {s['structure']}  n_data={meta.get('n_data')}  T={meta.get('temperature')}  "
+                   f"λ0={meta.get('prior_precision')}  class counts {meta.get('class_counts')}")
         click.echo("components:")
         for c in s["components"]:
-            t = c["training"]
+            t = c["training"] if isinstance(c["training"], dict) else {}
             click.echo(f"  [{c['index']}] blocks {c['blocks']}  curvature {_bytes(c['curvature_bytes'])} "
-                       f"({c['curvature_bytes_per_param']}x params)  swag K={c['swag_rank']}  "
-                       f"loss {t.get('final_loss', float('nan')):.4f} acc {t.get('final_accuracy', float('nan')):.3f}")
+                       f"({c['curvature_bytes_per_param']}x params)  swag K={c['swag_rank']}"
+                       f"{'  ppd student' if c['ppd_student'] else ''}  "
+                       f"loss {_num(t.get('final_loss'), '.4f')} acc {_num(t.get('final_accuracy'), '.3f')}")
     else:
         click.echo(f"method: {s['method']}  members: {s['num_members']}")
         for key in sorted(meta):
             if key not in ("history",):
                 click.echo(f"  {key}: {meta[key]}")
+    from posterior_fusion.artifact import load  # imports torch: after the summary is on screen
+
+    load(file, max_memory)
+    click.echo("validated: the whole file, values included (as fuse reads it)")

@@ -251,3 +251,26 @@ def test_inspect_json(kron_artifact):
     s = json.loads(result.stdout)
     assert s["kind"] == "client" and s["structure"] == "kron" and len(s["components"]) == 2
     assert s["num_params"] == sum(int(np.prod(e["shape"])) for e in s["layout"])
+
+
+def test_inspect_header_preview_is_torch_free_and_agrees_with_the_full_summary(kron_artifact):
+    """``pfuse inspect`` prints the header summary before torch is imported (start-up), then
+    validates the whole file; the preview's facts equal the validated summary's."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import sys, json; from posterior_fusion.artifact.preview import preview; "
+            f"s = preview({str(kron_artifact)!r}); print(json.dumps({{'torch': 'torch' in sys.modules, "
+            "'d': s['num_params'], 'comps': len(s['components']), 'bytes': [c['curvature_bytes'] for c in "
+            "s['components']], 'sha': s['sha256'], 'ratio': [c['curvature_bytes_per_param'] for c in s['components']]}))")
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert out["torch"] is False
+    from posterior_fusion.inspect import summarize
+
+    full = summarize(posterior_fusion.load(kron_artifact))
+    assert out["d"] == full["num_params"] and out["comps"] == len(full["components"]) and out["sha"] == full["sha256"]
+    assert out["bytes"] == [c["curvature_bytes"] for c in full["components"]]
+    assert out["ratio"] == [c["curvature_bytes_per_param"] for c in full["components"]]
+    result = CliRunner().invoke(pfuse, ["inspect", str(kron_artifact)])
+    assert result.exit_code == 0 and result.stdout.rstrip().endswith("values included (as fuse reads it)")

@@ -1,8 +1,23 @@
-"""HDF5 artifacts: schema, atomic writer, validating reader, typed objects."""
+"""HDF5 artifacts: schema, atomic writer, validating reader, typed objects.
 
-from posterior_fusion.artifact.objects import ClientPosterior, Component, GlobalEnsemble, SwagMoments, build_model
-from posterior_fusion.artifact.reader import file_sha256, load, load_client, load_global
-from posterior_fusion.artifact.writer import write_client_artifact, write_global_artifact
+The public names load on first use (PEP 562), so the torch-free parts (``schema``,
+``jsonattr``, ``h5check``, ``preview``) can be imported without importing torch."""
 
-__all__ = ["ClientPosterior", "Component", "GlobalEnsemble", "SwagMoments", "build_model", "load",
-           "load_client", "load_global", "write_client_artifact", "write_global_artifact", "file_sha256"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ClientPosterior": "objects", "Component": "objects", "GlobalEnsemble": "objects", "SwagMoments": "objects",
+    "build_model": "objects", "file_sha256": "reader", "load": "reader", "load_client": "reader",
+    "load_global": "reader", "write_client_artifact": "writer", "write_global_artifact": "writer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

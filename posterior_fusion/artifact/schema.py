@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import re
 
-from posterior_fusion.curvature import BLOCK_TYPES
-
 FORMAT_NAME = "posterior-fusion"
 FORMAT_VERSION = 2           # 2: global artifacts may carry each member's Laplace curvature
 READABLE_VERSIONS = (1, 2)
@@ -40,6 +38,8 @@ FLOAT_DTYPES = ("float32", "float64")
 
 
 def _dataset_names() -> str:
+    from posterior_fusion.curvature import BLOCK_TYPES  # here, not at import: the header preview is torch-free
+
     return "|".join(sorted({re.escape(n) for cls in BLOCK_TYPES.values() for n in cls.dataset_names}))
 
 

@@ -1,0 +1,13 @@
+"""Time to the first stdout line and to the end of a command (3 runs):
+
+    .venv/bin/python benchmarks/first_line.py .venv/bin/pfuse inspect FILE
+"""
+
+import subprocess, sys, time
+cmd = sys.argv[1:]
+for _ in range(3):
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = p.stdout.readline(); t1 = time.perf_counter()
+    p.communicate(); t2 = time.perf_counter()
+    print(f"first line {t1 - t0:.2f}s, whole command {t2 - t0:.2f}s (exit {p.returncode})")

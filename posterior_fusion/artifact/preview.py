@@ -1,0 +1,83 @@
+"""What an artifact says about itself, read from its header without importing torch (the first
+lines of ``pfuse inspect``, printed in well under a second). Attributes go through the same
+typed, size-capped readers and strict JSON as the full reader; nothing here is a validation —
+``pfuse inspect`` validates the whole file (values included) right after printing this.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from typing import Any
+
+import h5py
+
+from posterior_fusion.artifact import schema
+from posterior_fusion.artifact.h5check import file_sha256, open_artifact
+from posterior_fusion.errors import NotAnArtifactError, UnsupportedVersionError
+
+
+def _nbytes(obj: Any) -> int:
+    return int(obj.size * obj.dtype.itemsize) if isinstance(obj, h5py.Dataset) else 0
+
+
+def preview(path: str | os.PathLike) -> dict[str, Any]:
+    """``{file, file_bytes, sha256, kind, format_version, model, num_params, layout, metadata,
+    components | num_members}`` from the header (dataset sizes from their metadata, no data read)."""
+    from pathlib import Path
+
+    path = Path(path)
+    with open_artifact(path) as (chk, f):
+        for name in ("format", "format_version", "artifact_kind"):
+            if name not in f.attrs:
+                raise NotAnArtifactError(chk.file, f"missing root attribute {name!r}: not a posterior-fusion artifact", "/")
+        if chk.attr(f, "format", "/", "text") != schema.FORMAT_NAME:
+            raise NotAnArtifactError(chk.file, f"format is not {schema.FORMAT_NAME!r}", "/")
+        version = chk.attr(f, "format_version", "/", "int")
+        if version not in schema.READABLE_VERSIONS:
+            raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported", "/")
+        kind = chk.attr(f, "artifact_kind", "/", "text")
+        model = chk.json_attr(f, "model_spec", "/")
+        layout = chk.json_attr(f, "layout", "/")
+        meta = chk.json_attr(f, "metadata", "/")
+        entries, offset = [], 0
+        for e in layout if isinstance(layout, list) else []:
+            shape = e.get("shape", []) if isinstance(e, dict) else []
+            shape = [s for s in shape if isinstance(s, int) and not isinstance(s, bool)] if isinstance(shape, list) else []
+            size = math.prod(shape)
+            entries.append({"name": str(e.get("name", "?")) if isinstance(e, dict) else "?", "shape": shape,
+                            "offset": offset})
+            offset += size
+        out: dict[str, Any] = {
+            "file": str(path), "file_bytes": os.path.getsize(path), "sha256": file_sha256(path), "kind": kind,
+            "format_version": version, "model": model if isinstance(model, dict) else {"name": "?", "kwargs": {}},
+            "num_params": offset, "layout": entries, "metadata": meta if isinstance(meta, dict) else {},
+        }
+        if kind == schema.KIND_CLIENT:
+            comps = []
+            group = f.get("components")
+            for key in sorted(group.keys(), key=lambda k: int(k) if k.isdigit() else -1) if isinstance(group, h5py.Group) else []:
+                base = f"/components/{key}"
+                curv = f.get(f"{base}/curvature")
+                blocks = chk.json_attr(curv, "blocks", f"{base}/curvature") if isinstance(curv, h5py.Group) else []
+                curv_bytes = sum(_nbytes(d) for g in curv.values() if isinstance(g, h5py.Group) for d in g.values()) \
+                    if isinstance(curv, h5py.Group) else 0
+                dev = f.get(f"{base}/swag/deviations")
+                comps.append({
+                    "index": int(key) if key.isdigit() else key,
+                    "blocks": dict(Counter(str(b.get("kind")) for b in blocks if isinstance(b, dict))),
+                    "curvature_bytes": curv_bytes,
+                    # curvature entries per parameter (curvature bytes / MAP bytes)
+                    "curvature_bytes_per_param": round(curv_bytes / max(1, _nbytes(f.get(f"{base}/map"))), 3),
+                    "swag_rank": int(dev.shape[0]) if isinstance(dev, h5py.Dataset) and dev.ndim == 2 else None,
+                    "ppd_student": f"{base}/ppd_student" in f,
+                    "training": chk.json_attr(f[base], "training", base) if isinstance(f.get(base), h5py.Group) else {},
+                })
+            out["structure"] = out["metadata"].get("structure")
+            out["components"] = comps
+        else:
+            members = f.get("members")
+            out["method"] = out["metadata"].get("method", "?")
+            out["num_members"] = len(members) if isinstance(members, h5py.Group) else 0
+        return out
