@@ -27,7 +27,7 @@ def product(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
     for j, off in enumerate(ref.offsets):
         blocks = [p.blocks[j] for p in precs]
         mus = [comp.map[off : off + blocks[0].dim] for comp in comps]  # same dtype as the curvature
-        rhs = sum(b.matvec(mu).double() for b, mu in zip(blocks, mus))
+        rhs = sum(type(b).sum_of([b]).matvec(mu.double()) for b, mu in zip(blocks, mus))  # float64 (as hbfl)
         try:
             total = type(blocks[0]).sum_of(blocks, correction)
         except MethodNotApplicableError:
