@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd
-from posterior_fusion.kernels import choose_backend, kron_direct_forms, kron_quadratic_forms
+from posterior_fusion.kernels import kron_direct_forms, kron_quadratic_forms
 
 
 class Kron(Precision):
@@ -219,20 +219,20 @@ class StackedKron:
     def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None, form: str | None = None) -> torch.Tensor:
         """``(K, N)``; components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay
         under ``chunk_bytes`` (default :data:`CHUNK_BYTES`), so memory does not grow with N.
-        ``form``: ``"direct"`` (raw factors; the default on the torch backend when available) or
-        ``"rotated"`` (eigenbases; Triton and the low-rank shortcut)."""
+        ``form``: ``"direct"`` (raw factors; the default when available) or ``"rotated"``
+        (eigenbases; the low-rank shortcut)."""
         Wk = w.reshape(w.shape[0], *self.mu.shape[1:])
         N = self.mu.shape[0]
         per = max(1, Wk.shape[0] * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
         step = max(1, min(N, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // per))
         if form is None:
-            form = "direct" if self.direct is not None and choose_backend(Wk, self.kernel) == "torch" else "rotated"
+            form = "direct" if self.direct is not None else "rotated"
         if form == "direct":
             if self.direct is None:
                 raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
             B, A, Bmu, sc, sh = self.direct
             return torch.cat([kron_direct_forms(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step],
-                                                Bmu[i : i + step], sc[i : i + step], sh[i : i + step])
+                                                Bmu[i : i + step], sc[i : i + step], sh[i : i + step], self.kernel)
                               for i in range(0, N, step)], dim=1)
         total = torch.cat([kron_quadratic_forms(Wk, self.mu[i : i + step], self.UB[i : i + step],
                                                 self.UA[i : i + step], self.S[i : i + step], self.kernel)

@@ -4,9 +4,9 @@
 layer at once (no Python loop over components), ``q[k, n] = Σ (UB[n]ᵀ (W[k] − mu[n]) UA[n])² ∘ S[n]``
 and is differentiable w.r.t. ``W`` through :class:`KronQuadraticForms`.
 
-On the torch backend the fusion uses the *direct form* :func:`kron_direct_forms` (raw factors,
-no rotation, the product reused for the gradient: half the FLOPs); the rotated form stays for
-Triton and the low-rank shortcut.
+The fusion uses the *direct form* :func:`kron_direct_forms` (raw factors, no rotation; torch
+reuses the product for the gradient, Triton computes the gradient in one fused pass instead of
+two: half the FLOPs either way); the rotated form stays for the low-rank shortcut.
 
 Backends: ``"torch"`` (batched matmuls, :mod:`.reference`; CPU default and test oracle) and
 ``"triton"`` (fused kernels, :mod:`.triton_kron`; default for CUDA tensors when Triton is
@@ -76,25 +76,41 @@ class KronQuadraticForms(torch.autograd.Function):
 
 
 class KronDirectForms(torch.autograd.Function):
-    """:func:`reference.direct_forms` as a Function: ``q (K, N)`` from ``W``; gradient w.r.t. ``W`` only."""
+    """The direct form (:func:`reference.direct_forms`) as a Function: ``q (K, N)`` from ``W``;
+    gradient w.r.t. ``W`` only. Torch keeps ``M = B V A`` for the gradient; Triton recomputes it
+    in one fused pass."""
 
     @staticmethod
-    def forward(ctx, W, mu, B, A, Bmu, scale, shift):  # noqa: D102
-        q, M = reference.direct_forms(W, mu, B, A, Bmu, scale, shift)
-        ctx.save_for_backward(W, mu, M, scale, shift)
+    def forward(ctx, W, mu, B, A, Bmu, scale, shift, backend):  # noqa: D102
+        ctx.backend = backend
+        if backend == "triton":
+            from posterior_fusion.kernels import triton_kron
+
+            q = triton_kron.direct_forms(W, mu, B, A, scale, shift)
+            ctx.save_for_backward(W, mu, B, A, scale, shift)
+        else:
+            q, M = reference.direct_forms(W, mu, B, A, Bmu, scale, shift)
+            ctx.save_for_backward(W, mu, M, scale, shift)
         return q
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q):  # noqa: D102
-        W, mu, M, scale, shift = ctx.saved_tensors
-        return reference.direct_forms_grad(W, mu, M, scale, shift, grad_q), None, None, None, None, None, None
+        if ctx.backend == "triton":
+            from posterior_fusion.kernels import triton_kron
+
+            W, mu, B, A, scale, shift = ctx.saved_tensors
+            grad = triton_kron.direct_forms_grad(W, mu, B, A, scale, shift, grad_q)
+        else:
+            W, mu, M, scale, shift = ctx.saved_tensors
+            grad = reference.direct_forms_grad(W, mu, M, scale, shift, grad_q)
+        return grad, None, None, None, None, None, None, None
 
 
 def kron_direct_forms(W: torch.Tensor, mu: torch.Tensor, B: torch.Tensor, A: torch.Tensor, Bmu: torch.Tensor,
-                      scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``(K, N)`` quadratic forms from the raw factors (torch; see :func:`reference.direct_forms`)."""
-    return KronDirectForms.apply(W.contiguous(), mu, B, A, Bmu, scale, shift)
+                      scale: torch.Tensor, shift: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """``(K, N)`` quadratic forms from the raw factors (see :func:`reference.direct_forms`)."""
+    return KronDirectForms.apply(W.contiguous(), mu, B, A, Bmu, scale, shift, choose_backend(W, backend))
 
 
 def kron_quadratic_forms(W: torch.Tensor, mu: torch.Tensor, UB: torch.Tensor, UA: torch.Tensor, S: torch.Tensor,

@@ -5,7 +5,10 @@ looping over the two reduction dimensions, and applies one of three epilogues:
 
 * ``MODE_Q``    — forward: ``q[k, n] += Σ_tile Z² ∘ S`` (``Z`` never reaches global memory);
 * ``MODE_Y``    — backward stage 1: ``Y[k, n] = 2 g[k, n] Z ∘ S``;
-* ``MODE_GRAD`` — backward stage 2: ``G[k] += UB Y UAᵀ`` (sum over components by atomics).
+* ``MODE_GRAD`` — backward stage 2: ``G[k] += UB Y UAᵀ`` (sum over components by atomics);
+* ``MODE_DQ``   — direct form, forward: with ``A`` = the raw factor B_n and ``B`` = the raw A_n
+  (symmetric), ``Z = B_n V A_n`` and ``q[k, n] += Σ_tile (s_n Z + λ_n V) ∘ V``;
+* ``MODE_DGRAD`` — direct form, backward in one pass: ``G[k] += 2 g[k, n] (s_n Z + λ_n V)``.
 
 ``X`` is ``W[k] − mu[n]`` (forward, stage 1; the difference is formed on load) or ``Y[k, n]``
 (stage 2). All transposes are expressed through strides.
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-MODE_Q, MODE_Y, MODE_GRAD = 0, 1, 2
+MODE_Q, MODE_Y, MODE_GRAD, MODE_DQ, MODE_DGRAD = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -27,7 +30,8 @@ def _sandwich_kernel(
     MU, sMn, sMk, sMl,           # mu[n, k, l]  subtracted on load when HAS_MU
     B, sBn, sBl, sBj,            # B[n, l, j]   (reduction over l = cols of X)
     S, sSn, sSi, sSj,            # S[n, i, j]
-    G, sGp,                      # MODE_Y: g[p]
+    G, sGp,                      # MODE_Y, MODE_DGRAD: g[p]
+    SC, sSCn, sSCc,              # direct form: scale s_n = SC[n, 0], shift λ_n = SC[n, 1]
     OUT, sOp, sOi, sOj,          # MODE_Q: q[p]; MODE_Y: Y[p, i, j]; MODE_GRAD: grad[k, i, j]
     N, DK, DL, DI, DJ,
     MODE: tl.constexpr, HAS_MU: tl.constexpr, X_PER_POINT: tl.constexpr, DTYPE: tl.constexpr,
@@ -58,7 +62,18 @@ def _sandwich_kernel(
                     mask=(offs_l[:, None] < DL) & (offs_j[None, :] < DJ), other=0.0)
         z += tl.dot(t, b, input_precision="ieee")
     tile_mask = (offs_i[:, None] < DI) & (offs_j[None, :] < DJ)
-    if MODE == 2:
+    if MODE >= 3:  # direct form: here DI = DK, DJ = DL, and V = X − MU at the tile's (i, j)
+        v = tl.load(x_base + offs_i[:, None] * sXk + offs_j[None, :] * sXl, mask=tile_mask, other=0.0)
+        v = v - tl.load(MU + n * sMn + offs_i[:, None] * sMk + offs_j[None, :] * sMl, mask=tile_mask, other=0.0)
+        sc = tl.load(SC + n * sSCn)
+        sh = tl.load(SC + n * sSCn + sSCc)
+        m = sc * z + sh * v
+        if MODE == 3:
+            tl.atomic_add(OUT + pair * sOp, tl.sum(tl.sum(m * v, axis=1), axis=0))
+        else:
+            g = tl.load(G + pair * sGp)
+            tl.atomic_add(OUT + kk * sOp + offs_i[:, None] * sOi + offs_j[None, :] * sOj, 2.0 * g * m, mask=tile_mask)
+    elif MODE == 2:
         tl.atomic_add(OUT + kk * sOp + offs_i[:, None] * sOi + offs_j[None, :] * sOj, z, mask=tile_mask)
     else:
         s = tl.load(S + n * sSn + offs_i[:, None] * sSi + offs_j[None, :] * sSj, mask=tile_mask, other=0.0)
@@ -73,12 +88,13 @@ def _block(n: int) -> int:
     return max(16, min(64, triton.next_power_of_2(n)))
 
 
-def _launch(A, X, MU, B, S, G, out, K, N, DK, DL, DI, DJ, mode, has_mu, x_per_point):
+def _launch(A, X, MU, B, S, G, out, K, N, DK, DL, DI, DJ, mode, has_mu, x_per_point, SC=None):
     BI, BJ, BK, BL = _block(DI), _block(DJ), _block(DK), _block(DL)
     grid = (K * N, triton.cdiv(DI, BI), triton.cdiv(DJ, BJ))
     mu = MU if MU is not None else X
     s = S if S is not None else A
     g = G if G is not None else out
+    sc = SC if SC is not None else A
     _sandwich_kernel[grid](
         A, A.stride(0), A.stride(1), A.stride(2),
         X, X.stride(0), X.stride(1), X.stride(2),
@@ -86,6 +102,7 @@ def _launch(A, X, MU, B, S, G, out, K, N, DK, DL, DI, DJ, mode, has_mu, x_per_po
         B, B.stride(0), B.stride(1), B.stride(2),
         s, s.stride(0), s.stride(1), s.stride(2),
         g, g.stride(0),
+        sc, sc.stride(0), sc.stride(1) if sc.dim() > 1 else 0,
         out, out.stride(0), out.stride(1) if out.dim() > 1 else 0, out.stride(2) if out.dim() > 2 else 0,
         N, DK, DL, DI, DJ,
         MODE=mode, HAS_MU=has_mu, X_PER_POINT=x_per_point, BI=BI, BJ=BJ, BK=BK, BL=BL,
@@ -118,4 +135,29 @@ def quadratic_forms_grad(W: torch.Tensor, mu: torch.Tensor, UB: torch.Tensor, UA
     # grad[k][i, j] += Σ_a Σ_b UB[i, a] Y[a, b] UA[j, b]  ->  A[n, a, i] = UB[n, i, a] (a transpose view)
     _launch(UB.transpose(1, 2), Y, None, UA.transpose(1, 2), None, None, grad, K, N, R1, R2, P, Q,
             MODE_GRAD, False, False)
+    return grad
+
+
+def direct_forms(W: torch.Tensor, mu: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: torch.Tensor,
+                 shift: torch.Tensor) -> torch.Tensor:
+    """Direct form, fused: ``q[k, n] = s_n ⟨V, B_n V A_n⟩ + λ_n ‖V‖²``, ``V = W[k] − mu[n]``
+    (``B`` ``(N, P, P)``, ``A`` ``(N, Q, Q)`` symmetric; as :func:`..reference.direct_forms`)."""
+    K, P, Q = W.shape
+    N = mu.shape[0]
+    sc = torch.stack([scale, shift], 1).to(W.dtype).contiguous()
+    q = torch.zeros(K * N, device=W.device, dtype=W.dtype)
+    # Z[i, j] = Σ_a Σ_b B[a, i] V[a, b] A[b, j] = (B V A)[i, j] for symmetric B
+    _launch(B, W, mu, A, None, None, q, K, N, P, Q, P, Q, MODE_DQ, True, True, sc)
+    return q.reshape(K, N)
+
+
+def direct_forms_grad(W: torch.Tensor, mu: torch.Tensor, B: torch.Tensor, A: torch.Tensor, scale: torch.Tensor,
+                      shift: torch.Tensor, grad_q: torch.Tensor) -> torch.Tensor:
+    """Direct form, fused backward in one pass: ``Σ_n 2 g[k, n] (s_n B_n V A_n + λ_n V)``."""
+    K, P, Q = W.shape
+    N = mu.shape[0]
+    sc = torch.stack([scale, shift], 1).to(W.dtype).contiguous()
+    g = grad_q.reshape(K * N).contiguous().to(W.dtype)
+    grad = torch.zeros(K, P, Q, device=W.device, dtype=W.dtype)
+    _launch(B, W, mu, A, None, g, grad, K, N, P, Q, P, Q, MODE_DGRAD, True, True, sc)
     return grad
