@@ -27,9 +27,9 @@ def product(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
     for j, off in enumerate(ref.offsets):
         blocks = [p.blocks[j] for p in precs]
         mus = [comp.map[off : off + blocks[0].dim] for comp in comps]  # same dtype as the curvature
-        rhs = sum(type(b).sum_of([b]).matvec(mu.double()) for b, mu in zip(blocks, mus))  # float64 (as hbfl)
         try:
             total = type(blocks[0]).sum_of(blocks, correction)
+            rhs = sum(type(b).sum_of([b]).matvec(mu.double()) for b, mu in zip(blocks, mus))  # float64 (as hbfl)
         except MethodNotApplicableError:
             raise MethodNotApplicableError(
                 f"method 'product' needs curvature structure diag or diag+full; {inputs.clients[0].path} has "
