@@ -20,6 +20,7 @@ import torch
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, load_fmnist
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fastcapture import last_layer_ggn
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 
@@ -51,6 +52,13 @@ def main() -> None:
     epoch = statistics.median(epochs)
     model.eval()
     print(f"model {args.model}, n = {len(x)}, threads = {args.threads}, one epoch = {epoch:.2f}s (median of {args.repeats})")
+    ll = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        last_layer_ggn(model, x, 256)
+        ll.append(time.perf_counter() - t0)
+    print(f"last-layer full GGN alone (fast, closed form): {statistics.median(ll):.2f}s = "
+          f"{statistics.median(ll) / epoch:.2f} epochs", flush=True)
     rows = []
     for structure in args.structures.split(","):
         for ggn in ("exact", "mc"):

@@ -248,13 +248,14 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
         with torch.no_grad():
             for xb, _ in _loader(x, x.new_zeros(len(x)), batch_size, "curvature (last layer)"):
                 feats.clear()
-                p = model(xb).softmax(-1).double()
-                phi = feats[0].reshape(len(xb), -1).double()
+                p = model(xb).softmax(-1)
+                phi = feats[0].reshape(len(xb), -1)
                 if has_b:
                     phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
-                first += torch.einsum("no,ni,nj->oij", p, phi, phi)
+                # per-batch products in the model's dtype (sums of ≤ batch_size terms), accumulated in float64
+                first += torch.einsum("no,ni,nj->oij", p, phi, phi).double()
                 v = (p.unsqueeze(2) * phi.unsqueeze(1)).reshape(len(xb), -1)  # p_n ⊗ φ̃_n
-                second += v.T @ v
+                second += (v.T @ v).double()
     finally:
         handle.remove()
     H = (torch.block_diag(*first) - second).to(last.weight.dtype)  # index (o, i), i < k
