@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import glob
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,21 +24,12 @@ import posterior_fusion
 from posterior_fusion.fusion import FusionInputs, FusionOptions, fuse_clients
 from posterior_fusion.fusion.fedbens import median_starts
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kron_bench import kron_decomposed  # noqa: E402  (a sibling benchmark: one way to build laplace-torch's factors)
+
 
 def authors_objective(clients, temperature: float, lam: float):
-    from laplace.utils.matrix import KronDecomposed
-
-    groups = []
-    for c in clients:
-        comps = []
-        for comp in c.components:
-            vecs, vals = [], []
-            for blk in comp.curvature.blocks:
-                b, UB, a, UA = blk.eigen()
-                vecs.append([UB, UA])
-                vals.append([b / temperature, a])
-            comps.append((comp.map, KronDecomposed(vecs, vals, deltas=torch.full((len(vecs),), lam))))
-        groups.append(comps)
+    groups = [[(comp.map, kron_decomposed(comp, temperature, lam)) for comp in c.components] for c in clients]
     m = len(groups[0])
 
     def neg_log_post(w: torch.Tensor) -> torch.Tensor:

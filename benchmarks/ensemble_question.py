@@ -18,9 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-from posterior_fusion.artifact import load_client
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment import ExperimentConfig
+from posterior_fusion.experiment.grid import Cell, fit_clients, partition_cell
 from posterior_fusion.fusion import FusionOptions, fuse_clients
 from posterior_fusion.metrics import evaluate_members
 
@@ -30,26 +30,6 @@ VARIANTS = [
     ("fedbens (C·M client starts)", "fedbens", {"steps": 300, "starts": "clients"}),
     ("fedbens (M + C·M starts)", "fedbens", {"steps": 300, "starts": "median+clients"}),
 ]
-
-
-def cached_cells(work: Path, alpha: float):
-    """``(seed, partition summary, loaded clients)`` for every cached cell of ``alpha`` in ``work``,
-    matched by the data hash the client artifacts record (so caches written by an older version
-    of the key scheme are found too; nothing is refitted)."""
-    by_sha = {}
-    for cdir in sorted((work / "clients").iterdir()):
-        posts = sorted(cdir.glob("post_*.h5"))
-        if posts:
-            by_sha[load_client(posts[0]).metadata["data_sha256"]] = cdir
-    for sfile in sorted((work / "partitions").glob("*/summary.json")):
-        summary = json.loads(sfile.read_text())
-        if summary["alpha"] != alpha:
-            continue
-        cdir = by_sha.get(read_silo(summary["clients"][0]["path"]).sha256())
-        n = len(summary["clients"])
-        if cdir is None or not all((cdir / f"post_{i}.h5").exists() for i in range(n)):
-            continue
-        yield summary["seed"], summary, [load_client(cdir / f"post_{i}.h5") for i in range(n)]
 
 
 def main() -> None:
@@ -65,7 +45,10 @@ def main() -> None:
     path = out / "results.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     done = {(r["seed"], r["variant"]) for r in rows}
-    for seed, summary, clients in cached_cells(work, args.alpha):
+    for seed in cfg.seeds:  # the grid's own cache lookup (it also finds folders written under older keys)
+        cell = Cell(args.alpha, cfg.clients[0], seed)
+        pkey, summary = partition_cell(cfg, cell, work)
+        _, clients = fit_clients(cfg, cell, cfg.structures[0], pkey, summary, work, 1, print)
         val, test = read_silo(summary["server_val"]), read_silo(summary["test"])
         d = clients[0].layout.dim
         for name, method, settings in VARIANTS:

@@ -53,18 +53,21 @@ def matmul_rate(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / timeit(lambda: a @ b, reps) / 1e9
 
 
-def laplace_loop(components: list[Component]):
-    """Per-component quadratic forms with laplace-torch's KronDecomposed."""
+def kron_decomposed(component: Component, temperature: float, lam: float):
+    """laplace-torch's ``KronDecomposed`` of a component's precision ``G/T + λ0 I`` (as its users build it)."""
     from laplace.utils.matrix import KronDecomposed
 
-    decs = []
-    for c in components:
-        vecs, vals = [], []
-        for blk in c.curvature.blocks:
-            b, UB, a, UA = blk.eigen()
-            vecs.append([UB, UA])
-            vals.append([b / T, a])
-        decs.append((c.map, KronDecomposed(vecs, vals, deltas=torch.full((len(vecs),), LAM))))
+    vecs, vals = [], []
+    for blk in component.curvature.blocks:
+        b, UB, a, UA = blk.eigen()
+        vecs.append([UB, UA])
+        vals.append([b / temperature, a])
+    return KronDecomposed(vecs, vals, deltas=torch.full((len(vecs),), lam))
+
+
+def laplace_loop(components: list[Component]):
+    """Per-component quadratic forms with laplace-torch's KronDecomposed."""
+    decs = [(c.map, kron_decomposed(c, T, LAM)) for c in components]
 
     def step(w: torch.Tensor) -> torch.Tensor:
         total = 0.0

@@ -73,8 +73,7 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
         raise ConfigError(f"unknown demo data set {dataset!r}; use one of {', '.join(DEMO_DATASETS)}")
     log(f"partitioned {summary['source']} into {clients} clients (alpha={alpha}): "
         + ", ".join(str(c["n"]) for c in summary["clients"]) + " samples")
-    train = TrainConfig(epochs=epochs, swag=True)
-    snapshots = train.swag_snapshots_per_epoch * max(1, epochs // 4)  # SWAG's default window: the last E/4 epochs
+    snapshots = TrainConfig.swag_snapshots_per_epoch * max(1, epochs // 4)  # SWAG's default window: the last E/4 epochs
     train = TrainConfig(epochs=epochs, swag=True, swag_rank=max(1, min(10, snapshots)))
     cfg = FitConfig(structure=structure, train_seed=seed, train=train)
     paths = []

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
-from posterior_fusion.errors import ConfigError
 from posterior_fusion.progress import LoaderProgress
 
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
@@ -275,13 +274,3 @@ def fast_diag_full(model, x, y, batch_size=256, ggn="exact", generator=None) -> 
 
 
 FAST_CAPTURE = {"kron": fast_kron, "diag": fast_diag, "diag+full": fast_diag_full}
-
-
-def fast_capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
-                 ggn: str = "exact", generator: torch.Generator | None = None) -> BlockDiag:
-    if structure not in FAST_CAPTURE:
-        raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(FAST_CAPTURE)}")
-    reason = unsupported_reason(model)
-    if reason:
-        raise ConfigError(f"the fast capture does not support this model: {reason}; use --capture laplace")
-    return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator)
