@@ -158,3 +158,35 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})
     else:
         click.echo(f"wrote {out}: {len(comps)} components, structure {structure}, n={meta['n_data']}")
+
+
+@click.command("recapture")
+@click.option("--from", "source_path", required=True, type=click.Path(dir_okay=False),
+              help="Client artifact (from fit-local) whose trained components are reused.")
+@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
+              help="The silo the artifact was fitted on (its SHA-256 is checked against the artifact's).")
+@click.option("--structure", required=True, type=click.Choice(STRUCTURES),
+              help="Curvature structure to capture at every component MAP.")
+@click.option("--ggn", default=None, type=click.Choice(GGN_TYPES),
+              help="exact or mc GGN [default: the source artifact's].")
+@click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
+              help="fast (this package's capture where the model allows) or laplace (laplace-torch).")
+@click.option("--curvature-batch-size", default=None, type=int, help="Batch size of the curvature pass [default: the source's].")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@max_memory_option
+@handle_errors
+def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_batch_size, out, as_json, max_memory):
+    """Capture another curvature structure for an artifact's trained components, without retraining.
+
+    Training does not depend on the structure, so this writes what fit-local with the same seeds
+    and --structure would have written, for the cost of the capture alone.
+    """
+    from posterior_fusion.local.recapture import recapture_to_file
+
+    meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
+                             max_memory, log=log_to_stderr)
+    if as_json:
+        echo_json({"out": out, "structure": structure, "n_data": meta["n_data"], "recaptured_from": meta["recaptured_from"]})
+    else:
+        click.echo(f"wrote {out}: structure {structure}, n={meta['n_data']} (recaptured from {source_path})")

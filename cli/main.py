@@ -17,6 +17,7 @@ COMMANDS = {
     "partition": ("data_commands", "partition", "Split a data set into non-IID silos, server validation and test files."),
     "init": ("local_commands", "init", "Write M shared starting points that every client trains from."),
     "fit-local": ("local_commands", "fit_local_cmd", "Train M models on one silo and write their local posteriors."),
+    "recapture": ("local_commands", "recapture_cmd", "Capture another curvature structure for an artifact's trained components."),
     "fuse": ("server_commands", "fuse_cmd", "Validate client artifacts and fuse them into a global posterior."),
     "evaluate": ("server_commands", "evaluate_cmd", "Accuracy, NLL, calibration and uncertainty metrics of global artifacts."),
     "predict": ("server_commands", "predict_cmd", "Write predictive class probabilities (map, mc or glm)."),

@@ -110,3 +110,38 @@ def test_fits_cached_under_an_older_key_are_found_not_refitted(tmp_path):
     logs = []
     run_experiment(replace(cfg, epochs=cfg.epochs + 1), tmp_path, jobs=1, log=logs.append)
     assert any("fitting client" in m for m in logs)
+
+
+def test_further_structures_recapture_the_first_structures_training(tmp_path):
+    """share_training: the diag clients are the kron clients' MAPs recaptured, and give the results
+    of diag clients fitted from scratch."""
+    cfg = replace(ExperimentConfig.from_toml(SMOKE), alphas=[0.5], seeds=[0], components=[1],
+                  methods=["fedavg", "fisher-merge"], structures=["kron", "diag"], temperatures=[], tune=False,
+                  centralized=False)
+    logs: list[str] = []
+    shared = run_experiment(cfg, tmp_path / "shared", jobs=1, log=logs.append)
+    assert sum("fitting client" in m for m in logs) == 3 and sum("recapturing client" in m for m in logs) == 3
+    fresh = run_experiment(replace(cfg, share_training=False), tmp_path / "fresh", jobs=1, log=lambda m: None)
+    acc = {(r["structure"], r["method"]): r["accuracy"] for r in shared}
+    assert acc == {(r["structure"], r["method"]): r["accuracy"] for r in fresh}
+    assert acc[("kron", "fedavg")] == acc[("diag", "fedavg")]
+
+
+def test_an_interrupted_client_fit_resumes_from_its_partial_file(tmp_path):
+    from posterior_fusion.artifact import load_client, write_client_artifact
+    from posterior_fusion.local.resume import partial_path
+
+    cfg = replace(ExperimentConfig.from_toml(SMOKE), alphas=[0.5], seeds=[0], components=[2], methods=["fedavg"],
+                  temperatures=[], tune=False, centralized=False)
+    first = run_experiment(cfg, tmp_path, jobs=1, log=lambda m: None)
+    (cdir,) = list((tmp_path / "clients").iterdir())
+    done = load_client(cdir / "post_0.h5")  # as if the run had stopped after component 1 of client 0
+    write_client_artifact(partial_path(cdir / "post_0.h5"), done.model_spec, done.layout,
+                          dict(done.metadata, partial=True), done.components[:1])
+    (cdir / "post_0.h5").unlink()
+    logs: list[str] = []
+    again = run_experiment(cfg, tmp_path, jobs=1, log=logs.append)
+    assert any("resuming: 1 of 2 components already done" in m for m in logs)
+    assert sum("component 2/2" in m for m in logs) >= 1 and not any("component 1/2:" in m for m in logs)
+    assert not partial_path(cdir / "post_0.h5").exists()
+    assert [r["accuracy"] for r in again] == [r["accuracy"] for r in first]

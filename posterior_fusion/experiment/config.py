@@ -45,6 +45,7 @@ class ExperimentConfig:
     tune_temperatures: list[float] = field(default_factory=lambda: [0.01, 0.03, 0.1, 0.3, 1.0])
     tune_prior_vars: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
     centralized: bool = True          # pooled-data upper bound
+    share_training: bool = True       # structures after the first recapture its trained components (pfuse recapture)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> ExperimentConfig:

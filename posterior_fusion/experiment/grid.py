@@ -3,7 +3,8 @@
 For every cell (α, number of clients, run seed): partition once; for every curvature
 structure: fit every client once with the largest M of the grid (component m depends only on
 its own seed and starting point, so the first m components of an M-component fit *are* the
-m-component fit); then fuse with every method and M and evaluate on the test split. Each
+m-component fit; training does not depend on the structure, so with ``share_training`` the
+further structures are captured at the first structure's trained components); then fuse with every method and M and evaluate on the test split. Each
 level is one function whose result is cached under the work folder, keyed by the settings
 that determine it, so a re-run, an interrupted run or a new method never retrains.
 """
@@ -28,7 +29,7 @@ from posterior_fusion.artifact import ClientPosterior, load_client
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import SiloData, read_silo
-from posterior_fusion.errors import MethodNotApplicableError
+from posterior_fusion.errors import MethodNotApplicableError, ResumeError
 from posterior_fusion.experiment.config import ExperimentConfig
 from posterior_fusion.experiment.report import write_tables
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, method_settings
@@ -36,6 +37,8 @@ from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact, library_versions
 from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.recapture import recapture_to_file
+from posterior_fusion.local.resume import partial_path
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
@@ -77,8 +80,14 @@ class FitJob:
     def run(self, log: Log = lambda m: None) -> str:
         if self.threads:
             torch.set_num_threads(self.threads)
-        fit_silo_to_artifact(ModelSpec.from_json(self.spec_json), self.silo, self.out, self.components,
-                             self.init_seed, self.fit, log=log)
+        spec = ModelSpec.from_json(self.spec_json)
+        try:  # an interrupted grid continues its clients' partial fits (same fingerprint only)
+            fit_silo_to_artifact(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log,
+                                 resume=partial_path(self.out).exists())
+        except ResumeError as exc:
+            log(f"note: {exc}; starting this client afresh")
+            partial_path(self.out).unlink(missing_ok=True)
+            fit_silo_to_artifact(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log)
         return self.out
 
 
@@ -142,6 +151,25 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
         log(f"  fitted {job.run(log=lambda m: log('    ' + m))}")
     if todo:
         log(f"  fit-local {structure}: {len(todo)} clients in {time.perf_counter() - t0:.0f}s")
+    return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]
+
+
+def recapture_clients(cell: Cell, structure: str, base_key: str, summary: dict, work: Path,
+                      log: Log) -> tuple[str, list[ClientPosterior]]:
+    """Level 2, a further structure: the clients of ``base_key`` recaptured with ``structure`` at
+    their trained MAPs (``pfuse recapture``; equal to fitting with that structure, for the cost of
+    the capture alone). Runs in this process whatever ``jobs`` says."""
+    ckey = cache_key({"recapture": base_key, "structure": structure})
+    cdir = work / "clients" / ckey
+    cdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    todo = [i for i in range(cell.clients) if not (cdir / f"post_{i}.h5").exists()]
+    for k, i in enumerate(todo):
+        log(f"  recapturing client {k + 1}/{len(todo)} ({structure} at the trained components of {base_key})")
+        recapture_to_file(work / "clients" / base_key / f"post_{i}.h5", summary["clients"][i]["path"],
+                          cdir / f"post_{i}.h5", structure, log=lambda m: log("    " + m))
+    if todo:
+        log(f"  recapture {structure}: {len(todo)} clients in {time.perf_counter() - t0:.0f}s")
     return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]
 
 
@@ -263,8 +291,13 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
         test, val = read_silo(summary["test"]), read_silo(summary["server_val"])
         log(f"[{n_cell}/{len(cells)}] alpha={cell.alpha} clients={cell.clients} seed={cell.seed}: "
             f"{[c['n'] for c in summary['clients']]} samples")
+        base = None
         for structure in cfg.structures:
-            ckey, clients = fit_clients(cfg, cell, structure, pkey, summary, work, jobs, log)
+            if base is not None and cfg.share_training:
+                ckey, clients = recapture_clients(cell, structure, base, summary, work, log)
+            else:
+                ckey, clients = fit_clients(cfg, cell, structure, pkey, summary, work, jobs, log)
+                base = base or ckey
             for job in fuse_jobs(cfg):
                 row = fuse_result(cfg, cell, structure, ckey, job, clients, val, test, work, log)
                 if row is not None:

@@ -172,10 +172,10 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
 
 
 def fit_silo_to_artifact(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.PathLike, components: int,
-                         init_seed: int, cfg: FitConfig, log=print) -> dict:
+                         init_seed: int, cfg: FitConfig, log=print, resume: bool = False) -> dict:
     """Read a silo, fit ``components`` components from the ``init_seed`` starting points, write the
-    artifact to ``out``: what ``pfuse fit-local --init-seed`` does. Returns the metadata."""
+    artifact to ``out``: what ``pfuse fit-local --init-seed [--resume]`` does. Returns the metadata."""
     data = read_silo(silo_path, num_classes=spec.num_classes)
     meta, _ = fit_to_file(spec, data, initial_weights(spec, components, init_seed), cfg, out,
-                          {"init_seed": init_seed}, log=log)
+                          {"init_seed": init_seed}, resume=resume, log=log)
     return meta

@@ -1,0 +1,95 @@
+"""``recapture``: another curvature structure for the components a client artifact already trained.
+
+Training never looks at the curvature structure: a ``fit-local --structure diag`` run with the same
+seeds trains the very models a ``--structure kron`` run trained, and differs only in the capture
+after training. Recapturing the stored MAPs on the same silo therefore gives the artifact the
+other fit would have written (same MAPs, same capture, the MC capture drawing from the same
+per-component generator), at the cost of the capture alone (≈ 3–6 training epochs per component
+instead of ``epochs``). The silo must be the one the artifact was fitted on (its SHA-256 is checked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from posterior_fusion.artifact.atomic import output_lock
+from posterior_fusion.artifact.objects import ClientPosterior, Component, build_model, frozen_mapping
+from posterior_fusion.artifact.reader import load_client
+from posterior_fusion.artifact.writer import write_client_artifact
+from posterior_fusion.data.silo import SiloData, read_silo
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
+from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES, capture
+
+
+def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str | None = None,
+              curvature_batch_size: int | None = None, method: str = "fast",
+              log: Callable[[str], None] = print) -> tuple[dict, list[Component]]:
+    """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
+
+    ``ggn`` and ``curvature_batch_size`` default to the source's. Everything else (MAPs, SWAG
+    moments, FedPPD students, training records, temperature, prior) is kept; the metadata records
+    what the artifact was recaptured from.
+    """
+    if structure not in CAPTURE:
+        raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(CAPTURE)}")
+    if method not in CAPTURE_METHODS:
+        raise ConfigError(f"unknown capture method {method!r}; use one of {', '.join(CAPTURE_METHODS)}")
+    meta = dict(source.metadata)
+    if meta.get("partial"):
+        raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
+                                         "finish it with fit-local --resume first")
+    ggn = meta.get("ggn", "exact") if ggn is None else ggn
+    if ggn not in GGN_TYPES:
+        raise ConfigError(f"unknown GGN type {ggn!r}; use one of {', '.join(GGN_TYPES)}")
+    batch = int(meta.get("curvature_batch_size", 256)) if curvature_batch_size is None else curvature_batch_size
+    if batch < 1:
+        raise ConfigError(f"--curvature-batch-size must be >= 1, got {batch}")
+    if meta.get("data_sha256") != data.sha256():
+        raise IncompatibleArtifactsError(
+            f"{data.source or 'data'}: is not the silo {source.path} was fitted on (data SHA-256 "
+            f"{data.sha256()[:12]}…, the artifact records {str(meta.get('data_sha256'))[:12]}…)")
+    if data.num_classes != source.model_spec.num_classes:
+        raise IncompatibleArtifactsError(f"{data.source or 'data'}: has {data.num_classes} classes, "
+                                         f"{source.path}'s model outputs {source.model_spec.num_classes}")
+    x, y = data.tensors()
+    comps = []
+    for c in source.components:
+        model = build_model(source.model_spec, c.map)
+        seed = int(c.training.get("seed", c.index))
+        t0 = time.perf_counter()
+        curv, captured_by = capture(structure, model, x, y, batch, ggn, method, torch.Generator().manual_seed(seed), log)
+        seconds = time.perf_counter() - t0
+        log(f"component {c.index + 1}/{len(source.components)}: {structure} curvature {seconds:.1f}s")
+        training = dict(c.training, curvature_seconds=round(seconds, 3), capture=captured_by)
+        comps.append(Component(c.index, c.map, curv, frozen_mapping(training), c.temperature, c.prior_precision,
+                               c.swag, c.student))
+    origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
+              "file_sha256": source.sha256}
+    meta.pop("num_components", None)
+    meta.update(structure=structure, ggn=ggn, curvature_batch_size=batch, recaptured_from=origin,
+                fit_fingerprint=hashlib.sha256(json.dumps(
+                    {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch},
+                    sort_keys=True).encode()).hexdigest())
+    return meta, comps
+
+
+def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike, out: str | os.PathLike,
+                      structure: str, ggn: str | None = None, curvature_batch_size: int | None = None,
+                      method: str = "fast", max_memory: int | str | None = None,
+                      log: Callable[[str], None] = print) -> dict:
+    """What ``pfuse recapture`` does: validate the source artifact and the silo, recapture, write
+    ``out`` atomically. Returns the new metadata."""
+    if os.path.abspath(source_path) == os.path.abspath(out):
+        raise ConfigError(f"{out}: --out must differ from the source artifact")
+    source = load_client(source_path, max_memory)
+    data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
+    with output_lock(out):
+        meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log)
+        write_client_artifact(out, source.model_spec, source.layout, meta, comps)
+    return meta
