@@ -26,6 +26,11 @@ def test_smoke_grid_tables_plots_and_resume(tmp_path):
     assert {(r["method"], r["M"]) for r in agg} >= {("fedbens", "1"), ("fedbens", "2"), ("fedavg", "2"), ("centralized", "1")}
     assert all(r["seeds"] == "2" for r in agg)
     assert "± " in (tmp_path / "results.md").read_text()
+    # serving cost beside accuracy, NLL and ECE: fedbens serves its M modes, FedAvg one network
+    members = {(r["method"], r["M"]): r["members"] for r in agg}
+    assert members[("fedbens", "2")] == "2" and members[("fedavg", "2")] == "1"
+    assert all(0 <= float(r["ece_mean"]) <= 1 for r in agg)
+    assert "| members |" in (tmp_path / "results.md").read_text()
     for plot in ("accuracy_vs_alpha.png", "accuracy_vs_M.png", "accuracy_vs_temperature.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
     # M=1 fusion uses the first component of the M=2 fit: fedavg does not depend on M at all.

@@ -22,7 +22,10 @@ def aggregate(rows: list[dict]) -> list[dict]:
         std = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1)) if len(accs) > 1 else 0.0
         out.append({"structure": structure, "M": M, "method": method, "temperature": temp, "alpha": alpha,
                     "clients": clients, "seeds": len(rs), "accuracy_mean": round(mean, 2), "accuracy_std": round(std, 2),
-                    "nll_mean": round(sum(r["nll"] for r in rs) / len(rs), 4)})
+                    "nll_mean": round(sum(r["nll"] for r in rs) / len(rs), 4),
+                    "ece_mean": round(sum(r.get("ece", math.nan) for r in rs) / len(rs), 4),
+                    # serving cost: networks evaluated per prediction (x the model's parameters)
+                    "members": rs[0].get("members", 1)})
     return out
 
 
@@ -43,6 +46,15 @@ def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
         cells = [f"{by_alpha[a]['accuracy_mean']:.2f} ± {by_alpha[a]['accuracy_std']:.2f} ({by_alpha[a]['seeds']})"
                  if a in by_alpha else "–" for a in alphas]
         lines.append(f"| {structure} | {M} | {method} | {temp} | " + " | ".join(cells) + " |")
+    lines += ["", "## Accuracy, NLL, ECE and serving cost (members = networks per prediction)", ""]
+    for alpha in alphas:
+        lines += [f"α = {alpha}:", "", "| structure | M | method | T | accuracy % | NLL | ECE | members |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for a in sorted((a for a in agg if a["alpha"] == alpha), key=lambda a: -a["accuracy_mean"]):
+            lines.append(f"| {a['structure']} | {a['M']} | {a['method']} | {a['temperature']} | "
+                         f"{a['accuracy_mean']:.2f} ± {a['accuracy_std']:.2f} | {a['nll_mean']:.3f} | "
+                         f"{a['ece_mean']:.3f} | {a['members']} |")
+        lines.append("")
     (work / "results.md").write_text("\n".join(lines) + "\n")
     plot_results(agg, work, max(cfg.components))
 
