@@ -1,4 +1,4 @@
-"""Row-by-row comparison of an experiment's table with FedBEns Table 1 (FMNIST, 5 clients, M = 5).
+"""Row-by-row comparison of an experiment's table with FedBEns Tables 1 and 2 (FMNIST, M = 5).
 
     .venv/bin/python benchmarks/compare_paper.py runs/table1_reference > docs/results/table1_reference/vs_paper.md
 
@@ -13,12 +13,19 @@ import csv
 import sys
 from pathlib import Path
 
-PAPER = {  # FedBEns Table 1, FMNIST, mean of 5 runs on one partition; (structure, method) -> α -> accuracy %
-    ("kron", "fedbens"): {0.05: 59.89, 0.1: 75.91, 0.2: 79.03, 0.4: 84.42},
-    ("diag+full", "fedbens"): {0.05: 55.58, 0.1: 70.04, 0.2: 77.24, 0.4: 81.81},
-    ("kron", "fedfisher"): {0.05: 53.92, 0.1: 68.06, 0.2: 72.89, 0.4: 74.76},
-    ("kron", "regmean"): {0.05: 48.04, 0.1: 56.40, 0.2: 71.43, 0.4: 74.45},
-    ("kron", "fisher-merge"): {0.05: 43.11, 0.1: 57.38, 0.2: 66.89, 0.4: 78.16},
+# FedBEns FMNIST, mean of 5 runs on one partition: (structure, method) -> (clients, α) -> accuracy %.
+# Table 1: C = 5, α = 0.05 / 0.1 / 0.2 / 0.4; Table 2: α = 0.3, C = 10 / 20 / 40.
+PAPER = {
+    ("kron", "fedbens"): {(5, 0.05): 59.89, (5, 0.1): 75.91, (5, 0.2): 79.03, (5, 0.4): 84.42,
+                          (10, 0.3): 80.57, (20, 0.3): 80.83, (40, 0.3): 77.27},
+    ("diag+full", "fedbens"): {(5, 0.05): 55.58, (5, 0.1): 70.04, (5, 0.2): 77.24, (5, 0.4): 81.81,
+                               (10, 0.3): 78.66, (20, 0.3): 76.16, (40, 0.3): 72.69},
+    ("kron", "fedfisher"): {(5, 0.05): 53.92, (5, 0.1): 68.06, (5, 0.2): 72.89, (5, 0.4): 74.76,
+                            (10, 0.3): 73.85, (20, 0.3): 72.83, (40, 0.3): 72.06},
+    ("kron", "regmean"): {(5, 0.05): 48.04, (5, 0.1): 56.40, (5, 0.2): 71.43, (5, 0.4): 74.45,
+                          (10, 0.3): 73.97, (20, 0.3): 72.91, (40, 0.3): 72.09},
+    ("kron", "fisher-merge"): {(5, 0.05): 43.11, (5, 0.1): 57.38, (5, 0.2): 66.89, (5, 0.4): 78.16,
+                               (10, 0.3): 66.84, (20, 0.3): 64.11, (40, 0.3): 64.29},
 }
 ORDER = ["fedbens", "fedbens-tuned", "fedfisher", "regmean", "fisher-merge", "fedavg", "ensemble", "centralized"]
 
@@ -27,21 +34,22 @@ def main() -> None:
     work = Path(sys.argv[1])
     with open(work / "results.csv") as fh:
         agg = [r for r in csv.DictReader(fh) if r["M"] in ("5", "1") and r["temperature"] == "0.1"]
-    alphas = sorted({float(r["alpha"]) for r in agg})
-    print("| structure | method | " + " | ".join(f"α={a} ours / paper" for a in alphas) + " |")
-    print("|---|---|" + "---|" * len(alphas))
+    axes = sorted({(int(r["clients"]), float(r["alpha"])) for r in agg})
+    print("| structure | method | " + " | ".join(f"C={c}, α={a} ours / paper" for c, a in axes) + " |")
+    print("|---|---|" + "---|" * len(axes))
     keys = sorted({(r["structure"], r["method"]) for r in agg},
                   key=lambda k: (k[0] == "-", k[0], ORDER.index(k[1]) if k[1] in ORDER else 99, k[1]))
     for structure, method in keys:
         cells = []
-        for a in alphas:
-            rs = [r for r in agg if (r["structure"], r["method"]) == (structure, method) and float(r["alpha"]) == a]
+        for c, a in axes:
+            rs = [r for r in agg if (r["structure"], r["method"]) == (structure, method) and float(r["alpha"]) == a
+                  and int(r["clients"]) == c]
             if not rs:
                 cells.append("–")
                 continue
             r = rs[0]
             ours = float(r["accuracy_mean"])
-            ref = PAPER.get((structure, method), {}).get(a)
+            ref = PAPER.get((structure, method), {}).get((c, a))
             cells.append(f"{ours:.2f} ± {float(r['accuracy_std']):.2f} ({r['seeds']})"
                          + (f" / {ref:.2f} ({ours - ref:+.2f})" if ref is not None else ""))
         print(f"| {structure} | {method} | " + " | ".join(cells) + " |")

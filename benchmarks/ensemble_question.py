@@ -22,6 +22,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment import ExperimentConfig
 from posterior_fusion.experiment.grid import Cell, fit_clients, partition_cell
 from posterior_fusion.fusion import FusionOptions, fuse_clients
+from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.metrics import evaluate_members
 
 VARIANTS = [
@@ -29,6 +30,8 @@ VARIANTS = [
     ("fedbens (M median starts)", "fedbens", {"steps": 300}),
     ("fedbens (C·M client starts)", "fedbens", {"steps": 300, "starts": "clients"}),
     ("fedbens (M + C·M starts)", "fedbens", {"steps": 300, "starts": "median+clients"}),
+    # T and σ0² chosen on the server's validation split (5 x 3 grid, fuse --tune)
+    ("fedbens (T, σ0² tuned on validation)", "fedbens-tuned", {"steps": 300}),
 ]
 
 
@@ -55,10 +58,16 @@ def main() -> None:
             if (seed, name) in done:
                 continue
             t0 = time.perf_counter()
-            _, res, meta = fuse_clients(clients, method, FusionOptions(progress=False, sampling_seed=seed), settings, val)
+            opts = FusionOptions(progress=False, sampling_seed=seed)
+            if method == "fedbens-tuned":
+                _, res, meta = tune_fusion(clients, "fedbens", opts, val, ("T", "prior"), settings=settings)
+            else:
+                _, res, meta = fuse_clients(clients, method, opts, settings, val)
             fuse_s = time.perf_counter() - t0
             m = evaluate_members(clients[0].model_spec, res.members, test)
+            chosen = meta.get("tuning", {}).get("chosen") if method == "fedbens-tuned" else None
             rows.append({"seed": seed, "variant": name, "members": len(res.members), "serving_params": len(res.members) * d,
+                         "chosen": chosen,
                          "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "fuse_seconds": round(fuse_s, 1)})
             print(f"seed {seed} {name}: acc {m['accuracy']:.4f} nll {m['nll']:.3f} ece {m['ece']:.3f} "
                   f"({len(res.members)} members, {fuse_s:.0f}s)", flush=True)
@@ -78,6 +87,10 @@ def main() -> None:
         lines.append(f"| {name} | {rs[0]['members']} | {statistics.mean(acc):.2f} ± {sd:.2f} | "
                      f"{statistics.mean(r['nll'] for r in rs):.3f} | {statistics.mean(r['ece'] for r in rs):.3f} | "
                      + ", ".join(f"{a:.2f}" for a in acc) + " |")
+    tuned = [r for r in rows if r.get("chosen")]
+    if tuned:
+        lines += ["", "Tuned choices (validation accuracy): " + "; ".join(
+            f"seed {r['seed']}: T = {r['chosen']['temperature']}, σ0² = {r['chosen']['prior_var']}" for r in tuned)]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

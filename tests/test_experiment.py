@@ -150,3 +150,9 @@ def test_an_interrupted_client_fit_resumes_from_its_partial_file(tmp_path):
     assert sum("component 2/2" in m for m in logs) >= 1 and not any("component 1/2:" in m for m in logs)
     assert not partial_path(cdir / "post_0.h5").exists()
     assert [r["accuracy"] for r in again] == [r["accuracy"] for r in first]
+
+
+@pytest.mark.parametrize("path", sorted(SMOKE.parent.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_grid_config_is_valid(path):
+    cfg = ExperimentConfig.from_toml(path)
+    assert cfg.seeds and cfg.structures and cfg.methods
