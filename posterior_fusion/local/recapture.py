@@ -23,8 +23,10 @@ from posterior_fusion.artifact.objects import ClientPosterior, Component, build_
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
+from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES, capture
+from posterior_fusion.local.fit import library_versions
 
 
 def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str | None = None,
@@ -54,6 +56,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         raise IncompatibleArtifactsError(
             f"{data.source or 'data'}: is not the silo {source.path} was fitted on (data SHA-256 "
             f"{data.sha256()[:12]}…, the artifact records {str(meta.get('data_sha256'))[:12]}…)")
+    check_transform(meta.get("input_transform"), data.input_transform, data.source or "data", source.path)
     if data.num_classes != source.model_spec.num_classes:
         raise IncompatibleArtifactsError(f"{data.source or 'data'}: has {data.num_classes} classes, "
                                          f"{source.path}'s model outputs {source.model_spec.num_classes}")
@@ -70,9 +73,10 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         comps.append(Component(c.index, c.map, curv, frozen_mapping(training), c.temperature, c.prior_precision,
                                c.swag, c.student))
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
-              "file_sha256": source.sha256}
+              "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
     meta.update(structure=structure, ggn=ggn, curvature_batch_size=batch, recaptured_from=origin,
+                library_versions=library_versions(),
                 fit_fingerprint=hashlib.sha256(json.dumps(
                     {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch},
                     sort_keys=True).encode()).hexdigest())
