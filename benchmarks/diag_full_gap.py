@@ -25,9 +25,9 @@ and per client the share of diagonal precisions G/T + λ0 above the authors' 1e6
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,13 +38,15 @@ from posterior_fusion.artifact import ClientPosterior, load_client
 from posterior_fusion.artifact.objects import build_model
 from posterior_fusion.curvature import BlockDiag, Diag
 from posterior_fusion.data.silo import SiloData, read_silo
-from posterior_fusion.experiment import ExperimentConfig
 from posterior_fusion.experiment.grid import Cell, cache_key, fit_clients, partition_cell
 from posterior_fusion.fusion import FusionInputs, FusionOptions, fuse_clients
 from posterior_fusion.fusion.fedbens import GlobalLogPosterior, median_starts
 from posterior_fusion.fusion.optimise import accuracy_of
 from posterior_fusion.local.capture import capture
 from posterior_fusion.metrics import evaluate_members
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cell_study import study_arguments  # noqa: E402  (a sibling module: the studies' shared command line)
 
 PAPER = {"diag+full": 70.04, "kron": 75.91}  # FedBEns Table 1, FMNIST α = 0.1, M = 5
 MAX_PRECISION = 1e6  # their clamp(1/prec, 1e-6, 1e6) on the diagonal variances
@@ -106,17 +108,7 @@ def curvature_check(client: ClientPosterior, silo: SiloData) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--alpha", type=float, default=0.1)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = ExperimentConfig.from_toml(args.config)
-    work, out = Path(args.work), Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, cfg, work, out = study_arguments(__doc__)
     path = out / "results.json"  # resumable: finished (seed, variant) rows are kept
     old = json.loads(path.read_text()) if path.exists() else {}
     rows, checks = old.get("rows", []), old.get("curvature_check", {})

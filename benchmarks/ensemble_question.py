@@ -12,18 +12,20 @@ NLL, ECE and serving cost (members × parameters). Writes ``results.json`` and `
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.experiment import ExperimentConfig
 from posterior_fusion.experiment.grid import Cell, fit_clients, partition_cell
 from posterior_fusion.fusion import FusionOptions, fuse_clients
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.metrics import evaluate_members
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cell_study import study_arguments  # noqa: E402  (a sibling module: the studies' shared command line)
 
 VARIANTS = [
     ("ensemble", "ensemble", {}),
@@ -36,15 +38,7 @@ VARIANTS = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--alpha", type=float, default=0.1)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    cfg = ExperimentConfig.from_toml(args.config)
-    work, out = Path(args.work), Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, cfg, work, out = study_arguments(__doc__)
     path = out / "results.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     done = {(r["seed"], r["variant"]) for r in rows}
