@@ -4,9 +4,10 @@ For every cell (α, number of clients, run seed): partition once; for every curv
 structure: fit every client once with the largest M of the grid (component m depends only on
 its own seed and starting point, so the first m components of an M-component fit *are* the
 m-component fit; training does not depend on the structure, so with ``share_training`` the
-further structures are captured at the first structure's trained components); then fuse with every method and M and evaluate on the test split. Each
-level is one function whose result is cached under the work folder, keyed by the settings
-that determine it, so a re-run, an interrupted run or a new method never retrains.
+further structures are captured at the first structure's trained components); then fuse with
+every method and M and evaluate on the test split. Each level is one function whose result is
+cached under the work folder, keyed by the settings that determine it, so a re-run, an
+interrupted run or a new method never retrains.
 """
 
 from __future__ import annotations
