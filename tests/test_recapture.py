@@ -39,15 +39,8 @@ def test_recaptured_kron_fit_equals_a_fresh_fit(tmp_path, small_silo, kron_artif
 
 
 def test_mc_recapture_draws_the_fresh_fits_labels(tmp_path, small_silo, kron_artifact):
-    from posterior_fusion.local.config import FitConfig, TrainConfig
-    from posterior_fusion.local.fit import fit_local
-    from posterior_fusion.local.init import initial_weights
-
-    source = load_client(kron_artifact)
-    cfg = FitConfig(structure="diag", ggn="mc", train=TrainConfig(epochs=1, batch_size=32, swag=True, swag_rank=5))
-    _, fresh = fit_local(source.model_spec, small_silo, initial_weights(source.model_spec, 2, 0), cfg,
-                         log=lambda *_: None)
-    _, comps = recapture(source, small_silo, "diag", ggn="mc", log=lambda *_: None)
+    _, fresh = fit_artifact(tmp_path / "fresh.h5", small_silo, "diag", swag=True, ggn="mc")
+    _, comps = recapture(load_client(kron_artifact), small_silo, "diag", ggn="mc", log=lambda *_: None)
     _same_components(comps, fresh)
 
 

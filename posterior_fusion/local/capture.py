@@ -105,6 +105,8 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(CAPTURE)}")
     if method not in CAPTURE_METHODS:
         raise ConfigError(f"unknown capture method {method!r}; use one of {', '.join(CAPTURE_METHODS)}")
+    if ggn not in GGN_TYPES:
+        raise ConfigError(f"unknown GGN type {ggn!r}; use one of {', '.join(GGN_TYPES)}")
     if method == "fast":
         reason = unsupported_reason(model, x[:2])
         if reason is None:

@@ -25,7 +25,7 @@ from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
-from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES, capture
+from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fit import library_versions
 
 
@@ -38,17 +38,11 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     moments, FedPPD students, training records, temperature, prior) is kept; the metadata records
     what the artifact was recaptured from.
     """
-    if structure not in CAPTURE:
-        raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(CAPTURE)}")
-    if method not in CAPTURE_METHODS:
-        raise ConfigError(f"unknown capture method {method!r}; use one of {', '.join(CAPTURE_METHODS)}")
     meta = dict(source.metadata)
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
                                          "finish it with fit-local --resume first")
-    ggn = meta.get("ggn", "exact") if ggn is None else ggn
-    if ggn not in GGN_TYPES:
-        raise ConfigError(f"unknown GGN type {ggn!r}; use one of {', '.join(GGN_TYPES)}")
+    ggn = meta.get("ggn", "exact") if ggn is None else ggn  # structure, method and ggn: checked by capture()
     batch = int(meta.get("curvature_batch_size", 256)) if curvature_batch_size is None else curvature_batch_size
     if batch < 1:
         raise ConfigError(f"--curvature-batch-size must be >= 1, got {batch}")
