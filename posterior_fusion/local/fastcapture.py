@@ -60,13 +60,33 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)]
 
 
-def _input_columns(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Layer input as columns ``(I, M·S)`` (unfolded patches for a convolution) and S."""
+def _input_patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Layer input per sample as ``(M, S, I)``: S patches of I values for a convolution (ordered as
+    ``F.unfold``'s (channel, kh, kw)) as a strided *view* of the padded input, S positions for a
+    linear layer. Copied chunk by chunk in :func:`_patch_gram`, so the patch matrix never exists
+    whole (``F.unfold`` then a transpose wrote it twice: ~1.5x slower for LeNet's convolutions)."""
     if isinstance(module, nn.Conv2d):
-        u = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)  # (M, I, S)
-        return u.transpose(0, 1).reshape(u.shape[1], -1), u.shape[2]
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2.T, x2.shape[0] // x.shape[0]
+        (ph, pw), (sh, sw), (dh, dw) = module.padding, module.stride, module.dilation
+        kh, kw = module.kernel_size
+        xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+        M, C, H, W = xp.shape
+        Ho, Wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+        sM, sC, sH, sW = xp.stride()
+        view = xp.as_strided((M, Ho, Wo, C, kh, kw), (sM, sH * sh, sW * sw, sC, sH * dh, sW * dw))
+        return view.flatten(3).flatten(1, 2)
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _patch_gram(P: torch.Tensor) -> torch.Tensor:
+    """``Σ_{m,s} P[m, s] P[m, s]ᵀ`` ``(I, I)`` in float64 for ``P`` ``(M, S, I)``: float32 products over
+    chunks of at most :data:`CHUNK_COLUMNS` rows (each chunk copied into a small contiguous block
+    that stays in cache), summed in float64."""
+    _, S, D = P.shape
+    out = torch.zeros(D, D, dtype=torch.float64, device=P.device)
+    for c in P.split(max(1, CHUNK_COLUMNS // S), dim=0):
+        r = c.reshape(-1, D)
+        out += (r.T @ r).double()
+    return out
 
 
 def _grad_columns(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
@@ -91,7 +111,7 @@ def _per_sample(module: nn.Module, patches: torch.Tensor, g: torch.Tensor) -> tu
     return g3 @ patches.transpose(1, 2), g3.sum(2)
 
 
-CHUNK_COLUMNS = 1 << 13  # float32 partial sums over at most this many columns, accumulated in float64
+CHUNK_COLUMNS = 1 << 11  # float32 partial sums over at most this many columns, accumulated in float64
 
 
 def _gram(X: torch.Tensor) -> torch.Tensor:
@@ -178,8 +198,8 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
             B[i] = B[i] + _gram(_grad_columns(layer, g))
             if r == 0:  # A depends on the inputs only: once per batch
-                X, S = _input_columns(layer, u)
-                A[i] = A[i] + _gram(X) / (n * S)
+                P = _input_patches(layer, u)
+                A[i] = A[i] + _patch_gram(P) / (n * P.shape[1])
 
     with _no_param_grads(model):
         for xb, _ in _loader(x, y, batch_size, "curvature"):
