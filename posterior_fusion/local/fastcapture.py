@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
-from posterior_fusion.progress import LoaderProgress
+from posterior_fusion.progress import progress
 
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
 
@@ -180,10 +180,12 @@ def _no_param_grads(model: nn.Module):
     return _Ctx()
 
 
-def _loader(x, y, batch_size, desc):
-    from torch.utils.data import DataLoader, TensorDataset
-
-    return LoaderProgress(DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False), desc)
+def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str):
+    """Consecutive slices (views) of ``x`` and ``y`` with progress. (A ``DataLoader`` indexes and
+    re-stacks every sample: ~3 ms per batch of 256, 12 % of a last-layer capture.)"""
+    n = len(x)
+    batches = ((x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, n, batch_size))
+    return progress(batches, desc, -(-n // batch_size))
 
 
 def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact",
