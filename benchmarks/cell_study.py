@@ -1,9 +1,10 @@
 """The shared command line of the studies that read a grid's cached cells
-(``diag_full_gap.py``, ``ensemble_question.py``): ``--config --work --alpha --out --threads``."""
+(``diag_full_gap.py``, ``ensemble_question.py``): ``--config --work --alpha --out --threads --seeds``."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,8 +21,14 @@ def study_arguments(doc: str | None) -> tuple[argparse.Namespace, ExperimentConf
     ap.add_argument("--alpha", type=float, default=0.1, help="Dirichlet α of the cells studied [default: 0.1]")
     ap.add_argument("--out", required=True, help="output folder (results.json, results.md)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads [default: 1]")
+    ap.add_argument("--seeds", default=None,
+                    help="comma-separated seeds to study, e.g. 0,1 (cells not in the cache are fitted first) "
+                         "[default: the config's seeds]")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    return args, ExperimentConfig.from_toml(args.config), Path(args.work), out
+    cfg = ExperimentConfig.from_toml(args.config)
+    if args.seeds is not None:
+        cfg = replace(cfg, seeds=[int(v) for v in args.seeds.split(",")])
+    return args, cfg, Path(args.work), out
