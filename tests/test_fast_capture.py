@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import install_fake_plugin
 from torch import nn
 
+from posterior_fusion.local import fastcapture
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.fastcapture import unsupported_reason
+from posterior_fusion.local.fastcapture import CHUNK_COLUMNS, unsupported_reason
 from posterior_fusion.models import ModelSpec
 
 PLUGIN = '''
@@ -93,6 +95,21 @@ def test_fast_float32_is_closer_to_float64_than_laplace(fmnist_train, plugin_spe
             fast_worst = worst
         else:  # laplace-torch sums whole batches in float32; the fast path sums chunks in float64
             assert worst >= fast_worst, (worst, fast_worst)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation", [(5, 1, 0, 1), (3, 2, 1, 1), ((3, 5), (2, 1), (2, 0), (1, 2))])
+@pytest.mark.parametrize("chunk", [CHUNK_COLUMNS, 16])  # one chunk per call, and many
+def test_conv_patches_equal_unfold(monkeypatch, kernel, stride, padding, dilation, chunk):
+    """The strided patch view and its chunked Gram against ``F.unfold`` and a float64 product:
+    non-square kernels, strides, padding and dilation."""
+    monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
+    conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
+    x = torch.randn(7, 3, 13, 11, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2)  # (M, S, I)
+    P = fastcapture._input_patches(conv, x)
+    assert torch.equal(P, u)
+    rows = u.reshape(-1, u.shape[-1])
+    torch.testing.assert_close(fastcapture._patch_gram(P), rows.T @ rows, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
