@@ -70,7 +70,7 @@ def main() -> None:
              f"α = {args.alpha}, C = {cfg.clients[0]}, M = {max(cfg.components)}, kron, {cfg.epochs} local epochs; "
              f"seeds {', '.join(str(s) for s in sorted({r['seed'] for r in rows}))} (cached fits in `{args.work}`). Command:", "",
              f"    .venv/bin/python benchmarks/ensemble_question.py --config {args.config} --work {args.work} "
-             f"--alpha {args.alpha} --out {args.out}", "",
+             f"--alpha {args.alpha} --out {args.out}" + (f" --seeds {args.seeds}" if args.seeds else ""), "",
              "| variant | members | accuracy % (mean ± std) | NLL | ECE | per seed |", "|---|---|---|---|---|---|"]
     for name, _, _ in VARIANTS:
         rs = [r for r in rows if r["variant"] == name]
