@@ -10,6 +10,7 @@ import sys
 import click
 
 from posterior_fusion import __version__
+from posterior_fusion.runtime import keep_freed_memory
 
 # name -> (module, attribute, one-line help shown by `pfuse --help`)
 COMMANDS = {
@@ -49,7 +50,11 @@ def pfuse(quiet: bool) -> None:
     """posterior-fusion: one-shot federated learning by Bayesian posterior fusion.
 
     Typical flow: partition -> fit-local (each silo) -> fuse (server) -> evaluate.
+
+    Freed memory is kept for reuse (glibc mallopt: training and fusion loops then do not fault
+    their buffers in again every step); PFUSE_MALLOC=default turns that off.
     """
+    keep_freed_memory()
     if quiet:
         os.environ["PFUSE_PROGRESS"] = "0"
 
