@@ -51,7 +51,13 @@ def main() -> None:
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="call posterior_fusion.runtime.keep_freed_memory() first, as pfuse does (both loops then reuse freed buffers)")
     args = ap.parse_args()
+    if args.keep_freed_memory:
+        from posterior_fusion.runtime import keep_freed_memory
+
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     clients = [posterior_fusion.load(p) for p in sorted(glob.glob(args.artifacts))]
     c0 = clients[0]
@@ -78,7 +84,7 @@ def main() -> None:
     t_ours = time.perf_counter() - t0
     gap = max((a - b).abs().max().item() for a, b in zip(authors_modes, res.members))
     print(f"C = {len(clients)}, M = {c0.num_components}, d = {c0.layout.dim}, {args.steps} Adam steps per mode, "
-          f"threads = {args.threads}")
+          f"threads = {args.threads}, keep freed memory = {args.keep_freed_memory}")
     print(f"authors' loop: {t_authors:.1f} s | ours: {t_ours:.1f} s | speed-up {t_authors / t_ours:.2f}x | "
           f"largest difference of the modes found {gap:.2e}")
 
