@@ -27,8 +27,12 @@ import time
 import torch
 
 
-def one(artifacts: list[str], C: int, M: int, form: str, threads: int) -> dict:
+def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: bool) -> dict:
     import posterior_fusion
+    from posterior_fusion.runtime import keep_freed_memory
+
+    if keep:
+        keep_freed_memory()
     from posterior_fusion.fusion.stack import StackedGaussians
 
     torch.set_num_threads(threads)
@@ -60,6 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="both forms call posterior_fusion.runtime.keep_freed_memory() first, as pfuse does")
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of the two forms per configuration (default 3)")
     ap.add_argument("--grid", default="5x1,5x2,5x5,5x10,10x5,20x5,40x5", help="CxM configurations")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -67,9 +73,10 @@ def main() -> None:
     files = sorted(glob.glob(args.artifacts))
     if args.one:
         C, M, form = args.one.split(",")
-        print(json.dumps(one(files, int(C), int(M), form, args.threads)))
+        print(json.dumps(one(files, int(C), int(M), form, args.threads, args.keep_freed_memory)))
         return
-    print(f"threads = {args.threads}, artifacts = {len(files)} files, rounds = {args.rounds}")
+    print(f"threads = {args.threads}, artifacts = {len(files)} files, rounds = {args.rounds}, "
+          f"keep freed memory = {args.keep_freed_memory}")
     print(f"{'C':>3} {'M':>3} {'rotated ms':>11} {'direct ms':>10} {'speed-up':>8} {'ms/pair rot':>11} "
           f"{'ms/pair dir':>11} {'peak rot MiB':>12} {'peak dir MiB':>12}")
     rows = []
@@ -79,7 +86,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for form in runs:
                 out = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--threads",
-                                      str(args.threads), "--one", f"{C},{M},{form}"], capture_output=True, text=True,
+                                      str(args.threads), "--one", f"{C},{M},{form}"]
+                                     + (["--keep-freed-memory"] if args.keep_freed_memory else []), capture_output=True, text=True,
                                      check=True)
                 runs[form].append(json.loads(out.stdout.strip().splitlines()[-1]))
         pairs = M * C * M
