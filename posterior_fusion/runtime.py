@@ -37,6 +37,7 @@ def keep_freed_memory(limit: int = DEFAULT_LIMIT) -> bool:
     except (OSError, AttributeError):  # musl and other C libraries have no mallopt
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    limit = max(0, min(int(limit), 2**31 - 1))  # mallopt takes a C int
     # older glibc refuses mmap thresholds above 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit): larger buffers then still use mmap
     mmap_ok = mallopt(M_MMAP_THRESHOLD, limit) or mallopt(M_MMAP_THRESHOLD, min(limit, 1 << 25))
     return bool(mmap_ok and mallopt(M_TRIM_THRESHOLD, limit))
