@@ -78,15 +78,11 @@ def _input_patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _patch_gram(P: torch.Tensor) -> torch.Tensor:
-    """``Σ_{m,s} P[m, s] P[m, s]ᵀ`` ``(I, I)`` in float64 for ``P`` ``(M, S, I)``: float32 products over
-    chunks of at most :data:`CHUNK_COLUMNS` rows (each chunk copied into a small contiguous block, so
-    the patch matrix never exists whole), summed in float64."""
+    """``Σ_{m,s} P[m, s] P[m, s]ᵀ`` ``(I, I)`` in float64 for ``P`` ``(M, S, I)``, over chunks of at most
+    :data:`CHUNK_COLUMNS` rows (each chunk copied into a small contiguous block, so the patch matrix
+    never exists whole)."""
     _, S, D = P.shape
-    out = torch.zeros(D, D, dtype=torch.float64, device=P.device)
-    for c in P.split(max(1, CHUNK_COLUMNS // S), dim=0):
-        r = c.reshape(-1, D)
-        out += (r.T @ r).double()
-    return out
+    return _sum_grams((c.reshape(-1, D) for c in P.split(max(1, CHUNK_COLUMNS // S), dim=0)), D, P.device)
 
 
 def _grad_columns(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
@@ -114,13 +110,18 @@ def _per_sample(module: nn.Module, patches: torch.Tensor, g: torch.Tensor) -> tu
 CHUNK_COLUMNS = 1 << 11  # float32 partial sums over at most this many columns, accumulated in float64
 
 
-def _gram(X: torch.Tensor) -> torch.Tensor:
-    """``X Xᵀ`` in float64 for ``X`` ``(D, K)``, K up to ~10^6: float32 GEMMs over column chunks
-    (error ~√chunk·ε), summed in float64 — laplace-torch's float32 sums are up to 1.4e-5 off."""
-    out = torch.zeros(X.shape[0], X.shape[0], dtype=torch.float64, device=X.device)
-    for c in X.split(CHUNK_COLUMNS, dim=1):
-        out += (c @ c.T).double()
+def _sum_grams(chunks, D: int, device) -> torch.Tensor:
+    """``Σ cᵀ c`` in float64 over row blocks ``c`` ``(k, D)``: float32 products of ≤ :data:`CHUNK_COLUMNS`
+    rows each (error ~√chunk·ε), summed in float64 — laplace-torch's float32 sums are up to 1.4e-5 off."""
+    out = torch.zeros(D, D, dtype=torch.float64, device=device)
+    for c in chunks:
+        out += (c.T @ c).double()
     return out
+
+
+def _gram(X: torch.Tensor) -> torch.Tensor:
+    """``X Xᵀ`` in float64 for ``X`` ``(D, K)``, K up to ~10^6, over column chunks."""
+    return _sum_grams((c.T for c in X.split(CHUNK_COLUMNS, dim=1)), X.shape[0], X.device)
 
 
 def _columns(logits: torch.Tensor, ggn: str, generator: torch.Generator | None) -> torch.Tensor:
