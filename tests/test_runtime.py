@@ -18,13 +18,13 @@ from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 took = keep_freed_memory()
 torch.set_num_threads(1)
-x, y = torch.rand(2048, 1, 28, 28), torch.randint(0, 10, (2048,))
+x, y = torch.rand(4096, 1, 28, 28), torch.randint(0, 10, (4096,))
 torch.manual_seed(0)
 model = ModelSpec("lenet", {}).build()
 cfg = TrainConfig(epochs=1, batch_size=64, weight_decay=0.0)
 train_map(model, x, y, cfg, seed=0, desc="warm-up")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-train_map(model, x, y, cfg, seed=1, desc="epoch")  # 32 steps
+train_map(model, x, y, cfg, seed=1, desc="epoch")  # 64 steps
 print(took, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -44,8 +44,11 @@ def _glibc() -> bool:
 def test_training_steps_do_not_fault_buffers_in_again():
     took, faults = _run({})
     assert took
-    # glibc's defaults fault hundreds of pages per epoch here (424 in one run); reused buffers: ~2
-    assert faults < 32, faults
+    # A step's activations and gradients span ~250 pages (the first convolution's output alone is 216), so
+    # faulting them in again every step costs > 10,000 faults over these 64 steps; reused buffers cost a one-time
+    # handful (1-44 measured). glibc's own defaults are no baseline: its dynamic mmap threshold makes them vary
+    # from 1 to 63,673 faults between runs of this script.
+    assert faults < 1024, faults
 
 
 def test_opt_out_leaves_the_allocator_alone():
