@@ -74,18 +74,22 @@ def dense_neg_log_posterior(clients, w, T, lams, lam0):
     return -total
 
 
+@pytest.mark.parametrize("chunk_bytes", [0, 1, None], ids=["all-clients-at-once", "client-by-client", "default"])
 @pytest.mark.parametrize("structure", ["kron", "diag"])
-def test_fedbens_objective_and_gradient_vs_dense_float64(structure):
+def test_fedbens_objective_and_gradient_vs_dense_float64(structure, chunk_bytes):
     clients = random_clients(structure, C=3, M=2, seed=0)
     lams = [2.0, 3.0, 1.5]  # per-client priors: the general form of the prior correction
-    obj = GlobalLogPosterior(clients, [0.5] * 3, lams, 2.5, dtype=torch.float64)
+    obj = GlobalLogPosterior(clients, [0.5] * 3, lams, 2.5, dtype=torch.float64, chunk_bytes=chunk_bytes)
+    assert len(obj.chunks(4, 8)) == (3 if chunk_bytes == 1 else 1)
     gen = torch.Generator().manual_seed(5)
     W = (torch.randn(4, TINY_LAYOUT.dim, generator=gen, dtype=torch.float64) * 0.5).requires_grad_(True)
     ours = obj(W)
     ref = torch.stack([dense_neg_log_posterior(clients, w, 0.5, lams, 2.5) for w in W])
     # Objectives agree up to one constant (normalisers of the global posterior are dropped nowhere here).
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-8)
-    g_ours = torch.autograd.grad(ours.sum(), W)[0]
+    g_ours = torch.autograd.grad(ours.sum(), W, retain_graph=True)[0]
+    weights = torch.tensor([0.5, -2.0, 0.0, 3.0], dtype=torch.float64)  # rows are independent: a weighted sum scales them
+    torch.testing.assert_close(torch.autograd.grad((weights * ours).sum(), W)[0], weights[:, None] * g_ours)
     Wr = W.detach().clone().requires_grad_(True)
     g_ref = torch.autograd.grad(torch.stack([dense_neg_log_posterior(clients, w, 0.5, lams, 2.5) for w in Wr]).sum(), Wr)[0]
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-9, atol=1e-9)

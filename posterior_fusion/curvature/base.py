@@ -12,8 +12,9 @@ shape ``(..., dim)``; the leading dimensions batch.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -32,7 +33,10 @@ class BlockValueError(ValueError):
 
 
 class StackedBlock(Protocol):
-    """N blocks of one kind and size, stacked for batched evaluation (see ``fusion/stack.py``)."""
+    """N blocks of one kind and size, stacked for batched evaluation (see ``fusion/stack.py``).
+
+    A frozen dataclass whose tensor fields (and tensors inside tuple fields) are all indexed by
+    component first, so :func:`map_tensors` can move it or take a range of its components."""
 
     offset: int
     size: int
@@ -44,6 +48,20 @@ class StackedBlock(Protocol):
 
     def to(self, device: str | torch.device) -> StackedBlock:
         ...
+
+
+def map_tensors(block: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A copy of the stacked block (a dataclass) with ``fn`` applied to every tensor field and to
+    every tensor in a tuple field; other fields are kept."""
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return fn(value)
+        if isinstance(value, tuple) and value and all(isinstance(t, torch.Tensor) for t in value):
+            return tuple(fn(t) for t in value)
+        return value
+
+    return dataclasses.replace(block, **{f.name: one(getattr(block, f.name)) for f in dataclasses.fields(block)})
 
 
 class Precision(ABC):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from posterior_fusion.curvature.base import Precision, check_psd_factor, eigh_psd
+from posterior_fusion.curvature.base import Precision, check_psd_factor, eigh_psd, map_tensors
 
 
 class Dense(Precision):
@@ -124,5 +124,4 @@ class StackedDense:
         return (z.square() * self.S[None]).sum(-1)
 
     def to(self, device) -> StackedDense:
-        return StackedDense(self.offset, self.size, self.mu.to(device), self.S.to(device), self.U.to(device),
-                            self.logdets.to(device))
+        return map_tensors(self, lambda t: t.to(device))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from posterior_fusion.curvature.base import BlockValueError, Precision
+from posterior_fusion.curvature.base import BlockValueError, Precision, map_tensors
 
 
 class Diag(Precision):
@@ -106,4 +106,4 @@ class StackedDiag:
         return ((w[:, None, :] - self.mu[None]).square() * self.S[None]).sum(-1)
 
     def to(self, device) -> StackedDiag:
-        return StackedDiag(self.offset, self.size, self.mu.to(device), self.S.to(device), self.logdets.to(device))
+        return map_tensors(self, lambda t: t.to(device))

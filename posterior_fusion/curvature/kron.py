@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd
+from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd, map_tensors
 from posterior_fusion.kernels import kron_direct_forms, kron_quadratic_forms
 
 
@@ -244,9 +244,4 @@ class StackedKron:
         return total
 
     def to(self, device) -> StackedKron:
-        def mv(t):
-            return None if t is None else t.to(device)
-
-        return StackedKron(self.offset, self.size, mv(self.mu), mv(self.S), mv(self.UB), mv(self.UA),
-                           mv(self.logdets), mv(self.shift), self.rank, self.kernel,
-                           None if self.direct is None else tuple(mv(t) for t in self.direct))
+        return map_tensors(self, lambda t: t.to(device))

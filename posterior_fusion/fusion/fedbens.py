@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
@@ -54,12 +55,22 @@ class FedBEnsSettings(OptimiserSettings):
             raise ConfigError(f"setting starts must be one of {STARTS}")
 
 
+CHUNK_BYTES = 64 * 2**20  # working set of the clients whose quadratic forms are evaluated together
+
+
 class GlobalLogPosterior:
-    """Negative global log posterior ``−log p(w | D)`` (up to a constant) for ``W`` ``(K, d)``."""
+    """Negative global log posterior ``−log p(w | D)`` (up to a constant) for ``W`` ``(K, d)``.
+
+    Clients are evaluated in chunks of whole clients whose working set (about ``3·K·d`` numbers
+    per component) stays under ``chunk_bytes`` (default :data:`CHUNK_BYTES`; 0 = every client at
+    once). Each chunk's log-sum-exp and its gradient are computed before the next chunk starts and
+    only the ``(K, d)`` gradient is kept for the backward pass, so peak memory does not grow with the
+    number of clients and no product is computed twice (autograd through the whole sum would keep
+    every component's ``B V A`` until the backward pass)."""
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                  server_prior_precision: float, dtype: torch.dtype = torch.float32, lowrank_tol: float = 0.0,
-                 kernel: str | None = None, device: str = "cpu") -> None:
+                 kernel: str | None = None, device: str = "cpu", chunk_bytes: int | None = None) -> None:
         comps, scales, shifts, self.groups = [], [], [], []
         for c, t, lam in zip(clients, temperatures, prior_precisions):
             start = len(comps)
@@ -75,19 +86,67 @@ class GlobalLogPosterior:
         self.log_norm = log_pi.to(device) + 0.5 * self.stack.logdets - 0.5 * d * LOG_2PI  # (N,)
         self.client_lams = torch.tensor(prior_precisions, dtype=dtype)
         self.lam0 = float(server_prior_precision)
+        self.chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
 
     def log_prior(self, sq_norm: torch.Tensor, lam: float | torch.Tensor) -> torch.Tensor:
         lam = torch.as_tensor(lam, dtype=sq_norm.dtype)
         return 0.5 * self.d * torch.log(lam) - 0.5 * self.d * LOG_2PI - 0.5 * lam * sq_norm
 
-    def __call__(self, W: torch.Tensor) -> torch.Tensor:
-        """``(K, d)`` -> ``(K,)`` values of ``−log p(w | D)``."""
-        log_comp = self.log_norm[None] - 0.5 * self.stack.quadratic_forms(W)  # (K, N)
+    def chunks(self, K: int, element_size: int) -> list[list[tuple[int, int]]]:
+        """The client groups ``(start, stop)`` evaluated together for ``K`` points."""
+        per_component = 3 * K * self.d * element_size
+        out: list[list[tuple[int, int]]] = [[]]
+        used = 0
+        for a, b in self.groups:
+            cost = (b - a) * per_component
+            if out[-1] and self.chunk_bytes > 0 and used + cost > self.chunk_bytes:
+                out.append([])
+                used = 0
+            out[-1].append((a, b))
+            used += cost
+        return out
+
+    def value_and_gradient(self, W: torch.Tensor, gradient: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``W`` ``(K, d)`` -> values ``(K,)`` of ``−log p(w | D)`` and, with ``gradient``, their
+        gradients ``(K, d)`` (row k is ``∂ value_k / ∂ W_k``; the rows are independent)."""
+        W = W.detach()
         sq = W.square().sum(-1)
-        total = self.log_prior(sq, self.lam0)
-        for (a, b), lam in zip(self.groups, self.client_lams):
-            total = total + torch.logsumexp(log_comp[:, a:b], dim=-1) - self.log_prior(sq, lam)
-        return -total
+        lam_sum = self.client_lams.sum()
+        values = -(self.log_prior(sq, self.lam0) - sum(self.log_prior(sq, lam) for lam in self.client_lams))
+        grad = (self.lam0 - lam_sum).to(W.dtype) * W if gradient else None
+        for chunk in self.chunks(W.shape[0], W.element_size()):
+            first, last = chunk[0][0], chunk[-1][1]
+            with torch.enable_grad():
+                Wc = W.clone().requires_grad_(gradient)
+                log_comp = self.log_norm[first:last] - 0.5 * self.stack.select(first, last).quadratic_forms(Wc)  # (K, n)
+                part = sum(torch.logsumexp(log_comp[:, a - first : b - first], dim=-1) for a, b in chunk)
+                if gradient:
+                    grad -= torch.autograd.grad(part.sum(), Wc)[0]
+            values = values - part.detach()
+        return values, grad
+
+    def __call__(self, W: torch.Tensor) -> torch.Tensor:
+        """``(K, d)`` -> ``(K,)`` values of ``−log p(w | D)``, differentiable w.r.t. ``W`` (once)."""
+        if torch.is_grad_enabled() and W.requires_grad:
+            return _NegLogPosterior.apply(W, self)
+        return self.value_and_gradient(W, gradient=False)[0]
+
+
+class _NegLogPosterior(torch.autograd.Function):
+    """:meth:`GlobalLogPosterior.value_and_gradient` as a Function: the gradient is computed in the
+    forward pass, chunk by chunk, and only scaled in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, W, objective):  # noqa: D102
+        values, grad = objective.value_and_gradient(W)
+        ctx.save_for_backward(grad)
+        return values
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_values):  # noqa: D102
+        (grad,) = ctx.saved_tensors
+        return grad_values[:, None] * grad, None
 
 
 def require_shared_inits(inputs: FusionInputs) -> None:

@@ -17,10 +17,13 @@ Log-determinants always use the full spectra.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from posterior_fusion.artifact.objects import Component
 from posterior_fusion.curvature import BLOCK_TYPES
+from posterior_fusion.curvature.base import map_tensors
 from posterior_fusion.errors import IncompatibleArtifactsError
 
 
@@ -63,6 +66,14 @@ class StackedGaussians:
         self.blocks = [b.to(device) for b in self.blocks]
         self.logdets = self.logdets.to(device)
         return self
+
+    def select(self, start: int, stop: int) -> StackedGaussians:
+        """Components ``start … stop − 1`` as a stack of views (nothing copied)."""
+        sub = copy.copy(self)
+        sub.blocks = [map_tensors(b, lambda t: t[start:stop]) for b in self.blocks]
+        sub.logdets = self.logdets[start:stop]
+        sub.num = stop - start
+        return sub
 
     def quadratic_forms(self, W: torch.Tensor) -> torch.Tensor:
         """``(K, d)`` points -> ``(K, N)`` quadratic forms ``(w_k − μ_n)ᵀ Λ_n (w_k − μ_n)``."""
