@@ -182,7 +182,8 @@ class Kron(Precision):
             # raw factors rebuilt from the clamped spectra: the direct form is the same matrix
             Bs = (UB * b[:, None, :]) @ UB.transpose(1, 2)
             As = (UA * a[:, None, :]) @ UA.transpose(1, 2)
-            direct = (Bs, As, Bs @ mu.to(dtype), scales.to(dtype).clone(), shifts.to(dtype).clone())
+            mu = mu.to(dtype)
+            direct = (Bs, As, Bs @ mu, scales.to(dtype).clone(), shifts.to(dtype).clone(), mu.flatten(1).square().sum(1))
             return StackedKron(offset, out * inn, mu, curv + shifts[:, None, None], UB, UA, logdets, None,
                                (out, inn, out, inn), kernel, direct)
         thresh = lowrank_tol * shifts
@@ -201,7 +202,7 @@ class StackedKron:
     """N Kronecker blocks: ``mu`` ``(N, out, in)``, rotated weights ``S`` ``(N, R1, R2)``,
     bases ``UB`` ``(N, out, R1)`` / ``UA`` ``(N, in, R2)``; ``shift`` ``(N,)`` only under the
     low-rank shortcut (its closed-form ``shift ‖W − μ‖²`` term); ``rank`` = (out, in, R1, R2).
-    ``direct`` = ``(B (N, out, out), A (N, in, in), B μ, scales (N,), shifts (N,))``: the raw
+    ``direct`` = ``(B (N, out, out), A (N, in, in), B μ, scales (N,), shifts (N,), ‖μ‖² (N,))``: the raw
     factors for the direct form (torch backend, no low-rank shortcut)."""
 
     offset: int
@@ -230,10 +231,11 @@ class StackedKron:
         if form == "direct":
             if self.direct is None:
                 raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
-            B, A, Bmu, sc, sh = self.direct
-            return torch.cat([kron_direct_forms(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step],
-                                                Bmu[i : i + step], sc[i : i + step], sh[i : i + step], self.kernel)
-                              for i in range(0, N, step)], dim=1)
+            B, A, Bmu, sc, sh, mu_sq = self.direct
+            parts = [kron_direct_forms(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step], Bmu[i : i + step],
+                                       sc[i : i + step], sh[i : i + step], self.kernel, mu_sq[i : i + step])
+                     for i in range(0, N, step)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         total = torch.cat([kron_quadratic_forms(Wk, self.mu[i : i + step], self.UB[i : i + step],
                                                 self.UA[i : i + step], self.S[i : i + step], self.kernel)
                            for i in range(0, N, step)], dim=1)

@@ -81,7 +81,7 @@ class KronDirectForms(torch.autograd.Function):
     in one fused pass."""
 
     @staticmethod
-    def forward(ctx, W, mu, B, A, Bmu, scale, shift, backend):  # noqa: D102
+    def forward(ctx, W, mu, B, A, Bmu, scale, shift, mu_sq, backend):  # noqa: D102
         ctx.backend = backend
         if backend == "triton":
             from posterior_fusion.kernels import triton_kron
@@ -89,7 +89,7 @@ class KronDirectForms(torch.autograd.Function):
             q = triton_kron.direct_forms(W, mu, B, A, scale, shift)
             ctx.save_for_backward(W, mu, B, A, scale, shift)
         else:
-            q, M = reference.direct_forms(W, mu, B, A, Bmu, scale, shift)
+            q, M = reference.direct_forms(W, mu, B, A, Bmu, scale, shift, mu_sq)
             ctx.save_for_backward(W, mu, M, scale, shift)
         return q
 
@@ -104,13 +104,14 @@ class KronDirectForms(torch.autograd.Function):
         else:
             W, mu, M, scale, shift = ctx.saved_tensors
             grad = reference.direct_forms_grad(W, mu, M, scale, shift, grad_q)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def kron_direct_forms(W: torch.Tensor, mu: torch.Tensor, B: torch.Tensor, A: torch.Tensor, Bmu: torch.Tensor,
-                      scale: torch.Tensor, shift: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+                      scale: torch.Tensor, shift: torch.Tensor, backend: str | None = None,
+                      mu_sq: torch.Tensor | None = None) -> torch.Tensor:
     """``(K, N)`` quadratic forms from the raw factors (see :func:`reference.direct_forms`)."""
-    return KronDirectForms.apply(W.contiguous(), mu, B, A, Bmu, scale, shift, choose_backend(W, backend))
+    return KronDirectForms.apply(W.contiguous(), mu, B, A, Bmu, scale, shift, mu_sq, choose_backend(W, backend))
 
 
 def kron_quadratic_forms(W: torch.Tensor, mu: torch.Tensor, UB: torch.Tensor, UA: torch.Tensor, S: torch.Tensor,
