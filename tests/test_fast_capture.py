@@ -71,6 +71,22 @@ def _compare(spec: ModelSpec, fmnist_train, structure: str, dtype: torch.dtype, 
 MODELS = [("lenet", {}), ("lenet", {"bias": True}), ("cnn", {"bias": True}), ("mlp", {"hidden": 24})]
 
 
+@pytest.mark.parametrize("layer,shape,chunk", [
+    (nn.Conv2d(2, 4, 3), (5, 4, 6, 7), CHUNK_COLUMNS),  # channels <= positions: per-sample products
+    (nn.Conv2d(2, 9, 3), (5, 9, 2, 3), CHUNK_COLUMNS),  # more channels than positions: column chunks
+    (nn.Conv2d(2, 4, 3), (5, 4, 6, 7), 16),  # more positions than a chunk: column chunks
+    (nn.Linear(3, 4), (50, 4), 16),
+    (nn.Linear(3, 4), (6, 5, 4), CHUNK_COLUMNS),  # a sequence of positions
+])
+def test_output_gram_equals_float64_product(monkeypatch, layer, shape, chunk):
+    """Σ g gᵀ over samples and positions, whichever way it is summed, against one float64 product."""
+    monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    cols = (g.transpose(0, 1).reshape(shape[1], -1) if isinstance(layer, nn.Conv2d) else g.reshape(-1, shape[-1]).T)
+    ref = cols.double() @ cols.double().T
+    torch.testing.assert_close(fastcapture._output_gram(layer, g), ref, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
 @pytest.mark.parametrize("name,kwargs", MODELS)
 def test_fast_equals_laplace_float32(fmnist_train, name, kwargs, structure):

@@ -119,6 +119,19 @@ def _sum_grams(chunks, D: int, device) -> torch.Tensor:
     return out
 
 
+def _output_gram(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """``Σ`` over samples and positions of ``g gᵀ`` ``(O, O)`` in float64, for a layer's output gradient
+    (conv ``(M, O, H, W)``, linear ``(M, ..., O)``). A convolution with at most :data:`CHUNK_COLUMNS`
+    positions and no more channels than positions takes one batched product per sample straight
+    from ``g``'s memory (float32 over one sample's positions, float64 over samples): no transposed
+    copy of ``g``, and 3x faster than the column chunks for LeNet's first convolution."""
+    if isinstance(module, nn.Conv2d):
+        g3 = g.reshape(g.shape[0], g.shape[1], -1)  # (M, O, S)
+        if g3.shape[1] <= g3.shape[2] <= CHUNK_COLUMNS:
+            return torch.bmm(g3, g3.transpose(1, 2)).sum(0, dtype=torch.float64)
+    return _gram(_grad_columns(module, g))
+
+
 def _gram(X: torch.Tensor) -> torch.Tensor:
     """``X Xᵀ`` in float64 for ``X`` ``(D, K)``, K up to ~10^6, over column chunks."""
     return _sum_grams((c.T for c in X.split(CHUNK_COLUMNS, dim=1)), X.shape[0], X.device)
@@ -199,7 +212,7 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
 
     def on_column(r, inputs, grads):
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
-            B[i] = B[i] + _gram(_grad_columns(layer, g))
+            B[i] = B[i] + _output_gram(layer, g)
             if r == 0:  # A depends on the inputs only: once per batch
                 P = _input_patches(layer, u)
                 A[i] = A[i] + _patch_gram(P) / (n * P.shape[1])
