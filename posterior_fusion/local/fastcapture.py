@@ -289,10 +289,14 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
                     phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
                 # per-batch products in the model's dtype (sums of ≤ batch_size terms), accumulated in float64
                 first += torch.einsum("no,ni,nj->oij", p, phi, phi).double()
-                v = (p.unsqueeze(2) * phi.unsqueeze(1)).reshape(len(xb), -1)  # p_n ⊗ φ̃_n
-                second += (v.T @ v).double()
+                v = p.unsqueeze(2) * phi.unsqueeze(1)  # (n, O, k): p_n ⊗ φ̃_n
+                vf = v.reshape(len(xb), -1)
+                for o in range(n_out):  # upper block triangle only: Σ (p pᵀ) ⊗ (φ̃ φ̃ᵀ) is symmetric in (o, o')
+                    second[o * k : (o + 1) * k, o * k :] += (v[:, o].T @ vf[:, o * k :]).double()
     finally:
         handle.remove()
+    diagonal = torch.block_diag(*[second[o * k : (o + 1) * k, o * k : (o + 1) * k] for o in range(n_out)])
+    second = second + second.T - diagonal  # the lower block triangle mirrored from the upper
     H = (torch.block_diag(*first) - second).to(last.weight.dtype)  # index (o, i), i < k
     if not has_b:
         return H
