@@ -71,6 +71,20 @@ def _compare(spec: ModelSpec, fmnist_train, structure: str, dtype: torch.dtype, 
 MODELS = [("lenet", {}), ("lenet", {"bias": True}), ("cnn", {"bias": True}), ("mlp", {"hidden": 24})]
 
 
+def test_exact_columns_are_a_rank_c_minus_1_square_root_of_the_ce_hessian():
+    """Σ_i s_i s_iᵀ = diag(p) − p pᵀ with C − 1 columns, against float64 (confident samples included)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.cat([torch.randn(40, 10, generator=gen) * 4, torch.tensor([[30.0] + [0.0] * 8 + [-20.0]])])
+    S = fastcapture._columns(logits, "exact", None)
+    assert S.shape == (9, 41, 10)
+    p = logits.double().softmax(-1)
+    H = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    SS = torch.einsum("rmc,rmd->mcd", S.double(), S.double())
+    scale = torch.diagonal(H, dim1=1, dim2=2).sqrt()  # error relative to √(H_ii H_jj), the entries' natural size
+    assert ((SS - H).abs() / (scale[:, :, None] * scale[:, None, :])).max() < 2e-3
+    torch.testing.assert_close(SS[:40], H[:40], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("layer,shape,chunk", [
     (nn.Conv2d(2, 4, 3), (5, 4, 6, 7), CHUNK_COLUMNS),  # channels <= positions: per-sample products
     (nn.Conv2d(2, 9, 3), (5, 9, 2, 3), CHUNK_COLUMNS),  # more channels than positions: column chunks

@@ -138,11 +138,28 @@ def _gram(X: torch.Tensor) -> torch.Tensor:
 
 
 def _columns(logits: torch.Tensor, ggn: str, generator: torch.Generator | None) -> torch.Tensor:
-    """Back-propagated columns ``(R, M, C)``: the CE Hessian square root (exact) or p − e_ŷ (MC)."""
+    """Back-propagated columns ``(R, M, C)``: a square root of the CE Hessian ``H = diag(p) − p pᵀ``
+    with ``R = C − 1`` columns (exact), or ``p − e_ŷ`` for one sampled label ``ŷ`` (MC).
+
+    ``H = D (I − q qᵀ) D`` with ``q = √p`` (a unit vector) and ``D = diag(q)``, and ``I − q qᵀ`` is the
+    projection onto ``q``'s complement. The Householder reflection ``Y = I − 2 u uᵀ / ‖u‖²``,
+    ``u = q + e_j`` with ``j = argmax q`` (no cancellation), maps ``q`` to ``−e_j``, so its other C − 1
+    columns are an orthonormal basis of that complement and ``s_i = D Y e_i`` (``i ≠ j``) satisfy
+    ``Σ_i s_i s_iᵀ = H``: one back-propagated column fewer than the C columns ``√p_c (e_c − p)``."""
     p = logits.detach().softmax(-1)
     if ggn == "exact":
-        eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
-        return p.sqrt().T.unsqueeze(-1) * (eye.unsqueeze(1) - p.unsqueeze(0))  # s_c[n] = √p_nc (e_c − p_n)
+        M, C = p.shape
+        q = p.sqrt()
+        j = q.argmax(1)
+        u = q.clone()
+        u[torch.arange(M, device=p.device), j] += 1
+        coef = 2 / u.square().sum(1)  # (M,)
+        eye = torch.eye(C, dtype=p.dtype, device=p.device)
+        Y = eye - coef[:, None, None] * u[:, :, None] * u[:, None, :]  # (M, C, C), symmetric: row i = column i
+        keep = torch.ones(M, C, dtype=torch.bool, device=p.device)
+        keep[torch.arange(M, device=p.device), j] = False
+        S = (Y * q[:, None, :])[keep].reshape(M, C - 1, C)  # s_i[n] = D_n Y_n e_i, i ≠ j_n
+        return S.transpose(0, 1)
     y = torch.multinomial(p, 1, generator=generator).squeeze(1)
     return (p - F.one_hot(y, p.shape[1]).to(p.dtype)).unsqueeze(0)
 

@@ -1,0 +1,87 @@
+"""The fast curvature capture of this checkout against another version of ``fastcapture.py`` (e.g.
+an older commit's), alternating in one process: each capture ÷ one training epoch timed in the same
+round; process CPU time, median of ``--rounds``; also the largest relative difference of the two
+results (the MC captures draw the same labels from the same seed).
+
+    git show c6732eb:posterior_fusion/local/fastcapture.py > /tmp/fastcapture_old.py
+    PFUSE_PROGRESS=0 .venv/bin/python benchmarks/capture_ab_bench.py --against /tmp/fastcapture_old.py
+
+Captures (``--captures``, default all): ``kron-exact``, ``kron-mc``, ``diag-exact``, ``last-layer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+
+import torch
+
+from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, load_fmnist
+from posterior_fusion.local import fastcapture
+from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.train import train_map
+from posterior_fusion.models import ModelSpec
+from posterior_fusion.runtime import keep_freed_memory
+
+
+def _factors(curvature) -> torch.Tensor:
+    """Every stored tensor of a block-diagonal capture, flattened (never the dense d x d matrix)."""
+    return torch.cat([t.flatten().double() for b in curvature.blocks for t in b.to_tensors().values()])
+
+
+CAPTURES = {
+    "kron-exact": lambda m, model, x, y: _factors(m.fast_kron(model, x, y, ggn="exact")),
+    "kron-mc": lambda m, model, x, y: _factors(m.fast_kron(model, x, y, ggn="mc",
+                                                           generator=torch.Generator().manual_seed(0))),
+    "diag-exact": lambda m, model, x, y: m.fast_diag_vector(model, x, y, ggn="exact"),
+    "last-layer": lambda m, model, x, y: m.last_layer_ggn(model, x),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", required=True, help="path of the other fastcapture.py")
+    ap.add_argument("--captures", default=",".join(CAPTURES), help=f"comma-separated (default {','.join(CAPTURES)})")
+    ap.add_argument("--n", type=int, default=10000, help="training images (default 10000)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = ap.parse_args()
+    spec = importlib.util.spec_from_file_location("other_fastcapture", args.against)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    try:
+        x, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
+    except Exception:  # noqa: BLE001 - fall back to the embedded subset
+        x, y = load_fmnist("train", EMBEDDED_FMNIST_DIR)
+    x, y = torch.as_tensor(x[: args.n]).float().unsqueeze(1), torch.as_tensor(y[: args.n]).long()
+    torch.manual_seed(0)
+    model, copy = ModelSpec("lenet", {}).build(), ModelSpec("lenet", {}).build()
+    cfg = TrainConfig(epochs=1, batch_size=64, weight_decay=0.0)
+    train_map(model, x, y, cfg, seed=0, desc="epoch")
+    print(f"n = {args.n}, threads = {args.threads}, rounds = {args.rounds} (process CPU time, median; "
+          "each capture ÷ the epoch of its round)")
+    for name in args.captures.split(","):
+        run = CAPTURES[name]
+        ratios: dict[str, list[float]] = {"other": [], "this": []}
+        for r in range(args.rounds):
+            copy.load_state_dict(model.state_dict())
+            t0 = time.process_time()
+            train_map(copy, x, y, cfg, seed=r, desc="epoch")
+            epoch = time.process_time() - t0
+            for which, module in (("other", other), ("this", fastcapture)):
+                t0 = time.process_time()
+                run(module, model, x, y)
+                ratios[which].append((time.process_time() - t0) / epoch)
+        a, b = run(other, model, x, y), run(fastcapture, model, x, y)
+        diff = float((a - b).abs().max() / a.abs().max())
+        o, t = statistics.median(ratios["other"]), statistics.median(ratios["this"])
+        print(f"{name:>11}: other {o:.2f} epochs, this {t:.2f} epochs, {o / t:.2f}x; max relative difference {diff:.1e}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
