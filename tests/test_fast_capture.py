@@ -128,18 +128,21 @@ def test_fast_float32_is_closer_to_float64_than_laplace(fmnist_train, plugin_spe
 
 
 @pytest.mark.parametrize("kernel,stride,padding,dilation", [(5, 1, 0, 1), (3, 2, 1, 1), ((3, 5), (2, 1), (2, 0), (1, 2))])
-@pytest.mark.parametrize("chunk", [CHUNK_COLUMNS, 16])  # one chunk per call, and many
-def test_conv_patches_equal_unfold(monkeypatch, kernel, stride, padding, dilation, chunk):
-    """The strided patch view and its chunked Gram against ``F.unfold`` and a float64 product:
-    non-square kernels, strides, padding and dilation."""
+@pytest.mark.parametrize("chunk,group_bytes", [(CHUNK_COLUMNS, 1 << 24), (16, 1 << 24), (16, 1)])
+def test_conv_input_columns_equal_unfold(monkeypatch, kernel, stride, padding, dilation, chunk, group_bytes):
+    """A convolution's input columns against ``F.unfold`` (non-square kernels, strides, padding,
+    dilation) and their Gram — one chunk; many chunks in one batched GEMM; one GEMM per chunk —
+    against one float64 product."""
     monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
+    monkeypatch.setattr(fastcapture, "GRAM_GROUP_BYTES", group_bytes)
     conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
     x = torch.randn(7, 3, 13, 11, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    u = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2)  # (M, S, I)
-    P = fastcapture._input_patches(conv, x)
-    assert torch.equal(P, u)
-    rows = u.reshape(-1, u.shape[-1])
-    torch.testing.assert_close(fastcapture._patch_gram(P), rows.T @ rows, rtol=1e-12, atol=1e-12)
+    u = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)  # (M, I, S)
+    X = fastcapture._input_columns(conv, x)
+    assert torch.equal(X, u.transpose(0, 1).reshape(u.shape[1], -1))
+    torch.testing.assert_close(fastcapture._gram(X), X @ X.T, rtol=1e-12, atol=1e-12)
+    lin = fastcapture._input_columns(nn.Linear(11, 2), x)  # a linear layer: every position's inputs, a view
+    assert lin.data_ptr() == x.data_ptr() and torch.equal(lin, x.reshape(-1, 11).T)
 
 
 @pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
