@@ -1,6 +1,6 @@
 """Curvature capture ÷ one training epoch, laplace-torch vs the fast path, side by side in one run.
 
-    .venv/bin/python benchmarks/capture_bench.py --n 10000 --threads 1 [--model lenet] [--repeats 3]
+    .venv/bin/python benchmarks/capture_bench.py --n 10000 --threads 1 [--model lenet] [--repeats 3] [--keep-freed-memory]
 
 For each structure (kron, diag, diag+full) and GGN type (exact, mc): each capture is divided by
 the time of one SGD epoch (batch 64, as fit-local, on a copy of the model) timed just before it,
@@ -23,6 +23,7 @@ from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.local.fastcapture import last_layer_ggn
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.runtime import keep_freed_memory
 
 
 def main() -> None:
@@ -33,7 +34,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--structures", default="kron,diag,diag+full")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="call posterior_fusion.runtime.keep_freed_memory() first, as pfuse does (default: off)")
     args = ap.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     try:
         x, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
