@@ -17,7 +17,9 @@ from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.errors import IncompatibleArtifactsError, MethodNotApplicableError
 from posterior_fusion.fusion import METHODS, FusionInputs, FusionOptions, fuse
 from posterior_fusion.fusion.fedbens import FedBEnsSettings, GlobalLogPosterior
+from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.regmean import RegMeanSettings
+from posterior_fusion.fusion.resources import estimate_fuse_bytes
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 
@@ -366,3 +368,17 @@ def test_fedbens_starts_from_client_maps(fitted, starts):
                              clients[0].prior_precision)
     with torch.no_grad():
         assert (obj(torch.stack(res.members)) <= obj(torch.stack(want)) + 1e-3).all()
+
+
+def test_fuse_memory_estimate_follows_the_fedbens_chunks():
+    """fedbens' optimiser memory is one chunk of clients (flat in C) for the median starts, and grows
+    with the C·M modes of client starts; a one-mode optimiser keeps every component."""
+    def estimate(C, method="fedbens", **kw):
+        headers = [{"num_params": 44_190, "num_components": 5, "data_bytes": 0}] * C
+        return estimate_fuse_bytes(headers, method, get_method(method).settings(**kw))
+
+    d = 44_190
+    assert estimate(40) == estimate(5)  # K = 5 modes: one 64 MiB chunk of clients either way
+    # C·M = 200 modes: a component's working set (3·200·d floats, 106 MB) exceeds a chunk, so one client is
+    assert estimate(40, starts="clients") == 5 * 3 * 200 * d * 4 + 6 * 200 * d * 4 + 2 * 200 * d * 4
+    assert estimate(40, "fedfisher") - estimate(5, "fedfisher") == 4 * 175 * d * 4
