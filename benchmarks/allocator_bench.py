@@ -30,19 +30,15 @@ def one(setting: str, threads: int, artifacts: str | None) -> dict:
     if setting == "keep" and not keep_freed_memory():
         raise SystemExit("keep_freed_memory() did not take effect here (not glibc?)")
     import torch
+    from capture_bench import fmnist_train
 
-    from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, load_fmnist
     from posterior_fusion.local.capture import capture
     from posterior_fusion.local.config import TrainConfig
     from posterior_fusion.local.train import train_map
     from posterior_fusion.models import ModelSpec
 
     torch.set_num_threads(threads)
-    try:
-        x, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
-    except Exception:  # noqa: BLE001 - fall back to the embedded subset
-        x, y = load_fmnist("train", EMBEDDED_FMNIST_DIR)
-    x, y = torch.as_tensor(x[:10000]).float().unsqueeze(1), torch.as_tensor(y[:10000]).long()
+    x, y = fmnist_train(10000)
     torch.manual_seed(0)
     model = ModelSpec("lenet", {}).build()
     cfg = TrainConfig(epochs=1, batch_size=64, weight_decay=0.0)

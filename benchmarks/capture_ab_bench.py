@@ -6,6 +6,8 @@ results (the MC captures draw the same labels from the same seed).
     git show c6732eb:posterior_fusion/local/fastcapture.py > /tmp/fastcapture_old.py
     PFUSE_PROGRESS=0 .venv/bin/python benchmarks/capture_ab_bench.py --against /tmp/fastcapture_old.py
 
+``--this PATH`` compares two other versions (e.g. one commit's change alone).
+
 Captures (``--captures``, default all): ``kron-exact``, ``kron-mc``, ``diag-exact``, ``last-layer``.
 """
 
@@ -17,8 +19,8 @@ import statistics
 import time
 
 import torch
+from capture_bench import fmnist_train
 
-from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, load_fmnist
 from posterior_fusion.local import fastcapture
 from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.local.train import train_map
@@ -40,24 +42,27 @@ CAPTURES = {
 }
 
 
+def load_module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", required=True, help="path of the other fastcapture.py")
+    ap.add_argument("--this", default=None, help="path of a fastcapture.py to use instead of this checkout's")
     ap.add_argument("--captures", default=",".join(CAPTURES), help=f"comma-separated (default {','.join(CAPTURES)})")
     ap.add_argument("--n", type=int, default=10000, help="training images (default 10000)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("other_fastcapture", args.against)
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
+    other = load_module("other_fastcapture", args.against)
+    this = fastcapture if args.this is None else load_module("this_fastcapture", args.this)
     keep_freed_memory()
     torch.set_num_threads(args.threads)
-    try:
-        x, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
-    except Exception:  # noqa: BLE001 - fall back to the embedded subset
-        x, y = load_fmnist("train", EMBEDDED_FMNIST_DIR)
-    x, y = torch.as_tensor(x[: args.n]).float().unsqueeze(1), torch.as_tensor(y[: args.n]).long()
+    x, y = fmnist_train(args.n)
     torch.manual_seed(0)
     model, copy = ModelSpec("lenet", {}).build(), ModelSpec("lenet", {}).build()
     cfg = TrainConfig(epochs=1, batch_size=64, weight_decay=0.0)
@@ -72,11 +77,11 @@ def main() -> None:
             t0 = time.process_time()
             train_map(copy, x, y, cfg, seed=r, desc="epoch")
             epoch = time.process_time() - t0
-            for which, module in (("other", other), ("this", fastcapture)):
+            for which, module in (("other", other), ("this", this)):
                 t0 = time.process_time()
                 run(module, model, x, y)
                 ratios[which].append((time.process_time() - t0) / epoch)
-        a, b = run(other, model, x, y), run(fastcapture, model, x, y)
+        a, b = run(other, model, x, y), run(this, model, x, y)
         diff = float((a - b).abs().max() / a.abs().max())
         o, t = statistics.median(ratios["other"]), statistics.median(ratios["this"])
         print(f"{name:>11}: other {o:.2f} epochs, this {t:.2f} epochs, {o / t:.2f}x; max relative difference {diff:.1e}",

@@ -26,6 +26,16 @@ from posterior_fusion.models import ModelSpec
 from posterior_fusion.runtime import keep_freed_memory
 
 
+def fmnist_train(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` Fashion-MNIST training images ``(n, 1, 28, 28)`` and labels ``(n,)``: the installed
+    full set, else the embedded subset (shared by the capture and allocator benchmarks)."""
+    try:
+        x, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
+    except Exception:  # noqa: BLE001 - fall back to the embedded subset
+        x, y = load_fmnist("train", EMBEDDED_FMNIST_DIR)
+    return torch.as_tensor(x[:n]).float().unsqueeze(1), torch.as_tensor(y[:n]).long()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=10000)
@@ -40,12 +50,7 @@ def main() -> None:
     if args.keep_freed_memory:
         keep_freed_memory()
     torch.set_num_threads(args.threads)
-    try:
-        x, y = load_fmnist("train", SYSTEM_FMNIST_DIR)
-    except Exception:  # noqa: BLE001 - fall back to the embedded subset
-        x, y = load_fmnist("train", EMBEDDED_FMNIST_DIR)
-    x = torch.as_tensor(x[: args.n]).float().unsqueeze(1)
-    y = torch.as_tensor(y[: args.n]).long()
+    x, y = fmnist_train(args.n)
     spec = ModelSpec(args.model, {})
     torch.manual_seed(0)
     model = spec.build()
