@@ -22,9 +22,9 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
+from server_step_bench import median_ms
 
 
 def rss_mib() -> float:
@@ -47,18 +47,15 @@ def one(artifacts: list[str], C: int, chunk_bytes: int | None, threads: int) -> 
     del pool, clients
     held = rss_mib()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    times: list[float] = []
-    rep = 0
-    while rep < 6 or sum(times) < 1000:
-        rep += 1
+
+    def step() -> None:
         W = W0.clone().requires_grad_(True)
-        t0 = time.perf_counter()
         objective(W).sum().backward()
-        if rep > 1:
-            times.append(1000 * (time.perf_counter() - t0))
+
+    ms = median_ms(step)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"C": C, "M": M, "chunks": len(objective.chunks(M, 4)), "held_mib": round(held, 1),
-            "extra_peak_mib": round(peak - max(base, held), 1), "ms": round(statistics.median(times), 1)}
+            "extra_peak_mib": round(peak - max(base, held), 1), "ms": round(ms, 1)}
 
 
 def med(runs: list[dict], key: str) -> float:

@@ -27,6 +27,17 @@ import time
 import torch
 
 
+def median_ms(step) -> float:
+    """Median milliseconds of ``step()`` over at least 5 calls and 1 s of them, after one warm-up call."""
+    step()
+    times: list[float] = []
+    while len(times) < 5 or sum(times) < 1000:
+        t0 = time.perf_counter()
+        step()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
 def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: bool) -> dict:
     import posterior_fusion
     from posterior_fusion.runtime import keep_freed_memory
@@ -42,21 +53,18 @@ def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: boo
     stack = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float32)
     W = torch.stack([comps[k].map for k in range(M)]).float() + 0.01
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times: list[float] = []
-    rep = 0
-    while rep < 6 or sum(times) < 1000:
-        rep += 1
+
+    def step() -> None:
         Wr = W.clone().requires_grad_(True)
-        t0 = time.perf_counter()
         total = torch.zeros(M, stack.num)
         for b in stack.blocks:
             w = Wr[:, b.offset : b.offset + b.size]
             total = total + (b.quadratic_forms(w, form=form) if hasattr(b, "rank") else b.quadratic_forms(w))
         total.logsumexp(1).sum().backward()
-        if rep > 1:
-            times.append(1000 * (time.perf_counter() - t0))
+
+    ms = median_ms(step)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"C": C, "M": M, "form": form, "ms": round(statistics.median(times), 1),
+    return {"C": C, "M": M, "form": form, "ms": round(ms, 1),
             "extra_peak_mib": round((peak - base) / 1024, 1)}
 
 
