@@ -111,13 +111,12 @@ class GlobalLogPosterior:
         gradients ``(K, d)`` (row k is ``∂ value_k / ∂ W_k``; the rows are independent)."""
         W = W.detach()
         sq = W.square().sum(-1)
-        lam_sum = self.client_lams.sum()
-        values = -(self.log_prior(sq, self.lam0) - sum(self.log_prior(sq, lam) for lam in self.client_lams))
-        grad = (self.lam0 - lam_sum).to(W.dtype) * W if gradient else None
+        values = self.log_prior(sq[:, None], self.client_lams[None]).sum(1) - self.log_prior(sq, self.lam0)
+        grad = (self.lam0 - self.client_lams.sum()).to(W.dtype) * W if gradient else None
         for chunk in self.chunks(W.shape[0], W.element_size()):
             first, last = chunk[0][0], chunk[-1][1]
             with torch.enable_grad():
-                Wc = W.clone().requires_grad_(gradient)
+                Wc = W.detach().requires_grad_(gradient)  # a fresh leaf on W's storage
                 log_comp = self.log_norm[first:last] - 0.5 * self.stack.select(first, last).quadratic_forms(Wc)  # (K, n)
                 part = sum(torch.logsumexp(log_comp[:, a - first : b - first], dim=-1) for a, b in chunk)
                 if gradient:

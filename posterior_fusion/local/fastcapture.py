@@ -90,13 +90,6 @@ def _grad_columns(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     return g.reshape(-1, g.shape[-1]).T
 
 
-def _patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Layer input per sample as ``(M, I, S)``: unfolded patches (conv) or ``(M, I, S)`` positions (linear)."""
-    if isinstance(module, nn.Conv2d):
-        return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
-    return x.reshape(x.shape[0], -1, x.shape[-1]).transpose(1, 2)
-
-
 def _per_sample(module: nn.Module, patches: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample weight and bias gradients ``(M, O, I)``, ``(M, O)`` of one back-propagated column,
     from the input ``patches`` ``(M, I, S)`` and the output gradient."""
@@ -267,7 +260,8 @@ def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_s
                 diag_b[i] = diag_b[i] + g2.sum(0)
             else:  # weight sharing: per-sample gradients summed over positions, then squared
                 if r == 0:
-                    squared[i] = _patches(layer, u)
+                    X = _input_columns(layer, u)  # (I, M·S) -> per-sample patches (M, I, S), a view
+                    squared[i] = X.view(X.shape[0], u.shape[0], -1).transpose(0, 1)
                 pw, pb = _per_sample(layer, squared[i], g)
                 diag_w[i] = diag_w[i] + (pw * pw).sum(0, dtype=torch.float64)
                 diag_b[i] = diag_b[i] + (pb * pb).sum(0, dtype=torch.float64)
