@@ -1,16 +1,19 @@
 """One fedbens objective step (quadratic forms of K = M modes against N = C·M stacked LeNet
-K-FAC components, forward + backward) with the rotated form (eigenbases, the kernel before)
-and the direct form (raw factors), side by side; each configuration in its own process so its
-peak memory is its own.
+K-FAC components, forward + backward) three ways, side by side: ``rotated`` (eigenbases and
+autograd: the step before issue 13), ``direct`` (raw factors, autograd through the blocks) and
+``objective`` (what ``pfuse fuse`` runs: ``GlobalLogPosterior.value_and_gradient``, the direct
+form with each block's vector-Jacobian product, no autograd graph, clients in bounded chunks).
+Each configuration runs in its own process so its peak memory is its own.
 
     .venv/bin/python benchmarks/server_step_bench.py \
         --artifacts 'runs/table1_seeds12/clients/<key>/post_*.h5' --threads 1
 
 Real client artifacts (M = 5 components each) are repeated to reach C clients and M components.
-Prints ms per step and the step's extra peak RSS in MiB. Each process times at least 5 steps and
-at least one second of them after a warm-up and reports their median; the two forms' processes
+Prints ms per step and the step's extra peak RSS in MiB; the speed-up is rotated ÷ objective.
+Each process times at least 5 steps and at least one second of them after a warm-up and reports
+their median; the three forms' processes
 alternate ``--rounds`` times (default 3) and the table shows the median over rounds, so a change
-of background load hits both forms alike.
+of background load hits every form alike.
 """
 
 from __future__ import annotations
@@ -39,28 +42,40 @@ def median_ms(step) -> float:
 
 
 def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: bool) -> dict:
+    import dataclasses
+
     import posterior_fusion
     from posterior_fusion.runtime import keep_freed_memory
 
     if keep:
         keep_freed_memory()
+    from posterior_fusion.fusion.fedbens import GlobalLogPosterior
     from posterior_fusion.fusion.stack import StackedGaussians
 
     torch.set_num_threads(threads)
     clients = [posterior_fusion.load(p) for p in artifacts]
     pool = [c for cl in clients for c in cl.components]
     comps = [pool[i % len(pool)] for i in range(C * M)]
-    stack = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float32)
     W = torch.stack([comps[k].map for k in range(M)]).float() + 0.01
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if form == "objective":
+        per_client = [dataclasses.replace(clients[c % len(clients)], components=tuple(comps[c * M : (c + 1) * M]))
+                      for c in range(C)]
+        objective = GlobalLogPosterior(per_client, [0.1] * C, [10.0] * C, 10.0, torch.float32)
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
-    def step() -> None:
-        Wr = W.clone().requires_grad_(True)
-        total = torch.zeros(M, stack.num)
-        for b in stack.blocks:
-            w = Wr[:, b.offset : b.offset + b.size]
-            total = total + (b.quadratic_forms(w, form=form) if hasattr(b, "rank") else b.quadratic_forms(w))
-        total.logsumexp(1).sum().backward()
+        def step() -> None:
+            objective.value_and_gradient(W)
+    else:
+        stack = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float32)
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+        def step() -> None:
+            Wr = W.clone().requires_grad_(True)
+            total = torch.zeros(M, stack.num)
+            for b in stack.blocks:
+                w = Wr[:, b.offset : b.offset + b.size]
+                total = total + (b.quadratic_forms(w, form=form) if hasattr(b, "rank") else b.quadratic_forms(w))
+            total.logsumexp(1).sum().backward()
 
     ms = median_ms(step)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -74,7 +89,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--keep-freed-memory", action="store_true",
                     help="both forms call posterior_fusion.runtime.keep_freed_memory() first, as pfuse does")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of the two forms per configuration (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of the three forms per configuration (default 3)")
     ap.add_argument("--grid", default="5x1,5x2,5x5,5x10,10x5,20x5,40x5", help="CxM configurations")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -85,12 +100,12 @@ def main() -> None:
         return
     print(f"threads = {args.threads}, artifacts = {len(files)} files, rounds = {args.rounds}, "
           f"keep freed memory = {args.keep_freed_memory}")
-    print(f"{'C':>3} {'M':>3} {'rotated ms':>11} {'direct ms':>10} {'speed-up':>8} {'ms/pair rot':>11} "
-          f"{'ms/pair dir':>11} {'peak rot MiB':>12} {'peak dir MiB':>12}")
+    print(f"{'C':>3} {'M':>3} {'rotated ms':>11} {'direct ms':>10} {'objective ms':>12} {'speed-up':>8} "
+          f"{'ms/pair rot':>11} {'ms/pair obj':>11} {'peak rot MiB':>12} {'peak dir MiB':>12} {'peak obj MiB':>12}")
     rows = []
     for cm in args.grid.split(","):
         C, M = (int(v) for v in cm.split("x"))
-        runs: dict[str, list[dict]] = {"rotated": [], "direct": []}
+        runs: dict[str, list[dict]] = {"rotated": [], "direct": [], "objective": []}
         for _ in range(args.rounds):
             for form in runs:
                 out = subprocess.run([sys.executable, __file__, "--artifacts", args.artifacts, "--threads",
@@ -99,11 +114,12 @@ def main() -> None:
                                      check=True)
                 runs[form].append(json.loads(out.stdout.strip().splitlines()[-1]))
         pairs = M * C * M
-        r, d = ({"ms": statistics.median(x["ms"] for x in runs[f]),
-                 "extra_peak_mib": max(x["extra_peak_mib"] for x in runs[f])} for f in ("rotated", "direct"))
-        rows.append({"C": C, "M": M, "rotated": r, "direct": d})
-        print(f"{C:>3} {M:>3} {r['ms']:>11.1f} {d['ms']:>10.1f} {r['ms'] / d['ms']:>8.2f} {r['ms'] / pairs:>11.3f} "
-              f"{d['ms'] / pairs:>11.3f} {r['extra_peak_mib']:>12.1f} {d['extra_peak_mib']:>12.1f}", flush=True)
+        r, d, o = ({"ms": statistics.median(x["ms"] for x in runs[f]),
+                    "extra_peak_mib": max(x["extra_peak_mib"] for x in runs[f])} for f in runs)
+        rows.append({"C": C, "M": M, "rotated": r, "direct": d, "objective": o})
+        print(f"{C:>3} {M:>3} {r['ms']:>11.1f} {d['ms']:>10.1f} {o['ms']:>12.1f} {r['ms'] / o['ms']:>8.2f} "
+              f"{r['ms'] / pairs:>11.3f} {o['ms'] / pairs:>11.3f} {r['extra_peak_mib']:>12.1f} "
+              f"{d['extra_peak_mib']:>12.1f} {o['extra_peak_mib']:>12.1f}", flush=True)
 
 
 if __name__ == "__main__":

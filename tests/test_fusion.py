@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -76,10 +77,13 @@ def dense_neg_log_posterior(clients, w, T, lams, lam0):
     return -total
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["M=2", "M=1,2,3"])
 @pytest.mark.parametrize("chunk_bytes", [0, 1, None], ids=["all-clients-at-once", "client-by-client", "default"])
 @pytest.mark.parametrize("structure", ["kron", "diag"])
-def test_fedbens_objective_and_gradient_vs_dense_float64(structure, chunk_bytes):
-    clients = random_clients(structure, C=3, M=2, seed=0)
+def test_fedbens_objective_and_gradient_vs_dense_float64(structure, chunk_bytes, ragged):
+    clients = random_clients(structure, C=3, M=3 if ragged else 2, seed=0)
+    if ragged:  # clients with different numbers of components (the per-client softmax has no common shape)
+        clients = [dataclasses.replace(c, components=c.components[: i + 1]) for i, c in enumerate(clients)]
     lams = [2.0, 3.0, 1.5]  # per-client priors: the general form of the prior correction
     obj = GlobalLogPosterior(clients, [0.5] * 3, lams, 2.5, dtype=torch.float64, chunk_bytes=chunk_bytes)
     assert len(obj.chunks(4, 8)) == (3 if chunk_bytes == 1 else 1)

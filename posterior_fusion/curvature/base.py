@@ -43,7 +43,13 @@ class StackedBlock(Protocol):
     logdets: torch.Tensor  # (N,) log|Λ_n|
 
     def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
-        """``w`` ``(K, size)`` (this block's slice of K points) -> ``(K, N)`` quadratic forms."""
+        """``w`` ``(K, size)`` (this block's slice of K points) -> ``(K, N)`` quadratic forms,
+        differentiable w.r.t. ``w`` (once)."""
+        ...
+
+    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """The same forms without an autograd graph, with their vector-Jacobian product:
+        ``vjp(g (K, N)) -> (K, size)``, the gradient of ``Σ g ∘ q`` w.r.t. ``w``."""
         ...
 
     def to(self, device: str | torch.device) -> StackedBlock:

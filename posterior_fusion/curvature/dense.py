@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature.base import Precision, check_psd_factor, eigh_psd, map_tensors
+from posterior_fusion.kernels import VJP, FormsWithVJP
 
 
 class Dense(Precision):
@@ -120,8 +121,16 @@ class StackedDense:
     logdets: torch.Tensor
 
     def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
+        return FormsWithVJP.apply(w, self.forms_and_vjp)
+
+    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, VJP]:
+        """``w`` ``(K, size)`` -> ``q[k, n] = Σ S_n z²`` with ``z = U_nᵀ (w_k − μ_n)`` ``(K, N)`` and
+        ``vjp(g (K, N)) = 2 Σ_n g[:, n] U_n (S_n ∘ z)`` ``(K, size)``; keeps ``S ∘ z`` ``(K, N, p)``."""
         z = torch.einsum("knp,npq->knq", w[:, None, :] - self.mu[None], self.U)
-        return (z.square() * self.S[None]).sum(-1)
+        Sz = z * self.S[None]
+        q = (z.mul_(Sz)).sum(-1)
+        return q, lambda g: 2 * torch.einsum("kn,knq,npq->kp", g, Sz, self.U)
 
     def to(self, device) -> StackedDense:
         return map_tensors(self, lambda t: t.to(device))

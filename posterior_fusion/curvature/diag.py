@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature.base import BlockValueError, Precision, map_tensors
+from posterior_fusion.kernels import VJP, FormsWithVJP
 
 
 class Diag(Precision):
@@ -103,7 +104,16 @@ class StackedDiag:
     logdets: torch.Tensor
 
     def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
-        return ((w[:, None, :] - self.mu[None]).square() * self.S[None]).sum(-1)
+        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
+        return FormsWithVJP.apply(w, self.forms_and_vjp)
+
+    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, VJP]:
+        """``w`` ``(K, size)`` -> ``q[k, n] = Σ S_n (w_k − μ_n)²`` ``(K, N)`` and
+        ``vjp(g (K, N)) = 2 Σ_n g[:, n] S_n (w − μ_n)`` ``(K, size)``; keeps ``S ∘ V`` ``(K, N, size)``."""
+        V = w[:, None, :] - self.mu[None]
+        SV = V * self.S[None]
+        q = (V.mul_(SV)).sum(-1)
+        return q, lambda g: 2 * torch.einsum("kn,kns->ks", g, SV)
 
     def to(self, device) -> StackedDiag:
         return map_tensors(self, lambda t: t.to(device))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd, map_tensors
-from posterior_fusion.kernels import kron_direct_forms, kron_quadratic_forms
+from posterior_fusion.kernels import VJP, FormsWithVJP, kron_direct_forms_and_vjp, kron_quadratic_forms_and_vjp
 
 
 class Kron(Precision):
@@ -218,13 +218,21 @@ class StackedKron:
     direct: tuple[torch.Tensor, ...] | None = None
 
     def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None, form: str | None = None) -> torch.Tensor:
-        """``(K, N)``; components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay
-        under ``chunk_bytes`` (default :data:`CHUNK_BYTES`), so memory does not grow with N.
+        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
+        return FormsWithVJP.apply(w, self.forms_and_vjp, chunk_bytes, form)
+
+    def forms_and_vjp(self, w: torch.Tensor, chunk_bytes: int | None = None,
+                      form: str | None = None) -> tuple[torch.Tensor, VJP]:
+        """``w`` ``(K, size)`` -> ``q`` ``(K, N)`` and ``vjp(grad_q (K, N)) -> (K, size)``.
+
+        Components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay under
+        ``chunk_bytes`` (default :data:`CHUNK_BYTES`), so memory does not grow with N.
         ``form``: ``"direct"`` (raw factors; the default when available) or ``"rotated"``
         (eigenbases; the low-rank shortcut)."""
-        Wk = w.reshape(w.shape[0], *self.mu.shape[1:])
+        K = w.shape[0]
+        Wk = w.reshape(K, *self.mu.shape[1:])
         N = self.mu.shape[0]
-        per = max(1, Wk.shape[0] * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
+        per = max(1, K * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
         step = max(1, min(N, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // per))
         if form is None:
             form = "direct" if self.direct is not None else "rotated"
@@ -232,18 +240,28 @@ class StackedKron:
             if self.direct is None:
                 raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
             B, A, Bmu, sc, sh, mu_sq = self.direct
-            parts = [kron_direct_forms(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step], Bmu[i : i + step],
-                                       sc[i : i + step], sh[i : i + step], self.kernel, mu_sq[i : i + step])
+            parts = [kron_direct_forms_and_vjp(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step],
+                                               Bmu[i : i + step], sc[i : i + step], sh[i : i + step], self.kernel,
+                                               mu_sq[i : i + step])
                      for i in range(0, N, step)]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        total = torch.cat([kron_quadratic_forms(Wk, self.mu[i : i + step], self.UB[i : i + step],
-                                                self.UA[i : i + step], self.S[i : i + step], self.kernel)
-                           for i in range(0, N, step)], dim=1)
+        else:
+            parts = [kron_quadratic_forms_and_vjp(Wk, self.mu[i : i + step], self.UB[i : i + step],
+                                                  self.UA[i : i + step], self.S[i : i + step], self.kernel)
+                     for i in range(0, N, step)]
+        q = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], dim=1)
         if self.shift is not None:  # closed-form λ0 ‖W − μ‖² of the low-rank shortcut
             flat_mu = self.mu.flatten(1)
-            sq = w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None]
-            total = total + self.shift[None] * sq
-        return total
+            q = q + self.shift[None] * (w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None])
+
+        def vjp(g: torch.Tensor) -> torch.Tensor:
+            grad = sum(vj(g[:, i : i + step].contiguous()) for i, (_, vj) in zip(range(0, N, step), parts))
+            grad = grad.reshape(K, -1)
+            if self.shift is not None:  # 2 Σ_n g λ (w − μ_n)
+                gl = g * self.shift[None]
+                grad = grad + 2 * (gl.sum(1, keepdim=True) * w - gl @ self.mu.flatten(1))
+            return grad
+
+        return q, vjp
 
     def to(self, device) -> StackedKron:
         return map_tensors(self, lambda t: t.to(device))

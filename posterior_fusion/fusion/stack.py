@@ -18,6 +18,7 @@ Log-determinants always use the full spectra.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
@@ -76,8 +77,27 @@ class StackedGaussians:
         return sub
 
     def quadratic_forms(self, W: torch.Tensor) -> torch.Tensor:
-        """``(K, d)`` points -> ``(K, N)`` quadratic forms ``(w_k − μ_n)ᵀ Λ_n (w_k − μ_n)``."""
+        """``(K, d)`` points -> ``(K, N)`` quadratic forms ``(w_k − μ_n)ᵀ Λ_n (w_k − μ_n)``,
+        differentiable w.r.t. ``W``."""
         total = torch.zeros(W.shape[0], self.num, dtype=W.dtype, device=W.device)
         for b in self.blocks:
             total = total + b.quadratic_forms(W[:, b.offset : b.offset + b.size])
         return total
+
+    def forms_and_vjp(self, W: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """``(K, d)`` -> the ``(K, N)`` forms (no autograd graph) and ``vjp(g (K, N)) -> (K, d)``,
+        the gradient of ``Σ g ∘ q`` w.r.t. ``W`` (each block keeps what its gradient reuses)."""
+        W = W.detach()
+        total, vjps = None, []
+        for b in self.blocks:
+            q, vjp = b.forms_and_vjp(W[:, b.offset : b.offset + b.size])
+            total = q if total is None else total + q
+            vjps.append(vjp)
+
+        def vjp(g: torch.Tensor) -> torch.Tensor:
+            grad = torch.zeros_like(W)
+            for b, block_vjp in zip(self.blocks, vjps):
+                grad[:, b.offset : b.offset + b.size] = block_vjp(g)
+            return grad
+
+        return total, vjp
