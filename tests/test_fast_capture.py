@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import install_fake_plugin
 from torch import nn
 
-from posterior_fusion.local import fastcapture
+from posterior_fusion.local import fastcapture, pooling
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fastcapture import CHUNK_COLUMNS, unsupported_reason
 from posterior_fusion.models import ModelSpec
@@ -223,3 +223,35 @@ def test_unsupported_models_fall_back_to_laplace(fmnist_train):
     twice = nn.Sequential(nn.Flatten(), shared, nn.Tanh(), shared, nn.Linear(784, 10))
     assert unsupported_reason(twice) is None  # structurally fine ...
     assert "exactly once" in unsupported_reason(twice, x[:2])  # ... but a layer runs twice
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kernel,shape", [(2, (3, 4, 24, 24)), (2, (2, 3, 9, 7)), ((2, 3), (2, 2, 8, 10)), (3, (1, 2, 7, 7))])
+def test_window_max_equals_max_pool2d(dtype, kernel, shape):
+    """The strided-view maxima = ``F.max_pool2d``, bit for bit (odd sizes, non-square windows, ties)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (2 * torch.randn(shape, generator=gen, dtype=dtype)).round().relu()
+    assert torch.equal(pooling.window_max(x, *nn.modules.utils._pair(kernel)), F.max_pool2d(x, kernel))
+
+
+def test_fast_max_pooling_only_where_exact_and_gradient_free_then_restored():
+    model = nn.Sequential(nn.MaxPool2d(2), nn.MaxPool2d(3, stride=2), nn.MaxPool2d(2, padding=1),
+                          nn.MaxPool2d(2, ceil_mode=True), nn.MaxPool2d((2, 3)))
+    assert [pooling.covered(m) for m in model] == [(2, 2), None, None, None, (2, 3)]
+    x = torch.randn(1, 1, 12, 12)
+    calls = []
+    original = pooling.window_max
+    with pooling.fast_max_pooling(model):
+        assert "forward" in vars(model[0]) and "forward" not in vars(model[1])
+        pooling.window_max = lambda *a: calls.append(a[1:]) or original(*a)
+        try:
+            with torch.no_grad():
+                assert torch.equal(model[0](x), F.max_pool2d(x, 2))
+            assert torch.equal(model[0](x[0]), F.max_pool2d(x[0], 2))  # 3-D input: torch's own forward
+            v = x.clone().requires_grad_(True)
+            (grad,) = torch.autograd.grad(model[0](v).sum(), v)  # a gradient flows: torch's own pooling
+            assert grad.sum() == 36
+        finally:
+            pooling.window_max = original
+    assert calls == [(2, 2)]
+    assert all("forward" not in vars(m) for m in model)

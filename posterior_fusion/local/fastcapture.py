@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
+from posterior_fusion.local.pooling import fast_max_pooling
 from posterior_fusion.progress import progress
 
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
@@ -293,7 +294,7 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     first = torch.zeros(n_out, k, k, dtype=torch.float64)
     second = torch.zeros(n_out * k, n_out * k, dtype=torch.float64)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fast_max_pooling(model):
             for xb, _ in _loader(x, x.new_zeros(len(x)), batch_size, "curvature (last layer)"):
                 feats.clear()
                 p = model(xb).softmax(-1)
