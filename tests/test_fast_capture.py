@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from conftest import install_fake_plugin
 from torch import nn
 
-from posterior_fusion.local import fastcapture, pooling
+from posterior_fusion.local import fastcapture
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fastcapture import CHUNK_COLUMNS, unsupported_reason
-from posterior_fusion.models import ModelSpec
+from posterior_fusion.models import ModelSpec, pooling
 
 PLUGIN = '''
 from torch import nn

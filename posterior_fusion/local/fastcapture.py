@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
-from posterior_fusion.local.pooling import fast_max_pooling
+from posterior_fusion.models.pooling import fast_max_pooling
 from posterior_fusion.progress import progress
 
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)

@@ -8,6 +8,7 @@ import torch
 from torch.func import functional_call
 
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.pooling import fast_max_pooling
 
 
 def batched_logits(spec: ModelSpec, W: torch.Tensor, x: torch.Tensor, batch_size: int = 2048) -> torch.Tensor:
@@ -17,7 +18,7 @@ def batched_logits(spec: ModelSpec, W: torch.Tensor, x: torch.Tensor, batch_size
     shapes = [p.shape for _, p in model.named_parameters()]
     sizes = [math.prod(s) for s in shapes]
     outs = []
-    with torch.no_grad():
+    with torch.no_grad(), fast_max_pooling(model):
         for w in W:
             params = {n: t.reshape(s) for n, t, s in zip(names, torch.split(w.float(), sizes), shapes)}
             outs.append(torch.cat([functional_call(model, params, (x[i : i + batch_size],))

@@ -1,10 +1,12 @@
-"""Non-overlapping max pooling from strided views, for the fast capture's gradient-free passes.
+"""Non-overlapping max pooling from strided views, for gradient-free forward passes (evaluation,
+the last-layer capture).
 
 torch's CPU ``max_pool2d`` computes its argmax indices in every call, also under ``no_grad``, and
 is then ~10x slower than the maxima of the ``kh·kw`` strided views for LeNet's 2 × 2 pooling (4.6
-vs 0.44 ms on 256 × 6 × 24 × 24, one thread). Where no gradient flows (the last-layer capture's
-forward passes), :func:`fast_max_pooling` swaps the view maxima in for the ``nn.MaxPool2d``
-modules it computes exactly (kernel = stride, no padding, no dilation, no ceil mode, no returned
+vs 0.44 ms on 256 × 6 × 24 × 24, one thread). Where no gradient flows (the members' evaluation in
+:func:`~posterior_fusion.models.functional.batched_logits`, the last-layer capture's forward
+passes), :func:`fast_max_pooling` swaps the view maxima in for the ``nn.MaxPool2d`` modules it
+computes exactly (kernel = stride, no padding, no dilation, no ceil mode, no returned
 indices): the same values, bit for bit. Where a gradient flows torch's own pooling runs: its
 backward through the indices is fast (0.27 ms), and tracking the argmax by hand (``where`` /
 ``masked_fill`` on strided views) measured slower than torch's forward. The model's module types
