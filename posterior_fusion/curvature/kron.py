@@ -254,7 +254,10 @@ class StackedKron:
             q = q + self.shift[None] * (w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None])
 
         def vjp(g: torch.Tensor) -> torch.Tensor:
-            grad = sum(vj(g[:, i : i + step].contiguous()) for i, (_, vj) in zip(range(0, N, step), parts))
+            grads = [vj(g[:, i : i + step].contiguous()) for i, (_, vj) in zip(range(0, N, step), parts)]
+            grad = grads[0]  # a fresh tensor: accumulated in place
+            for other in grads[1:]:
+                grad += other
             grad = grad.reshape(K, -1)
             if self.shift is not None:  # 2 Σ_n g λ (w − μ_n)
                 gl = g * self.shift[None]

@@ -78,9 +78,12 @@ def direct_forms_grad(W: torch.Tensor, mu: torch.Tensor, M: torch.Tensor, scale:
     accumulates into one ``(P, K, Q)`` tensor (no ``(N, P, K, Q)`` temporary)."""
     K, P, Q = W.shape
     gs, gl = grad_q * scale[None], grad_q * shift[None]  # (K, N)
-    acc = torch.zeros(P, K, Q, dtype=M.dtype, device=M.device)
-    for n, g in enumerate(gs.T):
-        acc.addcmul_(M[n], g[None, :, None])
+    if K == 1:  # one matrix-vector product instead of N scaled adds
+        acc = torch.mv(M.view(M.shape[0], -1).T, gs[0]).view(P, K, Q)
+    else:
+        acc = torch.zeros(P, K, Q, dtype=M.dtype, device=M.device)
+        for n, g in enumerate(gs.T):
+            acc.addcmul_(M[n], g[None, :, None])
     grad = torch.addmm(gl.sum(1, keepdim=True) * W.reshape(K, P * Q), gl, mu.reshape(-1, P * Q), alpha=-1)  # Σ g λ V
     grad = grad.view(K, P, Q).add_(acc.transpose(0, 1))
     return grad.mul_(2)
