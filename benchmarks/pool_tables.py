@@ -1,8 +1,8 @@
 """Pool the aggregated tables of grids that ran the same settings on different seeds.
 
     .venv/bin/python benchmarks/pool_tables.py docs/results/table1_seed0 docs/results/table1_seeds12 \
-        --out docs/results/table1_ours
-    .venv/bin/python benchmarks/compare_paper.py docs/results/table1_ours > docs/results/table1_ours/vs_paper.md
+        --out docs/results/table1_ours_pooled
+    .venv/bin/python benchmarks/compare_paper.py docs/results/table1_ours_pooled > docs/results/table1_ours_pooled/vs_paper.md
 
 Each input folder's ``results.csv`` (mean, std and number of seeds per row) is combined exactly:
 N = Σ n_i, mean = Σ n_i m_i / N, (N − 1) sd² = Σ (n_i − 1) s_i² + n_i (m_i − mean)². Rows are keyed by
