@@ -47,6 +47,24 @@ def test_smoke_grid_tables_plots_and_resume(tmp_path):
     assert not any("fitted" in m for m in logs3) and any("fisher-merge" in m for m in logs3)
 
 
+def test_tables_keep_client_counts_apart(tmp_path):
+    """A grid over several client counts (Table 2) gets one column and one section per (C, α): the
+    C = 40 cells must not overwrite the C = 10 ones (they did before, the tables being keyed by α)."""
+    from posterior_fusion.experiment.report import write_tables
+
+    rows = [{"structure": "kron", "M": 5, "method": "fedbens", "temperature": 0.1, "alpha": 0.3, "clients": c,
+             "seed": seed, "accuracy": acc, "nll": 0.5, "ece": 0.05, "members": 5}
+            for c, accs in ((10, (0.81, 0.83)), (40, (0.77, 0.79))) for seed, acc in enumerate(accs)]
+    cfg = replace(ExperimentConfig.from_toml(SMOKE), name="two-counts")
+    write_tables(rows, tmp_path, cfg)
+    md = (tmp_path / "results.md").read_text()
+    assert "| structure | M | method | T | C=10, α=0.3 | C=40, α=0.3 |" in md
+    assert "| kron | 5 | fedbens | 0.1 | 82.00 ± 1.41 (2) | 78.00 ± 1.41 (2) |" in md
+    assert "C = 10, α = 0.3:" in md and "C = 40, α = 0.3:" in md
+    write_tables([r for r in rows if r["clients"] == 10], tmp_path, cfg)  # one count: columns by α alone
+    assert "| structure | M | method | T | α=0.3 |" in (tmp_path / "results.md").read_text()
+
+
 def test_bad_config_is_refused(tmp_path):
     (tmp_path / "bad.toml").write_text('name = "x"\nalphas = [0.1]\nmethod = ["fedbens"]\n')
     with pytest.raises(ConfigError, match="unknown keys"):

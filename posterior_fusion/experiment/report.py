@@ -35,22 +35,28 @@ def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
         w = csv.DictWriter(fh, fieldnames=list(agg[0]) if agg else ["empty"])
         w.writeheader()
         w.writerows(agg)
-    alphas = sorted({a["alpha"] for a in agg})
+    settings = sorted({(a["clients"], a["alpha"]) for a in agg})  # one column per (C, α): a grid may vary both
+    several_c = len({c for c, _ in settings}) > 1
+
+    def label(c: int, alpha: float) -> str:
+        return f"C={c}, α={alpha}" if several_c else f"α={alpha}"
+
     lines = [f"# {cfg.name}: test accuracy % (mean ± std over seeds)", "",
-             "| structure | M | method | T | " + " | ".join(f"α={a}" for a in alphas) + " |",
-             "|---|---|---|---|" + "---|" * len(alphas)]
+             "| structure | M | method | T | " + " | ".join(label(c, al) for c, al in settings) + " |",
+             "|---|---|---|---|" + "---|" * len(settings)]
     keyed: dict[tuple, dict] = {}
     for a in agg:
-        keyed.setdefault((a["structure"], a["M"], a["method"], a["temperature"]), {})[a["alpha"]] = a
-    for (structure, M, method, temp), by_alpha in keyed.items():
-        cells = [f"{by_alpha[a]['accuracy_mean']:.2f} ± {by_alpha[a]['accuracy_std']:.2f} ({by_alpha[a]['seeds']})"
-                 if a in by_alpha else "–" for a in alphas]
+        keyed.setdefault((a["structure"], a["M"], a["method"], a["temperature"]), {})[(a["clients"], a["alpha"])] = a
+    for (structure, M, method, temp), by_setting in keyed.items():
+        cells = [f"{by_setting[k]['accuracy_mean']:.2f} ± {by_setting[k]['accuracy_std']:.2f} ({by_setting[k]['seeds']})"
+                 if k in by_setting else "–" for k in settings]
         lines.append(f"| {structure} | {M} | {method} | {temp} | " + " | ".join(cells) + " |")
     lines += ["", "## Accuracy, NLL, ECE and serving cost (members = networks per prediction)", ""]
-    for alpha in alphas:
-        lines += [f"α = {alpha}:", "", "| structure | M | method | T | accuracy % | NLL | ECE | members |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for a in sorted((a for a in agg if a["alpha"] == alpha), key=lambda a: -a["accuracy_mean"]):
+    for c, alpha in settings:
+        lines += [label(c, alpha).replace("=", " = ") + ":", "",
+                  "| structure | M | method | T | accuracy % | NLL | ECE | members |", "|---|---|---|---|---|---|---|---|"]
+        rows_here = (a for a in agg if (a["clients"], a["alpha"]) == (c, alpha))
+        for a in sorted(rows_here, key=lambda a: -a["accuracy_mean"]):
             lines.append(f"| {a['structure']} | {a['M']} | {a['method']} | {a['temperature']} | "
                          f"{a['accuracy_mean']:.2f} ± {a['accuracy_std']:.2f} | {a['nll_mean']:.3f} | "
                          f"{a['ece_mean']:.3f} | {a['members']} |")
@@ -60,7 +66,8 @@ def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
 
 
 def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
-    """accuracy vs α per method; fedbens accuracy vs M; fedbens accuracy vs server temperature."""
+    """accuracy vs α per method (and client count); fedbens accuracy vs M; fedbens accuracy vs server
+    temperature."""
     try:
         import matplotlib
 
@@ -69,11 +76,13 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(5, 4))
+    client_counts = sorted({a["clients"] for a in agg})
     for method in sorted({a["method"] for a in agg}):
-        pts = sorted((a["alpha"], a["accuracy_mean"]) for a in agg if a["method"] == method
-                     and a["M"] in (m_max, 1 if method == "centralized" else m_max))
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=method)
+        for c in client_counts:
+            pts = sorted((a["alpha"], a["accuracy_mean"]) for a in agg if a["method"] == method and a["clients"] == c
+                         and a["M"] in (m_max, 1 if method == "centralized" else m_max))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method if len(client_counts) == 1 else f"{method}, C={c}")
     ax.set_xscale("log")
     ax.set_xlabel("Dirichlet α")
     ax.set_ylabel("test accuracy %")
@@ -84,10 +93,10 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
     for name, key, sel in (("accuracy_vs_M.png", "M", lambda a: a["method"] == "fedbens"),
                            ("accuracy_vs_temperature.png", "temperature", lambda a: a["method"] == "fedbens" and a["M"] == m_max)):
         fig, ax = plt.subplots(figsize=(5, 4))
-        for alpha in sorted({a["alpha"] for a in agg}):
-            pts = sorted((a[key], a["accuracy_mean"]) for a in agg if sel(a) and a["alpha"] == alpha)
+        for c, alpha in sorted({(a["clients"], a["alpha"]) for a in agg}):
+            pts = sorted((a[key], a["accuracy_mean"]) for a in agg if sel(a) and (a["clients"], a["alpha"]) == (c, alpha))
             if len(pts) > 1:
-                ax.plot(*zip(*pts), marker="o", label=f"α={alpha}")
+                ax.plot(*zip(*pts), marker="o", label=f"α={alpha}" if len(client_counts) == 1 else f"C={c}, α={alpha}")
         ax.set_xlabel(key)
         ax.set_ylabel("fedbens test accuracy %")
         if key == "temperature":
