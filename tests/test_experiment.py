@@ -61,6 +61,7 @@ def test_tables_keep_client_counts_apart(tmp_path):
     assert "| structure | M | method | T | C=10, α=0.3 | C=40, α=0.3 |" in md
     assert "| kron | 5 | fedbens | 0.1 | 82.00 ± 1.41 (2) | 78.00 ± 1.41 (2) |" in md
     assert "C = 10, α = 0.3:" in md and "C = 40, α = 0.3:" in md
+    assert (tmp_path / "accuracy_vs_clients.png").read_bytes()[:4] == b"\x89PNG"  # one α, several C: against C
     write_tables([r for r in rows if r["clients"] == 10], tmp_path, cfg)  # one count: columns by α alone
     assert "| structure | M | method | T | α=0.3 |" in (tmp_path / "results.md").read_text()
 

@@ -66,8 +66,8 @@ def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
 
 
 def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
-    """accuracy vs α per method (and client count); fedbens accuracy vs M; fedbens accuracy vs server
-    temperature."""
+    """accuracy vs α (or vs C for a one-α grid) per method, structure and client count; fedbens accuracy
+    vs M; fedbens accuracy vs server temperature."""
     try:
         import matplotlib
 
@@ -75,33 +75,48 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(5, 4))
+    # accuracy against α (one line per method, structure and client count), or against the client
+    # count C when the grid has one α and several C (Table 2)
+    alphas = sorted({a["alpha"] for a in agg})
     client_counts = sorted({a["clients"] for a in agg})
-    for method in sorted({a["method"] for a in agg}):
-        for c in client_counts:
-            pts = sorted((a["alpha"], a["accuracy_mean"]) for a in agg if a["method"] == method and a["clients"] == c
-                         and a["M"] in (m_max, 1 if method == "centralized" else m_max))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=method if len(client_counts) == 1 else f"{method}, C={c}")
+    structures = sorted({a["structure"] for a in agg if a["structure"] != "-"})
+    x_key, others = ("clients", alphas) if len(alphas) == 1 and len(client_counts) > 1 else ("alpha", client_counts)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for structure in sorted({a["structure"] for a in agg}):
+        for method in sorted({a["method"] for a in agg if a["structure"] == structure}):
+            for other in others:
+                pts = sorted((a[x_key], a["accuracy_mean"]) for a in agg
+                             if (a["structure"], a["method"]) == (structure, method)
+                             and a["clients" if x_key == "alpha" else "alpha"] == other
+                             and a["M"] in (m_max, 1 if method == "centralized" else m_max))
+                label = method if len(structures) <= 1 or structure == "-" else f"{method} ({structure})"
+                if len(others) > 1:
+                    label += f", C={other}" if x_key == "alpha" else f", α={other}"
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log")
-    ax.set_xlabel("Dirichlet α")
+    ax.set_xlabel("Dirichlet α" if x_key == "alpha" else "clients C")
     ax.set_ylabel("test accuracy %")
-    ax.legend(fontsize=7)
+    if ax.lines:
+        ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(work / "accuracy_vs_alpha.png", dpi=100)
+    fig.savefig(work / ("accuracy_vs_alpha.png" if x_key == "alpha" else "accuracy_vs_clients.png"), dpi=100)
     plt.close(fig)
     for name, key, sel in (("accuracy_vs_M.png", "M", lambda a: a["method"] == "fedbens"),
                            ("accuracy_vs_temperature.png", "temperature", lambda a: a["method"] == "fedbens" and a["M"] == m_max)):
         fig, ax = plt.subplots(figsize=(5, 4))
-        for c, alpha in sorted({(a["clients"], a["alpha"]) for a in agg}):
-            pts = sorted((a[key], a["accuracy_mean"]) for a in agg if sel(a) and (a["clients"], a["alpha"]) == (c, alpha))
+        for structure, c, alpha in sorted({(a["structure"], a["clients"], a["alpha"]) for a in agg if sel(a)}):
+            pts = sorted((a[key], a["accuracy_mean"]) for a in agg
+                         if sel(a) and (a["structure"], a["clients"], a["alpha"]) == (structure, c, alpha))
+            label = f"α={alpha}" if len(client_counts) == 1 else f"C={c}, α={alpha}"
             if len(pts) > 1:
-                ax.plot(*zip(*pts), marker="o", label=f"α={alpha}" if len(client_counts) == 1 else f"C={c}, α={alpha}")
+                ax.plot(*zip(*pts), marker="o", label=label if len(structures) <= 1 else f"{structure}, {label}")
         ax.set_xlabel(key)
         ax.set_ylabel("fedbens test accuracy %")
         if key == "temperature":
             ax.set_xscale("log")
-        ax.legend(fontsize=7)
+        if ax.lines:  # a grid with one M (or one temperature) has nothing to draw here
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(work / name, dpi=100)
         plt.close(fig)
