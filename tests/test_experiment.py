@@ -66,6 +66,39 @@ def test_tables_keep_client_counts_apart(tmp_path):
     assert "| structure | M | method | T | α=0.3 |" in (tmp_path / "results.md").read_text()
 
 
+def test_a_fit_cached_by_an_older_version_beside_new_ones_is_refitted(tmp_path):
+    """A client folder mixing a fit that records no input transform (an older version's, e.g. an
+    interrupted grid resumed after an upgrade) with fits that record one would be refused at fusion;
+    the grid refits the odd one instead, and leaves a folder that is consistent as it is."""
+    import json
+
+    import h5py
+    import numpy as np
+
+    cfg = replace(ExperimentConfig.from_toml(SMOKE), alphas=[0.5], seeds=[0], components=[2], methods=["fedavg"])
+    run_experiment(cfg, tmp_path, jobs=1, log=lambda m: None)
+    (cdir,) = [d for d in (tmp_path / "clients").iterdir()]
+
+    def drop_transform(path):
+        with h5py.File(path, "r+") as f:
+            meta = json.loads(f.attrs["metadata"])
+            del meta["input_transform"]
+            f.attrs["metadata"] = np.bytes_(json.dumps(meta).encode())  # fixed-length UTF-8, as written
+
+    drop_transform(cdir / "post_1.h5")
+    logs: list[str] = []
+    run_experiment(cfg, tmp_path, jobs=1, log=logs.append)
+    assert any("refitting" in m and "post_1.h5" in m for m in logs)
+    assert sum("fitted" in m for m in logs) == 1
+    with h5py.File(cdir / "post_1.h5", "r") as f:
+        assert "input_transform" in json.loads(f.attrs["metadata"])
+    for path in sorted(cdir.glob("post_*.h5")):  # all without: consistent, nothing refitted
+        drop_transform(path)
+    logs.clear()
+    run_experiment(replace(cfg, methods=["fedavg", "fisher-merge"]), tmp_path, jobs=1, log=logs.append)
+    assert not any("fitted" in m or "refitting" in m for m in logs) and any("fisher-merge" in m for m in logs)
+
+
 def test_bad_config_is_refused(tmp_path):
     (tmp_path / "bad.toml").write_text('name = "x"\nalphas = [0.1]\nmethod = ["fedbens"]\n')
     with pytest.raises(ConfigError, match="unknown keys"):
