@@ -88,7 +88,7 @@ def test_a_fit_cached_by_an_older_version_beside_new_ones_is_refitted(tmp_path):
     drop_transform(cdir / "post_1.h5")
     logs: list[str] = []
     run_experiment(cfg, tmp_path, jobs=1, log=logs.append)
-    assert any("refitting" in m and "post_1.h5" in m for m in logs)
+    assert any("making" in m and "post_1.h5" in m for m in logs)
     assert sum("fitted" in m for m in logs) == 1
     with h5py.File(cdir / "post_1.h5", "r") as f:
         assert "input_transform" in json.loads(f.attrs["metadata"])
@@ -96,7 +96,7 @@ def test_a_fit_cached_by_an_older_version_beside_new_ones_is_refitted(tmp_path):
         drop_transform(path)
     logs.clear()
     run_experiment(replace(cfg, methods=["fedavg", "fisher-merge"]), tmp_path, jobs=1, log=logs.append)
-    assert not any("fitted" in m or "refitting" in m for m in logs) and any("fisher-merge" in m for m in logs)
+    assert not any("fitted" in m or "making" in m for m in logs) and any("fisher-merge" in m for m in logs)
 
 
 def test_bad_config_is_refused(tmp_path):

@@ -27,6 +27,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.artifact import ClientPosterior, load_client
+from posterior_fusion.artifact.preview import preview
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import SiloData, read_silo
@@ -138,10 +139,7 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
             log(f"  reusing the fits in {older} (cached under an older key scheme; same data and settings)")
             ckey, cdir = older.name, older
     cdir.mkdir(parents=True, exist_ok=True)
-    for path in stale_fits(cdir, summary):
-        log(f"  refitting {path}: cached by an older version that did not record the input transform its "
-            "folder's other fits record (one client set must share one transform)")
-        path.unlink()
+    drop_stale_fits(cdir, log)
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
     todo = [FitJob(c["path"], str(cdir / f"post_{i}.h5"), spec.to_json(), m_max, cell.seed, fit_cfg, threads)
             for i, c in enumerate(summary["clients"]) if not (cdir / f"post_{i}.h5").exists()]
@@ -159,29 +157,20 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
     return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]
 
 
-def _recorded_transform(path: Path) -> dict | None:
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        return json.loads(f.attrs["metadata"]).get("input_transform")
-
-
-def stale_fits(cdir: Path, summary: dict) -> list[Path]:
-    """Cached client artifacts of ``cdir`` that cannot join its other fits: a folder mixing fits that
-    record no input transform (written by a version before it was recorded) with fits that record
-    their silo's — an interrupted fit resumed across versions — keeps the latter. A folder whose fits
-    all record none stays as it is (consistent, and fusing it is allowed)."""
-    cached = [(cdir / f"post_{i}.h5", c["path"]) for i, c in enumerate(summary["clients"])
-              if (cdir / f"post_{i}.h5").exists()]
-    recorded = [(path, _recorded_transform(path), silo) for path, silo in cached]
-    if len({json.dumps(t, sort_keys=True) for _, t, _ in recorded}) <= 1:
-        return []
-
-    def canonical(t: dict | None) -> str:  # as stored: JSON (lists, not tuples)
-        return json.dumps(t, sort_keys=True)
-
-    return [path for path, t, silo in recorded
-            if canonical(t) != canonical(json.loads(json.dumps(read_silo(silo).input_transform.to_dict())))]
+def drop_stale_fits(cdir: Path, log: Log) -> None:
+    """Delete the cached artifacts of ``cdir`` that cannot join its other ones, so they are made
+    again: in a folder mixing artifacts that record no input transform (written before versions
+    recorded it) with artifacts that record one — an interrupted fit resumed across versions — the
+    unrecorded ones. A folder whose artifacts all record none, or that records two different
+    transforms (a data problem: fusion refuses it, naming both files), is left as it is."""
+    recorded = {path: preview(path)["metadata"].get("input_transform") for path in sorted(cdir.glob("post_*.h5"))}
+    if None not in recorded.values() or all(t is None for t in recorded.values()):
+        return
+    for path, transform in recorded.items():
+        if transform is None:
+            log(f"  making {path} again: written by an older version that did not record the input transform "
+                "its folder's other artifacts record (one client set must share one transform)")
+            path.unlink()
 
 
 def recapture_clients(cell: Cell, structure: str, base_key: str, summary: dict, work: Path,
@@ -192,9 +181,7 @@ def recapture_clients(cell: Cell, structure: str, base_key: str, summary: dict, 
     ckey = cache_key({"recapture": base_key, "structure": structure})
     cdir = work / "clients" / ckey
     cdir.mkdir(parents=True, exist_ok=True)
-    for path in stale_fits(cdir, summary):
-        log(f"  recapturing {path} again: captured from a fit of an older version (no recorded input transform)")
-        path.unlink()
+    drop_stale_fits(cdir, log)
     t0 = time.perf_counter()
     todo = [i for i in range(cell.clients) if not (cdir / f"post_{i}.h5").exists()]
     for k, i in enumerate(todo):

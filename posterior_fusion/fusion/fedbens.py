@@ -121,17 +121,15 @@ class GlobalLogPosterior:
             stack = self.stack if (first, last) == (0, self.stack.num) else self.stack.select(first, last)
             q, vjp = stack.forms_and_vjp(W)  # (K, n), no autograd graph
             log_comp = self.log_norm[first:last] - 0.5 * q
-            sizes = {b - a for a, b in chunk}
-            if len(sizes) == 1:  # every client has the same number of components: one reshape
+            sizes = [b - a for a, b in chunk]
+            if len(set(sizes)) == 1:  # every client has the same number of components: one reshape
                 lse = torch.logsumexp(log_comp.view(W.shape[0], len(chunk), -1), dim=-1)  # (K, C')
-                r_shift = lse.repeat_interleave(sizes.pop(), dim=1) if gradient else None
             else:
                 lse = torch.stack([torch.logsumexp(log_comp[:, a - first : b - first], -1) for a, b in chunk], 1)
-                counts = torch.tensor([b - a for a, b in chunk], device=W.device)
-                r_shift = lse.repeat_interleave(counts, dim=1) if gradient else None
             values = values - lse.sum(1)
             if gradient:  # ∂/∂W Σ_c lse_c = Σ_n r_n · (−½ ∂q_n/∂W), r = each client's softmax
-                grad += 0.5 * vjp(log_comp.sub_(r_shift).exp_())
+                r = log_comp.sub_(lse.repeat_interleave(torch.tensor(sizes, device=W.device), dim=1)).exp_()
+                grad += 0.5 * vjp(r)
         return values, grad
 
     def __call__(self, W: torch.Tensor) -> torch.Tensor:
