@@ -128,11 +128,12 @@ def test_fast_float32_is_closer_to_float64_than_laplace(fmnist_train, plugin_spe
 
 
 @pytest.mark.parametrize("kernel,stride,padding,dilation", [(5, 1, 0, 1), (3, 2, 1, 1), ((3, 5), (2, 1), (2, 0), (1, 2))])
-@pytest.mark.parametrize("chunk,group_bytes", [(CHUNK_COLUMNS, 1 << 24), (16, 1 << 24), (16, 1)])
+@pytest.mark.parametrize("chunk,group_bytes", [(CHUNK_COLUMNS, 1 << 24), (16, 1 << 24), (16, 1), (3, 1 << 24)])
 def test_conv_input_columns_equal_unfold(monkeypatch, kernel, stride, padding, dilation, chunk, group_bytes):
     """A convolution's input columns against ``F.unfold`` (non-square kernels, strides, padding,
     dilation) and their Gram — one chunk; many chunks in one batched GEMM; one GEMM per chunk —
-    against one float64 product."""
+    against one float64 product; the same Gram from the pixel Gram without unfolding (the samples
+    in one chunk, or in chunks of 3)."""
     monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
     monkeypatch.setattr(fastcapture, "GRAM_GROUP_BYTES", group_bytes)
     conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
@@ -141,6 +142,13 @@ def test_conv_input_columns_equal_unfold(monkeypatch, kernel, stride, padding, d
     X = fastcapture._input_columns(conv, x)
     assert torch.equal(X, u.transpose(0, 1).reshape(u.shape[1], -1))
     torch.testing.assert_close(fastcapture._gram(X), X @ X.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fastcapture._conv_input_gram(conv, x), X @ X.T, rtol=1e-12, atol=1e-12)
+    x32 = x.float()
+    X32 = X.float()
+    gram, positions = fastcapture._input_gram(conv, x32)  # whichever path pays, float32 in, float64 sums
+    assert positions == u.shape[2]
+    torch.testing.assert_close(gram, X @ X.T, rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(fastcapture._conv_input_gram(conv, x32), X32.double() @ X32.double().T, rtol=2e-6, atol=1e-5)
     lin = fastcapture._input_columns(nn.Linear(11, 2), x)  # a linear layer: every position's inputs, a view
     assert lin.data_ptr() == x.data_ptr() and torch.equal(lin, x.reshape(-1, 11).T)
 

@@ -240,6 +240,9 @@ class StackedKron:
             if self.direct is None:
                 raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
             B, A, Bmu, sc, sh, mu_sq = self.direct
+            if step >= N:  # one chunk: no slicing (this call runs every optimiser step)
+                q, vjp = kron_direct_forms_and_vjp(Wk, self.mu, B, A, Bmu, sc, sh, self.kernel, mu_sq)
+                return self._with_shift(w, q, vjp, K)
             parts = [kron_direct_forms_and_vjp(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step],
                                                Bmu[i : i + step], sc[i : i + step], sh[i : i + step], self.kernel,
                                                mu_sq[i : i + step])
@@ -248,23 +251,31 @@ class StackedKron:
             parts = [kron_quadratic_forms_and_vjp(Wk, self.mu[i : i + step], self.UB[i : i + step],
                                                   self.UA[i : i + step], self.S[i : i + step], self.kernel)
                      for i in range(0, N, step)]
-        q = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], dim=1)
-        if self.shift is not None:  # closed-form λ0 ‖W − μ‖² of the low-rank shortcut
-            flat_mu = self.mu.flatten(1)
-            q = q + self.shift[None] * (w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None])
+        if len(parts) == 1:
+            return self._with_shift(w, *parts[0], K)
+        q = torch.cat([p[0] for p in parts], dim=1)
 
-        def vjp(g: torch.Tensor) -> torch.Tensor:
-            grads = [vj(g[:, i : i + step].contiguous()) for i, (_, vj) in zip(range(0, N, step), parts)]
-            grad = grads[0]  # a fresh tensor: accumulated in place
-            for other in grads[1:]:
-                grad += other
-            grad = grad.reshape(K, -1)
-            if self.shift is not None:  # 2 Σ_n g λ (w − μ_n)
-                gl = g * self.shift[None]
-                grad = grad + 2 * (gl.sum(1, keepdim=True) * w - gl @ self.mu.flatten(1))
+        def chunked_vjp(g: torch.Tensor) -> torch.Tensor:
+            grad = parts[0][1](g[:, :step].contiguous())  # a fresh tensor: accumulated in place
+            for i, (_, vj) in zip(range(step, N, step), parts[1:]):
+                grad += vj(g[:, i : i + step].contiguous())
             return grad
 
-        return q, vjp
+        return self._with_shift(w, q, chunked_vjp, K)
+
+    def _with_shift(self, w: torch.Tensor, q: torch.Tensor, vjp: VJP, K: int) -> tuple[torch.Tensor, VJP]:
+        """``(q, vjp)`` of the blocks' products, reshaped to ``(K, size)`` gradients, plus the low-rank
+        shortcut's closed-form ``λ0 ‖W − μ‖²`` term when it is on."""
+        if self.shift is None:
+            return q, lambda g: vjp(g).reshape(K, -1)
+        flat_mu = self.mu.flatten(1)  # closed-form λ0 ‖W − μ‖² of the low-rank shortcut
+        q = q + self.shift[None] * (w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None])
+
+        def shifted_vjp(g: torch.Tensor) -> torch.Tensor:
+            gl = g * self.shift[None]  # + 2 Σ_n g λ (w − μ_n)
+            return vjp(g).reshape(K, -1) + 2 * (gl.sum(1, keepdim=True) * w - gl @ flat_mu)
+
+        return q, shifted_vjp
 
     def to(self, device) -> StackedKron:
         return map_tensors(self, lambda t: t.to(device))

@@ -74,7 +74,7 @@ def _input_columns(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         kh, kw = module.kernel_size
         xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
         M, C, H, W = xp.shape
-        Ho, Wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+        Ho, Wo = _output_size(module, H, W)
         out = xp.new_empty(C, kh, kw, M, Ho, Wo)
         xt = xp.transpose(0, 1)  # (C, M, H, W)
         for a in range(kh):
@@ -82,6 +82,62 @@ def _input_columns(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
                 out[:, a, b] = xt[:, :, a * dh : a * dh + (Ho - 1) * sh + 1 : sh, b * dw : b * dw + (Wo - 1) * sw + 1 : sw]
         return out.view(C * kh * kw, M * Ho * Wo)
     return x.reshape(-1, x.shape[-1]).T
+
+
+PIXEL_GRAM_MAX = 2048  # largest C·H·W whose pixel Gram (4·(C·H·W)² bytes) :func:`_conv_input_gram` forms
+
+
+def _pixel_gram_pays(module: nn.Conv2d, x: torch.Tensor) -> bool:
+    """Whether :func:`_conv_input_gram` is the faster way to a convolution's input factor: its
+    ``(C·H·W)²`` multiply-adds per sample against the unfolded patches' ``(C·kh·kw)²·Ho·Wo`` (padded
+    sizes) up to a factor 2 that buys back the patch copy, and a pixel Gram of at most
+    :data:`PIXEL_GRAM_MAX` rows (a larger one is as slow as the patches: its GEMM writes more than it
+    computes). Measured (1 thread, 256 samples): LeNet's second convolution 14.1 → 6.2 ms, its first
+    7.1 → 4.1 ms; a 32-channel 14 × 14 input with a 5 × 5 kernel (6,272 rows) 439 vs 434 ms (patches
+    kept); 16 channels 16 × 16, 3 × 3 (products 4.1x the patches') 34 vs 143 ms (patches kept)."""
+    (ph, pw), (kh, kw) = module.padding, module.kernel_size
+    H, W = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
+    Ho, Wo = _output_size(module, H, W)
+    return x.shape[1] * H * W <= PIXEL_GRAM_MAX and (H * W) ** 2 <= 2 * (kh * kw) ** 2 * Ho * Wo
+
+
+def _output_size(module: nn.Conv2d, H: int, W: int) -> tuple[int, int]:
+    """Output positions of a convolution over a padded ``H × W`` input."""
+    (sh, sw), (dh, dw), (kh, kw) = module.stride, module.dilation, module.kernel_size
+    return (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+
+
+def _conv_input_gram(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """``Σ`` over samples and output positions of ``u uᵀ`` ``(I, I)`` in float64 for a convolution's input
+    ``x`` ``(M, C, H, W)``, ``u`` its patches in ``F.unfold``'s row order (channel, kh, kw), without
+    unfolding: one pixel Gram ``Q = Σ_n x_n x_nᵀ`` ``(C·H·W, C·H·W)`` (float32 sums over at most
+    :data:`CHUNK_COLUMNS` samples), then each entry ``(c, a, b), (c', a', b')`` is the sum of ``Q`` over the
+    positions both kernel offsets see, ``Σ_{i, j} Q[(c, i·s + a·d, j·s + b·d), (c', i·s + a'·d, j·s + b'·d)]``
+    — a strided view of ``Q`` summed over ``j`` (float32, ``Wo`` terms), then over ``i`` (float64)."""
+    (ph, pw), (sh, sw), (dh, dw), (kh, kw) = module.padding, module.stride, module.dilation, module.kernel_size
+    xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+    M, C, H, W = xp.shape
+    Ho, Wo = _output_size(module, H, W)
+    X = xp.reshape(M, C * H * W)
+    Q = torch.mm(X[:CHUNK_COLUMNS].T, X[:CHUNK_COLUMNS])
+    for start in range(CHUNK_COLUMNS, M, CHUNK_COLUMNS):
+        Q += torch.mm(X[start : start + CHUNK_COLUMNS].T, X[start : start + CHUNK_COLUMNS])
+    q0, q1, q2 = Q.stride(0) * H * W, Q.stride(0) * W, Q.stride(0)  # (c, y, x) of the row
+    q3, q4, q5 = H * W, W, 1  # (c', y', x') of the column
+    rows = Q.as_strided((C, H, kw, C, H, kw, Wo), (q0, q1, dw * q2, q3, q4, dw * q5, sw * (q2 + q5))).sum(-1)
+    r = rows.stride()  # (C, H, kw, C, H, kw)
+    both = rows.as_strided((C, kh, kw, C, kh, kw, Ho), (r[0], dh * r[1], r[2], r[3], dh * r[4], r[5], sh * (r[1] + r[4])))
+    return both.sum(-1, dtype=torch.float64).reshape(C * kh * kw, C * kh * kw)
+
+
+def _input_gram(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """K-FAC's input factor before scaling: ``(Σ u uᵀ (I, I) float64, positions per sample)``."""
+    if isinstance(module, nn.Conv2d) and _pixel_gram_pays(module, x):
+        (ph, pw) = module.padding
+        Ho, Wo = _output_size(module, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
+        return _conv_input_gram(module, x), Ho * Wo
+    X = _input_columns(module, x)
+    return _gram(X), X.shape[1] // x.shape[0]
 
 
 def _grad_columns(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
@@ -227,8 +283,8 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
             B[i] = B[i] + _output_gram(layer, g)
             if r == 0:  # A depends on the inputs only: once per batch (mean over positions)
-                X = _input_columns(layer, u)
-                A[i] = A[i] + _gram(X) / (n * (X.shape[1] // u.shape[0]))
+                gram, positions = _input_gram(layer, u)
+                A[i] = A[i] + gram / (n * positions)
 
     with _no_param_grads(model):
         for xb, _ in _loader(x, y, batch_size, "curvature"):
