@@ -6,7 +6,8 @@ lower serving cost, on the cached α = 0.1 cells of an experiment grid.
 
 For every cached cell (seed): the client ensemble (C·M members), fedbens with the paper's M
 median starts, fedbens started from every client component's MAP (C·M modes) and from both
-(M + C·M), each with the plain-average and the Laplace-weighted mode mixture; test accuracy,
+(M + C·M), fedbens' M modes at each of five temperatures pooled (``TUNE_TEMPERATURES``), each
+with the plain-average and the Laplace-weighted mode mixture; test accuracy,
 NLL, ECE and serving cost (members × parameters). Writes ``results.json`` and ``results.md``.
 """
 
@@ -16,12 +17,13 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment.grid import Cell, fit_clients, partition_cell
 from posterior_fusion.fusion import FusionOptions, fuse_clients
-from posterior_fusion.fusion.tuning import tune_fusion
+from posterior_fusion.fusion.tuning import TUNE_TEMPERATURES, tune_fusion
 from posterior_fusion.metrics import evaluate_members
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +36,8 @@ VARIANTS = [
     ("fedbens (M + C·M starts)", "fedbens", {"steps": 300, "starts": "median+clients"}),
     # T and σ0² chosen on the server's validation split (5 x 3 grid, fuse --tune)
     ("fedbens (T, σ0² tuned on validation)", "fedbens-tuned", {"steps": 300}),
+    # M modes at each of the tuning grid's five temperatures, pooled into one equal-weight ensemble
+    ("fedbens (M modes at each of 5 temperatures)", "fedbens-temperatures", {"steps": 300}),
 ]
 
 
@@ -55,6 +59,10 @@ def main() -> None:
             opts = FusionOptions(progress=False, sampling_seed=seed)
             if method == "fedbens-tuned":
                 _, res, meta = tune_fusion(clients, "fedbens", opts, val, ("T", "prior"), settings=settings)
+            elif method == "fedbens-temperatures":
+                runs = [fuse_clients(clients, "fedbens", replace(opts, temperature=t), settings, val)
+                        for t in TUNE_TEMPERATURES]
+                meta, res = {}, replace(runs[0][1], members=[w for run in runs for w in run[1].members], curvatures=None)
             else:
                 _, res, meta = fuse_clients(clients, method, opts, settings, val)
             fuse_s = time.perf_counter() - t0
