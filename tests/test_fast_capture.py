@@ -142,13 +142,15 @@ def test_conv_input_columns_equal_unfold(monkeypatch, kernel, stride, padding, d
     X = fastcapture._input_columns(conv, x)
     assert torch.equal(X, u.transpose(0, 1).reshape(u.shape[1], -1))
     torch.testing.assert_close(fastcapture._gram(X), X @ X.T, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fastcapture._conv_input_gram(conv, x), X @ X.T, rtol=1e-12, atol=1e-12)
+    gram, positions = fastcapture._conv_input_gram(conv, x)
+    assert positions == u.shape[2]
+    torch.testing.assert_close(gram, X @ X.T, rtol=1e-12, atol=1e-12)
     x32 = x.float()
     X32 = X.float()
     gram, positions = fastcapture._input_gram(conv, x32)  # whichever path pays, float32 in, float64 sums
     assert positions == u.shape[2]
     torch.testing.assert_close(gram, X @ X.T, rtol=2e-6, atol=1e-5)
-    torch.testing.assert_close(fastcapture._conv_input_gram(conv, x32), X32.double() @ X32.double().T, rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(fastcapture._conv_input_gram(conv, x32)[0], X32.double() @ X32.double().T, rtol=2e-6, atol=1e-5)
     lin = fastcapture._input_columns(nn.Linear(11, 2), x)  # a linear layer: every position's inputs, a view
     assert lin.data_ptr() == x.data_ptr() and torch.equal(lin, x.reshape(-1, 11).T)
 

@@ -107,35 +107,36 @@ def _output_size(module: nn.Conv2d, H: int, W: int) -> tuple[int, int]:
     return (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
 
 
-def _conv_input_gram(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """``Σ`` over samples and output positions of ``u uᵀ`` ``(I, I)`` in float64 for a convolution's input
-    ``x`` ``(M, C, H, W)``, ``u`` its patches in ``F.unfold``'s row order (channel, kh, kw), without
-    unfolding: one pixel Gram ``Q = Σ_n x_n x_nᵀ`` ``(C·H·W, C·H·W)`` (float32 sums over at most
-    :data:`CHUNK_COLUMNS` samples), then each entry ``(c, a, b), (c', a', b')`` is the sum of ``Q`` over the
-    positions both kernel offsets see, ``Σ_{i, j} Q[(c, i·s + a·d, j·s + b·d), (c', i·s + a'·d, j·s + b'·d)]``
-    — a strided view of ``Q`` summed over ``j`` (float32, ``Wo`` terms), then over ``i`` (float64)."""
+def _conv_input_gram(module: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(Σ u uᵀ (I, I) float64, Ho·Wo)``: the sum over samples and output positions for a convolution's
+    input ``x`` ``(M, C, H, W)``, ``u`` its patches in ``F.unfold``'s row order (channel, kh, kw), without
+    unfolding: one pixel Gram ``Q = Σ_n x_n x_nᵀ`` ``(C·H·W, C·H·W)`` (x's dtype over at most
+    :data:`CHUNK_COLUMNS` samples, float64 across such chunks), then each entry ``(c, a, b), (c', a', b')`` is
+    the sum of ``Q`` over the positions both kernel offsets see,
+    ``Σ_{i, j} Q[(c, i·s + a·d, j·s + b·d), (c', i·s + a'·d, j·s + b'·d)]`` — a strided view of ``Q`` summed
+    over ``j`` (``Wo`` terms), then over ``i`` (float64)."""
     (ph, pw), (sh, sw), (dh, dw), (kh, kw) = module.padding, module.stride, module.dilation, module.kernel_size
     xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
     M, C, H, W = xp.shape
     Ho, Wo = _output_size(module, H, W)
     X = xp.reshape(M, C * H * W)
     Q = torch.mm(X[:CHUNK_COLUMNS].T, X[:CHUNK_COLUMNS])
-    for start in range(CHUNK_COLUMNS, M, CHUNK_COLUMNS):
-        Q += torch.mm(X[start : start + CHUNK_COLUMNS].T, X[start : start + CHUNK_COLUMNS])
+    if M > CHUNK_COLUMNS:
+        Q = Q.double()
+        for start in range(CHUNK_COLUMNS, M, CHUNK_COLUMNS):
+            Q += torch.mm(X[start : start + CHUNK_COLUMNS].T, X[start : start + CHUNK_COLUMNS]).double()
     q0, q1, q2 = Q.stride(0) * H * W, Q.stride(0) * W, Q.stride(0)  # (c, y, x) of the row
     q3, q4, q5 = H * W, W, 1  # (c', y', x') of the column
     rows = Q.as_strided((C, H, kw, C, H, kw, Wo), (q0, q1, dw * q2, q3, q4, dw * q5, sw * (q2 + q5))).sum(-1)
     r = rows.stride()  # (C, H, kw, C, H, kw)
     both = rows.as_strided((C, kh, kw, C, kh, kw, Ho), (r[0], dh * r[1], r[2], r[3], dh * r[4], r[5], sh * (r[1] + r[4])))
-    return both.sum(-1, dtype=torch.float64).reshape(C * kh * kw, C * kh * kw)
+    return both.sum(-1, dtype=torch.float64).reshape(C * kh * kw, C * kh * kw), Ho * Wo
 
 
 def _input_gram(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """K-FAC's input factor before scaling: ``(Σ u uᵀ (I, I) float64, positions per sample)``."""
     if isinstance(module, nn.Conv2d) and _pixel_gram_pays(module, x):
-        (ph, pw) = module.padding
-        Ho, Wo = _output_size(module, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
-        return _conv_input_gram(module, x), Ho * Wo
+        return _conv_input_gram(module, x)
     X = _input_columns(module, x)
     return _gram(X), X.shape[1] // x.shape[0]
 
