@@ -65,6 +65,9 @@ def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
     plot_results(agg, work, max(cfg.components))
 
 
+STRUCTURE_ORDER = ("kron", "diag+full", "diag")  # line styles solid, dashed, dotted in that order
+
+
 def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
     """accuracy vs α (or vs C for a one-α grid) per method, structure and client count; fedbens accuracy
     vs M; fedbens accuracy vs server temperature."""
@@ -81,7 +84,12 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
     client_counts = sorted({a["clients"] for a in agg})
     structures = sorted({a["structure"] for a in agg if a["structure"] != "-"})
     x_key, others = ("clients", alphas) if len(alphas) == 1 and len(client_counts) > 1 else ("alpha", client_counts)
-    fig, ax = plt.subplots(figsize=(5, 4))
+    # one colour per method, one line style per structure (the same method reads alike across structures)
+    colours = {m: f"C{i % 10}" for i, m in enumerate(sorted({a["method"] for a in agg} - {"centralized"}))}
+    colours["centralized"] = "black"
+    ranked = sorted(structures, key=lambda s: (STRUCTURE_ORDER.index(s) if s in STRUCTURE_ORDER else len(STRUCTURE_ORDER), s))
+    styles = {s: ("-", "--", ":", "-.")[i % 4] for i, s in enumerate(ranked)} | {"-": "-"}
+    fig, ax = plt.subplots(figsize=(7, 4))
     for structure in sorted({a["structure"] for a in agg}):
         for method in sorted({a["method"] for a in agg if a["structure"] == structure}):
             for other in others:
@@ -93,14 +101,18 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
                 if len(others) > 1:
                     label += f", C={other}" if x_key == "alpha" else f", α={other}"
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=label)
+                    ax.plot(*zip(*pts), marker="o", label=label, color=colours[method], linestyle=styles[structure])
     ax.set_xscale("log")
+    xs = sorted({a[x_key] for a in agg})
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the grid's own values, not powers of ten
+    ax.minorticks_off()
     ax.set_xlabel("Dirichlet α" if x_key == "alpha" else "clients C")
     ax.set_ylabel("test accuracy %")
     if ax.lines:
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes, not over the lines
     fig.tight_layout()
-    fig.savefig(work / ("accuracy_vs_alpha.png" if x_key == "alpha" else "accuracy_vs_clients.png"), dpi=100)
+    fig.savefig(work / ("accuracy_vs_alpha.png" if x_key == "alpha" else "accuracy_vs_clients.png"), dpi=100,
+                bbox_inches="tight")
     plt.close(fig)
     for name, key, sel in (("accuracy_vs_M.png", "M", lambda a: a["method"] == "fedbens"),
                            ("accuracy_vs_temperature.png", "temperature", lambda a: a["method"] == "fedbens" and a["M"] == m_max)):
