@@ -92,7 +92,7 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for structure in sorted({a["structure"] for a in agg}):
         for method in sorted({a["method"] for a in agg if a["structure"] == structure}):
-            for other in others:
+            for j, other in enumerate(others):  # several client counts (or α) on one axis: one marker each
                 pts = sorted((a[x_key], a["accuracy_mean"]) for a in agg
                              if (a["structure"], a["method"]) == (structure, method)
                              and a["clients" if x_key == "alpha" else "alpha"] == other
@@ -101,7 +101,8 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
                 if len(others) > 1:
                     label += f", C={other}" if x_key == "alpha" else f", α={other}"
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=label, color=colours[method], linestyle=styles[structure])
+                    ax.plot(*zip(*pts), marker="osD^v"[j % 5], label=label, color=colours[method],
+                            linestyle=styles[structure])
     ax.set_xscale("log")
     xs = sorted({a[x_key] for a in agg})
     ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the grid's own values, not powers of ten
