@@ -236,29 +236,32 @@ class StackedKron:
         step = max(1, min(N, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // per))
         if form is None:
             form = "direct" if self.direct is not None else "rotated"
+        # component ranges of the chunks; one chunk uses the stacked tensors as they are (no slicing:
+        # this runs every optimiser step)
+        spans = [(i, min(i + step, N)) for i in range(0, N, step)]
+
+        def take(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            return t if (a, b) == (0, N) else t[a:b]
+
         if form == "direct":
             if self.direct is None:
                 raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
-            B, A, Bmu, sc, sh, mu_sq = self.direct
-            if step >= N:  # one chunk: no slicing (this call runs every optimiser step)
-                q, vjp = kron_direct_forms_and_vjp(Wk, self.mu, B, A, Bmu, sc, sh, self.kernel, mu_sq)
-                return self._with_shift(w, q, vjp, K)
-            parts = [kron_direct_forms_and_vjp(Wk, self.mu[i : i + step], B[i : i + step], A[i : i + step],
-                                               Bmu[i : i + step], sc[i : i + step], sh[i : i + step], self.kernel,
-                                               mu_sq[i : i + step])
-                     for i in range(0, N, step)]
+            parts = [kron_direct_forms_and_vjp(Wk, take(self.mu, a, b), *(take(t, a, b) for t in self.direct[:-1]),
+                                               self.kernel, take(self.direct[-1], a, b))
+                     for a, b in spans]
         else:
-            parts = [kron_quadratic_forms_and_vjp(Wk, self.mu[i : i + step], self.UB[i : i + step],
-                                                  self.UA[i : i + step], self.S[i : i + step], self.kernel)
-                     for i in range(0, N, step)]
+            parts = [kron_quadratic_forms_and_vjp(Wk, *(take(t, a, b) for t in (self.mu, self.UB, self.UA, self.S)),
+                                                  self.kernel)
+                     for a, b in spans]
         if len(parts) == 1:
             return self._with_shift(w, *parts[0], K)
         q = torch.cat([p[0] for p in parts], dim=1)
 
         def chunked_vjp(g: torch.Tensor) -> torch.Tensor:
-            grad = parts[0][1](g[:, :step].contiguous())  # a fresh tensor: accumulated in place
-            for i, (_, vj) in zip(range(step, N, step), parts[1:]):
-                grad += vj(g[:, i : i + step].contiguous())
+            grads = (vj(g[:, a:b].contiguous()) for (a, b), (_, vj) in zip(spans, parts))
+            grad = next(grads)  # a fresh tensor: accumulated in place
+            for other in grads:
+                grad += other
             return grad
 
         return self._with_shift(w, q, chunked_vjp, K)
