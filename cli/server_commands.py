@@ -115,7 +115,8 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--component", default=0, show_default=True, type=int, help="Client component used by unimodal methods.")
 @click.option("--sampling-seed", default=0, show_default=True, type=int, help="Seed of the server's random draws (fedbe, swag).")
 @click.option("--kernel", default=None, type=click.Choice(["torch", "triton"]),
-              help="Kronecker kernel [default: triton on CUDA when installed, else torch].")
+              help="Kronecker kernel: torch (batched products; fastest on CPU and GPU) or triton (fused GPU "
+                   "kernels, a tenth of the GPU memory, slower) [default: torch].")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
               help="Device for fedbens/fedfisher optimisation.")
 @click.option("--tune", default=None,

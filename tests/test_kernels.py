@@ -1,6 +1,9 @@
-"""Kronecker kernels: Triton (interpreter on CPU, real on GPU) against the torch reference."""
+"""Kronecker kernels: Triton (interpreter on CPU, real on GPU) against the torch reference; the
+kernel choice; the fedbens step replayed from a CUDA graph (on a GPU) against dense float64."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -8,10 +11,11 @@ from conftest import fit_split, random_psd
 
 import posterior_fusion
 from posterior_fusion.curvature import Kron
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions
 from posterior_fusion.fusion.fedbens import FedBEnsSettings, GlobalLogPosterior, fedbens
 from posterior_fusion.fusion.stack import StackedGaussians
-from posterior_fusion.kernels import kron_direct_forms, kron_quadratic_forms, triton_available
+from posterior_fusion.kernels import choose_backend, kron_direct_forms, kron_quadratic_forms, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install posterior-fusion[gpu])")
@@ -231,3 +235,98 @@ def test_triton_direct_form_matches_torch_values_and_gradients(dtype, shape):
     tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-9)
     torch.testing.assert_close(out["triton"][0], out["torch"][0], **tol)
     torch.testing.assert_close(out["triton"][1], out["torch"][1], **tol)
+
+
+def test_default_kernel_is_torch_on_every_device(monkeypatch):
+    """torch is the default on a GPU too (Triton measured slower there); ``$PFUSE_KERNEL`` and an
+    explicit choice override it, and an unknown name is refused."""
+    monkeypatch.delenv("PFUSE_KERNEL", raising=False)
+    W = torch.zeros(2, device=DEVICE)
+    assert choose_backend(W) == "torch"
+    monkeypatch.setenv("PFUSE_KERNEL", "cublas")
+    with pytest.raises(ConfigError, match="unknown kernel backend 'cublas'"):
+        choose_backend(W)
+    assert choose_backend(W, "torch") == "torch"
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("ragged", [False, True], ids=["M=2", "M=1,2,3"])
+@pytest.mark.parametrize("chunk_bytes", [1, None], ids=["client-by-client", "default"])
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_cuda_graph_objective_vs_dense_float64(structure, chunk_bytes, ragged):
+    """On CUDA the objective step is replayed from a captured graph: values and gradients equal the
+    dense float64 reference for each of three different inputs in a row (each replay reads its own
+    input), and equal the same objective without graphs."""
+    from test_fusion import TINY_LAYOUT, dense_neg_log_posterior, random_clients
+
+    clients = random_clients(structure, C=3, M=3 if ragged else 2, seed=0)
+    if ragged:
+        clients = [dataclasses.replace(c, components=c.components[: i + 1]) for i, c in enumerate(clients)]
+    lams = [2.0, 3.0, 1.5]
+    obj = GlobalLogPosterior(clients, [0.5] * 3, lams, 2.5, dtype=torch.float64, device="cuda", chunk_bytes=chunk_bytes)
+    eager = GlobalLogPosterior(clients, [0.5] * 3, lams, 2.5, dtype=torch.float64, device="cuda",
+                               chunk_bytes=chunk_bytes, cuda_graphs=False)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        W = torch.randn(4, TINY_LAYOUT.dim, generator=gen, dtype=torch.float64) * 0.5
+        values, grad = obj.value_and_gradient(W.cuda())
+        Wr = W.clone().requires_grad_(True)
+        ref = torch.stack([dense_neg_log_posterior(clients, w, 0.5, lams, 2.5) for w in Wr])
+        g_ref = torch.autograd.grad(ref.sum(), Wr)[0]
+        torch.testing.assert_close(values.cpu(), ref.detach(), rtol=1e-10, atol=1e-8)
+        torch.testing.assert_close(grad.cpu(), g_ref, rtol=1e-9, atol=1e-9)
+        v2, g2 = eager.value_and_gradient(W.cuda())
+        torch.testing.assert_close(values, v2, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, g2, rtol=1e-12, atol=1e-12)
+    assert [entry is not None for entry in obj._graphed._graphs.values()] == [True]  # one shape: captured once
+
+
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_cuda_graph_objective_lowrank_and_triton_equal_eager(kernel):
+    """The low-rank shortcut (rotated forms plus the closed-form shift) and the Triton kernels are
+    captured too, and their replays equal their eager steps."""
+    from test_fusion import TINY_LAYOUT, random_clients
+
+    if kernel == "triton" and not triton_available():
+        pytest.skip("triton is not installed (pip install posterior-fusion[gpu])")
+    clients = random_clients("kron", C=3, M=2, seed=1)
+    opts = dict(dtype=torch.float64, device="cuda", kernel=kernel, lowrank_tol=1e-3 if kernel == "torch" else 0.0)
+    obj = GlobalLogPosterior(clients, [0.5] * 3, [2.0] * 3, 2.5, **opts)
+    eager = GlobalLogPosterior(clients, [0.5] * 3, [2.0] * 3, 2.5, cuda_graphs=False, **opts)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        W = (torch.randn(2, TINY_LAYOUT.dim, generator=gen, dtype=torch.float64) * 0.5).cuda()
+        for a, b in zip(obj.value_and_gradient(W), eager.value_and_gradient(W)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert [entry is not None for entry in obj._graphed._graphs.values()] == [True]
+
+
+@needs_cuda
+def test_graphed_step_falls_back_when_capture_fails():
+    """A step that synchronises with the host cannot be captured: a warning, then eager results."""
+    from posterior_fusion.kernels.graphs import GraphedStep
+
+    def step(x):
+        scale = float(x.abs().max().item())  # host synchronisation: not capturable
+        return (x * 2 / scale,)
+
+    graphed = GraphedStep(step)
+    x = torch.randn(3, 4, device="cuda")
+    with pytest.warns(RuntimeWarning, match="cannot be a CUDA graph"):
+        (out,) = graphed(x)
+    torch.testing.assert_close(out, step(x)[0])
+    y = torch.randn(3, 4, device="cuda")
+    torch.testing.assert_close(graphed(y)[0], step(y)[0])  # eager from then on, no second warning
+
+
+def test_graphed_step_is_eager_on_cpu():
+    from posterior_fusion.kernels.graphs import GraphedStep
+
+    calls = []
+    graphed = GraphedStep(lambda x: (calls.append(1) or x + 1,))
+    x = torch.arange(3.0)
+    assert torch.equal(graphed(x)[0], x + 1) and calls == [1] and graphed._graphs == {}

@@ -194,7 +194,15 @@ class Kron(Precision):
                            shifts.clone(), (out, inn, keep_b, keep_a), kernel)
 
 
-CHUNK_BYTES = 64 * 2**20  # working-set bound of the batched Kronecker quadratic forms
+CHUNK_BYTES = 64 * 2**20  # working-set bound of the batched Kronecker quadratic forms (CPU)
+# On a GPU each chunk costs a dozen kernel launches per block whatever its size, and memory is not
+# the limit: larger chunks (measured on an H100, docs/benchmarks.md "On a GPU").
+CUDA_CHUNK_BYTES = 2**30
+
+
+def default_chunk_bytes(device: torch.device | str) -> int:
+    """The working-set bound for tensors on ``device``: :data:`CUDA_CHUNK_BYTES` on CUDA, else :data:`CHUNK_BYTES`."""
+    return CUDA_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -226,14 +234,14 @@ class StackedKron:
         """``w`` ``(K, size)`` -> ``q`` ``(K, N)`` and ``vjp(grad_q (K, N)) -> (K, size)``.
 
         Components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay under
-        ``chunk_bytes`` (default :data:`CHUNK_BYTES`), so memory does not grow with N.
+        ``chunk_bytes`` (default :func:`default_chunk_bytes` of ``w``'s device), so memory does not grow with N.
         ``form``: ``"direct"`` (raw factors; the default when available) or ``"rotated"``
         (eigenbases; the low-rank shortcut)."""
         K = w.shape[0]
         Wk = w.reshape(K, *self.mu.shape[1:])
         N = self.mu.shape[0]
         per = max(1, K * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
-        step = max(1, min(N, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // per))
+        step = max(1, min(N, (default_chunk_bytes(w.device) if chunk_bytes is None else chunk_bytes) // per))
         if form is None:
             form = "direct" if self.direct is not None else "rotated"
         # component ranges of the chunks; one chunk uses the stacked tensors as they are (no slicing:

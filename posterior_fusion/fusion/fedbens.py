@@ -19,12 +19,14 @@ from torch.autograd.function import once_differentiable
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
+from posterior_fusion.curvature.kron import CUDA_CHUNK_BYTES
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_equal_components
 from posterior_fusion.fusion.laplace import laplace_mode_weights, mode_precisions, uniform_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.kernels.graphs import GraphedStep
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,18 @@ class GlobalLogPosterior:
     """Negative global log posterior ``−log p(w | D)`` (up to a constant) for ``W`` ``(K, d)``.
 
     Clients are evaluated in chunks of whole clients whose working set (about ``3·K·d`` numbers
-    per component) stays under ``chunk_bytes`` (default :data:`CHUNK_BYTES`; 0 = every client at
+    per component) stays under ``chunk_bytes`` (default :data:`CHUNK_BYTES`, on CUDA
+    :data:`~posterior_fusion.curvature.kron.CUDA_CHUNK_BYTES`; 0 = every client at
     once). Each chunk's log-sum-exp and its gradient are computed before the next chunk starts and
     only the ``(K, d)`` gradient is kept for the backward pass, so peak memory does not grow with the
     number of clients and no product is computed twice (autograd through the whole sum would keep
-    every component's ``B V A`` until the backward pass)."""
+    every component's ``B V A`` until the backward pass). On CUDA, ``cuda_graphs`` (default on)
+    replays each step with a gradient from a captured CUDA graph."""
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                  server_prior_precision: float, dtype: torch.dtype = torch.float32, lowrank_tol: float = 0.0,
-                 kernel: str | None = None, device: str = "cpu", chunk_bytes: int | None = None) -> None:
+                 kernel: str | None = None, device: str = "cpu", chunk_bytes: int | None = None,
+                 cuda_graphs: bool = True) -> None:
         comps, scales, shifts, self.groups = [], [], [], []
         for c, t, lam in zip(clients, temperatures, prior_precisions):
             start = len(comps)
@@ -90,8 +95,14 @@ class GlobalLogPosterior:
         self.prior_const = 0.5 * d * (sum(math.log(lam) for lam in prior_precisions) - math.log(lam0)
                                       - (len(prior_precisions) - 1) * LOG_2PI)
         self.prior_slope = lam_sum - lam0  # the correction's gradient is −(Σ λ_c − λ0) w
-        self.chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        if chunk_bytes is None:
+            chunk_bytes = CUDA_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
+        self.chunk_bytes = chunk_bytes
         self._chunks: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+        # each component's client (index into the clients): the per-client softmax of ragged clients
+        self.client_of = torch.tensor([i for i, (a, b) in enumerate(self.groups) for _ in range(a, b)], device=device)
+        # on a GPU the step is bound by kernel launches: replay it as one CUDA graph
+        self._graphed = GraphedStep(self._value_and_gradient) if cuda_graphs and torch.device(device).type == "cuda" else None
 
     def chunks(self, K: int, element_size: int) -> list[list[tuple[int, int]]]:
         """The client groups ``(start, stop)`` evaluated together for ``K`` points (remembered per
@@ -120,8 +131,16 @@ class GlobalLogPosterior:
 
         No autograd: each block returns its forms with their vector-Jacobian product
         (:meth:`StackedGaussians.forms_and_vjp`), so the gradient reuses the forward products
-        and costs no graph (at C = 5, M = 1 the graph and Function calls were ~1/3 of a step)."""
+        and costs no graph (at C = 5, M = 1 the graph and Function calls were ~1/3 of a step).
+        On CUDA the step (with ``gradient``) is replayed from a captured CUDA graph
+        (:class:`~posterior_fusion.kernels.graphs.GraphedStep`)."""
         W = W.detach()
+        if gradient and self._graphed is not None and W.is_cuda:
+            return self._graphed(W)
+        return self._value_and_gradient(W, gradient)
+
+    def _value_and_gradient(self, W: torch.Tensor, gradient: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`value_and_gradient`, eagerly (no host synchronisation: it may be captured as a CUDA graph)."""
         K = W.shape[0]
         values = W.square().sum(-1).mul_(-0.5 * self.prior_slope).add_(self.prior_const)  # the prior correction
         grad = None
@@ -137,8 +156,8 @@ class GlobalLogPosterior:
                 r = per_client.sub_(lse[..., None]).exp_().view(K, -1) if gradient else None
             else:
                 lse = torch.stack([torch.logsumexp(log_comp[:, a - first : b - first], -1) for a, b in chunk], 1)
-                r = (log_comp.sub_(lse.repeat_interleave(torch.tensor(sizes, device=W.device), dim=1)).exp_()
-                     if gradient else None)
+                own = self.client_of[first:last] - self.client_of[first]  # each component's client in the chunk
+                r = log_comp.sub_(lse.index_select(1, own)).exp_() if gradient else None
             values -= lse.sum(1)
             if gradient:  # ∂/∂W Σ_c lse_c = Σ_n r_n · (−½ ∂q_n/∂W), r = each client's softmax
                 part = vjp(r)

@@ -10,10 +10,13 @@ The fusion uses the *direct form* :func:`kron_direct_forms` (raw factors, no rot
 reuses the product for the gradient, Triton computes the gradient in one fused pass instead of
 two: half the FLOPs either way); the rotated form stays for the low-rank shortcut.
 
-Backends: ``"torch"`` (batched matmuls, :mod:`.reference`; CPU default and test oracle) and
-``"triton"`` (fused kernels, :mod:`.triton_kron`; default for CUDA tensors when Triton is
-installed — ``pip install posterior-fusion[gpu]``). ``$PFUSE_KERNEL`` forces one; Triton on
-the CPU needs ``TRITON_INTERPRET=1`` (slow, for tests).
+Backends: ``"torch"`` (batched matmuls, :mod:`.reference`; the default on CPU and GPU, and the
+test oracle) and ``"triton"`` (fused kernels, :mod:`.triton_kron`, opt-in — ``pip install
+posterior-fusion[gpu]``: they never form the ``(K, N, P, Q)`` products, so they need a tenth of the
+GPU memory, but measured on an H100 they are 3–4x slower than torch's cuBLAS products from C·M = 10
+components on, and ~500x slower on a 512 x 1600 layer: a tile recomputes ``B V`` for every column
+block; ``docs/benchmarks.md``, "On a GPU"). ``$PFUSE_KERNEL`` forces one; Triton on the CPU needs
+``TRITON_INTERPRET=1`` (slow, for tests).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ def triton_available() -> bool:
 
 
 def choose_backend(W: torch.Tensor, backend: str | None = None) -> str:
-    """Explicit ``backend``, else ``$PFUSE_KERNEL``, else triton on CUDA when installed, else torch."""
-    backend = backend or os.environ.get("PFUSE_KERNEL") or ("triton" if W.is_cuda and triton_available() else "torch")
+    """Explicit ``backend``, else ``$PFUSE_KERNEL``, else torch (on a GPU too: see the module docstring)."""
+    backend = backend or os.environ.get("PFUSE_KERNEL") or "torch"
     if backend not in BACKENDS:
         raise ConfigError(f"unknown kernel backend {backend!r}; use one of {BACKENDS}")
     if backend == "triton":

@@ -74,12 +74,15 @@ def direct_forms(W: torch.Tensor, mu: torch.Tensor, B: torch.Tensor, A: torch.Te
 def direct_forms_grad(W: torch.Tensor, mu: torch.Tensor, M: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                       grad_q: torch.Tensor) -> torch.Tensor:
     """Gradient w.r.t. ``W`` ``(K, P, Q)`` of ``Σ grad_q ∘ q``: ``Σ_n 2 g (scale_n M + shift_n V)``,
-    with ``M`` ``(N, P, K, Q)`` as :func:`direct_forms` returns it. The weighted sum over n
-    accumulates into one ``(P, K, Q)`` tensor (no ``(N, P, K, Q)`` temporary)."""
+    with ``M`` ``(N, P, K, Q)`` as :func:`direct_forms` returns it. On the CPU the weighted sum over n
+    accumulates into one ``(P, K, Q)`` tensor (no ``(N, P, K, Q)`` temporary); on a GPU it is one
+    product and one sum (N launches cost more there than the temporary)."""
     K, P, Q = W.shape
     gs, gl = grad_q * scale[None], grad_q * shift[None]  # (K, N)
     if K == 1:  # one matrix-vector product instead of N scaled adds
         acc = torch.mv(M.view(M.shape[0], -1).T, gs[0]).view(P, K, Q)
+    elif M.is_cuda:  # on a GPU, launches cost more than the temporary: one product and one sum
+        acc = (M * gs.T[:, None, :, None]).sum(0)
     else:
         acc = torch.zeros(P, K, Q, dtype=M.dtype, device=M.device)
         for n, g in enumerate(gs.T):
