@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
-from posterior_fusion.curvature.kron import CUDA_CHUNK_BYTES
+from posterior_fusion.curvature.kron import default_chunk_bytes
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_equal_components
 from posterior_fusion.fusion.laplace import laplace_mode_weights, mode_precisions, uniform_weights
@@ -58,15 +58,12 @@ class FedBEnsSettings(OptimiserSettings):
             raise ConfigError(f"setting starts must be one of {STARTS}")
 
 
-CHUNK_BYTES = 64 * 2**20  # working set of the clients whose quadratic forms are evaluated together
-
-
 class GlobalLogPosterior:
     """Negative global log posterior ``−log p(w | D)`` (up to a constant) for ``W`` ``(K, d)``.
 
     Clients are evaluated in chunks of whole clients whose working set (about ``3·K·d`` numbers
-    per component) stays under ``chunk_bytes`` (default :data:`CHUNK_BYTES`, on CUDA
-    :data:`~posterior_fusion.curvature.kron.CUDA_CHUNK_BYTES`; 0 = every client at
+    per component) stays under ``chunk_bytes`` (default: the device's
+    :func:`~posterior_fusion.curvature.kron.default_chunk_bytes`, 64 MiB on a CPU; 0 = every client at
     once). Each chunk's log-sum-exp and its gradient are computed before the next chunk starts and
     only the ``(K, d)`` gradient is kept for the backward pass, so peak memory does not grow with the
     number of clients and no product is computed twice (autograd through the whole sum would keep
@@ -95,9 +92,7 @@ class GlobalLogPosterior:
         self.prior_const = 0.5 * d * (sum(math.log(lam) for lam in prior_precisions) - math.log(lam0)
                                       - (len(prior_precisions) - 1) * LOG_2PI)
         self.prior_slope = lam_sum - lam0  # the correction's gradient is −(Σ λ_c − λ0) w
-        if chunk_bytes is None:
-            chunk_bytes = CUDA_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = default_chunk_bytes(device) if chunk_bytes is None else chunk_bytes
         self._chunks: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
         # each component's client (index into the clients): the per-client softmax of ragged clients
         self.client_of = torch.tensor([i for i, (a, b) in enumerate(self.groups) for _ in range(a, b)], device=device)

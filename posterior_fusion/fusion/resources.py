@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posterior_fusion.fusion.fedbens import CHUNK_BYTES
+from posterior_fusion.curvature.kron import CHUNK_BYTES
 from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.settings import MethodSettings
 
