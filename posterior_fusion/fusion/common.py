@@ -31,7 +31,7 @@ class FusionOptions:
     prior_var: float | None = None
     component: int = 0
     sampling_seed: int = 0
-    kernel: str | None = None    # "torch" | "triton" | None (auto)
+    kernel: str | None = None    # "torch" | "triton" | None ($PFUSE_KERNEL, else torch)
     device: str = "cpu"          # "cuda" uses the Triton kernels
     progress: bool = True
 

@@ -32,7 +32,7 @@ class StackedGaussians:
     """N components with precisions ``scale_n·G_n + shift_n·I`` stacked block by block.
 
     ``scale`` and ``shift`` are one float for all components or one per component;
-    ``kernel`` picks the Kronecker kernel (``None``: automatic, see :mod:`posterior_fusion.kernels`).
+    ``kernel`` picks the Kronecker kernel (``None``: ``$PFUSE_KERNEL``, else torch; see :mod:`posterior_fusion.kernels`).
     """
 
     def __init__(self, components: list[Component], scale: float | list[float], shift: float | list[float],
