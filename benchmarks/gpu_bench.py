@@ -28,11 +28,12 @@ minus what was allocated before them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,9 @@ from posterior_fusion.fusion import FusionOptions, fuse_clients
 from posterior_fusion.fusion.fedbens import GlobalLogPosterior
 from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.kernels import kron_direct_forms_and_vjp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_step_bench import repeat_components, rotated_step  # noqa: E402  (a sibling benchmark: the same steps)
 
 
 def sync() -> None:
@@ -77,30 +81,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def clients_for(clients, C: int, M: int):
-    pool = [c for cl in clients for c in cl.components]
-    comps = [pool[i % len(pool)] for i in range(C * M)]
-    per_client = [dataclasses.replace(clients[c % len(clients)], components=tuple(comps[c * M : (c + 1) * M]))
-                  for c in range(C)]
-    return per_client, comps
-
-
-def rotated_step(stack: StackedGaussians, W: torch.Tensor):
-    """The step before issue 13: rotated forms through autograd, log-sum-exp over all components."""
-
-    def step() -> None:
-        Wr = W.clone().requires_grad_(True)
-        total = torch.zeros(W.shape[0], stack.num, device=W.device)
-        for b in stack.blocks:
-            w = Wr[:, b.offset : b.offset + b.size]
-            total = total + (b.quadratic_forms(w, form="rotated") if hasattr(b, "rank") else b.quadratic_forms(w))
-        total.logsumexp(1).sum().backward()
-
-    return step
-
-
 def objective_row(clients, C: int, M: int, cpu_threads: int, cpu_max_pairs: int, triton_max_pairs: int) -> dict:
-    per_client, comps = clients_for(clients, C, M)
+    per_client, comps = repeat_components(clients, C, M)
     W_cpu = torch.stack([comps[k].map for k in range(M)]).float() + 0.01
     W = W_cpu.cuda()
     row: dict = {"C": C, "M": M}

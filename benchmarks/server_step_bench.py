@@ -41,9 +41,33 @@ def median_ms(step) -> float:
     return statistics.median(times)
 
 
-def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: bool) -> dict:
+def repeat_components(clients, C: int, M: int):
+    """``(per_client, comps)``: C clients of M components each, the real clients' components repeated in turn."""
     import dataclasses
 
+    pool = [c for cl in clients for c in cl.components]
+    comps = [pool[i % len(pool)] for i in range(C * M)]
+    per_client = [dataclasses.replace(clients[c % len(clients)], components=tuple(comps[c * M : (c + 1) * M]))
+                  for c in range(C)]
+    return per_client, comps
+
+
+def rotated_step(stack, W: torch.Tensor, form: str = "rotated"):
+    """One step through autograd over every block of ``stack`` (the step before issue 13 with
+    ``form="rotated"``): log-sum-exp over all components, backward to ``W`` ``(K, d)``."""
+
+    def step() -> None:
+        Wr = W.clone().requires_grad_(True)
+        total = torch.zeros(W.shape[0], stack.num, device=W.device)
+        for b in stack.blocks:
+            w = Wr[:, b.offset : b.offset + b.size]
+            total = total + (b.quadratic_forms(w, form=form) if hasattr(b, "rank") else b.quadratic_forms(w))
+        total.logsumexp(1).sum().backward()
+
+    return step
+
+
+def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: bool) -> dict:
     import posterior_fusion
     from posterior_fusion.runtime import keep_freed_memory
 
@@ -54,12 +78,9 @@ def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: boo
 
     torch.set_num_threads(threads)
     clients = [posterior_fusion.load(p) for p in artifacts]
-    pool = [c for cl in clients for c in cl.components]
-    comps = [pool[i % len(pool)] for i in range(C * M)]
+    per_client, comps = repeat_components(clients, C, M)
     W = torch.stack([comps[k].map for k in range(M)]).float() + 0.01
     if form == "objective":
-        per_client = [dataclasses.replace(clients[c % len(clients)], components=tuple(comps[c * M : (c + 1) * M]))
-                      for c in range(C)]
         objective = GlobalLogPosterior(per_client, [0.1] * C, [10.0] * C, 10.0, torch.float32)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
@@ -68,14 +89,7 @@ def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: boo
     else:
         stack = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float32)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-        def step() -> None:
-            Wr = W.clone().requires_grad_(True)
-            total = torch.zeros(M, stack.num)
-            for b in stack.blocks:
-                w = Wr[:, b.offset : b.offset + b.size]
-                total = total + (b.quadratic_forms(w, form=form) if hasattr(b, "rank") else b.quadratic_forms(w))
-            total.logsumexp(1).sum().backward()
+        step = rotated_step(stack, W, form)
 
     ms = median_ms(step)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

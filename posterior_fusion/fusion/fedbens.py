@@ -130,7 +130,7 @@ class GlobalLogPosterior:
         On CUDA the step (with ``gradient``) is replayed from a captured CUDA graph
         (:class:`~posterior_fusion.kernels.graphs.GraphedStep`)."""
         W = W.detach()
-        if gradient and self._graphed is not None and W.is_cuda:
+        if gradient and self._graphed is not None:  # eager for CPU tensors
             return self._graphed(W)
         return self._value_and_gradient(W, gradient)
 
