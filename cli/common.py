@@ -10,7 +10,9 @@ from typing import Any
 
 import click
 
-from posterior_fusion.errors import PfuseError
+from posterior_fusion.errors import PfuseError, terminal_safe
+
+MAX_ERROR_CHARS = 2000
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -21,7 +23,10 @@ def handle_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except PfuseError as exc:
-            click.echo(f"error: {exc}", err=True)
+            # One line, whatever the message holds: newlines and control characters from a file
+            # are escaped, and a huge string is cut.
+            line = terminal_safe(str(exc).replace("\n", "\\n").replace("\t", " "), MAX_ERROR_CHARS)
+            click.echo(f"error: {line}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
@@ -30,12 +35,18 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def say(text: str = "", err: bool = False) -> None:
+    """Every line the CLI prints: control characters escaped, so a string read from a file (a
+    name, a provider, a message) can never move the cursor, clear or recolour the screen."""
+    click.echo(terminal_safe(text), err=err)
+
+
 def echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 def log_to_stderr(msg: str) -> None:
-    click.echo(msg, err=True)
+    say(msg, err=True)
 
 
 max_memory_option = click.option(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from posterior_fusion.cli.common import echo_json, handle_errors, renamed
+from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option, renamed, say
 from posterior_fusion.data.importers import FORMATS
 from posterior_fusion.data.prepare import DATASETS, PROTOCOLS, SCHEMES, import_data, partition_to_files
 from posterior_fusion.errors import ConfigError
@@ -27,10 +27,13 @@ from posterior_fusion.errors import ConfigError
 @click.option("--grey", is_flag=True, help="Read images of an image folder as grey levels (one channel).")
 @click.option("--name", default=None, help="Data set name recorded in the file [default: the source's name].")
 @click.option("--num-classes", default=None, type=int, help="Number of classes [default: largest label + 1].")
+@click.option("--follow-links", is_flag=True,
+              help="Read symbolic links that leave an image or CIFAR folder [default: refuse them].")
+@max_memory_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
 def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_key, y_key, image_size, grey, name,
-                    num_classes, as_json):
+                    num_classes, follow_links, max_memory, as_json):
     """Convert a data set (npz/npy, CSV, image folder, HDF5 x/y, CIFAR-10 binary, SVHN .mat, IDX,
     sklearn:digits|breast_cancer|wine) into a posterior-fusion data file."""
     size = None
@@ -41,11 +44,12 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
         except ValueError:
             raise ConfigError(f"--image-size takes WxH, e.g. 32x32, got {image_size!r}") from None
     summary = import_data(source, out, fmt, transform, name, num_classes, labels=labels_path, label_column=label_column,
-                          x_key=x_key, y_key=y_key, size=size, grey=grey)
+                          x_key=x_key, y_key=y_key, size=size, grey=grey, max_memory=max_memory,
+                          follow_links=follow_links)
     if as_json:
         echo_json(summary)
         return
-    click.echo(f"wrote {out}: {summary['n']} samples of shape {tuple(summary['input_shape'])} ({summary['dtype']}), "
+    say(f"wrote {out}: {summary['n']} samples of shape {tuple(summary['input_shape'])} ({summary['dtype']}), "
                f"{summary['num_classes']} classes, labels {'yes' if summary['labels'] else 'no'}; "
                f"transform {summary['transform']['source']}")
 
@@ -87,7 +91,7 @@ def partition(source, test_path, test_size, dataset, clients, alpha, partition_s
     if as_json:
         echo_json(summary)
         return
-    click.echo(f"source: {summary['source']}  alpha={alpha} partition_seed={partition_seed} scheme={scheme}")
+    say(f"source: {summary['source']}  alpha={alpha} partition_seed={partition_seed} scheme={scheme}")
     for i, c in enumerate(summary["clients"]):
-        click.echo(f"client_{i}: n={c['n']:6d}  class counts {c['class_counts']}")
-    click.echo(f"server_val: {summary['server_val']}\ntest: {summary['test']}")
+        say(f"client_{i}: n={c['n']:6d}  class counts {c['class_counts']}")
+    say(f"server_val: {summary['server_val']}\ntest: {summary['test']}")

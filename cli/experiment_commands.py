@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from posterior_fusion.cli.common import handle_errors, log_to_stderr, renamed
+from posterior_fusion.cli.common import handle_errors, log_to_stderr, renamed, say
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.experiment import ExperimentConfig, run_experiment
 
@@ -23,5 +23,5 @@ def experiment_cmd(config, out_dir, jobs):
     cfg = ExperimentConfig.from_toml(config)
     work = out_dir or f"runs/{cfg.name}"
     run_experiment(cfg, work, jobs, log=log_to_stderr)
-    click.echo(open(f"{work}/results.md").read())
-    click.echo(f"tables: {work}/results.csv, {work}/results.md; plots: {work}/accuracy_vs_*.png")
+    say(open(f"{work}/results.md").read())
+    say(f"tables: {work}/results.csv, {work}/results.md; plots: {work}/accuracy_vs_*.png")

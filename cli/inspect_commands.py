@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from posterior_fusion.artifact.preview import preview
-from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option
+from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option, say
 
 
 def _bytes(n: int) -> str:
@@ -37,30 +37,30 @@ def inspect_cmd(file, as_json, max_memory):
         echo_json(summarize(load(file, max_memory)))
         return
     s = preview(file)
-    click.echo(f"{s['file']}  ({s['kind']} artifact, {_bytes(s['file_bytes'])}, sha256 {s['sha256'][:16]}…)")
-    click.echo(f"model: {s['model'].get('name', '?')} {s['model'].get('kwargs', {})}  parameters d={s['num_params']}")
-    click.echo("layout:")
+    say(f"{s['file']}  ({s['kind']} artifact, {_bytes(s['file_bytes'])}, sha256 {s['sha256'][:16]}…)")
+    say(f"model: {s['model'].get('name', '?')} {s['model'].get('kwargs', {})}  parameters d={s['num_params']}")
+    say("layout:")
     for e in s["layout"]:
-        click.echo(f"  {e['name']:<14} {str(tuple(e['shape'])):<18} offset {e['offset']}")
+        say(f"  {e['name']:<14} {str(tuple(e['shape'])):<18} offset {e['offset']}")
     meta = s["metadata"]
     if meta.get("partial"):
-        click.echo("PARTIAL: an interrupted fit-local run (finish it with --resume); fuse refuses it")
+        say("PARTIAL: an interrupted fit-local run (finish it with --resume); fuse refuses it")
     if s["kind"] == "client":
-        click.echo(f"structure: {s['structure']}  n_data={meta.get('n_data')}  T={meta.get('temperature')}  "
+        say(f"structure: {s['structure']}  n_data={meta.get('n_data')}  T={meta.get('temperature')}  "
                    f"λ0={meta.get('prior_precision')}  class counts {meta.get('class_counts')}")
-        click.echo("components:")
+        say("components:")
         for c in s["components"]:
             t = c["training"] if isinstance(c["training"], dict) else {}
-            click.echo(f"  [{c['index']}] blocks {c['blocks']}  curvature {_bytes(c['curvature_bytes'])} "
+            say(f"  [{c['index']}] blocks {c['blocks']}  curvature {_bytes(c['curvature_bytes'])} "
                        f"({c['curvature_bytes_per_param']}x params)  swag K={c['swag_rank']}"
                        f"{'  ppd student' if c['ppd_student'] else ''}  "
                        f"loss {_num(t.get('final_loss'), '.4f')} acc {_num(t.get('final_accuracy'), '.3f')}")
     else:
-        click.echo(f"method: {s['method']}  members: {s['num_members']}")
+        say(f"method: {s['method']}  members: {s['num_members']}")
         for key in sorted(meta):
             if key not in ("history",):
-                click.echo(f"  {key}: {meta[key]}")
+                say(f"  {key}: {meta[key]}")
     from posterior_fusion.artifact import load  # imports torch: after the summary is on screen
 
     load(file, max_memory)
-    click.echo("validated: the whole file, values included (as fuse reads it)")
+    say("validated: the whole file, values included (as fuse reads it)")

@@ -7,7 +7,7 @@ import json
 import click
 
 from posterior_fusion.artifact import load_global, write_global_artifact
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed, say
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
@@ -22,12 +22,15 @@ from posterior_fusion.models import ModelSpec
 FIT, TRAIN, PPD = FitConfig(), TrainConfig(), PPDConfig()
 
 
-def parse_model(name: str, kwargs_json: str | None) -> ModelSpec:
+def parse_model(name: str, kwargs_json: str | None, max_memory: int | str | None = None) -> ModelSpec:
+    """The model spec, its size checked against the cap and the memory budget before anything is built."""
     try:
         kwargs = json.loads(kwargs_json) if kwargs_json else {}
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--model-kwargs is not valid JSON: {exc.msg}") from None
-    return ModelSpec(name, kwargs)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ConfigError(f"--model-kwargs is not valid JSON: {getattr(exc, 'msg', exc)}") from None
+    spec = ModelSpec(name, kwargs)
+    spec.check_size(max_memory)
+    return spec
 
 
 model_option = click.option("--model", default="lenet", show_default=True,
@@ -47,12 +50,13 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
               help="A data file whose input transform every silo must share (recorded in the init file and "
                    "checked by fit-local) [default: not recorded].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output init file (HDF5).")
+@max_memory_option
 @renamed("--mixtures", "--components", "components", type=int)
 @renamed("--seed", "--init-seed", "init_seed", type=int)
 @handle_errors
-def init(model, model_kwargs, components, init_seed, transform_from, out):
+def init(model, model_kwargs, components, init_seed, transform_from, out, max_memory):
     """Write M shared starting points that every client trains from."""
-    spec = parse_model(model, model_kwargs)
+    spec = parse_model(model, model_kwargs, max_memory)
     if components < 1:
         raise ConfigError("--components must be >= 1")
     meta = {"method": "init", "init_seed": init_seed}
@@ -60,7 +64,7 @@ def init(model, model_kwargs, components, init_seed, transform_from, out):
         meta["input_transform"] = read_silo(transform_from, labels=False).input_transform.to_dict()
     ws = initial_weights(spec, components, init_seed)
     write_global_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, ws)
-    click.echo(f"wrote {out}: {components} starting points for {spec.name} ({ws[0].numel()} parameters)")
+    say(f"wrote {out}: {components} starting points for {spec.name} ({ws[0].numel()} parameters)")
 
 
 @click.command("fit-local")
@@ -145,7 +149,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
         if explicit["components"] and components != len(inits):
             raise ConfigError(f"{init_path}: holds {len(inits)} starting points, but --components asks for {components}")
     else:
-        spec = parse_model(model, model_kwargs)
+        spec = parse_model(model, model_kwargs, max_memory)
         if components < 1:
             raise ConfigError("--components must be >= 1")
         inits = initial_weights(spec, components, init_seed)
@@ -157,7 +161,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     if as_json:
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})
     else:
-        click.echo(f"wrote {out}: {len(comps)} components, structure {structure}, n={meta['n_data']}")
+        say(f"wrote {out}: {len(comps)} components, structure {structure}, n={meta['n_data']}")
 
 
 @click.command("recapture")
@@ -189,4 +193,4 @@ def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_bat
     if as_json:
         echo_json({"out": out, "structure": structure, "n_data": meta["n_data"], "recaptured_from": meta["recaptured_from"]})
     else:
-        click.echo(f"wrote {out}: structure {structure}, n={meta['n_data']} (recaptured from {source_path})")
+        say(f"wrote {out}: structure {structure}, n={meta['n_data']} (recaptured from {source_path})")

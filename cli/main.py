@@ -10,6 +10,7 @@ import sys
 import click
 
 from posterior_fusion import __version__
+from posterior_fusion.cli.common import say
 from posterior_fusion.runtime import keep_freed_memory
 
 # name -> (module, attribute, one-line help shown by `pfuse --help`)
@@ -64,14 +65,14 @@ def main() -> None:
     try:
         pfuse(standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:
-        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        say(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(2)
     except click.ClickException as exc:
         where = f" ({exc.ctx.command_path})" if getattr(exc, "ctx", None) else ""
-        click.echo(f"error: {exc.format_message()}{where}", err=True)
+        say(f"error: {exc.format_message()}{where}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
-        click.echo("error: interrupted", err=True)
+        say("error: interrupted", err=True)
         sys.exit(130)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

@@ -7,22 +7,21 @@ from collections.abc import Callable
 from typing import Any
 
 import click
-import h5py
-import numpy as np
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact import load_global
-from posterior_fusion.artifact.atomic import atomic_h5_write, check_writable, output_lock
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed, say
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.files import check_output, output_lock
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, get_method, write_fused
 from posterior_fusion.fusion.distill import DistillConfig
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
 from posterior_fusion.metrics import check_data, choose_scale, evaluate_posterior, reliability_plot
-from posterior_fusion.predictive import LINKS, PREDICTIVES
+from posterior_fusion.predictive import LINKS, PREDICTIVES, write_predictions
 
 # Options that were method settings before per-method settings existed: old flag -> (setting, type).
 LEGACY_SETTINGS = {"--steps": ("steps", int), "--lr": ("adam_lr", float), "--clip": ("clip", float),
@@ -43,7 +42,7 @@ def legacy_settings(fn: Callable) -> Callable:
             value = kwargs.pop(dest)
             if value is not None:
                 key = LEGACY_SETTINGS[flag][0]
-                click.echo(f"warning: {flag} is deprecated; use --set {key}={value}", err=True)
+                say(f"warning: {flag} is deprecated; use --set {key}={value}", err=True)
                 legacy[key] = value
         return fn(*args, legacy=legacy, **kwargs)
 
@@ -88,7 +87,7 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
         return
     if value not in METHODS:
         raise click.BadParameter(f"unknown method {value!r}; available: {', '.join(METHODS)}")
-    click.echo(method_help(value))
+    say(method_help(value))
     ctx.exit(0)
 
 
@@ -141,7 +140,7 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
     overrides.update(parse_pairs(set_values))
     if distill_epochs is not None and "distill_epochs" in applicable_settings(method, {"distill_epochs": 0}):
         overrides["distill_epochs"] = distill_epochs
-    with output_lock(out):
+    with output_lock(out, inputs=[*clients, val_path, unlabeled]):
         _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                       sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
                       as_json, DistillConfig(epochs=20 if distill_epochs is None else distill_epochs) if distill else None)
@@ -158,18 +157,18 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
                                 tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"), distill=distill)
     if "tuning" in meta:
         chosen = meta["tuning"]["chosen"]
-        click.echo(f"tuned: T={chosen['temperature']} prior_var={chosen['prior_var']} "
+        say(f"tuned: T={chosen['temperature']} prior_var={chosen['prior_var']} "
                    f"(val accuracy {chosen['val_accuracy']:.4f})")
     write_fused(out, inputs, result, meta)
     if as_json:
         echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"],
                    "settings": meta["settings"]})
         return
-    click.echo(f"wrote {out}: {method}, {len(result.members)} members, {meta['fuse_seconds']:.1f}s")
+    say(f"wrote {out}: {method}, {len(result.members)} members, {meta['fuse_seconds']:.1f}s")
     for k, hist in enumerate(meta.get("history", [])):
         best = max(hist, key=lambda h: h.get("val_accuracy", -h["objective"]))
         extra = f" val acc {best['val_accuracy']:.4f}" if "val_accuracy" in best else ""
-        click.echo(f"  mode {k}: best step {best['step']} objective {best['objective']:.6g}{extra}")
+        say(f"  mode {k}: best step {best['step']} objective {best['objective']:.6g}{extra}")
 
 
 predictive_options = [
@@ -196,7 +195,7 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
     if scale_from is None or predictive == "map":
         return scale, []
     val = read_silo(scale_from, num_classes=g.model_spec.num_classes, max_memory=max_memory)
-    check_data(g.model_spec, val, len(g.members), max_memory)
+    check_data(g.model_spec, val, len(g.members), max_memory, g.metadata.get("input_transform"), g.path)
     chosen, table = choose_scale(g, val, predictive, samples, link)
     log_to_stderr(f"{g.path}: predictive scale {chosen:g} chosen on {scale_from} (lowest validation NLL)")
     return chosen, table
@@ -217,10 +216,9 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
 def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, scale_from, ood, bins, plot, as_json,
                  max_memory):
     """Accuracy, NLL, ECE/MCE, Brier, entropy, AUROC(correct), selective accuracy (and OOD AUROC) of global artifacts."""
-    if bins < 1:
-        raise ConfigError("--bins must be >= 1")
+    ranges.check("--bins", bins, ranges.BINS)
     if plot:
-        check_writable(plot)
+        check_output(plot, inputs=[*global_artifacts, data_path, ood, scale_from])
     results = []
     for path in global_artifacts:
         g = load_global(path, max_memory)
@@ -241,7 +239,7 @@ def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, 
         extra = f"  OOD AUROC {m['ood_auroc']:.4f}" if "ood_auroc" in m else ""
         members = (f"members {m['num_members']} (single-member accuracy {m['member_accuracy_min']:.4f}.."
                    f"{m['member_accuracy_max']:.4f})" if "member_accuracy_min" in m else f"modes {m['num_members']}")
-        click.echo(f"{g.method} [{predictive}]: accuracy {m['accuracy']:.4f}  NLL {m['nll']:.4f}  ECE {m['ece']:.4f}  "
+        say(f"{g.method} [{predictive}]: accuracy {m['accuracy']:.4f}  NLL {m['nll']:.4f}  ECE {m['ece']:.4f}  "
                    f"MCE {m['mce']:.4f}  Brier {m['brier']:.4f}  entropy {m['entropy_mean']:.3f}  "
                    f"AUROC(correct) {m['auroc_correct']:.4f}{extra}  {members}  n={m['n']}  ({path})")
 
@@ -255,22 +253,14 @@ def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, 
 @handle_errors
 def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scale, scale_from, max_memory):
     """Write the predictive class probabilities (map ensemble, mc or glm)."""
-    check_writable(out)
+    check_output(out, inputs=[global_artifact, data_path, scale_from])
     g = load_global(global_artifact, max_memory)
     data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory, labels=False)
     check_data(g.model_spec, data, len(g.members), max_memory, g.metadata.get("input_transform"), g.path)
     scale, _ = _scale(g, predictive, samples, link, scale, scale_from, max_memory)
-    probs = g.predict(data.inputs(), predictive, samples, scale, link)
-
-    def fill(f: h5py.File) -> None:
-        f.attrs["format"] = "posterior-fusion-predictions"
-        f.attrs["global_sha256"] = g.sha256
-        f.attrs["predictive"] = predictive
-        f.attrs["scale"] = scale
-        f.create_dataset("probs", data=probs.numpy().astype(np.float32))
-
-    atomic_h5_write(out, fill)
-    click.echo(f"wrote {out}: probabilities {tuple(probs.shape)} ({predictive})")
+    probs = g.predict(data.inputs(), predictive, samples, scale, link, max_memory=max_memory)
+    write_predictions(out, probs, {"global_sha256": g.sha256, "predictive": predictive, "scale": scale})
+    say(f"wrote {out}: probabilities {tuple(probs.shape)} ({predictive})")
 
 
 @click.command("demo")
@@ -307,20 +297,20 @@ def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs,
     for m in chosen:
         get_method(m)
     if full:
-        click.echo("warning: --full is deprecated: the full Fashion-MNIST is the default when installed", err=True)
+        say("warning: --full is deprecated: the full Fashion-MNIST is the default when installed", err=True)
     rows = run_demo(out_dir, subset, clients, alpha, components, epochs, structure, seed, chosen, steps, max_train,
                     log=log_to_stderr, dataset=dataset)
     if as_json:
         echo_json(rows)
         return
-    click.echo(f"\n{'method':<14}{'members':>8}{'accuracy':>10}{'NLL':>8}{'ECE':>8}{'Brier':>8}{'fuse s':>8}")
+    say(f"\n{'method':<14}{'members':>8}{'accuracy':>10}{'NLL':>8}{'ECE':>8}{'Brier':>8}{'fuse s':>8}")
     for r in rows:
-        click.echo(f"{r['method']:<14}{r['members']:>8}{r['accuracy']:>10.4f}{r['nll']:>8.3f}{r['ece']:>8.3f}"
+        say(f"{r['method']:<14}{r['members']:>8}{r['accuracy']:>10.4f}{r['nll']:>8.3f}{r['ece']:>8.3f}"
                    f"{r['brier']:>8.3f}{r['fuse_seconds']:>8.1f}")
-    click.echo("\nOn the test set: accuracy (higher is better); NLL, the mean negative log-likelihood, and ECE,"
+    say("\nOn the test set: accuracy (higher is better); NLL, the mean negative log-likelihood, and ECE,"
                "\nthe expected calibration error (lower is better: honest probabilities); Brier score (lower"
                "\nis better). members = models served per prediction (the serving cost).")
     for r in rows:
-        click.echo(f"  {r['method']:<13} {LEGEND.get(r['method'], '')}")
-    click.echo("A demo-sized run (few epochs, M small); the full-data tables with spread over seeds are in"
+        say(f"  {r['method']:<13} {LEGEND.get(r['method'], '')}")
+    say("A demo-sized run (few epochs, M small); the full-data tables with spread over seeds are in"
                "\ndocs/results/ (table1_*, vs_paper.md).")

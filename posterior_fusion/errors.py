@@ -82,3 +82,26 @@ class OutputError(PfuseError):
 
 class ResourceLimitError(PfuseError):
     """The requested work would not fit in the allowed memory (estimated before allocating)."""
+
+
+def shown(value: object, limit: int = 200) -> str:
+    """A string that came from a file, made safe to print: ``repr``-escaped (no newline, no
+    terminal escape code can act) and cut to ``limit`` characters."""
+    text = repr(str(value))
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0, 9), *range(11, 32), 127, *range(128, 160)]}
+
+
+def terminal_safe(text: str, limit: int | None = None) -> str:
+    """``text`` with every control character except newline and tab escaped (so nothing read
+    from a file can move the cursor, clear the screen or recolour it), cut to ``limit``."""
+    out = str(text).translate(_CONTROL)
+    if limit is not None and len(out) > limit:
+        out = out[:limit] + f"... ({len(out) - limit} more characters)"
+    return out
+
+
+class NonFiniteOutputError(PfuseError):
+    """A run produced NaN or Inf where a file would store it; nothing is written."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from posterior_fusion import budget
+from posterior_fusion import budget, ranges
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.data.transform import check_transform
+from posterior_fusion.files import write_atomically
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.predictive import logit_moments, probit
@@ -142,6 +145,7 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
     """Metrics of a global artifact's predictive (``map`` ensemble, ``mc`` or ``glm``) on ``data``;
     with ``ood`` data also the OOD AUROC from predictive entropy."""
     g = global_artifact
+    ranges.check("bins", bins, ranges.BINS)
     check_data(g.model_spec, data, 1, max_memory, g.metadata.get("input_transform"), g.path)
     if predictive == "map":
         out = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory)
@@ -151,16 +155,16 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
         check_data(g.model_spec, data, len(g.members) * (samples if predictive == "mc" else g.model_spec.num_classes),
                    max_memory)
         x, y = data.tensors()
-        probs_in = g.predict(x, predictive, samples, scale, link)
+        probs_in = g.predict(x, predictive, samples, scale, link, max_memory=max_memory)
         out = classification_metrics(probs_in, y, bins)
         out.update({"num_members": len(g.members), "n": len(y)})
     out.update({"predictive": predictive, "samples": samples if predictive == "mc" or link == "mc" else None,
                 "scale": scale})
     if ood is not None:
-        check_data(g.model_spec, ood, len(g.members), max_memory)
+        check_data(g.model_spec, ood, len(g.members), max_memory, g.metadata.get("input_transform"), g.path)
         if probs_in is None:
-            probs_in = g.predict(x, predictive, samples, scale, link)
-        probs_out = g.predict(ood.inputs(), predictive, samples, scale, link)
+            probs_in = g.predict(x, predictive, samples, scale, link, max_memory=max_memory)
+        probs_out = g.predict(ood.inputs(), predictive, samples, scale, link, max_memory=max_memory)
         out["ood_auroc"] = ood_auroc(probs_in, probs_out)
         out["ood_n"] = len(ood)
     return out
@@ -243,5 +247,6 @@ def reliability_plot(results: list[tuple[str, dict]], path: str, dataset: str = 
     cov_ax.set_title("accuracy–coverage", fontsize=9)
     cov_ax.tick_params(labelbottom=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=150, format=fmt))  # never through a link
     plt.close(fig)

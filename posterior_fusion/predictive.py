@@ -14,15 +14,21 @@ validation data tempers the predictive). Shapes: ``x`` ``(n, ...)``, probabiliti
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
+import h5py
+import numpy as np
 import torch
 from torch.func import functional_call, jacrev, vmap
 
+from posterior_fusion import budget, ranges
 from posterior_fusion.curvature import Precision
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, NonFiniteOutputError
+from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.runtime import release_freed_memory
 
 PREDICTIVES = ("map", "mc", "glm")
 LINKS = ("probit", "mc")
@@ -34,14 +40,31 @@ def _check(predictive: str, precisions, scale: float) -> None:
     if predictive != "map" and precisions is None:
         raise ConfigError(f"predictive {predictive!r} needs a global posterior (fuse --method fedbens stores one); "
                           "this artifact has only point estimates: use --predictive map")
-    if not scale > 0:
-        raise ConfigError("the predictive covariance scale must be > 0")
+    ranges.check("scale", scale, ranges.PREDICTIVE_SCALE)
+
+
+GLM_BYTES_PER_JACOBIAN_ENTRY = 48  # J (float32), its whitened float64 copy, the product's and vmap's work space
+
+
+def glm_batch_size(num_classes: int, dim: int, max_memory: int | str | None = None, largest: int = 32) -> int:
+    """Samples per batch of the GLM predictive so one batch's Jacobians fit in a quarter of the
+    budget; refuses (one line) when even one sample does not fit."""
+    per_sample = num_classes * dim * GLM_BYTES_PER_JACOBIAN_ENTRY
+    limit = budget.resolve_limit(max_memory)
+    if limit is None:
+        return largest
+    budget.require(per_sample, "the GLM predictive (the Jacobians of one sample)", limit // 4)
+    return max(1, min(largest, limit // 4 // per_sample))
 
 
 def logit_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,
-                  batch_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Linearised logits at ``w`` ``(d,)``: mean ``(n, C)`` and covariance ``scale · J Λ⁻¹ Jᵀ`` ``(n, C, C)``."""
+                  batch_size: int | None = None,
+                  max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linearised logits at ``w`` ``(d,)``: mean ``(n, C)`` and covariance ``scale · J Λ⁻¹ Jᵀ`` ``(n, C, C)``.
+    Batches are sized from the memory budget (:func:`glm_batch_size`) unless ``batch_size`` is given."""
     model = spec.build()
+    if batch_size is None:
+        batch_size = glm_batch_size(spec.num_classes, w.numel(), max_memory)
     names = [n for n, _ in model.named_parameters()]
     shapes = [p.shape for _, p in model.named_parameters()]
     sizes = [math.prod(s) for s in shapes]
@@ -61,6 +84,8 @@ def logit_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: tor
             U = precision.whiten(J.reshape(b * C, d).to(precision.dtype)).to(torch.float64).reshape(b, C, d)
             covs.append(scale * torch.einsum("bcd,bed->bce", U, U))  # J Λ⁻¹ Jᵀ
             means.append(logits.double())
+            del J, U
+        release_freed_memory()  # the Jacobians' buffers go back to the system: one batch at a time
     return torch.cat(means), torch.cat(covs)
 
 
@@ -81,7 +106,8 @@ def sampled_link(mean: torch.Tensor, cov: torch.Tensor, samples: int, generator:
 
 def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, predictive: str = "map",
             precisions: Sequence[Precision] | None = None, weights: torch.Tensor | None = None, samples: int = 30,
-            scale: float = 1.0, link: str = "probit", seed: int = 0) -> torch.Tensor:
+            scale: float = 1.0, link: str = "probit", seed: int = 0,
+            max_memory: int | str | None = None) -> torch.Tensor:
     """Predictive class probabilities ``(n, classes)`` of the mixture over modes (see module doc).
 
     ``precisions[k]`` is ``Λ*_k`` (a :class:`Precision`, not raw curvature); ``weights`` the
@@ -89,8 +115,7 @@ def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, p
     _check(predictive, precisions, scale)
     if link not in LINKS:
         raise ConfigError(f"unknown link {link!r}; use one of {', '.join(LINKS)}")
-    if samples < 1:
-        raise ConfigError("--samples must be >= 1")
+    ranges.check("samples", samples, ranges.SAMPLES)
     K = len(members)
     pi = torch.full((K,), 1.0 / K, dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
@@ -102,7 +127,25 @@ def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, p
             W = w.double() + math.sqrt(scale) * precisions[k].sample(samples, gen).double()
             p = torch.softmax(batched_logits(spec, W, x).double(), -1).mean(0)
         else:
-            mean, cov = logit_moments(spec, w, precisions[k], x, scale)
+            mean, cov = logit_moments(spec, w, precisions[k], x, scale, max_memory=max_memory)
             p = probit(mean, cov) if link == "probit" else sampled_link(mean, cov, samples, gen)
         out += pi[k] * p
     return out.float()
+
+
+def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[str, str | float]) -> None:
+    """Write ``probs`` ``(n, classes)`` to the HDF5 file ``path`` (``/probs`` and ``attrs``) atomically,
+    after checking they are probabilities: finite, in [0, 1], each row summing to 1."""
+    p = probs.detach().double()
+    rows = p.sum(-1)
+    if not torch.isfinite(p).all() or p.min() < 0 or p.max() > 1 + 1e-6 or not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
+        raise NonFiniteOutputError(f"{path}: not written: the predictive ({attrs.get('predictive', '?')}) produced "
+                                   "values that are not probabilities (NaN/Inf, outside [0, 1] or rows not summing to 1)")
+
+    def fill(f: h5py.File) -> None:
+        f.attrs["format"] = "posterior-fusion-predictions"
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.create_dataset("probs", data=probs.detach().cpu().numpy().astype(np.float32))
+
+    atomic_h5_write(path, fill)

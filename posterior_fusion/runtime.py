@@ -41,3 +41,18 @@ def keep_freed_memory(limit: int = DEFAULT_LIMIT) -> bool:
     # older glibc refuses mmap thresholds above 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit): larger buffers then still use mmap
     mmap_ok = mallopt(M_MMAP_THRESHOLD, limit) or mallopt(M_MMAP_THRESHOLD, min(limit, 1 << 25))
     return bool(mmap_ok and mallopt(M_TRIM_THRESHOLD, limit))
+
+
+def release_freed_memory() -> bool:
+    """Give the memory freed so far back to the operating system (glibc ``malloc_trim``); the
+    phases whose buffers change size from batch to batch (the GLM predictive's Jacobians) call it
+    so what :func:`keep_freed_memory` keeps never piles up beyond one batch. False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

@@ -232,7 +232,9 @@ def test_missing_not_hdf5_and_truncated(tmp_path, kron_artifact):
 def test_labels_out_of_range(tmp_path, small_silo):
     y = small_silo.y.copy()
     y[5] = 12
-    write_silo(tmp_path / "bad.h5", SiloData(small_silo.x, y, "fmnist", 10))
+    write_silo(tmp_path / "bad.h5", SiloData(small_silo.x, y, "fmnist", 13))  # the writer refuses labels >= 10
+    with h5py.File(tmp_path / "bad.h5", "r+") as f:  # a hostile file: the header says 10 classes
+        f.attrs["num_classes"] = 10
     from posterior_fusion.data.silo import read_silo
 
     with pytest.raises(DataError, match="labels must be in"):

@@ -21,7 +21,6 @@ from conftest import fit_artifact, fit_split
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact, write_global_artifact
-from posterior_fusion.artifact.atomic import output_lock
 from posterior_fusion.artifact.objects import Component
 from posterior_fusion.artifact.writer import text_attr
 from posterior_fusion.cli.main import pfuse
@@ -37,6 +36,7 @@ from posterior_fusion.errors import (
     ResourceLimitError,
     SchemaError,
 )
+from posterior_fusion.files import output_lock
 from posterior_fusion.flower.federation import Reply, collect_replies, reply_from_message
 from posterior_fusion.fusion.robust import screen_clients
 
@@ -402,7 +402,7 @@ def test_disk_full_keeps_the_partial_fit_and_stale_temporaries_are_removed(tmp_p
     from posterior_fusion.artifact import writer
 
     write_silo(tmp_path / "s.h5", SiloData(small_silo.x[:40], small_silo.y[:40], "fmnist", 10))
-    stale = tmp_path / ".o.h5.tmp-999999999"
+    stale = tmp_path / ".o.h5.tmp-999999999-x1y2"
     stale.write_bytes(b"junk")
     real = writer.atomic_h5_write
 
@@ -424,7 +424,7 @@ def test_disk_full_keeps_the_partial_fit_and_stale_temporaries_are_removed(tmp_p
 
 
 def test_os_errors_of_a_write_become_one_output_error(tmp_path, monkeypatch):
-    from posterior_fusion.artifact import atomic
+    from posterior_fusion import files as atomic
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -39,6 +39,7 @@ class Checker:
 
     def __init__(self, path: Path) -> None:
         self.file = str(path)
+        self.text_bytes = 0  # text attributes read so far (a file of many links to one big attribute is refused)
 
     def bad_schema(self, where: str, msg: str) -> SchemaError:
         return SchemaError(self.file, msg, where)
@@ -60,6 +61,9 @@ class Checker:
             raise self.bad_schema(where, f"attribute {name!r} must be a fixed-length UTF-8 string")
         if dtype.itemsize > schema.MAX_JSON_CHARS:
             raise self.bad_schema(where, f"attribute {name!r} is larger than {schema.MAX_JSON_CHARS} bytes")
+        self.text_bytes += dtype.itemsize
+        if self.text_bytes > schema.MAX_TEXT_BYTES:
+            raise self.bad_schema(where, f"the file's text attributes exceed {schema.MAX_TEXT_BYTES} bytes in all")
         try:
             return bytes(obj.attrs[name]).decode("utf-8")
         except UnicodeDecodeError:

@@ -26,6 +26,13 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to infinity
+        raise ValueError(f"number {text[:30]} overflows to infinity")
+    return value
+
+
 def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > schema.MAX_JSON_INT_DIGITS:
         raise ValueError(f"integer with more than {schema.MAX_JSON_INT_DIGITS} digits")
@@ -48,7 +55,7 @@ def _depth(obj: Any, limit: int) -> int:
 def parse_json(text: str, where: str, name: str) -> Any:
     """Strict JSON: no NaN/Infinity, integers of bounded size, bounded nesting depth."""
     try:
-        obj = json.loads(text, parse_constant=_reject_constant, parse_int=_bounded_int)
+        obj = json.loads(text, parse_constant=_reject_constant, parse_int=_bounded_int, parse_float=_finite_float)
     except RecursionError:
         raise HeaderProblem(where, f"attribute {name!r} is nested deeper than {schema.MAX_JSON_DEPTH} levels") from None
     except json.JSONDecodeError as exc:

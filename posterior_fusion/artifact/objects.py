@@ -189,11 +189,12 @@ class GlobalEnsemble:
         return torch.logsumexp(torch.stack(terms, -1).double() + self.mode_weights.log(), dim=-1)
 
     def predict(self, x: torch.Tensor, predictive: str = "map", samples: int = 30, scale: float = 1.0,
-                link: str = "probit", seed: int = 0) -> torch.Tensor:
-        """Class probabilities ``(n, classes)`` for inputs ``x`` (see :mod:`posterior_fusion.predictive`)."""
+                link: str = "probit", seed: int = 0, max_memory: int | str | None = None) -> torch.Tensor:
+        """Class probabilities ``(n, classes)`` for inputs ``x`` (see :mod:`posterior_fusion.predictive`);
+        the GLM predictive's working set stays within ``max_memory``."""
         precisions = None if self.curvatures is None else [self.precision(k) for k in range(len(self.members))]
         return predict(self.model_spec, list(self.members), x, predictive, precisions, self.mode_weights,
-                       samples, scale, link, seed)
+                       samples, scale, link, seed, max_memory)
 
     def models(self) -> list[nn.Module]:
         """One fresh model per member; no storage is shared between them."""

@@ -57,9 +57,13 @@ def preview(path: str | os.PathLike) -> dict[str, Any]:
         if kind == schema.KIND_CLIENT:
             comps = []
             group = f.get("components")
+            if isinstance(group, h5py.Group) and len(group) > schema.MAX_COMPONENTS:
+                raise chk.bad_schema("/components", f"more than {schema.MAX_COMPONENTS} components")
             for key in sorted(group.keys(), key=lambda k: int(k) if k.isdigit() else -1) if isinstance(group, h5py.Group) else []:
                 base = f"/components/{key}"
                 curv = f.get(f"{base}/curvature")
+                if isinstance(curv, h5py.Group) and len(curv) > schema.MAX_BLOCKS:
+                    raise chk.bad_schema(f"{base}/curvature", f"more than {schema.MAX_BLOCKS} blocks")
                 blocks = chk.json_attr(curv, "blocks", f"{base}/curvature") if isinstance(curv, h5py.Group) else []
                 curv_bytes = sum(_nbytes(d) for g in curv.values() if isinstance(g, h5py.Group) for d in g.values()) \
                     if isinstance(curv, h5py.Group) else 0

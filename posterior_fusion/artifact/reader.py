@@ -40,6 +40,7 @@ from posterior_fusion.artifact.records import (
     BlockRecord,
     ClientMetadata,
     ComponentRecord,
+    check_global_metadata,
     parse_layout,
     parse_training,
 )
@@ -217,6 +218,7 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout,
         raise chk.bad_schema(bad, "members do not match metadata num_members and their curvature headers")
     for i in range(n):
         chk.dataset(f, f"/members/{i}/weights", (layout.dim,))
+    check_global_metadata(meta, n, with_curvature)
     return n, records
 
 

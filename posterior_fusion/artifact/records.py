@@ -139,6 +139,21 @@ class ComponentRecord:
         return {f"{base}/{j}/{name}": shape for j, b in enumerate(self.blocks) for name, shape in b.datasets.items()}
 
 
+def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature: bool) -> None:
+    """The typed fields of a global artifact's metadata: ``mode_weights`` (``num_members``
+    probabilities summing to 1) and, with curvature, ``laplace.prior_precision`` in range."""
+    weights = meta.get("mode_weights")
+    if weights is not None:
+        if (not isinstance(weights, list) or len(weights) != num_members or not all(_is_number(w) for w in weights)
+                or min(weights) < 0 or abs(sum(weights) - 1) > 1e-6):
+            raise HeaderProblem("/", f"metadata field 'mode_weights' must be {num_members} numbers >= 0 summing to 1")
+    if has_curvature:
+        laplace = meta.get("laplace")
+        if not isinstance(laplace, dict) or "prior_precision" not in laplace:
+            raise HeaderProblem("/", "metadata field 'laplace' with its 'prior_precision' is needed beside curvature")
+        number_in("/", "laplace.prior_precision", laplace["prior_precision"], *schema.PRIOR_PRECISION_RANGE)
+
+
 @dataclass(frozen=True)
 class ClientMetadata:
     """The typed part of a client artifact's ``metadata`` (the rest is kept as provenance)."""

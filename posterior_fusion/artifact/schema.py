@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from posterior_fusion import ranges
+
 FORMAT_NAME = "posterior-fusion"
 FORMAT_VERSION = 2           # 2: global artifacts may carry each member's Laplace curvature
 READABLE_VERSIONS = (1, 2)
@@ -22,13 +24,14 @@ MAX_MEMBERS = 1024
 MAX_DENSE_SIDE = 8192
 MAX_SWAG_RANK = 256
 MAX_JSON_CHARS = 4_000_000
+MAX_TEXT_BYTES = 128_000_000   # all text attributes of one file together
 MAX_LAYOUT_ENTRIES = 10_000
 MAX_BLOCKS = 10_000
 MAX_JSON_DEPTH = 32
 MAX_JSON_INT_DIGITS = 20
 MAX_N_DATA = 10**9
-TEMPERATURE_RANGE = (1e-6, 1e6)
-PRIOR_PRECISION_RANGE = (1e-8, 1e8)
+TEMPERATURE_RANGE = ranges.TEMPERATURE
+PRIOR_PRECISION_RANGE = ranges.PRIOR_PRECISION
 
 ROOT_ATTRS = {"format", "format_version", "artifact_kind", "model_spec", "layout", "metadata"}
 

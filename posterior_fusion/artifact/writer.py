@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -11,10 +12,11 @@ import h5py
 import numpy as np
 import torch
 
-from posterior_fusion.artifact.atomic import atomic_h5_write
 from posterior_fusion.artifact.objects import Component
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
 from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.errors import NonFiniteOutputError
+from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 
@@ -23,21 +25,51 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy()
 
 
+def require_finite(path: str | os.PathLike, what: str, value: torch.Tensor | np.ndarray, step: str) -> None:
+    """Refuse to write ``path`` when ``value`` holds NaN or Inf; the message names the step that made it."""
+    arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if not np.isfinite(arr).all():
+        bad = int((~np.isfinite(arr)).sum())
+        raise NonFiniteOutputError(f"{path}: not written: {what} holds {bad} NaN/Inf values (produced by {step})")
+
+
+def metadata_json(path: str | os.PathLike, metadata: dict) -> str:
+    """Strict JSON of ``metadata``: NaN or Inf anywhere is refused, naming the field."""
+    try:
+        return json.dumps(metadata, sort_keys=True, allow_nan=False)
+    except ValueError:
+        bad = _non_finite_field(metadata, "metadata")
+        raise NonFiniteOutputError(f"{path}: not written: {bad} is NaN or Inf") from None
+
+
+def _non_finite_field(obj: Any, where: str) -> str:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = _non_finite_field(v, f"{where}.{k}" if isinstance(obj, dict) else f"{where}[{k}]")
+        if found:
+            return found
+    return ""
+
+
 def text_attr(text: str) -> np.bytes_:
     """Strings are stored as fixed-length UTF-8 so a reader can check their size before reading."""
     return np.bytes_(text.encode("utf-8"))
 
 
 def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, metadata: dict) -> None:
+    meta_text = metadata_json(f.filename, metadata)
     f.attrs["format"] = text_attr(FORMAT_NAME)
     f.attrs["format_version"] = np.int64(FORMAT_VERSION)
     f.attrs["artifact_kind"] = text_attr(kind)
     f.attrs["model_spec"] = text_attr(spec.to_json())
     f.attrs["layout"] = text_attr(json.dumps(layout.to_json()))
-    f.attrs["metadata"] = text_attr(json.dumps(metadata, sort_keys=True))
+    f.attrs["metadata"] = text_attr(meta_text)
 
 
-def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype | None = None) -> None:
+def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype | None = None,
+                    step: str = "the curvature capture") -> None:
     """``group/curvature``: one subgroup per block (its class's datasets) and the ``blocks`` header."""
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
@@ -45,21 +77,26 @@ def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype 
         descr.append({"kind": block.kind, "offset": off, "size": block.dim, **block.header()})
         g = curv.create_group(str(i))
         for name, tensor in block.to_tensors().items():
-            g.create_dataset(name, data=_np(tensor if dtype is None else tensor.to(dtype)))
+            data = _np(tensor if dtype is None else tensor.to(dtype))
+            require_finite(group.file.filename, f"{group.name}/curvature/{i}/{name}", data, step)
+            g.create_dataset(name, data=data)
     curv.attrs["blocks"] = text_attr(json.dumps(descr))
 
 
 def write_component(group: h5py.Group, comp: Component) -> None:
     """Write one component (MAP, raw curvature blocks, training info, SWAG) into ``group``."""
-    group.attrs["training"] = text_attr(json.dumps(dict(comp.training), sort_keys=True))
+    path = group.file.filename
+    group.attrs["training"] = text_attr(metadata_json(path, dict(comp.training)))
+    require_finite(path, f"{group.name}/map", comp.map, "training")
     group.create_dataset("map", data=_np(comp.map))
     write_curvature(group, comp.curvature)
     if comp.swag is not None:
         s = group.create_group("swag")
-        s.create_dataset("mean", data=_np(comp.swag.mean))
-        s.create_dataset("sq_mean", data=_np(comp.swag.sq_mean))
-        s.create_dataset("deviations", data=_np(comp.swag.deviations))
+        for name in ("mean", "sq_mean", "deviations"):
+            require_finite(path, f"{group.name}/swag/{name}", getattr(comp.swag, name), "SWAG")
+            s.create_dataset(name, data=_np(getattr(comp.swag, name)))
     if comp.student is not None:
+        require_finite(path, f"{group.name}/ppd_student", comp.student, "the FedPPD student")
         group.create_dataset("ppd_student", data=_np(comp.student))
 
 
@@ -93,10 +130,12 @@ def write_global_artifact(
     def fill(f: h5py.File) -> None:
         _root(f, KIND_GLOBAL, spec, layout, meta)
         g = f.create_group("members")
+        step = f"the fusion ({metadata.get('method', '?')})"
         for i, w in enumerate(members):
             member = g.create_group(str(i))
+            require_finite(path, f"/members/{i}/weights", w.to(torch.float32), step)
             member.create_dataset("weights", data=_np(w.to(torch.float32)))
             if precisions is not None:
-                write_curvature(member, precisions[i], torch.float32)
+                write_curvature(member, precisions[i], torch.float32, "the Laplace approximation at the modes")
 
     atomic_h5_write(path, fill)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
 
+from posterior_fusion import budget
 from posterior_fusion.errors import DataError
+from posterior_fusion.files import require_regular_file
 
 SYSTEM_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 _IN_REPO = Path(__file__).resolve().parents[2] / "data" / "fashion-mnist-subset"
@@ -24,23 +28,36 @@ FILES = {
 MAX_IDX_ITEMS = 10_000_000
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """Read one gzip IDX file of unsigned bytes; returns ``(n, ...)`` uint8."""
+def read_idx(path: Path, max_memory: int | str | None = None) -> np.ndarray:
+    """Read one IDX file of unsigned bytes (gzip-compressed or plain); returns ``(n, ...)`` uint8.
+
+    The header is read first and the declared size checked against the caps and the memory
+    budget; the data is then streamed, so a gzip bomb never decompresses beyond its header's size."""
+    path = require_regular_file(path, "IDX file")
+    with path.open("rb") as probe:
+        compressed = probe.read(2) == b"\x1f\x8b"
     try:
-        with gzip.open(path, "rb") as fh:
-            raw = fh.read()
-    except (OSError, EOFError) as exc:
+        with (gzip.open(path, "rb") if compressed else path.open("rb")) as fh:
+            head = fh.read(4)
+            if len(head) < 4:
+                raise DataError(f"{path}: truncated IDX header")
+            zero, dtype_code, ndim = struct.unpack(">HBB", head)
+            if zero != 0 or dtype_code != 0x08 or not 1 <= ndim <= 4:
+                raise DataError(f"{path}: not an unsigned-byte IDX file")
+            raw_dims = fh.read(4 * ndim)
+            if len(raw_dims) < 4 * ndim:
+                raise DataError(f"{path}: truncated IDX header")
+            dims = struct.unpack(f">{ndim}I", raw_dims)
+            count = math.prod(dims)  # Python integers: no overflow
+            if count == 0 or count > MAX_IDX_ITEMS * 784:
+                raise DataError(f"{path}: IDX header declares {dims}: empty or over the size cap")
+            budget.require(2 * count, f"reading {path}", max_memory)
+            data = fh.read(count)
+            if len(data) != count or fh.read(1):
+                raise DataError(f"{path}: IDX size does not match its header {dims}")
+    except (OSError, EOFError, zlib.error) as exc:
         raise DataError(f"{path}: cannot read IDX file ({exc})") from None
-    if len(raw) < 4:
-        raise DataError(f"{path}: truncated IDX header")
-    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or dtype_code != 0x08 or not 1 <= ndim <= 4:
-        raise DataError(f"{path}: not an unsigned-byte IDX file")
-    dims = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
-    count = int(np.prod(dims))
-    if count > MAX_IDX_ITEMS * 784 or len(raw) != 4 + 4 * ndim + count:
-        raise DataError(f"{path}: IDX size does not match its header {dims}")
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
+    return np.frombuffer(data, dtype=np.uint8).reshape(dims).copy()
 
 
 def find_fmnist_dir(data_dir: str | os.PathLike | None = None) -> Path:

@@ -9,18 +9,28 @@ MATLAB files through scipy, NumPy files with ``allow_pickle=False``.
 from __future__ import annotations
 
 import csv
+import math
 import os
+import struct
+import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from posterior_fusion import budget
 from posterior_fusion.data.idx import read_idx
-from posterior_fusion.errors import DataError
+from posterior_fusion.errors import DataError, ResourceLimitError, shown
+from posterior_fusion.files import regular_files_in, require_regular_file, subfolders
 from posterior_fusion.storage import read_native, storage_problem
 
 MAX_ROWS = 10_000_000
+MAX_LABEL = 100_000 - 1           # data files hold at most 100,000 classes
+MAX_IMAGE_SIDE = 8192
+IMPORT_OVERHEAD = 3               # the arrays read, their converted copy and the file written
+CSV_BYTES_PER_FILE_BYTE = 40      # Python rows of strings and floats per byte of CSV text
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 
 
@@ -45,9 +55,30 @@ def _inputs(x, where: str) -> np.ndarray:
     return x
 
 
-def from_npz(path: Path, x_key: str = "x", y_key: str = "y") -> tuple[np.ndarray, np.ndarray | None]:
-    """A ``.npz`` archive with arrays ``x_key`` and (optionally) ``y_key``."""
+def _npy_bytes(fh, where: str) -> int:
+    """Bytes an ``.npy`` stream declares in its header (read without reading the data)."""
+    version = np.lib.format.read_magic(fh)
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        raise DataError(f"{where}: unsupported .npy version {version}")
+    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = reader(fh, max_header_size=10_000)
+    if dtype.hasobject:
+        raise DataError(f"{where}: cannot read an object array (pickled objects are never loaded)")
+    return math.prod(shape) * dtype.itemsize
+
+
+def from_npz(path: Path, x_key: str = "x", y_key: str = "y",
+             max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """A ``.npz`` archive with arrays ``x_key`` and (optionally) ``y_key``; every member's size is
+    read from its ``.npy`` header and checked against the budget before it is decompressed."""
     try:
+        with zipfile.ZipFile(path) as zf:
+            need = 0
+            for key in (x_key, y_key):
+                if f"{key}.npy" in zf.namelist():
+                    with zf.open(f"{key}.npy") as fh:
+                        need += _npy_bytes(fh, f"{path} [{key}]")
+        budget.require(IMPORT_OVERHEAD * need, f"importing {path}", max_memory)
         with np.load(path, allow_pickle=False) as z:
             if x_key not in z.files:
                 raise DataError(f"{path}: no array {x_key!r} (has {', '.join(z.files)})")
@@ -58,9 +89,16 @@ def from_npz(path: Path, x_key: str = "x", y_key: str = "y") -> tuple[np.ndarray
     return x, y
 
 
-def from_npy(path: Path, labels: Path | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """An ``.npy`` inputs file plus an optional ``.npy`` labels file."""
+def from_npy(path: Path, labels: Path | None = None,
+             max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """An ``.npy`` inputs file plus an optional ``.npy`` labels file (sizes from headers first)."""
     try:
+        need = 0
+        for p in (path, labels):
+            if p is not None:
+                with open(require_regular_file(p), "rb") as fh:
+                    need += _npy_bytes(fh, str(p))
+        budget.require(IMPORT_OVERHEAD * need, f"importing {path}", max_memory)
         x = _inputs(np.load(path, allow_pickle=False), str(path))
         y = _labels(np.load(labels, allow_pickle=False), str(labels)) if labels else None
     except (OSError, ValueError) as exc:
@@ -68,9 +106,11 @@ def from_npy(path: Path, labels: Path | None = None) -> tuple[np.ndarray, np.nda
     return x, y
 
 
-def from_csv(path: Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray | None]:
+def from_csv(path: Path, label_column: str = "label",
+             max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """A CSV file with a header row; ``label_column`` holds integer labels (or class names,
     mapped to 0..K-1 in sorted order); every other column must be numeric."""
+    budget.require(CSV_BYTES_PER_FILE_BYTE * path.stat().st_size, f"importing {path}", max_memory)
     try:
         with open(path, newline="") as fh:
             rows = list(csv.reader(fh))
@@ -81,79 +121,126 @@ def from_csv(path: Path, label_column: str = "label") -> tuple[np.ndarray, np.nd
     header, body = rows[0], rows[1:]
     if len(body) > MAX_ROWS:
         raise DataError(f"{path}: more than {MAX_ROWS} rows")
+    short = next((i for i, r in enumerate(body) if len(r) != len(header)), None)
+    if short is not None:
+        raise DataError(f"{path}: row {short + 2} has {len(body[short])} fields, the header {len(header)}")
     has_label = label_column in header
     li = header.index(label_column) if has_label else None
     feats = [i for i in range(len(header)) if i != li]
     try:
         x = np.array([[float(r[i]) for i in feats] for r in body], dtype=np.float32)
-    except (ValueError, IndexError) as exc:
-        raise DataError(f"{path}: every feature must be numeric and every row complete ({exc})") from None
+    except ValueError as exc:
+        raise DataError(f"{path}: every feature must be numeric ({exc})") from None
     if not has_label:
         return _inputs(x, str(path)), None
     raw = [r[li] for r in body]
     try:
-        y = np.array([int(v) for v in raw], dtype=np.int64)
-    except ValueError:
-        names = sorted(set(raw))
-        y = np.array([names.index(v) for v in raw], dtype=np.int64)
-    return _inputs(x, str(path)), _labels(y, str(path))
+        ints = [int(v) for v in raw]
+    except ValueError:  # class names: 0..K-1 in sorted order (a dict: linear in the number of rows)
+        index = {name: i for i, name in enumerate(sorted(set(raw)))}
+        ints = [index[v] for v in raw]
+    if ints and not 0 <= min(ints) <= max(ints) <= MAX_LABEL:
+        raise DataError(f"{path}: labels must be integers in [0, {MAX_LABEL}], found [{min(ints)}, {max(ints)}]")
+    return _inputs(x, str(path)), _labels(np.array(ints, dtype=np.int64), str(path))
 
 
-def from_image_folder(path: Path, size: tuple[int, int] | None = None, grey: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """``path/<class>/<image>``: one sub-folder per class (sorted names = labels 0..K-1), read with
-    Pillow; RGB (or grey) uint8, resized to ``size`` (default: the first image's size)."""
+def _image_size(f: Path) -> tuple[int, int]:
+    """An image's declared (width, height), read from its header only."""
     from PIL import Image, UnidentifiedImageError
 
-    classes = sorted(p for p in path.iterdir() if p.is_dir())
+    try:
+        with Image.open(f) as im:
+            return im.size
+    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        raise DataError(f"{f}: cannot read image ({exc})") from None
+
+
+def from_image_folder(path: Path, size: tuple[int, int] | None = None, grey: bool = False,
+                      max_memory: int | str | None = None,
+                      follow_links: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``path/<class>/<image>``: one sub-folder per class (sorted names = labels 0..K-1), read with
+    Pillow; RGB (or grey) uint8, resized to ``size`` (default: the first image's size).
+
+    Every image's pixel count is read from its header and the whole stack is checked against
+    the budget before anything is decoded; links out of the tree are refused (``follow_links``)."""
+    from PIL import Image, UnidentifiedImageError
+
+    classes = subfolders(path, follow_links)
     if not classes:
         raise DataError(f"{path}: no class sub-folders")
+    files = [(label, f) for label, folder in enumerate(classes) for f in regular_files_in(folder, follow_links)
+             if f.suffix.lower() in IMAGE_SUFFIXES]
+    if size is not None and not (1 <= size[0] <= MAX_IMAGE_SIDE and 1 <= size[1] <= MAX_IMAGE_SIDE):
+        raise DataError(f"--image-size {size[0]}x{size[1]}: each side must be in [1, {MAX_IMAGE_SIDE}]")
+    limit = budget.resolve_limit(max_memory)
+    channels = 1 if grey else 3
+    pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # the budget below replaces PIL's fixed bomb limit
+    try:
+        sizes = [_image_size(f) for _, f in files]  # headers only: nothing is decoded before the whole stack fits
+    finally:
+        Image.MAX_IMAGE_PIXELS = pil_limit
+    for (_, f), (w, h) in zip(files, sizes):
+        if limit is not None and w * h * 4 * 2 > limit:
+            raise ResourceLimitError(f"{f}: declares {w}x{h} pixels, over the memory limit of "
+                                     f"{limit / 2**30:.2f} GiB (--max-memory)")
+        if size is None:
+            size = (w, h)
+    if size is not None:
+        budget.require(IMPORT_OVERHEAD * len(files) * size[0] * size[1] * channels, f"importing {path}", max_memory)
     xs, ys = [], []
-    for label, folder in enumerate(classes):
-        for f in sorted(folder.iterdir()):
-            if f.suffix.lower() not in IMAGE_SUFFIXES:
-                continue
-            try:
-                with Image.open(f) as im:
-                    im = im.convert("L" if grey else "RGB")
-                    if size is None:
-                        size = im.size
-                    if im.size != size:
-                        im = im.resize(size)
-                    arr = np.asarray(im, dtype=np.uint8)
-            except (OSError, UnidentifiedImageError) as exc:
-                raise DataError(f"{f}: cannot read image ({exc})") from None
-            xs.append(arr if grey else arr.transpose(2, 0, 1))
-            ys.append(label)
+    for label, f in files:
+        try:
+            with Image.open(f) as im:
+                im = im.convert("L" if grey else "RGB")
+                if im.size != size:
+                    im = im.resize(size)
+                arr = np.asarray(im, dtype=np.uint8)
+        except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
+            raise DataError(f"{f}: cannot read image ({exc})") from None
+        xs.append(arr if grey else arr.transpose(2, 0, 1))
+        ys.append(label)
     if not xs:
         raise DataError(f"{path}: no images found")
     return np.stack(xs), np.array(ys, dtype=np.int64)
 
 
-def from_hdf5(path: Path, x_key: str = "x", y_key: str = "y") -> tuple[np.ndarray, np.ndarray | None]:
+def from_hdf5(path: Path, x_key: str = "x", y_key: str = "y",
+              max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """A plain HDF5 file with datasets ``x_key`` and (optionally) ``y_key`` (same storage checks as silos)."""
+    if not h5py.is_hdf5(path):
+        raise DataError(f"{path}: not an HDF5 file")
     try:
         with h5py.File(path, "r") as f:
-            if x_key not in f or not isinstance(f[x_key], h5py.Dataset):
-                raise DataError(f"{path}: no dataset /{x_key}")
-            out = []
+            datasets = {}
             for key in (x_key, y_key):
                 if key == y_key and key not in f:
-                    out.append(None)
                     continue
+                if key not in f or not isinstance(f.get(key, getlink=True), h5py.HardLink):
+                    raise DataError(f"{path}: no dataset /{key} (links are not followed)")
                 ds = f[key]
-                if not isinstance(f.get(key, getlink=True), h5py.HardLink) or storage_problem(ds):
-                    raise DataError(f"{path} [/{key}]: {storage_problem(ds) or 'links are not allowed'}")
+                if not isinstance(ds, h5py.Dataset):
+                    raise DataError(f"{path} [/{key}]: is a {type(ds).__name__}, expected a dataset")
+                problem = storage_problem(ds)
+                if problem:
+                    raise DataError(f"{path} [/{key}]: {problem}")
                 if ds.size > MAX_ROWS * 3 * 256 * 256:
                     raise DataError(f"{path} [/{key}]: {ds.shape} exceeds the size cap")
-                out.append(read_native(ds))
+                datasets[key] = ds
+            budget.require(IMPORT_OVERHEAD * sum(ds.size * ds.dtype.itemsize for ds in datasets.values()),
+                           f"importing {path}", max_memory)
+            out = [read_native(datasets[x_key]), read_native(datasets[y_key]) if y_key in datasets else None]
     except OSError as exc:
         raise DataError(f"{path}: cannot read HDF5 ({exc})") from None
     return _inputs(out[0], f"{path} [/{x_key}]"), None if out[1] is None else _labels(out[1], f"{path} [/{y_key}]")
 
 
-def from_cifar10_binary(paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+def from_cifar10_binary(paths: list[Path], max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """CIFAR-10 *binary* batches (``data_batch_*.bin``, ``test_batch.bin``): records of 1 label
     byte + 3072 pixel bytes (R, G, B planes of 32x32)."""
+    paths = [require_regular_file(p) for p in paths]
+    if not paths:
+        raise DataError("no CIFAR-10 binary batches (*_batch*.bin) found")
+    budget.require(IMPORT_OVERHEAD * sum(p.stat().st_size for p in paths), f"importing {paths[0].parent}", max_memory)
     xs, ys = [], []
     for p in paths:
         raw = np.fromfile(p, dtype=np.uint8)
@@ -167,12 +254,74 @@ def from_cifar10_binary(paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def from_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """SVHN cropped digits (``train_32x32.mat``): ``X`` (32, 32, 3, n), ``y`` (n, 1) in 1..10 (10 = digit 0)."""
+_MAT_ITEMSIZE = {6: 8, 7: 4, 8: 1, 9: 1, 10: 2, 11: 2, 12: 4, 13: 4, 14: 8, 15: 8}  # MATLAB class -> bytes
+
+
+def _mat_headers(path: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """``{name: (shape, bytes)}`` of a MATLAB v5 file's variables, from their headers alone: a
+    compressed variable is inflated only as far as its header (a zlib bomb is never expanded)."""
+    with path.open("rb") as fh:
+        head = fh.read(128)
+        if len(head) < 128 or head[126:128] not in (b"IM", b"MI"):
+            raise DataError(f"{path}: not a MATLAB v5 file (v7.3 files are HDF5: export with -v7)")
+        end = "<" if head[126:128] == b"IM" else ">"
+        out: dict[str, tuple[tuple[int, ...], int]] = {}
+        for _ in range(1000):
+            tag = fh.read(8)
+            if len(tag) < 8:
+                return out
+            kind, nbytes = struct.unpack(end + "II", tag)
+            if kind == 15:  # miCOMPRESSED: inflate at most the variable's header
+                inner = zlib.decompressobj().decompress(fh.read(min(nbytes, 4096)), 512)
+                fh.seek(nbytes - min(nbytes, 4096), 1)
+            elif kind == 14:  # miMATRIX
+                inner = tag + fh.read(min(nbytes, 504))
+                fh.seek(nbytes - min(nbytes, 504), 1)
+            else:
+                fh.seek(nbytes + (-nbytes % 8), 1)
+                continue
+            name, shape, cls = _mat_matrix_header(inner, end, path)
+            out[name] = (shape, math.prod(shape) * _MAT_ITEMSIZE.get(cls, 8))
+    raise DataError(f"{path}: more than 1000 variables")
+
+
+def _mat_matrix_header(buf: bytes, end: str, path: Path) -> tuple[str, tuple[int, ...], int]:
+    """Name, dimensions and class of one miMATRIX element from its first bytes."""
+    try:
+        kind, _ = struct.unpack_from(end + "II", buf, 0)
+        if kind != 14:
+            raise DataError(f"{path}: a compressed element that is not a matrix")
+        flags = struct.unpack_from(end + "I", buf, 16)[0]
+        dims_type, dims_bytes = struct.unpack_from(end + "II", buf, 24)
+        if dims_type != 5 or not 8 <= dims_bytes <= 64:
+            raise DataError(f"{path}: unexpected dimensions in a variable's header")
+        shape = struct.unpack_from(end + f"{dims_bytes // 4}i", buf, 32)
+        pos = 32 + dims_bytes + (-dims_bytes % 8)
+        first = struct.unpack_from(end + "I", buf, pos)[0]
+        if first >> 16:  # small data element: 2-byte size and type, 4 bytes of data
+            name = buf[pos + 4 : pos + 4 + (first >> 16)]
+        else:
+            length = struct.unpack_from(end + "I", buf, pos + 4)[0]
+            name = buf[pos + 8 : pos + 8 + min(length, 64)]
+    except struct.error:
+        raise DataError(f"{path}: truncated variable header") from None
+    if min(shape, default=0) < 0:
+        raise DataError(f"{path}: negative dimensions in a variable's header")
+    return name.decode("latin-1"), tuple(shape), flags & 0xFF
+
+
+def from_svhn_mat(path: Path, max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """SVHN cropped digits (``train_32x32.mat``): ``X`` (32, 32, 3, n), ``y`` (n, 1) in 1..10 (10 = digit 0).
+    The variables' shapes are read from their headers (:func:`_mat_headers`) and checked before loading."""
     from scipy.io import loadmat
 
     try:
-        mat = loadmat(path)
+        declared = _mat_headers(path)
+        if "X" not in declared or "y" not in declared:
+            raise DataError(f"{path}: expected variables X (32, 32, 3, n) and y (n, 1), found "
+                            f"{', '.join(map(shown, declared)) or 'none'}")
+        budget.require(IMPORT_OVERHEAD * (declared["X"][1] + declared["y"][1]), f"importing {path}", max_memory)
+        mat = loadmat(path, variable_names=["X", "y"])
     except (OSError, ValueError, NotImplementedError) as exc:
         raise DataError(f"{path}: cannot read the MATLAB file ({exc})") from None
     if "X" not in mat or "y" not in mat or mat["X"].ndim != 4 or mat["X"].shape[:3] != (32, 32, 3):
@@ -183,10 +332,14 @@ def from_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return x, _labels(y, str(path))
 
 
-def from_idx(images: Path, labels: Path | None) -> tuple[np.ndarray, np.ndarray | None]:
+def from_idx(images: Path, labels: Path | None, max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Any IDX pair (MNIST, Fashion-MNIST, KMNIST, EMNIST): ``*-images-idx3-ubyte[.gz]`` + labels."""
-    x = read_idx(images)
-    y = read_idx(labels).astype(np.int64) if labels else None
+    x = read_idx(images, max_memory)
+    y = read_idx(labels, max_memory).astype(np.int64) if labels else None
+    if x.ndim < 2:
+        raise DataError(f"{images}: IDX images must have rank 2 or more (n, ...), got shape {x.shape}")
+    if y is not None and y.ndim != 1:
+        raise DataError(f"{labels}: IDX labels must have rank 1, got shape {y.shape}")
     if y is not None and y.shape[0] != x.shape[0]:
         raise DataError(f"{images}: {x.shape[0]} images but {y.shape[0]} labels")
     return x, y
@@ -231,8 +384,13 @@ def detect_format(source: str) -> str:
 
 def load_source(source: str, fmt: str = "auto", labels: str | os.PathLike | None = None, label_column: str = "label",
                 x_key: str = "x", y_key: str = "y", size: tuple[int, int] | None = None,
-                grey: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """Read ``source`` in format ``fmt`` (``auto``: from its name) into ``(x, y)``."""
+                grey: bool = False, max_memory: int | str | None = None,
+                follow_links: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """Read ``source`` in format ``fmt`` (``auto``: from its name) into ``(x, y)``.
+
+    Only regular files are opened; each importer checks the size its headers declare against
+    the memory budget before decompressing or allocating; any parse failure of a hostile file
+    is one :class:`DataError` line naming it."""
     fmt = detect_format(source) if fmt == "auto" else fmt
     if fmt not in FORMATS:
         raise DataError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -241,20 +399,30 @@ def load_source(source: str, fmt: str = "auto", labels: str | os.PathLike | None
     p = Path(source)
     if not p.exists():
         raise DataError(f"{p}: not found")
-    lab = Path(labels) if labels else None
-    if fmt == "npz":
-        return from_npz(p, x_key, y_key)
-    if fmt == "npy":
-        return from_npy(p, lab)
-    if fmt == "csv":
-        return from_csv(p, label_column)
-    if fmt == "image-folder":
-        return from_image_folder(p, size, grey)
-    if fmt == "hdf5":
-        return from_hdf5(p, x_key, y_key)
-    if fmt == "cifar10":
-        files = sorted(p.glob("*_batch*.bin")) if p.is_dir() else [p]
-        return from_cifar10_binary(files)
-    if fmt == "svhn":
-        return from_svhn_mat(p)
-    return from_idx(p, lab)
+    if not (fmt in ("image-folder", "cifar10") and p.is_dir()):
+        require_regular_file(p, f"{fmt} source")
+    lab = require_regular_file(labels, "labels") if labels else None
+    try:
+        if fmt == "npz":
+            return from_npz(p, x_key, y_key, max_memory)
+        if fmt == "npy":
+            return from_npy(p, lab, max_memory)
+        if fmt == "csv":
+            return from_csv(p, label_column, max_memory)
+        if fmt == "image-folder":
+            return from_image_folder(p, size, grey, max_memory, follow_links)
+        if fmt == "hdf5":
+            return from_hdf5(p, x_key, y_key, max_memory)
+        if fmt == "cifar10":
+            files = [f for f in regular_files_in(p, follow_links) if "_batch" in f.name and f.suffix == ".bin"] \
+                if p.is_dir() else [p]
+            return from_cifar10_binary(files, max_memory)
+        if fmt == "svhn":
+            return from_svhn_mat(p, max_memory)
+        return from_idx(p, lab, max_memory)
+    except (ValueError, OverflowError, IndexError, KeyError, TypeError, EOFError, NotImplementedError,
+            UnicodeDecodeError, RecursionError, struct.error, zipfile.BadZipFile, zlib.error) as exc:
+        raise DataError(f"{p}: cannot read it as {fmt} ({type(exc).__name__}: {str(exc)[:200]})") from None
+    except MemoryError:
+        raise ResourceLimitError(f"{p}: ran out of memory while importing it (lower the data size or "
+                                 "raise --max-memory)") from None

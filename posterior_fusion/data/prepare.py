@@ -4,6 +4,7 @@ silos, a disjoint server validation set and a test set (``pfuse partition``)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from posterior_fusion.data.partition import dirichlet_partition, fedbens_referen
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import ConfigError, DataError
+from posterior_fusion.files import atomic_folder, check_output
 
 DATASETS = ("fmnist",)
 SCHEMES = ("fedbens", "per-class", "label-skew")
@@ -36,14 +38,17 @@ def resolve_transform(spec: str, x: np.ndarray, source: str) -> InputTransform:
 
 def import_data(source: str, out: str | os.PathLike, fmt: str = "auto", transform: str = "auto",
                 name: str | None = None, num_classes: int | None = None, **kwargs) -> dict:
-    """Read ``source`` (see :mod:`.importers`) and write the silo file ``out`` with its transform."""
+    """Read ``source`` (see :mod:`.importers`) and write the silo file ``out`` with its transform.
+    ``out`` may not be one of the inputs; what is written is what :func:`read_silo` accepts."""
+    from_file = transform.split(":", 1)[1] if transform.startswith("from:") else None
+    check_output(out, inputs=[source, kwargs.get("labels"), from_file])
     x, y = load_source(source, fmt, **kwargs)
     k = num_classes if num_classes is not None else (int(y.max()) + 1 if y is not None and y.size else 0)
     if y is not None and (k < 1 or y.max() >= k):
         raise DataError(f"{source}: labels reach {int(y.max())}, more than --num-classes {k} allows")
     t = resolve_transform(transform, x, str(source))
     dataset = name or Path(str(source).split(":")[-1]).stem
-    write_silo(out, SiloData(x, y, dataset, max(k, 1), str(out), t))
+    write_silo(out, SiloData(x, y, dataset, max(k, 1), str(source), t))
     return {"out": str(out), "n": int(x.shape[0]), "input_shape": list(x.shape[1:]), "dtype": str(x.dtype),
             "num_classes": k, "labels": y is not None, "transform": t.to_dict(), "dataset": dataset}
 
@@ -123,17 +128,22 @@ def partition_to_files(
                          "scheme": scheme, "protocol": protocol})
 
 
+_SPLIT_FILE = re.compile(r"^(client_[0-9]+\.h5|server_val\.h5|test\.h5|summary\.json)$")
+
+
 def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, test_data, summary: dict) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+    """Write the split into a private folder and rename it to ``out`` as a whole: a killed run
+    never leaves a folder mixing two splits (``out`` may hold only an earlier split's files)."""
     summary = dict(summary, clients=[], server_val=str(out / "server_val.h5"),
                    test=str(out / "test.h5") if test_data is not None else None, transform=t.to_dict())
-    for c, local in enumerate(parts):
-        idx = pool[local]
-        silo = SiloData(x[idx], y[idx], name, k, transform=t)
-        path = out / f"client_{c}.h5"
-        write_silo(path, silo)
-        summary["clients"].append({"path": str(path), "n": len(silo), "class_counts": silo.class_counts()})
-    write_silo(out / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t))
-    if test_data is not None:
-        write_silo(out / "test.h5", SiloData(test_data.x, test_data.labels(), name, k, transform=t))
+    with atomic_folder(out, owned=lambda n: bool(_SPLIT_FILE.match(n))) as tmp:
+        for c, local in enumerate(parts):
+            idx = pool[local]
+            silo = SiloData(x[idx], y[idx], name, k, transform=t)
+            write_silo(tmp / f"client_{c}.h5", silo)
+            summary["clients"].append({"path": str(out / f"client_{c}.h5"), "n": len(silo),
+                                       "class_counts": silo.class_counts()})
+        write_silo(tmp / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t))
+        if test_data is not None:
+            write_silo(tmp / "test.h5", SiloData(test_data.x, test_data.labels(), name, k, transform=t))
     return summary

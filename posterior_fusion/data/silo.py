@@ -12,6 +12,7 @@ it reads any data, and every failure is one :class:`DataError` line naming the f
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,16 +24,17 @@ import numpy as np
 import torch
 
 from posterior_fusion import budget
-from posterior_fusion.artifact.atomic import atomic_h5_write
 from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import DataError
-from posterior_fusion.storage import read_native, storage_problem
+from posterior_fusion.files import atomic_h5_write, require_regular_file
+from posterior_fusion.storage import MAX_COMPRESSION_RATIO, read_native, storage_problem
 
 DATA_FORMAT = "posterior-fusion-data"
 DATA_FORMAT_VERSION = 1
 MAX_SAMPLES = 10_000_000
 MAX_FEATURES = 3 * 512 * 512
 MAX_CLASSES = 100_000
+MAX_TRANSFORMED = 1e30   # largest |transformed input| accepted (float32 and its squares stay finite)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class SiloData:
 
     def inputs(self) -> torch.Tensor:
         """Transformed float32 inputs ``(n, C, H, W)`` or ``(n, F)``."""
-        return self.input_transform.apply(self.x)
+        return self.input_transform.apply(self.x, self.source or "data")
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Transformed float32 inputs and int64 labels ``(n,)``."""
@@ -87,13 +89,43 @@ class SiloData:
             h.update(np.ascontiguousarray(self.y).tobytes())
         return h.hexdigest()
 
+    def validate(self, where: str) -> None:
+        """The checks :func:`read_silo` makes, for data about to be written: a writer never writes a
+        file its own reader refuses (``where`` names the source in the error)."""
+        x, y = self.x, self.y
+        if x.dtype.name not in ("uint8", "float32") or x.ndim not in (2, 3, 4) or x.shape[0] < 1:
+            raise DataError(f"{where}: inputs must be uint8/float32 (n, F), (n, H, W) or (n, C, H, W), got "
+                            f"{x.dtype} {x.shape}")
+        if x.shape[0] > MAX_SAMPLES or math.prod(x.shape[1:]) > MAX_FEATURES:
+            raise DataError(f"{where}: {x.shape} exceeds the size cap ({MAX_SAMPLES} samples of {MAX_FEATURES} values)")
+        if not 1 <= self.num_classes <= MAX_CLASSES:
+            raise DataError(f"{where}: {self.num_classes} classes, out of range [1, {MAX_CLASSES}]")
+        if y is not None:
+            if y.ndim != 1 or y.shape[0] != x.shape[0]:
+                raise DataError(f"{where}: {x.shape[0]} inputs but labels of shape {y.shape}")
+            if y.size and (y.min() < 0 or y.max() >= self.num_classes):
+                raise DataError(f"{where}: labels must be in [0, {self.num_classes}), found [{y.min()}, {y.max()}]")
+        if x.dtype == np.float32 and not np.isfinite(x).all():
+            raise DataError(f"{where}: inputs contain NaN or Inf")
+        t = self.input_transform
+        channels = 1 if x.ndim == 3 else x.shape[1]
+        if len(t.mean) not in (1, channels):
+            raise DataError(f"{where}: its input transform has {len(t.mean)} channels, the data {channels}")
+        top = (float(np.abs(x).max()) * t.scale + max(abs(m) for m in t.mean)) / min(t.std)
+        if not top < MAX_TRANSFORMED:
+            raise DataError(f"{where}: the input transform (scale {t.scale:g}, std down to {min(t.std):g}) maps the "
+                            f"data to values up to {top:.3g}, beyond {MAX_TRANSFORMED:g}; choose another --transform")
+
     def subset(self, idx: np.ndarray) -> SiloData:
         return SiloData(self.x[idx], None if self.y is None else self.y[idx], self.dataset, self.num_classes,
                         self.source, self.transform)
 
 
 def write_silo(path: str | os.PathLike, data: SiloData) -> None:
-    """Write ``data`` atomically to ``path``."""
+    """Write ``data`` atomically to ``path`` after :meth:`SiloData.validate`. Data that gzip
+    compresses beyond the readers' bomb threshold (all-black images) is stored uncompressed."""
+    data.validate(data.source or str(path))
+
     def fill(f: h5py.File) -> None:
         f.attrs["format"] = DATA_FORMAT
         f.attrs["format_version"] = DATA_FORMAT_VERSION
@@ -101,7 +133,10 @@ def write_silo(path: str | os.PathLike, data: SiloData) -> None:
         f.attrs["num_classes"] = data.num_classes
         if data.transform is not None:
             f.attrs["transform"] = np.bytes_(data.transform.to_json().encode())
-        f.create_dataset("x", data=data.x, compression="gzip", compression_opts=4)
+        ds = f.create_dataset("x", data=data.x, compression="gzip", compression_opts=4)
+        if ds.id.get_storage_size() * (MAX_COMPRESSION_RATIO // 2) < data.x.nbytes:
+            del f["x"]
+            f.create_dataset("x", data=data.x)
         if data.y is not None:
             f.create_dataset("y", data=data.y.astype(np.int64))
 
@@ -198,8 +233,7 @@ def _header(f: h5py.File, path: Path) -> SiloHeader:
 @contextmanager
 def _open_data(path: Path) -> Iterator[tuple[h5py.File, SiloHeader]]:
     """Open a data file and validate its header; every h5py/OS failure becomes one DataError."""
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found")
+    require_regular_file(path, "data file")
     if not h5py.is_hdf5(path):
         raise DataError(f"{path}: not an HDF5 file")
     try:
@@ -225,9 +259,9 @@ def read_silo(path: str | os.PathLike, num_classes: int | None = None,
         raise DataError(f"{path}: num_classes missing or invalid")
     if y is not None and (y.min() < 0 or y.max() >= k):
         raise DataError(f"{path} [/y]: labels must be in [0, {k}), found range [{y.min()}, {y.max()}]")
-    if x.dtype == np.float32 and not np.isfinite(x).all():
-        raise DataError(f"{path} [/x]: contains NaN or Inf")
-    return SiloData(x, None if y is None else y.astype(np.int64), head.dataset, k, str(path), head.transform)
+    out = SiloData(x, None if y is None else y.astype(np.int64), head.dataset, k, str(path), head.transform)
+    out.validate(f"{path} [/x]")
+    return out
 
 
 def silo_header(path: str | os.PathLike) -> SiloHeader:

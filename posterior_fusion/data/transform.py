@@ -8,7 +8,6 @@ data file's transform disagrees with the artifact's.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from posterior_fusion.errors import ConfigError, DataError
 
 MAX_CHANNELS = 100_000
+SCALE_RANGE = (1e-8, 1e8)   # scale and std of an input transform
 
 # Standard constants of public data sets (mean, std per channel, on inputs scaled to [0, 1]).
 CONSTANTS = {
@@ -38,10 +38,12 @@ class InputTransform:
     source: str = ""
 
     def __post_init__(self) -> None:
-        ok = (math.isfinite(self.scale) and self.scale > 0 and 1 <= len(self.mean) == len(self.std) <= MAX_CHANNELS
-              and all(math.isfinite(m) for m in self.mean) and all(math.isfinite(s) and s > 0 for s in self.std))
-        if not ok:
-            raise ConfigError("an input transform needs a finite scale > 0 and matching finite means and stds > 0")
+        lo, hi = SCALE_RANGE
+        ok = (lo <= self.scale <= hi and 1 <= len(self.mean) == len(self.std) <= MAX_CHANNELS
+              and all(abs(m) <= hi for m in self.mean) and all(lo <= s <= hi for s in self.std))
+        if not ok:  # (comparisons are False for NaN, so NaN is refused too)
+            raise ConfigError(f"an input transform needs scale and stds in [{lo:g}, {hi:g}], |means| <= {hi:g} and "
+                              "as many means as stds: tiny or huge values turn the data into Inf or NaN")
 
     @classmethod
     def constants(cls, name: str, uint8: bool = True) -> InputTransform:
@@ -86,14 +88,14 @@ class InputTransform:
     def from_dict(cls, obj, where: str = "") -> InputTransform:
         return cls.from_json(json.dumps(obj), where)
 
-    def apply(self, x: np.ndarray) -> torch.Tensor:
+    def apply(self, x: np.ndarray, where: str = "data") -> torch.Tensor:
         """float32 tensor: ``(n, C, H, W)`` for images (a channel axis is added to ``(n, H, W)``), ``(n, F)`` for vectors."""
         t = torch.from_numpy(np.asarray(x, dtype=np.float32)) * self.scale
         if t.ndim == 3:
             t = t.unsqueeze(1)
         channels = t.shape[1]
         if len(self.mean) not in (1, channels):
-            raise DataError(f"input transform has {len(self.mean)} channels, the data {channels}")
+            raise DataError(f"{where}: its input transform has {len(self.mean)} channels, the data {channels}")
         shape = (1, -1) + (1,) * (t.ndim - 2)
         mean = torch.tensor(self.mean, dtype=torch.float32).reshape(shape)
         std = torch.tensor(self.std, dtype=torch.float32).reshape(shape)

@@ -2,16 +2,52 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
+import typing
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import tomllib
 
-from posterior_fusion.errors import ConfigError
+from posterior_fusion import ranges
+from posterior_fusion.errors import ConfigError, DataError, shown
+from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion import METHODS
 from posterior_fusion.local.config import STRUCTURES
+
+MAX_CONFIG_BYTES = 1_000_000
+MAX_AXIS = 64
+MAX_CELLS = 100_000
+NAME_RE = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,100}")
+
+
+def _check_types(raw: dict, where: str | os.PathLike) -> None:
+    """Every key of the TOML file has its field's type (lists of the element type), no NUL in text."""
+    hints = typing.get_type_hints(ExperimentConfig)
+    for key, value in raw.items():
+        tp = hints[key]
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if origin is list:
+            ok = isinstance(value, list) and all(_is(v, args[0]) for v in value)
+        elif type(None) in args:
+            ok = value is None or _is(value, next(a for a in args if a is not type(None)))
+        else:
+            ok = _is(value, tp)
+        if not ok:
+            raise ConfigError(f"{where}: key {key!r} must be {getattr(tp, '__name__', str(tp))}, got {shown(value, 60)}")
+
+
+def _is(value, tp) -> bool:
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str) and "\x00" not in value and len(value) <= 1000
+    return isinstance(value, tp)
+
 
 # Deprecated TOML keys kept for one release: old -> new.
 RENAMED_KEYS = {"mixtures": "components"}
@@ -50,8 +86,11 @@ class ExperimentConfig:
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> ExperimentConfig:
         try:
-            raw = tomllib.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            source = require_regular_file(path, "experiment config")
+            if source.stat().st_size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not an experiment config")
+            raw = tomllib.loads(source.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, DataError) as exc:
             raise ConfigError(f"{path}: cannot read config ({exc})") from None
         for old, new in RENAMED_KEYS.items():
             if old in raw:
@@ -61,14 +100,34 @@ class ExperimentConfig:
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        try:
-            cfg = cls(**raw)
-        except TypeError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        _check_types(raw, path)
+        cfg = cls(**raw)
         cfg.validate(path)
         return cfg
 
     def validate(self, where: str | os.PathLike = "config") -> None:
+        if not NAME_RE.fullmatch(self.name):
+            raise ConfigError(f"{where}: name {shown(self.name)} must be one folder name (letters, digits, '.', '_', "
+                              "'-'; not '.' or '..'), at most 100 characters")
+        axes = [self.alphas, self.clients, self.seeds, self.components, self.structures, self.methods,
+                self.temperatures, self.tune_temperatures, self.tune_prior_vars]
+        if max(len(a) for a in axes) > MAX_AXIS or math.prod(max(1, len(a)) for a in axes[:6]) > MAX_CELLS:
+            raise ConfigError(f"{where}: the grid is too large (at most {MAX_AXIS} values per axis and "
+                              f"{MAX_CELLS} fusion cells)")
+        for name, values, bounds in (("clients", self.clients, (1, 1000)), ("components", self.components, ranges.COMPONENTS),
+                                     ("alphas", self.alphas, (1e-6, 1e6)), ("temperatures", self.temperatures, ranges.TEMPERATURE),
+                                     ("tune_temperatures", self.tune_temperatures, ranges.TEMPERATURE),
+                                     ("tune_prior_vars", self.tune_prior_vars, ranges.PRIOR_VAR),
+                                     ("seeds", self.seeds, (0, 2**32 - 1))):
+            for v in values:
+                ranges.check(f"{where}: {name}", v, bounds)
+        ranges.check(f"{where}: epochs", self.epochs, ranges.EPOCHS)
+        ranges.check(f"{where}: steps", self.steps, ranges.STEPS)
+        ranges.check(f"{where}: temperature", self.temperature, ranges.TEMPERATURE)
+        ranges.check(f"{where}: prior_var", self.prior_var, ranges.PRIOR_VAR)
+        ranges.check(f"{where}: val_size", self.val_size, (0, 1_000_000))
+        if self.max_train is not None:
+            ranges.check(f"{where}: max_train", self.max_train, (1, 10_000_000))
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ConfigError(f"{where}: unknown methods {bad}; available: {list(METHODS)}")

@@ -34,6 +34,7 @@ from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import MethodNotApplicableError, ResumeError
 from posterior_fusion.experiment.config import ExperimentConfig
 from posterior_fusion.experiment.report import write_tables
+from posterior_fusion.files import write_text_atomically
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, method_settings
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.local.config import FitConfig, TrainConfig
@@ -53,9 +54,7 @@ def cache_key(obj) -> str:
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(obj, indent=2, default=str))
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 
 from posterior_fusion.experiment.config import ExperimentConfig
+from posterior_fusion.files import write_atomically, write_text_atomically
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -29,12 +31,17 @@ def aggregate(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _savefig(fig, path: Path, **kwargs) -> None:
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", **kwargs))
+
+
 def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
     agg = aggregate(rows)
-    with open(work / "results.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(agg[0]) if agg else ["empty"])
-        w.writeheader()
-        w.writerows(agg)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=list(agg[0]) if agg else ["empty"])
+    w.writeheader()
+    w.writerows(agg)
+    write_text_atomically(work / "results.csv", buf.getvalue())
     settings = sorted({(a["clients"], a["alpha"]) for a in agg})  # one column per (C, α): a grid may vary both
     several_c = len({c for c, _ in settings}) > 1
 
@@ -61,7 +68,7 @@ def write_tables(rows: list[dict], work: Path, cfg: ExperimentConfig) -> None:
                          f"{a['accuracy_mean']:.2f} ± {a['accuracy_std']:.2f} | {a['nll_mean']:.3f} | "
                          f"{a['ece_mean']:.3f} | {a['members']} |")
         lines.append("")
-    (work / "results.md").write_text("\n".join(lines) + "\n")
+    write_text_atomically(work / "results.md", "\n".join(lines) + "\n")
     plot_results(agg, work, max(cfg.components))
 
 
@@ -112,7 +119,7 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
     if ax.lines:
         ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes, not over the lines
     fig.tight_layout()
-    fig.savefig(work / ("accuracy_vs_alpha.png" if x_key == "alpha" else "accuracy_vs_clients.png"), dpi=100,
+    _savefig(fig, work / ("accuracy_vs_alpha.png" if x_key == "alpha" else "accuracy_vs_clients.png"), dpi=100,
                 bbox_inches="tight")
     plt.close(fig)
     for name, key, sel in (("accuracy_vs_M.png", "M", lambda a: a["method"] == "fedbens"),
@@ -131,5 +138,5 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
         if ax.lines:  # a grid with one M (or one temperature) has nothing to draw here
             ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(work / name, dpi=100)
+        _savefig(fig, work / name, dpi=100)
         plt.close(fig)

@@ -30,8 +30,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion import budget
 from posterior_fusion.artifact import load_client
-from posterior_fusion.artifact.atomic import check_writable
 from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
+from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, PrivateModelConfig, TrainConfig
@@ -220,20 +220,19 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
         path = out_dir / f"client_{r.key}.h5"
         problem = r.error or (None if r.blob else "empty reply")
         if problem is None:
-            tmp = path.with_name(f".{path.name}.incoming")
+            def checked(tmp: Path, blob: bytes = r.blob) -> None:  # validated before it takes the name
+                tmp.write_bytes(blob)
+                load_client(tmp, max_memory)
+
             try:
                 budget.require(3 * len(r.blob), f"checking the reply of client {r.key}", max_memory)
-                tmp.write_bytes(r.blob)
-                load_client(tmp, max_memory)
-                os.replace(tmp, path)
+                write_atomically(path, checked)
                 accepted.append(path)
                 continue
             except ArtifactError as exc:
                 problem = f"invalid artifact: {exc.reason} [{exc.hdf5_path}]"
             except ResourceLimitError as exc:
                 problem = str(exc)
-            finally:
-                tmp.unlink(missing_ok=True)
         r.error = problem
         message = f"client {r.key}: reply rejected ({problem})"
         if on_bad_reply == "fail":
@@ -297,7 +296,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
         raise ConfigError(f"round-timeout must be a number of seconds >= 0, got {round_timeout!r}")
     out = Path(out_dir)
-    check_writable(out / "global.h5")
+    check_output(out / "global.h5")
     t0 = time.time()
     ids = sorted(grid.get_node_ids())
     while len(ids) < min_nodes and time.time() - t0 < wait_s:

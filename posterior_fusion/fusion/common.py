@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.silo import SiloData
@@ -36,10 +37,10 @@ class FusionOptions:
     progress: bool = True
 
     def validate(self) -> None:
-        if self.temperature is not None and not self.temperature > 0:
-            raise ConfigError("--temperature must be > 0")
-        if self.prior_var is not None and not self.prior_var > 0:
-            raise ConfigError("--prior-var must be > 0")
+        if self.temperature is not None:
+            ranges.check("temperature", self.temperature, ranges.TEMPERATURE)
+        if self.prior_var is not None:
+            ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
         if self.component < 0:
             raise ConfigError("--component must be >= 0")
         if self.device not in ("cpu", "cuda") or (self.device == "cuda" and not torch.cuda.is_available()):

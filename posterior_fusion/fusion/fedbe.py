@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.distill import DistillConfig, distill
@@ -17,10 +18,10 @@ from posterior_fusion.fusion.settings import MethodSettings, setting
 
 @dataclass(frozen=True)
 class FedBESettings(MethodSettings):
-    num_samples: int = setting(10, "Samples S drawn from the global distribution over client models.")
-    dirichlet: float = setting(0.0, "0: the Gaussian of eq. 5; > 0: samples Σ γ_i w_i with γ ~ Dir(dirichlet·1) (eq. 7).")
-    distill_epochs: int = setting(20, "Distillation epochs (only with unlabeled server data; FedBE: 20).")
-    sharpen: float = setting(2.0, "Pseudo-label sharpening power p^s / Σ p^s (FedBE: 2; 1 = none).")
+    num_samples: int = setting(10, "Samples S drawn from the global distribution over client models.", bounds=(0, 1_000_000))
+    dirichlet: float = setting(0.0, "0: the Gaussian of eq. 5; > 0: samples Σ γ_i w_i with γ ~ Dir(dirichlet·1) (eq. 7).", bounds=(0, 1e6))
+    distill_epochs: int = setting(20, "Distillation epochs (only with unlabeled server data; FedBE: 20).", bounds=ranges.EPOCHS)
+    sharpen: float = setting(2.0, "Pseudo-label sharpening power p^s / Σ p^s (FedBE: 2; 1 = none).", bounds=(1e-3, 1e3))
 
     def validate(self) -> None:
         if self.num_samples < 0 or self.distill_epochs < 0 or self.dirichlet < 0 or not self.sharpen > 0:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
 from posterior_fusion.curvature.kron import default_chunk_bytes
@@ -33,14 +34,14 @@ from posterior_fusion.kernels.graphs import GraphedStep
 class FedBEnsSettings(OptimiserSettings):
     """FedBEns: Adam settings plus the number of global modes and the low-rank shortcut."""
 
-    modes: int | None = setting(None, "Number of global modes; None = the clients' M.")
+    modes: int | None = setting(None, "Number of global modes; None = the clients' M.", bounds=ranges.COMPONENTS)
     laplace: bool = setting(True, "Store a Laplace approximation of the global posterior at each mode "
                                   "(enables evaluate --predictive mc|glm).")
     mode_weights: str = setting("equal", "Mixture weights of the modes: 'equal', or 'laplace' (∝ p(w*|D) |Λ*|^-1/2).")
     allow_different_inits: bool = setting(False, "Fuse clients whose starting points differ (their m-th components "
                                                  "then need not be near each other; the per-mode median start is then meaningless).")
     lowrank_tol: float = setting(0.0, "Kronecker low-rank shortcut: drop eigen-directions with curvature < tol·λ0 "
-                                      "(relative objective error < tol); 0 = exact.")
+                                      "(relative objective error < tol); 0 = exact.", bounds=(0, 1))
     starts: str = setting("median", "Where the global modes start: 'median' (per component index, the paper), "
                                     "'clients' (every client component's MAP: C·M modes) or 'median+clients'.")
 

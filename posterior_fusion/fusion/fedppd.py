@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.distill import DistillConfig, distill
@@ -42,8 +43,8 @@ def fedppd(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
 
 @dataclass(frozen=True)
 class FedPPDDistillSettings(MethodSettings):
-    distill_epochs: int = setting(20, "Distillation epochs on the unlabeled server data (FedBE's schedule).")
-    sharpen: float = setting(2.0, "Pseudo-label sharpening power (1 = none).")
+    distill_epochs: int = setting(20, "Distillation epochs on the unlabeled server data (FedBE's schedule).", bounds=ranges.EPOCHS)
+    sharpen: float = setting(2.0, "Pseudo-label sharpening power (1 = none).", bounds=(1e-3, 1e3))
 
     def validate(self) -> None:
         if self.distill_epochs < 0 or not self.sharpen > 0:

@@ -35,7 +35,7 @@ class HBFLSettings(OptimiserSettings):
     """HBFL: damping of the closed form, and the optimiser for Kronecker curvature."""
 
     damping: float = setting(1e-8, "Relative damping ε / mean(diag Λ) of the closed form (directions without "
-                                   "curvature fall back to FedAvg).")
+                                   "curvature fall back to FedAvg).", bounds=(0, 1))
 
     def validate(self) -> None:
         super().validate()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion import ranges
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionInputs
@@ -22,10 +23,10 @@ from posterior_fusion.progress import progress
 class OptimiserSettings(MethodSettings):
     """Adam settings of the optimising methods (paper defaults)."""
 
-    steps: int = setting(300, "Adam steps per mode.")
-    adam_lr: float = setting(1e-3, "Adam learning rate of the server optimisation.")
-    clip: float = setting(1.0, "Gradient-norm clip per mode.")
-    val_every: int = setting(30, "With validation data: evaluate every this many steps (and at the last).")
+    steps: int = setting(300, "Adam steps per mode.", bounds=ranges.STEPS)
+    adam_lr: float = setting(1e-3, "Adam learning rate of the server optimisation.", bounds=ranges.LEARNING_RATE)
+    clip: float = setting(1.0, "Gradient-norm clip per mode.", bounds=(1e-12, 1e12))
+    val_every: int = setting(30, "With validation data: evaluate every this many steps (and at the last).", bounds=(1, 1_000_000))
 
     def validate(self) -> None:
         if self.steps < 0 or self.adam_lr <= 0 or self.clip <= 0 or self.val_every < 1:

@@ -34,7 +34,7 @@ class RegMeanSettings(MethodSettings):
                                          "mean of the rest, alpha from alpha_grid on validation); kfac: every "
                                          "Kronecker block, n-weighted mean of the rest, the given alpha.")
     alpha: float | None = setting(None, "Scale of the off-diagonal Gram entries (RegMean's α) in [0, 1]; None: "
-                                        "reference chooses from alpha_grid, kfac uses 1.0.")
+                                        "reference chooses from alpha_grid, kfac uses 1.0.", bounds=(0, 1))
     alpha_grid: str = setting("0.1,0.9", "Comma-separated α values tried on the validation data (reference).")
 
     def validate(self) -> None:

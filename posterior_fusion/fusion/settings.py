@@ -14,14 +14,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 
 S = TypeVar("S", bound="MethodSettings")
 
 
-def setting(default: Any, help: str) -> Any:  # noqa: A002 - mirrors click's wording
-    """A settings field with its help text (shown by ``--help-method``)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def setting(default: Any, help: str, bounds: tuple[float, float] | None = None) -> Any:  # noqa: A002
+    """A settings field with its help text (shown by ``--help-method``) and, for a number, its
+    accepted range ``bounds`` (inclusive; every int and float setting declares one)."""
+    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ class MethodSettings:
             raise ConfigError(f"method {method!r} has no setting {', '.join(map(repr, unknown))}; its settings: {known}")
         hints = cls.field_types()
         out = cls(**{k: _convert(v, hints[k], k, method) for k, v in values.items()})
+        for f in dataclasses.fields(cls):
+            value, bounds = getattr(out, f.name), f.metadata.get("bounds")
+            if bounds is not None and value is not None and not isinstance(value, (bool, str)):
+                ranges.check(f"{method} setting {f.name!r}" if method else f"setting {f.name!r}", value, bounds)
         out.validate()
         return out
 
@@ -57,7 +63,8 @@ class MethodSettings:
         """``[{name, type, default, help}]`` for every field."""
         hints = cls.field_types()
         return [{"name": f.name, "type": _type_name(hints[f.name]), "default": f.default,
-                 "help": f.metadata.get("help", "")} for f in dataclasses.fields(cls)]
+                 "help": f.metadata.get("help", ""), "bounds": f.metadata.get("bounds")}
+                for f in dataclasses.fields(cls)]
 
 
 def _type_name(tp: Any) -> str:

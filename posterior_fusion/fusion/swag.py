@@ -13,7 +13,7 @@ from posterior_fusion.fusion.settings import MethodSettings, setting
 
 @dataclass(frozen=True)
 class SwagSettings(MethodSettings):
-    num_samples: int = setting(10, "Draws per client component (at least 1).")
+    num_samples: int = setting(10, "Draws per client component (at least 1).", bounds=(1, 10_000))
 
     def validate(self) -> None:
         if self.num_samples < 0:

@@ -96,10 +96,10 @@ def multiply(moments: list[SwagMoments], prior_precisions: list[float], server_p
 
 @dataclass(frozen=True)
 class SwagProductSettings(MethodSettings):
-    num_samples: int = setting(0, "Draws from the global Gaussian as ensemble members (0: its mean only).")
+    num_samples: int = setting(0, "Draws from the global Gaussian as ensemble members (0: its mean only).", bounds=(0, 10_000))
     min_variance: float = setting(1e-8, "Floor of each SWAG diagonal variance (float32 running moments give 0 for "
                                         "weights that barely move; an unfloored precision of 1e30 ruins the "
-                                        "Woodbury solve).")
+                                        "Woodbury solve).", bounds=(0, 1e6))
 
     def validate(self) -> None:
         if self.num_samples < 0 or not self.min_variance >= 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
 from posterior_fusion.local.ppd import PPDConfig
@@ -33,6 +34,10 @@ class TrainConfig:
     swag_rank: int = 20           # K deviation columns kept
 
     def validate(self) -> None:
+        ranges.check("epochs", self.epochs, ranges.EPOCHS)
+        ranges.check("batch_size", self.batch_size, ranges.BATCH_SIZE)
+        ranges.check("lr", self.lr, ranges.LEARNING_RATE)
+        ranges.check("swag_rank", self.swag_rank, (1, 256))
         for ok, message in ((self.epochs >= 0, f"--epochs must be >= 0, got {self.epochs}"),
                             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
                             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
@@ -83,8 +88,9 @@ class FitConfig:
             raise ConfigError(f"unknown curvature structure {self.structure!r}; use one of {', '.join(STRUCTURES)}")
         if self.ggn not in GGN_TYPES:
             raise ConfigError(f"unknown GGN type {self.ggn!r}; use 'exact' or 'mc'")
-        if not (0 < self.temperature < float("inf")) or not (0 < self.prior_var < float("inf")):
-            raise ConfigError("--temperature and --prior-var must be finite and > 0")
+        ranges.check("temperature", self.temperature, ranges.TEMPERATURE)
+        ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
+        ranges.check("curvature_batch_size", self.curvature_batch_size, ranges.BATCH_SIZE)
         if self.capture not in CAPTURE_METHODS:
             raise ConfigError(f"unknown --capture {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.ppd is not None:

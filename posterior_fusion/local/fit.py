@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from posterior_fusion.artifact.atomic import output_lock
 from posterior_fusion.artifact.objects import Component, frozen_mapping
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, OutputError, ResumeError
+from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import FitConfig
@@ -150,7 +150,8 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
     layout = ParameterLayout.from_model(spec.build())
     init_info = dict(init_info, fingerprint=init_fingerprint(spec, inits))
     fingerprint = fit_metadata(spec, data, inits, cfg)["fit_fingerprint"]
-    with output_lock(out):  # checked writable before the work; a second writer is refused
+    inputs = [data.source or None, init_info.get("file")]
+    with output_lock(out, inputs):  # checked writable and not an input before the work; one writer at a time
         done = resume_state(out, fingerprint, len(inits), resume, log)
         partial = partial_path(out)
 

@@ -18,13 +18,13 @@ from collections.abc import Callable
 
 import torch
 
-from posterior_fusion.artifact.atomic import output_lock
 from posterior_fusion.artifact.objects import ClientPosterior, Component, build_model, frozen_mapping
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
+from posterior_fusion.files import check_output, output_lock
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fit import library_versions
 
@@ -83,11 +83,10 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       log: Callable[[str], None] = print) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact and the silo, recapture, write
     ``out`` atomically. Returns the new metadata."""
-    if os.path.abspath(source_path) == os.path.abspath(out):
-        raise ConfigError(f"{out}: --out must differ from the source artifact")
+    check_output(out, inputs=[source_path, silo_path])
     source = load_client(source_path, max_memory)
     data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
-    with output_lock(out):
+    with output_lock(out, inputs=[source_path, silo_path]):
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps)
     return meta

@@ -20,7 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from posterior_fusion.errors import ModelSpecError
+from posterior_fusion import budget
+from posterior_fusion.errors import ModelSpecError, shown
 from posterior_fusion.models import builtin
 
 # name -> (builder, {kwarg: type}); the types are what a JSON spec may carry.
@@ -69,17 +70,16 @@ def resolve_model(name: str, provider: str | None = None) -> tuple[Callable[...,
     plugins = plugin_models()
     if name in plugins and plugins[name][0] is not None:
         return plugins[name]
-    hint = f" (the artifact says it comes from {provider}: install that package)" if provider else ""
+    hint = f" (the artifact says it comes from {shown(provider)}: install that package)" if provider else ""
     if name in plugins:
-        hint = f" (its plugin {plugins[name][2]})"
+        hint = f" (its plugin {shown(plugins[name][2])})"
     known = sorted(MODEL_REGISTRY) + sorted(k for k, v in plugins.items() if v[0] is not None)
-    raise ModelSpecError(f"unknown model {name!r}{hint}; known: {', '.join(known)}")
+    raise ModelSpecError(f"unknown model {shown(name)}{hint}; known: {', '.join(known)}")
 
-
-def known_models() -> list[str]:
-    return sorted(MODEL_REGISTRY) + sorted(k for k, v in plugin_models().items() if v[0] is not None)
 
 MAX_SPEC_INT = 1 << 20
+MAX_PARAMETERS = 50_000_000   # the artifact format's cap too
+TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients, momentum and one working copy
 
 
 @dataclass(frozen=True)
@@ -116,12 +116,39 @@ class ModelSpec:
             if expected is str and len(value) > 64:
                 raise ModelSpecError(f"model argument {key!r} is too long")
 
-    def build(self) -> nn.Module:
+    def _construct(self) -> nn.Module:
         builder = resolve_model(self.name, self.provider)[0]
         try:
             return builder(**self.kwargs)
         except (ValueError, TypeError) as exc:
             raise ModelSpecError(f"model {self.name!r} {self.kwargs}: {exc}") from None
+
+    def parameter_count(self) -> int:
+        """Number of parameters, computed on PyTorch's meta device (nothing is allocated)."""
+        import torch
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in self._construct().parameters())
+
+    def check_size(self, max_memory: int | str | None = None) -> int:
+        """Refuse, before any allocation, a model over :data:`MAX_PARAMETERS` or whose training
+        state (:data:`TRAINING_BYTES_PER_PARAMETER` per parameter) is over the memory budget."""
+        n = self.parameter_count()
+        if n > MAX_PARAMETERS:
+            raise ModelSpecError(f"model {self.name!r} {self.kwargs} has {n:,} parameters, over the cap of "
+                                 f"{MAX_PARAMETERS:,}")
+        budget.require(n * TRAINING_BYTES_PER_PARAMETER, f"model {self.name!r} {self.kwargs} ({n:,} parameters)",
+                       max_memory)
+        return n
+
+    def build(self) -> nn.Module:
+        """The model, on PyTorch's default device. Off the meta device its size is checked first
+        (:meth:`check_size` with the default budget), so a hostile spec allocates nothing."""
+        import torch
+
+        if torch.get_default_device().type != "meta":
+            self.check_size()
+        return self._construct()
 
     def check_input(self, sample_shape: tuple[int, ...], where: str) -> None:
         """Refuse data whose per-sample shape (after the loader's channel axis) does not fit

@@ -1,0 +1,31 @@
+"""The accepted range of every number a user or a file can set, declared once.
+
+A value outside its range (NaN and infinities included) is refused with one line naming the
+setting; the artifact reader uses the same ranges for what a file declares.
+"""
+
+from __future__ import annotations
+
+import math
+
+from posterior_fusion.errors import ConfigError
+
+TEMPERATURE = (1e-6, 1e6)          # T
+PRIOR_PRECISION = (1e-8, 1e8)      # λ0 = 1 / σ0²
+PRIOR_VAR = (1e-8, 1e8)            # σ0²
+PREDICTIVE_SCALE = (1e-8, 1e4)     # multiplier of the posterior covariance in a predictive
+SAMPLES = (1, 10_000)              # Monte-Carlo samples per mode
+BINS = (1, 10_000)                 # calibration bins
+EPOCHS = (0, 100_000)
+BATCH_SIZE = (1, 1_000_000)
+LEARNING_RATE = (1e-12, 1e3)
+COMPONENTS = (1, 256)              # mixture components M (the artifact format's cap)
+STEPS = (0, 1_000_000)             # server optimisation steps
+
+
+def check(name: str, value: float | int, bounds: tuple[float, float]) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a finite number in ``bounds`` (inclusive)."""
+    lo, hi = bounds
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and lo <= value <= hi
+    if not ok:
+        raise ConfigError(f"{name} must be a finite number in [{lo:g}, {hi:g}], got {str(value)[:40]}")
