@@ -11,6 +11,7 @@ from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr,
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.files import check_output
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, PrivateModelConfig, TrainConfig
@@ -56,6 +57,7 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
 @handle_errors
 def init(model, model_kwargs, components, init_seed, transform_from, out, max_memory):
     """Write M shared starting points that every client trains from."""
+    check_output(out, inputs=[transform_from])
     spec = parse_model(model, model_kwargs, max_memory)
     if components < 1:
         raise ConfigError("--components must be >= 1")

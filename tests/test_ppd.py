@@ -97,7 +97,7 @@ def test_fit_local_ppd_stores_students_and_fedppd_averages_them(tmp_path, fmnist
                                    "--set", "distill_epochs=2", "--out", str(tmp_path / "h.h5")])
     assert r.exit_code == 0, r.output
     meta = posterior_fusion.load(tmp_path / "h.h5").metadata
-    assert meta["distill"]["teachers"] == 4
+    assert meta["distill"]["teachers"] == 1 + 4 + 10  # Algorithm 3: w̄, the 4 students, 10 Gaussian draws
     # a client without students is refused with the file named
     plain = tmp_path / "plain.h5"
     r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "silo0.h5"), "--model", "mlp", "--model-kwargs",
@@ -106,3 +106,48 @@ def test_fit_local_ppd_stores_students_and_fedppd_averages_them(tmp_path, fmnist
     assert r.exit_code == 0
     r = CliRunner().invoke(pfuse, ["fuse", str(plain), str(paths[1]), "--method", "fedppd", "--out", str(tmp_path / "k.h5")])
     assert r.exit_code == 2 and "plain.h5" in r.output and "fit-local --ppd" in r.output
+
+
+def test_fedppd_distill_ensemble_is_algorithm_3s(tmp_path, small_silo, monkeypatch):
+    """E_S = {w̄} ∪ {w_i} ∪ {S Gaussian draws}: counted and identified member by member."""
+    from conftest import fit_artifact
+
+    import posterior_fusion
+    from posterior_fusion.artifact import write_client_artifact
+    from posterior_fusion.artifact.objects import Component
+    from posterior_fusion.data.silo import SiloData
+    from posterior_fusion.fusion import FusionInputs, FusionOptions
+    from posterior_fusion.fusion import fedppd as mod
+    from posterior_fusion.fusion.fedppd import FedPPDDistillSettings, fedppd_distill
+
+    gen = torch.Generator().manual_seed(3)
+    clients = []
+    for c, n in enumerate((40, 120)):  # unequal n: the weights matter
+        part = SiloData(small_silo.x[:n], small_silo.y[:n], "fmnist", 10)
+        meta, comps = fit_artifact(tmp_path / f"p{c}.h5", part, "diag", mixtures=2)
+        with_students = [Component(k.index, k.map, k.curvature, k.training, k.temperature, k.prior_precision,
+                                   student=torch.randn(k.map.numel(), generator=gen)) for k in comps]
+        write_client_artifact(tmp_path / f"s{c}.h5", posterior_fusion.load(tmp_path / f"p{c}.h5").model_spec,
+                              posterior_fusion.load(tmp_path / f"p{c}.h5").layout, meta, with_students)
+        clients.append(posterior_fusion.load(tmp_path / f"s{c}.h5"))
+    seen = {}
+
+    def fake_distill(spec, teachers, start, x, cfg, generator, progress):
+        seen.update(teachers=teachers.clone(), start=start.clone())
+        return start.clone(), {"teachers": int(teachers.shape[0])}
+
+    monkeypatch.setattr(mod, "distill", fake_distill)
+    unlabeled = SiloData(small_silo.x[:20], None, "fmnist", 10)
+    inputs = FusionInputs(clients, FusionOptions(progress=False, sampling_seed=4), unlabeled=unlabeled)
+    result = fedppd_distill(inputs, FedPPDDistillSettings(num_samples=3))
+    T = seen["teachers"].double()
+    assert T.shape[0] == 1 + 2 * 2 + 3 and result.info["ensemble"][:2] == ["average", "client 0 student 0"]
+    students = torch.stack([k.student.double() for c in clients for k in c.components])  # (C·M, d)
+    weights = torch.tensor([40 / 160 / 2] * 2 + [120 / 160 / 2] * 2, dtype=torch.float64)[:, None]
+    w_bar = (weights * students).sum(0)
+    torch.testing.assert_close(T[0], w_bar, rtol=1e-5, atol=1e-6)                  # the averaged student w̄
+    torch.testing.assert_close(T[1:5], students, rtol=0, atol=0)                    # every client student
+    var = (weights * (students - w_bar).square()).sum(0)
+    draws = w_bar + var.sqrt() * torch.randn(3, w_bar.numel(), generator=torch.Generator().manual_seed(4)).double()
+    torch.testing.assert_close(T[5:], draws, rtol=1e-5, atol=1e-5)                  # S draws from N(w̄, diag var)
+    torch.testing.assert_close(seen["start"].double(), w_bar, rtol=1e-5, atol=1e-6)  # distilled into w̄

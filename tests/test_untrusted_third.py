@@ -549,3 +549,23 @@ def test_refusals_name_the_file(tmp_path, small_silo, two_clients):
 def test_every_refusal_is_a_pfuse_error(tmp_path):
     with pytest.raises(PfuseError):
         posterior_fusion.load(tmp_path / "missing.h5")
+
+
+@pytest.mark.parametrize("value", ['"abc"', "true", "1e3", "0", "-5"])
+def test_a_recapture_source_with_an_ill_typed_batch_size_ends_in_one_line(tmp_path, kron_artifact, small_silo, value):
+    bad = tmp_path / "src.h5"
+    bad.write_bytes(kron_artifact.read_bytes())
+    with h5py.File(bad, "r+") as f:
+        meta = json.loads(bytes(f.attrs["metadata"]).decode())
+        meta["curvature_batch_size"] = json.loads(value)
+        f.attrs["metadata"] = text_attr(json.dumps(meta))
+    silo = tmp_path / "s.h5"
+    write_silo(silo, small_silo)
+    line = one_error_line(cli("recapture", "--from", bad, "--data", silo, "--structure", "diag", "--out", tmp_path / "o.h5"))
+    assert "curvature_batch_size" in line or "not the silo" in line
+
+
+def test_init_refuses_to_overwrite_its_transform_source(tmp_path, silo_file):
+    before = silo_file.read_bytes()
+    line = one_error_line(cli("init", "--model", "mlp", "--transform-from", silo_file, "--out", silo_file))
+    assert "must differ" in line and silo_file.read_bytes() == before

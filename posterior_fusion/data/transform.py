@@ -8,6 +8,7 @@ data file's transform disagrees with the artifact's.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -53,13 +54,18 @@ class InputTransform:
         return cls(1 / 255 if uint8 else 1.0, mean, std, f"constants {name}")
 
     @classmethod
-    def compute(cls, x: np.ndarray, source: str) -> InputTransform:
-        """Per-channel (images) or per-feature (vectors) mean and std of ``x`` after scaling."""
+    def compute(cls, x: np.ndarray, source: str, chunk: int = 4096) -> InputTransform:
+        """Per-channel (images) or per-feature (vectors) mean and std of ``x`` after scaling, in
+        float64, accumulated over chunks of samples (memory: one chunk, not a float64 copy of ``x``)."""
         scale = 1 / 255 if x.dtype == np.uint8 else 1.0
-        arr = x.astype(np.float64) * scale
-        axes = (0,) if arr.ndim == 2 else (0, 1, 2) if arr.ndim == 3 else (0, 2, 3)
-        mean = np.atleast_1d(arr.mean(axis=axes))
-        std = np.atleast_1d(arr.std(axis=axes))
+        axes = (0,) if x.ndim == 2 else (0, 1, 2) if x.ndim == 3 else (0, 2, 3)
+        per = x.shape[0] * (1 if x.ndim == 2 else math.prod(x.shape[1:3]) if x.ndim == 3 else math.prod(x.shape[2:]))
+        total = sum(x[i : i + chunk].astype(np.float64).sum(axis=axes) for i in range(0, x.shape[0], chunk))
+        mean = np.atleast_1d(total * scale / per)
+        shape = (1, -1) + (1,) * (x.ndim - 2) if x.ndim == 4 else (1, -1) if x.ndim == 2 else (1, 1, 1)
+        sq = sum(((x[i : i + chunk].astype(np.float64) * scale - mean.reshape(shape)) ** 2).sum(axis=axes)
+                 for i in range(0, x.shape[0], chunk))
+        std = np.atleast_1d(np.sqrt(sq / per))
         std = np.where(std > 1e-8, std, 1.0)
         return cls(scale, tuple(float(m) for m in mean), tuple(float(s) for s in std), f"computed from {source}")
 

@@ -2,10 +2,12 @@
 ``pfuse fit-local --ppd`` stores beside the MAPs (``/components/<m>/ppd_student``).
 
 ``fedppd``: the n-weighted average of the clients' students of component ``--component``
-(Algorithm 2, the student half). ``fedppd-distill``: the ensemble of every client's students
-distilled into one model on unlabeled server data with the shared distillation tool (FedBE's
-SWA schedule; Algorithm 3 also distils a teacher ensemble of the MAPs and Gaussian samples,
-which ``fedbe`` provides on its own).
+(Algorithm 2, the student half). ``fedppd-distill``: Algorithm 3's student half — the ensemble
+E_S = {w̄} ∪ {w_i} ∪ {w_j ~ p(w|D)}_{j=1}^S of the averaged student w̄, every client student w_i
+and S draws from a diagonal Gaussian p(w|D) fitted to the students (n-weighted mean and
+variance, as FedBE fits its own), distilled into w̄ on unlabeled server data with the shared
+distillation tool (FedBE's SWA schedule). A client with M components contributes its M students,
+each weighted n_c / M. Algorithm 3's teacher half (the same on the MAPs) is ``fedbe``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def fedppd(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
 
 @dataclass(frozen=True)
 class FedPPDDistillSettings(MethodSettings):
+    num_samples: int = setting(10, "Students S drawn from the Gaussian fitted to the client students (Algorithm 3's M).",
+                               bounds=(0, 1_000_000))
     distill_epochs: int = setting(20, "Distillation epochs on the unlabeled server data (FedBE's schedule).", bounds=ranges.EPOCHS)
     sharpen: float = setting(2.0, "Pseudo-label sharpening power (1 = none).", bounds=(1e-3, 1e3))
 
@@ -51,18 +55,34 @@ class FedPPDDistillSettings(MethodSettings):
             raise ConfigError("fedppd-distill settings need distill_epochs >= 0 and sharpen > 0")
 
 
+def student_ensemble(inputs: FusionInputs, num_samples: int,
+                     generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    """Algorithm 3's E_S ``(1 + C·M + S, d)``: the averaged student w̄, every client student and S
+    draws from the diagonal Gaussian fitted to the students; with a label per member."""
+    M = inputs.clients[0].num_components
+    rows = _students(inputs, "fedppd-distill", list(range(M)))
+    W = torch.stack([w for row in rows for w in row])                              # (C·M, d)
+    p = (inputs.n_weights() / M).repeat_interleave(M)[:, None].to(W.dtype)        # n_c / (N·M)
+    mean = (p * W).sum(0)                                                          # w̄
+    var = (p * (W - mean).square()).sum(0)
+    samples = mean + var.sqrt() * torch.randn(num_samples, mean.numel(), generator=generator)
+    labels = (["average"] + [f"client {c} student {m}" for c in range(len(rows)) for m in range(M)]
+              + [f"sample {j}" for j in range(num_samples)])
+    return torch.cat([mean[None], W, samples]), labels
+
+
 def fedppd_distill(inputs: FusionInputs, settings: FedPPDDistillSettings) -> FusionResult:
     if inputs.unlabeled is None:
         raise MethodNotApplicableError("method 'fedppd-distill' needs unlabeled server data (--unlabeled FILE)")
-    rows = _students(inputs, "fedppd-distill", list(range(inputs.clients[0].num_components)))
-    teachers = torch.stack([w for row in rows for w in row])
-    start = (inputs.n_weights()[:, None] * torch.stack([row[0] for row in rows])).sum(0)
+    gen = torch.Generator().manual_seed(inputs.options.sampling_seed)
+    teachers, labels = student_ensemble(inputs, settings.num_samples, gen)
     cfg = replace(DistillConfig(), epochs=settings.distill_epochs, sharpen=settings.sharpen)
-    w, record = distill(inputs.spec, teachers, start, inputs.unlabeled.inputs(), cfg,
-                        torch.Generator().manual_seed(inputs.options.sampling_seed), inputs.options.progress)
-    return FusionResult([w], {"distill": record})
+    w, record = distill(inputs.spec, teachers, teachers[0], inputs.unlabeled.inputs(), cfg, gen,
+                        inputs.options.progress)
+    return FusionResult([w], {"distill": record, "ensemble": labels})
 
 
 METHOD = FusionMethod("fedppd", fedppd, MethodSettings, "FedPPD: n-weighted average of the clients' PPD students")
 DISTILL_METHOD = FusionMethod("fedppd-distill", fedppd_distill, FedPPDDistillSettings,
-                              "FedPPD: the clients' PPD students distilled into one model on unlabeled data")
+                              "FedPPD (Algorithm 3): averaged student, client students and Gaussian samples "
+                              "distilled into one model on unlabeled data")

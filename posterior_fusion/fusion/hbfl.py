@@ -1,17 +1,26 @@
 """HBFL's aggregation (Heterogeneous Bayesian Federated Learning, paper ``003``, eqs. 3.8–3.12).
 
-Each client's tempered likelihood p(D_k|θ)^{1/T} is a scaled Gaussian: its posterior divided by
-the prior (eq. 3.8), precision Λ_k = G_k / T_k (the Laplace posterior precision minus the prior
-precision) and mean ŵ_k. The global objective is Π_k p(D_k|θ)^{q_k/T} with q_k = n_k / n
-(eq. 3.12), *without* a global prior, so
+Each client's tempered likelihood p(D_k|θ)^{1/T} is a scaled Gaussian: its Laplace posterior
+N(ŵ_k, (G_k/T_k + λ0 I)⁻¹) divided by the prior N(0, λ0⁻¹ I) (eq. 3.8: Λ = Λ1 − Λ2, η = η1 − η2),
+so its precision is Λ_k = G_k / T_k and its information vector η_k = (G_k / T_k + λ0) ŵ_k. The
+global objective is Π_k p(D_k|θ)^{q_k/T} with q_k = n_k / n (eq. 3.12), *without* a global prior:
 
-    Λ = Σ_k q_k Λ_k ,   μ = Λ⁻¹ Σ_k q_k Λ_k ŵ_k .
+    Λ = Σ_k q_k Λ_k ,   μ = Λ⁻¹ Σ_k q_k η_k .
 
-diag and diag+full: closed form per block. Directions no client has curvature in make Λ
+(``mean="map"`` takes η_k = G_k / T_k ŵ_k instead: the MAP as the likelihood's mean, the form of
+versions before 0.3; kept as a named option because it is bounded where the paper's is not.)
+
+Where G_k is singular the paper's division is ill-posed: a direction without curvature has
+Λ_k = 0 but η_k = λ0 ŵ_k ≠ 0 (at an exact MAP ŵ_k is 0 there). So the prior term is kept only
+where the client has curvature: η_k = G_k/T_k ŵ_k + λ0 Π_k ŵ_k with the soft projector
+Π_k = G_k/T_k (G_k/T_k + ε_k I)⁻¹, ε_k = null_tol × mean(diag G_k/T_k), which is the identity up
+to ``null_tol`` wherever G_k is well conditioned. Directions no client has curvature in make Λ
 singular; ``damping`` > 0 adds ε I with ε = damping × mean(diag Λ) to Λ and ε Σ q_k ŵ_k to the
 right-hand side, i.e. those directions fall back to FedAvg (the limit ε → 0 of a vanishing
-prior centred on FedAvg). kron: Σ of Kronecker products is not Kronecker, so μ minimises
-½ Σ_k q_k (w − ŵ_k)ᵀ Λ_k (w − ŵ_k) with FedFisher's optimiser, started from FedAvg.
+prior centred on FedAvg). diag and diag+full: closed form per block. kron: Σ of Kronecker
+products is not Kronecker, so μ minimises ½ wᵀ Λ w − wᵀ Σ_k q_k η_k (equal, up to a constant,
+to ½ Σ_k q_k (w − ŵ_k)ᵀ Λ_k (w − ŵ_k) − wᵀ Σ_k q_k λ0 Π_k ŵ_k) with FedFisher's optimiser, started
+from FedAvg.
 
 HBFL's heterogeneous clients (private architectures distilled into the shared model) are a
 client-side step and not part of this aggregation.
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
@@ -34,13 +44,48 @@ from posterior_fusion.fusion.stack import StackedGaussians
 class HBFLSettings(OptimiserSettings):
     """HBFL: damping of the closed form, and the optimiser for Kronecker curvature."""
 
+    mean: str = setting("paper", "paper: eq. 3.8's information vector (G_k/T_k + λ0) ŵ_k (the posterior divided by "
+                                 "the prior); map: G_k/T_k ŵ_k (the MAP as the likelihood's mean).")
     damping: float = setting(1e-8, "Relative damping ε / mean(diag Λ) of the closed form (directions without "
                                    "curvature fall back to FedAvg).", bounds=(0, 1))
+    null_tol: float = setting(1e-6, "paper mean: a client's prior term λ0 ŵ_k is kept where its curvature exceeds "
+                                    "null_tol × its mean curvature (the soft projector Π_k).", bounds=(1e-12, 1))
 
     def validate(self) -> None:
         super().validate()
         if not (0 <= self.damping < 1):
             raise ConfigError("hbfl setting 'damping' must be in [0, 1)")
+        if self.mean not in MEANS:
+            raise ConfigError(f"hbfl setting 'mean' must be one of {', '.join(MEANS)}")
+
+
+MEANS = ("paper", "map")
+
+
+def prior_information(comp, temperature: float, prior_precision: float, null_tol: float) -> torch.Tensor:
+    """``λ0 Π ŵ`` ``(d,)`` float64 with ``Π = G/T (G/T + εI)⁻¹``, ``ε = null_tol · mean diag(G/T)``:
+    the prior's part of eq. 3.8's information vector, kept only where the client has curvature
+    (``Π ŵ = ŵ − ε (G/T + εI)⁻¹ ŵ``)."""
+    w = comp.map.double()
+    eps = null_tol * float(comp.curvature.diagonal().double().mean()) / temperature
+    if eps <= 0:  # no curvature at all: nothing of the prior survives the division
+        return torch.zeros_like(w)
+    damped = _float64(comp.curvature).with_scale_shift(1.0 / temperature, eps)
+    solved = torch.cat([b.solve(w[off : off + b.dim].to(b.dtype)).double()  # blocks differ in dtype
+                        for b, off in zip(damped.blocks, damped.offsets)])
+    return prior_precision * (w - eps * solved)
+
+
+def _float64(curvature: BlockDiag) -> BlockDiag:
+    """A float64 copy of the blocks that have one (``sum_of`` of one block), so the nearly singular
+    ``G/T + εI`` is solved accurately; Kronecker blocks solve through their eigenbases as they are."""
+    blocks = []
+    for b in curvature.blocks:
+        try:
+            blocks.append(type(b).sum_of([b]))
+        except MethodNotApplicableError:
+            blocks.append(b)
+    return BlockDiag(blocks)
 
 
 def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
@@ -50,13 +95,20 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
     q = n / n.sum()  # (C,) q_k = n_k / n, in float64 (Λ may be ill-conditioned without a prior)
     temps = [inputs.temperature(c) for c in inputs.clients]
     avg = (q[:, None] * torch.stack([comp.map.double() for comp in comps])).sum(0)  # FedAvg, float64
+    # Σ_k q_k λ0 Π_k ŵ_k: what dividing each posterior by its prior adds to the information vector
+    extra = torch.zeros_like(avg)
+    if settings.mean == "paper":
+        for qk, comp, t, c in zip(q, comps, temps, inputs.clients):
+            extra += float(qk) * prior_information(comp, t, inputs.prior_precision(c), settings.null_tol)
     if inputs.clients[0].structure == "kron":
         opts = inputs.options
         stack = StackedGaussians(comps, scale=[float(qk) / t for qk, t in zip(q, temps)], shift=0.0,
                                  kernel=opts.kernel).to(opts.device)
 
+        linear = extra.float().to(opts.device)
+
         def objective(W):
-            return 0.5 * stack.quadratic_forms(W).sum(-1)
+            return 0.5 * stack.quadratic_forms(W).sum(-1) - W @ linear
 
         best, history = optimise_modes(objective, avg.float()[None], inputs, settings, "hbfl")
         return FusionResult([best[0].clone()], {"history": history})
@@ -74,7 +126,7 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
             total = type(blocks[0]).sum_of(blocks, eps)
         except MethodNotApplicableError:  # pragma: no cover - kron is handled above
             raise MethodNotApplicableError(f"hbfl cannot sum {blocks[0].kind} blocks in closed form") from None
-        out[off : off + size] = total.solve(rhs + eps * avg[off : off + size].double())
+        out[off : off + size] = total.solve(rhs + extra[off : off + size] + eps * avg[off : off + size].double())
     return FusionResult([out.float()], {"q": [float(v) for v in q]})
 
 

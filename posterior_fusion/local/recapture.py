@@ -18,12 +18,13 @@ from collections.abc import Callable
 
 import torch
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact.objects import ClientPosterior, Component, build_model, frozen_mapping
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
-from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
+from posterior_fusion.errors import IncompatibleArtifactsError, shown
 from posterior_fusion.files import check_output, output_lock
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fit import library_versions
@@ -43,9 +44,12 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
                                          "finish it with fit-local --resume first")
     ggn = meta.get("ggn", "exact") if ggn is None else ggn  # structure, method and ggn: checked by capture()
-    batch = int(meta.get("curvature_batch_size", 256)) if curvature_batch_size is None else curvature_batch_size
-    if batch < 1:
-        raise ConfigError(f"--curvature-batch-size must be >= 1, got {batch}")
+    recorded = meta.get("curvature_batch_size", 256)
+    if curvature_batch_size is None and (not isinstance(recorded, int) or isinstance(recorded, bool)):
+        raise IncompatibleArtifactsError(f"{source.path} [/]: metadata curvature_batch_size must be an integer, "
+                                         f"got {shown(recorded, 40)}")
+    batch = recorded if curvature_batch_size is None else curvature_batch_size
+    ranges.check("curvature_batch_size", batch, ranges.BATCH_SIZE)
     if meta.get("data_sha256") != data.sha256():
         raise IncompatibleArtifactsError(
             f"{data.source or 'data'}: is not the silo {source.path} was fitted on (data SHA-256 "
