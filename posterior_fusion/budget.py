@@ -54,5 +54,9 @@ def require(need: int, what: str, max_memory: int | str | None = None) -> None:
     """Refuse ``what`` when its estimated ``need`` (bytes) exceeds the limit."""
     limit = resolve_limit(max_memory)
     if limit is not None and need > limit:
-        raise ResourceLimitError(f"{what} needs about {need / 2**30:.2f} GiB, over the limit of "
-                                 f"{limit / 2**30:.2f} GiB (--max-memory, default 80% of available memory)")
+        raise ResourceLimitError(f"{what} needs about {_size(need)}, over the limit of {_size(limit)} "
+                                 "(--max-memory, default 80% of available memory)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**30:.3g} GiB"  # 0.00781 GiB, never "0.01 over 0.01"
