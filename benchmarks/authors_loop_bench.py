@@ -22,7 +22,7 @@ import torch
 
 import posterior_fusion
 from posterior_fusion.fusion import FusionInputs, FusionOptions, fuse_clients
-from posterior_fusion.fusion.fedbens import median_starts
+from posterior_fusion.fusion.methods.fedbens import median_starts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kron_bench import kron_decomposed  # noqa: E402  (a sibling benchmark: one way to build laplace-torch's factors)

@@ -40,7 +40,7 @@ from posterior_fusion.curvature import BlockDiag, Diag
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.experiment.grid import Cell, cache_key, fit_clients, partition_cell
 from posterior_fusion.fusion import FusionInputs, FusionOptions, fuse_clients
-from posterior_fusion.fusion.fedbens import GlobalLogPosterior, median_starts
+from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior, median_starts
 from posterior_fusion.fusion.optimise import accuracy_of
 from posterior_fusion.local.capture import capture
 from posterior_fusion.metrics import evaluate_members

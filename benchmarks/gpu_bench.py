@@ -39,7 +39,7 @@ import torch
 
 import posterior_fusion
 from posterior_fusion.fusion import FusionOptions, fuse_clients
-from posterior_fusion.fusion.fedbens import GlobalLogPosterior
+from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior
 from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.kernels import kron_direct_forms_and_vjp
 

@@ -34,7 +34,7 @@ def rss_mib() -> float:
 
 def one(artifacts: list[str], C: int, chunk_bytes: int | None, threads: int) -> dict:
     import posterior_fusion
-    from posterior_fusion.fusion.fedbens import GlobalLogPosterior
+    from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior
     from posterior_fusion.runtime import keep_freed_memory
 
     keep_freed_memory()

@@ -73,7 +73,7 @@ def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: boo
 
     if keep:
         keep_freed_memory()
-    from posterior_fusion.fusion.fedbens import GlobalLogPosterior
+    from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior
     from posterior_fusion.fusion.stack import StackedGaussians
 
     torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output, output_lock
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, get_method, write_fused
 from posterior_fusion.fusion.distill import DistillConfig
+from posterior_fusion.fusion.registry import DEFAULT_METHOD, QUICK
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
@@ -93,7 +94,7 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 
 @click.command("fuse", epilog=settings_epilog())
 @click.argument("clients", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--method", default="fedbens", show_default=True, type=click.Choice(list(METHODS)), help="Fusion method.")
+@click.option("--method", default=DEFAULT_METHOD, show_default=True, type=click.Choice(list(METHODS)), help="Fusion method.")
 @click.option("--set", "set_values", multiple=True, metavar="KEY=VALUE",
               help="A setting of the chosen method, repeatable (list them with --help-method NAME), "
                    "e.g. --set steps=300 --set adam_lr=1e-3 [default: the method's defaults].")
@@ -292,7 +293,7 @@ def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs,
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
     max_train = None
     if quick:
-        clients, components, epochs, steps, chosen, max_train = 3, 2, 1, 20, ("fedbens", "fedavg"), 600
+        clients, components, epochs, steps, chosen, max_train = 3, 2, 1, 20, QUICK, 600
         subset = True
     for m in chosen:
         get_method(m)

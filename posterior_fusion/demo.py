@@ -11,30 +11,17 @@ from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, fi
 from posterior_fusion.data.prepare import import_data, partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse, write_fused
+from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, write_fused
+from posterior_fusion.fusion.registry import DEMO
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
-DEMO_METHODS = ("fedbens", "fedfisher", "regmean", "fisher-merge", "fedavg", "product", "fedbe", "swag", "ensemble")
-
-
+DEMO_METHODS = DEMO
 DEMO_DATASETS = ("fmnist", "digits")
-
-LEGEND = {
-    "fedbens": "FedBEns: M modes of the product of the client mixtures (the toolkit's method)",
-    "fedfisher": "FedFisher: one model minimising the clients' curvature quadratics",
-    "regmean": "RegMean: Gram-weighted merge of the linear layers",
-    "fisher-merge": "Fisher merging: diagonal-Fisher-weighted average",
-    "fedavg": "FedAvg, one shot: n-weighted mean of the client models",
-    "product": "closed-form Gaussian product (diag, diag+full only)",
-    "hbfl": "HBFL's q-weighted product of the clients' scaled likelihoods",
-    "fedbe": "FedBE: client ensemble distilled into one model",
-    "swag": "samples of every client's SWAG Gaussian (an ensemble)",
-    "swag-product": "mean of the product of the clients' SWAG Gaussians",
-    "ensemble": "all C x M client models averaged (serving cost C x M models)",
-}
+# one line per method, as each method states it (``FusionMethod.summary``)
+LEGEND = {name: m.summary for name, m in METHODS.items()}
 
 
 def fmnist_source(subset: bool = False) -> tuple[Path, str]:

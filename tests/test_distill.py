@@ -15,7 +15,7 @@ from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.fusion import FusionInputs, FusionOptions
 from posterior_fusion.fusion.distill import DistillConfig, collects, distill, soft_labels, swa_lr
-from posterior_fusion.fusion.fedbe import FedBESettings, fedbe
+from posterior_fusion.fusion.methods.fedbe import FedBESettings, fedbe
 from posterior_fusion.models.functional import batched_logits
 
 

@@ -17,9 +17,9 @@ from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.errors import IncompatibleArtifactsError, MethodNotApplicableError
 from posterior_fusion.fusion import METHODS, FusionInputs, FusionOptions, fuse
-from posterior_fusion.fusion.fedbens import FedBEnsSettings, GlobalLogPosterior
+from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior
+from posterior_fusion.fusion.methods.regmean import RegMeanSettings
 from posterior_fusion.fusion.registry import get_method
-from posterior_fusion.fusion.regmean import RegMeanSettings
 from posterior_fusion.fusion.resources import estimate_fuse_bytes
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
@@ -341,7 +341,7 @@ def test_fedbe_distillation_with_unlabeled_data(fitted):
                              unlabeled_path=folder / "val.h5")
     assert len(res.members) == 1 and meta["distilled_from"] == 1 + 3 + 4
     # The student moved away from the Gaussian mean it started from, towards the teachers.
-    from posterior_fusion.fusion.fedbe import FedBESettings, fedbe
+    from posterior_fusion.fusion.methods.fedbe import FedBESettings, fedbe
 
     no_distill = fedbe(FusionInputs(inputs.clients, FusionOptions(progress=False)), FedBESettings(num_samples=4))
     assert not torch.allclose(res.members[0], no_distill.members[0])

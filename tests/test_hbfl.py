@@ -10,7 +10,7 @@ from conftest import fit_artifact
 import posterior_fusion
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.fusion import FusionInputs, FusionOptions
-from posterior_fusion.fusion.hbfl import HBFLSettings, hbfl
+from posterior_fusion.fusion.methods.hbfl import HBFLSettings, hbfl
 
 
 def _clients(tmp_path, silo, structure, sizes=(60, 100, 140)):

@@ -13,7 +13,7 @@ import posterior_fusion
 from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions
-from posterior_fusion.fusion.fedbens import FedBEnsSettings, GlobalLogPosterior, fedbens
+from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior, fedbens
 from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.kernels import choose_backend, kron_direct_forms, kron_quadratic_forms, triton_available
 

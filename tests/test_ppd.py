@@ -117,8 +117,8 @@ def test_fedppd_distill_ensemble_is_algorithm_3s(tmp_path, small_silo, monkeypat
     from posterior_fusion.artifact.objects import Component
     from posterior_fusion.data.silo import SiloData
     from posterior_fusion.fusion import FusionInputs, FusionOptions
-    from posterior_fusion.fusion import fedppd as mod
-    from posterior_fusion.fusion.fedppd import FedPPDDistillSettings, fedppd_distill
+    from posterior_fusion.fusion.methods import fedppd as mod
+    from posterior_fusion.fusion.methods.fedppd import FedPPDDistillSettings, fedppd_distill
 
     gen = torch.Generator().manual_seed(3)
     clients = []

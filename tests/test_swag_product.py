@@ -9,7 +9,7 @@ import torch
 
 from posterior_fusion.artifact.objects import SwagMoments
 from posterior_fusion.errors import MethodNotApplicableError
-from posterior_fusion.fusion.swag_product import multiply
+from posterior_fusion.fusion.methods.swag_product import multiply
 
 
 def _moments(d: int, K: int, gen: torch.Generator) -> SwagMoments:

@@ -34,6 +34,18 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def open_file_sha256(f: h5py.File) -> str:
+    """SHA-256 (hex) of the bytes of the file ``f`` has open, read through HDF5's own descriptor:
+    the hash is of the file that was validated, not of whatever the path names a moment later."""
+    fd = f.id.get_vfd_handle()
+    h = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        h.update(chunk)
+        offset += len(chunk)
+    return h.hexdigest()
+
+
 class Checker:
     """Holds the file name so every error names it."""
 

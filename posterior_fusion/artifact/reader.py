@@ -27,7 +27,10 @@ import torch
 from posterior_fusion import budget
 from posterior_fusion.artifact import schema
 from posterior_fusion.artifact.h5check import Checker as _Checker
-from posterior_fusion.artifact.h5check import file_sha256  # noqa: F401 (public here too)
+from posterior_fusion.artifact.h5check import (
+    file_sha256,  # noqa: F401 (public here too)
+    open_file_sha256,
+)
 from posterior_fusion.artifact.h5check import open_artifact as _open
 from posterior_fusion.artifact.objects import (
     ClientPosterior,
@@ -252,7 +255,7 @@ def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
 def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
     """Validate an artifact's header (phase 1 only) and report its size without reading data.
 
-    Returns ``{"kind", "num_params", "num_components", "data_bytes"}``, where ``data_bytes``
+    Returns ``{"kind", "num_params", "num_components", "num_classes", "data_bytes"}``, where ``data_bytes``
     is the in-memory size of every dataset once loaded.
     """
     with _open(Path(path)) as (chk, f):
@@ -261,7 +264,7 @@ def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
             _client_plan(chk, f, spec, layout, meta)
         total = _data_bytes(chk, f, kind)
     return {"kind": kind, "num_params": layout.dim, "num_components": meta.get("num_components", meta.get("num_members")),
-            "data_bytes": total}
+            "num_classes": spec.num_classes, "data_bytes": total}
 
 
 def load(path: str | os.PathLike, max_memory: int | str | None = None) -> ClientPosterior | GlobalEnsemble:
@@ -283,7 +286,7 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
             comps = _client(chk, f, *plan)
         else:
             members, precisions = _global(chk, f, layout, meta)
-    sha = file_sha256(path)
+        sha = open_file_sha256(f)  # the bytes that were validated, through the same open file
     if kind == schema.KIND_CLIENT:
         return ClientPosterior(str(path), sha, spec, layout, frozen_mapping(meta), tuple(comps))
     return GlobalEnsemble(str(path), sha, spec, layout, frozen_mapping(meta), tuple(members),

@@ -15,6 +15,7 @@ from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError, DataError, shown
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion import METHODS
+from posterior_fusion.fusion.registry import COMPARED
 from posterior_fusion.local.config import STRUCTURES
 
 MAX_CONFIG_BYTES = 1_000_000
@@ -68,7 +69,7 @@ class ExperimentConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
     components: list[int] = field(default_factory=lambda: [5])
     structures: list[str] = field(default_factory=lambda: ["kron"])
-    methods: list[str] = field(default_factory=lambda: ["fedbens", "fedfisher", "regmean", "fisher-merge", "fedavg"])
+    methods: list[str] = field(default_factory=lambda: list(COMPARED))
     model: str = "lenet"
     epochs: int = 20
     steps: int = 300                  # server Adam steps of the optimising methods
@@ -76,8 +77,8 @@ class ExperimentConfig:
     prior_var: float = 0.1
     val_size: int = 500
     protocol: str = "ours"            # or "fedbens-reference" (the authors' partition; see pfuse partition --help)
-    temperatures: list[float] = field(default_factory=list)  # server re-tempering sweep for fedbens
-    tune: bool = False                # fedbens with T and prior chosen on validation ("fedbens-tuned")
+    temperatures: list[float] = field(default_factory=list)  # server re-tempering sweep of the tunable methods
+    tune: bool = False                # tunable methods also with T and prior chosen on validation ("<method>-tuned")
     tune_temperatures: list[float] = field(default_factory=lambda: [0.01, 0.03, 0.1, 0.3, 1.0])
     tune_prior_vars: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
     centralized: bool = True          # pooled-data upper bound

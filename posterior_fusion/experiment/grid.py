@@ -35,7 +35,7 @@ from posterior_fusion.errors import MethodNotApplicableError, ResumeError
 from posterior_fusion.experiment.config import ExperimentConfig
 from posterior_fusion.experiment.report import write_tables
 from posterior_fusion.files import write_text_atomically
-from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, method_settings
+from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, get_method, method_settings
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact, library_versions
@@ -99,11 +99,17 @@ def _run_fit_job(job: FitJob) -> str:
 @dataclass(frozen=True)
 class FuseJob:
     """One fusion of a cell: ``method`` on the first ``M`` components, optionally re-tempered
-    (``temperature``) or tuned on validation data (method ``fedbens-tuned``)."""
+    (``temperature``) or, for a tunable method, with T and σ0² chosen on validation data (``tuned``;
+    its rows are labelled ``<method>-tuned``)."""
 
     method: str
     M: int
     temperature: float | None = None
+    tuned: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.method}-tuned" if self.tuned else self.method
 
 
 def partition_cell(cfg: ExperimentConfig, cell: Cell, work: Path) -> tuple[str, dict]:
@@ -230,13 +236,13 @@ def equivalent_cached_fits(work: Path, summary: dict, spec: ModelSpec, fit_cfg: 
     return None
 
 
-SETTINGS_CHANGED = {"regmean"}  # methods whose default settings changed after results were first cached
-
-
 def fuse_jobs(cfg: ExperimentConfig) -> list[FuseJob]:
+    """Every method at every M; the tunable methods (``FusionMethod.tunable``) also re-tempered at
+    each of ``temperatures`` and, with ``tune``, tuned on validation data."""
     jobs = [FuseJob(m, M) for M in cfg.components for m in cfg.methods]
-    jobs += [FuseJob("fedbens", max(cfg.components), t) for t in cfg.temperatures]
-    jobs += [FuseJob("fedbens-tuned", max(cfg.components))] if cfg.tune else []
+    tunable = [m for m in cfg.methods if get_method(m).tunable]
+    jobs += [FuseJob(m, max(cfg.components), t) for m in tunable for t in cfg.temperatures]
+    jobs += [FuseJob(m, max(cfg.components), tuned=True) for m in tunable] if cfg.tune else []
     return jobs
 
 
@@ -244,32 +250,28 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
                 clients: list[ClientPosterior], val: SiloData, test: SiloData, work: Path, log: Log) -> dict | None:
     """Level 3: one fusion evaluated on the test split (``None`` if the method does not apply)."""
     base = {"alpha": cell.alpha, "clients": cell.clients, "seed": cell.seed, "structure": structure, "M": job.M,
-            "method": job.method, "temperature": job.temperature if job.temperature is not None else cfg.temperature}
-    method = "fedbens" if job.method == "fedbens-tuned" else job.method
+            "method": job.label, "temperature": job.temperature if job.temperature is not None else cfg.temperature}
+    method = job.method
     settings = applicable_settings(method, {"steps": cfg.steps})
     rpath = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps, 'settings': asdict(method_settings(method, settings))})}.json"
-    # caches written before the settings entered the key stay valid for methods whose defaults
-    # did not change since (regmean's did: its reference protocol became the default)
-    legacy = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps})}.json"
-    for path in (rpath, legacy if method not in SETTINGS_CHANGED else None):
-        if path is not None and path.exists():
-            return json.loads(path.read_text())
+    if rpath.exists():
+        return json.loads(rpath.read_text())
     subset = [replace(c, components=c.components[: job.M]) for c in clients]
     opts = FusionOptions(sampling_seed=cell.seed, progress=False, temperature=job.temperature)
     try:
-        if job.method == "fedbens-tuned":
+        if job.tuned:
             _, res, meta = tune_fusion(subset, method, opts, val, ("T", "prior"), cfg.tune_temperatures,
                                        cfg.tune_prior_vars, settings=settings)
         else:
             _, res, meta = fuse_clients(subset, method, opts, settings, val)
     except MethodNotApplicableError as exc:
-        log(f"  {job.method}: skipped ({exc})")
+        log(f"  {job.label}: skipped ({exc})")
         return None
     m = evaluate_members(ModelSpec(cfg.model, {}), res.members, test)
     row = {**base, "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "brier": m["brier"],
            "members": len(res.members), "fuse_seconds": meta["fuse_seconds"], "tuning": meta.get("tuning", {}).get("chosen")}
     write_json(rpath, row)
-    log(f"  {structure} M={job.M} {job.method}{'' if job.temperature is None else f'@T={job.temperature}'}: "
+    log(f"  {structure} M={job.M} {job.label}{'' if job.temperature is None else f'@T={job.temperature}'}: "
         f"accuracy {m['accuracy']:.4f}")
     return row
 
@@ -282,7 +284,8 @@ def centralized_result(cfg: ExperimentConfig, cell: Cell, pkey: str, summary: di
     rpath = work / "results" / f"{cache_key({'p': pkey, **base, 'epochs': cfg.epochs})}.json"
     if not rpath.exists():
         silos = [read_silo(c["path"]) for c in summary["clients"]]
-        pooled = SiloData(np.concatenate([s.x for s in silos]), np.concatenate([s.y for s in silos]), silos[0].dataset, 10)
+        pooled = SiloData(np.concatenate([s.x for s in silos]), np.concatenate([s.y for s in silos]), silos[0].dataset,
+                          silos[0].num_classes, transform=silos[0].transform)
         spec = ModelSpec(cfg.model, {})
         fit = FitConfig(temperature=cfg.temperature, prior_var=cfg.prior_var,
                         train=TrainConfig(epochs=cfg.epochs)).resolved(len(pooled))

@@ -17,6 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion.flower.federation import FederatedSettings, make_client_app, run_round
 from posterior_fusion.fusion import FusionOptions
+from posterior_fusion.fusion.registry import DEFAULT_METHOD
 
 clientapp = make_client_app()
 serverapp = ServerApp()
@@ -26,7 +27,7 @@ def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dic
     """(method, shared options, the method's settings, robust) from a flat Flower run config."""
     settings = {k[len("set."):]: v for k, v in cfg.items() if k.startswith("set.")}
     options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False)
-    return str(cfg.get("method", "fedbens")), options, settings, bool(cfg.get("robust", False))
+    return str(cfg.get("method", DEFAULT_METHOD)), options, settings, bool(cfg.get("robust", False))
 
 
 @serverapp.main()

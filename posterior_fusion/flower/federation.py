@@ -33,6 +33,7 @@ from posterior_fusion.artifact import load_client
 from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
 from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
+from posterior_fusion.fusion.registry import DEFAULT_METHOD
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, PrivateModelConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_to_artifact
@@ -279,7 +280,7 @@ def exchange(grid: Grid, messages: list[Message], keys: list[int], timeout_s: fl
     return replies, missing
 
 
-def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str = "fedbens",
+def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str = DEFAULT_METHOD,
               options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
               log: Callable[[str], None] = print,
@@ -333,7 +334,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     return meta
 
 
-def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, method: str = "fedbens",
+def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, method: str = DEFAULT_METHOD,
                     options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
                     on_bad_reply: str = "skip", min_nodes: int = 1,
                     method_settings: MethodSettings | Mapping[str, Any] | None = None) -> ServerApp:

@@ -101,14 +101,50 @@ class FusionResult:
 
 
 @dataclass(frozen=True)
+class FuseSize:
+    """What a memory estimate knows before anything is loaded: ``d`` parameters, ``clients``
+    artifacts, ``components`` per client."""
+
+    d: int
+    clients: int
+    components: int
+
+
+def one_member(settings: Any, size: FuseSize) -> int:
+    return 1
+
+
+def optimiser_bytes(settings: Any, size: FuseSize) -> int:
+    """A one-mode optimiser over every component (autograd keeps about 4 parameter vectors each)."""
+    return 4 * size.clients * size.components * size.d * 4
+
+
+def no_work(settings: Any, size: FuseSize) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
 class FusionMethod:
-    """A registry entry: ``run(inputs, settings)`` and the type of its settings record."""
+    """A registry entry: what a method is, needs and costs, declared beside it (no other module
+    branches on a method's name).
+
+    ``run(inputs, settings)``; ``settings``: its settings record; ``summary``: its one line (help,
+    demo legend, docs); ``optimises``: runs Adam over the parameters (progress); ``members``:
+    networks it serves per prediction, from settings and sizes alone; ``work_bytes``: its
+    working set beyond the loaded artifacts (memory estimate); ``distils``: it distils into one
+    model by itself (``--distill`` is not applied again); ``tunable``: T and σ0² can be chosen
+    on validation data (``--tune``, the experiment grids' ``tune``).
+    """
 
     name: str
     run: Callable[[FusionInputs, Any], FusionResult]
     settings: type[MethodSettings] = MethodSettings
     summary: str = ""
-    optimises: bool = False      # runs Adam over the parameters (memory estimate, progress)
+    optimises: bool = False
+    members: Callable[[Any, FuseSize], int] = one_member
+    work_bytes: Callable[[Any, FuseSize], int] = no_work
+    distils: bool = False
+    tunable: bool = False
 
     def __call__(self, inputs: FusionInputs, settings: MethodSettings | None = None) -> FusionResult:
         return self.run(inputs, settings if settings is not None else self.settings())

@@ -6,7 +6,8 @@ Adding a method: write its module (function, settings record, ``METHOD``) and ad
 from __future__ import annotations
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion import (
+from posterior_fusion.fusion.common import FusionMethod
+from posterior_fusion.fusion.methods import (
     ensemble,
     fedavg,
     fedbe,
@@ -20,7 +21,6 @@ from posterior_fusion.fusion import (
     swag,
     swag_product,
 )
-from posterior_fusion.fusion.common import FusionMethod
 
 METHODS: dict[str, FusionMethod] = {m.name: m for m in (
     fedbens.METHOD,
@@ -37,6 +37,14 @@ METHODS: dict[str, FusionMethod] = {m.name: m for m in (
     fedppd.METHOD,
     fedppd.DISTILL_METHOD,
 )}
+
+
+DEFAULT_METHOD = fedbens.METHOD.name
+# The side-by-side comparisons the grids and the demo run by default (names declared here only).
+COMPARED = tuple(m.name for m in (fedbens.METHOD, fedfisher.METHOD, regmean.METHOD, fisher_merge.METHOD,
+                                  fedavg.METHOD))
+DEMO = (*COMPARED, product.METHOD.name, fedbe.METHOD.name, swag.METHOD.name, ensemble.METHOD.name)
+QUICK = (fedbens.METHOD.name, fedavg.METHOD.name)
 
 
 def get_method(name: str) -> FusionMethod:

@@ -14,6 +14,7 @@ from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, SchemaError
 from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
+from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.resources import estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.run import fuse_clients, method_settings
@@ -73,7 +74,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
         inputs, result, metadata = tune_fusion(clients, method, options, val, tune, log=log, settings=chosen, **grids)
     else:
         inputs, result, metadata = fuse_clients(clients, method, options, chosen, val, unlabeled, log, robust)
-    if distill is not None and method != "fedbe":  # fedbe distils with the same schedule itself
+    if distill is not None and not get_method(method).distils:  # a distilling method does it with this schedule
         log(f"distilling {len(result.members)} members into one model on {len(unlabeled)} unlabeled inputs")
         w, record = distill_members(inputs.spec, result.members, unlabeled.inputs(), distill,
                                     options.sampling_seed, options.progress)

@@ -11,6 +11,7 @@ records which package provided its model so the server can say what to install.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable
@@ -166,9 +167,23 @@ class ModelSpec:
             raise ModelSpecError(f"{where}: model {self.name!r} gives outputs {tuple(out.shape[1:])} on inputs "
                                  f"of shape {tuple(sample_shape)}, expected ({self.num_classes},)")
 
-    @property
+    @functools.cached_property
     def num_classes(self) -> int:
-        return int(self.kwargs.get("num_classes", 10))
+        """Outputs of the model: its ``num_classes`` argument, else the builder's default for it,
+        else the last Linear layer's width (read on the meta device)."""
+        if "num_classes" in self.kwargs:
+            return int(self.kwargs["num_classes"])
+        default = inspect.signature(resolve_model(self.name, self.provider)[0]).parameters.get("num_classes")
+        if default is not None and isinstance(default.default, int):
+            return default.default
+        import torch
+
+        with torch.device("meta"):
+            linear = [m for m in self._construct().modules() if isinstance(m, nn.Linear)]
+        if not linear:
+            raise ModelSpecError(f"model {self.name!r}: cannot tell its number of classes (no num_classes "
+                                 "argument and no Linear layer)")
+        return linear[-1].out_features
 
     def to_json(self) -> str:
         obj = {"name": self.name, "kwargs": self.kwargs}

@@ -51,4 +51,5 @@ def fedbe(inputs: FusionInputs, settings: FedBESettings) -> FusionResult:
 
 
 METHOD = FusionMethod("fedbe", fedbe, FedBESettings,
-                      "FedBE: Gaussian or Dirichlet distribution over client models, sampled ensemble, distilled")
+                      "FedBE: Gaussian or Dirichlet distribution over client models, sampled ensemble, distilled",
+                      members=lambda settings, size: 1 + size.clients + settings.num_samples, distils=True)

@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
-from posterior_fusion.curvature.kron import default_chunk_bytes
+from posterior_fusion.curvature.kron import CHUNK_BYTES, default_chunk_bytes
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_equal_components
 from posterior_fusion.fusion.laplace import laplace_mode_weights, mode_precisions, uniform_weights
@@ -244,5 +244,23 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     return FusionResult([w.clone() for w in best], info, curvatures)
 
 
+def _modes(settings: FedBEnsSettings, size) -> int:
+    """K, the number of global modes: from the median starts, the client components, or both."""
+    modes = settings.modes or size.components
+    n = size.clients * size.components
+    return {"median": modes, "clients": n, "median+clients": modes + n}[settings.starts]
+
+
+def _work_bytes(settings: FedBEnsSettings, size) -> int:
+    """K modes against one chunk of clients at a time (about 3·K·d numbers per component, chunks of
+    at most ``default_chunk_bytes`` or one client), K parameter vectors with their gradient, Adam
+    moments and best iterate."""
+    k = _modes(settings, size)
+    per_component = 3 * k * size.d * 4
+    n = size.clients * size.components
+    chunk = min(n, max(size.components, CHUNK_BYTES // per_component))
+    return chunk * per_component + 6 * k * size.d * 4
+
+
 METHOD = FusionMethod("fedbens", fedbens, FedBEnsSettings, "modes of the product of client mixtures (FedBEns)",
-                      optimises=True)
+                      optimises=True, members=_modes, work_bytes=_work_bytes, tunable=True)

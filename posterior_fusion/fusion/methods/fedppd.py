@@ -85,4 +85,4 @@ def fedppd_distill(inputs: FusionInputs, settings: FedPPDDistillSettings) -> Fus
 METHOD = FusionMethod("fedppd", fedppd, MethodSettings, "FedPPD: n-weighted average of the clients' PPD students")
 DISTILL_METHOD = FusionMethod("fedppd-distill", fedppd_distill, FedPPDDistillSettings,
                               "FedPPD (Algorithm 3): averaged student, client students and Gaussian samples "
-                              "distilled into one model on unlabeled data")
+                              "distilled into one model on unlabeled data", distils=True)

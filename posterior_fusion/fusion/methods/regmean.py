@@ -22,7 +22,7 @@ import torch
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_structures
-from posterior_fusion.fusion.fedavg import fedavg_weights
+from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings import MethodSettings, setting
 
 PROTOCOLS = ("reference", "kfac")

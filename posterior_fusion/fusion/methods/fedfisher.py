@@ -6,8 +6,8 @@ best validation iterate is kept (else the best objective).
 
 from __future__ import annotations
 
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
-from posterior_fusion.fusion.fedavg import fedavg_weights
+from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
+from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.stack import StackedGaussians
 
@@ -26,4 +26,5 @@ def fedfisher(inputs: FusionInputs, settings: OptimiserSettings) -> FusionResult
 
 
 METHOD = FusionMethod("fedfisher", fedfisher, OptimiserSettings,
-                      "one model minimising the sum of client curvature quadratics (FedFisher)", optimises=True)
+                      "one model minimising the sum of client curvature quadratics (FedFisher)", optimises=True,
+                      work_bytes=optimiser_bytes)

@@ -34,7 +34,7 @@ import torch
 
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
@@ -132,4 +132,4 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
 
 METHOD = FusionMethod("hbfl", hbfl, HBFLSettings,
                       "HBFL's aggregation: q_k-weighted product of the clients' scaled Gaussian likelihoods, no prior",
-                      optimises=True)
+                      optimises=True, work_bytes=optimiser_bytes)

@@ -10,4 +10,6 @@ def ensemble(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
     return FusionResult([comp.map.float().clone() for c in inputs.clients for comp in c.components])
 
 
-METHOD = FusionMethod("ensemble", ensemble, MethodSettings, "all client components as one ensemble")
+METHOD = FusionMethod("ensemble", ensemble, MethodSettings,
+                      "all C x M client models averaged (serving cost C x M models)",
+                      members=lambda settings, size: size.clients * size.components)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
-from posterior_fusion.fusion.fedavg import fedavg_weights
+from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings import MethodSettings
 
 
