@@ -32,7 +32,7 @@ def inspect_cmd(file, as_json, max_memory):
     values included, is validated as fuse would — a bad file still ends with one line and exit 2."""
     if as_json:
         from posterior_fusion.artifact import load
-        from posterior_fusion.inspect import summarize
+        from posterior_fusion.summary import summarize
 
         echo_json(summarize(load(file, max_memory)))
         return

@@ -28,6 +28,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in ("artifact", "curvature", "errors", "layout", "models", "fusion", "data", "local", "kernels",
-                "metrics", "predictive", "experiment", "flower", "budget", "storage", "inspect", "demo"):
+                "metrics", "predictive", "experiment", "flower", "budget", "storage", "summary", "demo", "files",
+                "ranges", "runtime"):
         return importlib.import_module(f"posterior_fusion.{name}")
     raise AttributeError(f"module 'posterior_fusion' has no attribute {name!r}")

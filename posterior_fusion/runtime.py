@@ -4,9 +4,8 @@ PyTorch's CPU allocator takes every tensor from ``malloc`` and returns it on rel
 glibc's defaults, large buffers come from fresh ``mmap`` calls and the top of the heap is trimmed
 back to the operating system once enough of it is free, so a loop that allocates the same
 activations, gradients and products every step faults their pages in again every step (with
-transparent huge pages, each fault zeroes 2 MiB). Measured on this project's machines
-(``benchmarks/allocator_bench.py``): a LeNet training epoch 1.5x faster in CPU time, a fedbens
-server step and the fast curvature capture faster too, for ~25 MiB more resident memory.
+transparent huge pages, each fault zeroes 2 MiB). The gain and its memory price are measured
+by ``benchmarks/allocator_bench.py`` (``docs/benchmarks.md``).
 
 :func:`keep_freed_memory` raises glibc's mmap and trim thresholds so freed buffers are reused;
 the price is that up to ``limit`` bytes of freed memory stay with the process instead of going

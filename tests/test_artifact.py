@@ -268,7 +268,7 @@ def test_inspect_header_preview_is_torch_free_and_agrees_with_the_full_summary(k
             "s['components']], 'sha': s['sha256'], 'ratio': [c['curvature_bytes_per_param'] for c in s['components']]}))")
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert out["torch"] is False
-    from posterior_fusion.inspect import summarize
+    from posterior_fusion.summary import summarize
 
     full = summarize(posterior_fusion.load(kron_artifact))
     assert out["d"] == full["num_params"] and out["comps"] == len(full["components"]) and out["sha"] == full["sha256"]

@@ -18,7 +18,8 @@ from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ArtifactError, ConfigError, ResourceLimitError
-from posterior_fusion.fusion import FusionOptions, fuse, server
+from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.fusion import from_files as server
 from posterior_fusion.fusion.robust import screen_clients
 
 

@@ -12,9 +12,9 @@ from conftest import fit_split, random_psd
 import posterior_fusion
 from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.common import FusionInputs, FusionOptions
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior, fedbens
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.types import FusionInputs, FusionOptions
 from posterior_fusion.kernels import choose_backend, kron_direct_forms, kron_quadratic_forms, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,7 +17,7 @@ from posterior_fusion.artifact.objects import Component
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.fusion.laplace import laplace_mode_weights, mode_precisions, responsibilities
+from posterior_fusion.fusion.mode_laplace import laplace_mode_weights, mode_precisions, responsibilities
 from posterior_fusion.metrics import (
     accuracy_coverage,
     auroc,

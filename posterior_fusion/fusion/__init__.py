@@ -5,10 +5,10 @@ posteriors. Shared options are :class:`FusionOptions`; each method's own hyper-p
 are its settings record (``METHODS[name].settings``).
 """
 
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionOptions, FusionResult
+from posterior_fusion.fusion.from_files import fuse
+from posterior_fusion.fusion.from_posteriors import applicable_settings, fuse_clients, method_settings, write_fused
 from posterior_fusion.fusion.registry import METHODS, get_method
-from posterior_fusion.fusion.run import applicable_settings, fuse_clients, method_settings, write_fused
-from posterior_fusion.fusion.server import fuse
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionOptions, FusionResult
 
 __all__ = ["FusionInputs", "FusionMethod", "FusionOptions", "FusionResult", "METHODS", "get_method", "fuse",
            "fuse_clients", "method_settings", "applicable_settings", "write_fused"]

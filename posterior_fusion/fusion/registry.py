@@ -6,7 +6,6 @@ Adding a method: write its module (function, settings record, ``METHOD``) and ad
 from __future__ import annotations
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.common import FusionMethod
 from posterior_fusion.fusion.methods import (
     ensemble,
     fedavg,
@@ -21,6 +20,7 @@ from posterior_fusion.fusion.methods import (
     swag,
     swag_product,
 )
+from posterior_fusion.fusion.types import FusionMethod
 
 METHODS: dict[str, FusionMethod] = {m.name: m for m in (
     fedbens.METHOD,

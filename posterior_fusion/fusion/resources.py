@@ -1,12 +1,12 @@
 """Memory estimate for ``fuse``, computed from artifact and data headers before any data is loaded.
-Each method declares its own part (:class:`~posterior_fusion.fusion.common.FusionMethod`'s
+Each method declares its own part (:class:`~posterior_fusion.fusion.types.FusionMethod`'s
 ``members`` and ``work_bytes``); this module adds what every fusion holds."""
 
 from __future__ import annotations
 
-from posterior_fusion.fusion.common import FuseSize
 from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.types import FuseSize
 
 
 def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettings, data_bytes: int = 0,

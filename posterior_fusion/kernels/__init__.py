@@ -13,10 +13,9 @@ two: half the FLOPs either way); the rotated form stays for the low-rank shortcu
 Backends: ``"torch"`` (batched matmuls, :mod:`.reference`; the default on CPU and GPU, and the
 test oracle) and ``"triton"`` (fused kernels, :mod:`.triton_kron`, opt-in — ``pip install
 posterior-fusion[gpu]``: they never form the ``(K, N, P, Q)`` products, so they need a tenth of the
-GPU memory, but measured on an H100 they are slower than torch's cuBLAS products: 3–4x against the
-eager step from C·M = 10 components on, 8–60x against the CUDA-graph step, ~500x on a 512 x 1600
-layer — a tile recomputes ``B V`` for every column block; ``docs/benchmarks.md``, "On a GPU"). ``$PFUSE_KERNEL`` forces one; Triton on the CPU needs
-``TRITON_INTERPRET=1`` (slow, for tests).
+GPU memory, but they are slower than torch's cuBLAS products — a tile recomputes ``B V`` for every
+column block; measured in ``docs/benchmarks.md``, "On a GPU"). ``$PFUSE_KERNEL`` forces one; Triton
+on the CPU needs ``TRITON_INTERPRET=1`` (slow, for tests).
 """
 
 from __future__ import annotations

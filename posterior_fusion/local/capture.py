@@ -2,8 +2,8 @@
 only module importing laplace.
 
 Returns the raw GGN summed over the data as a :class:`BlockDiag` (no prior, no temperature).
-laplace-torch backends (measured, see DESIGN.md): kron via Curvlinops K-FAC; diag via ASDL (the
-default Curvlinops diag is ~250x slower); last-layer full via Curvlinops. ``capture(...,
+laplace-torch backends (chosen by measurement, ``docs/benchmarks.md``): kron via Curvlinops K-FAC;
+diag via ASDL (the default Curvlinops diag is far slower); last-layer full via Curvlinops. ``capture(...,
 method="fast")`` computes the same quantities for models whose parameters all sit in Linear /
 Conv2d layers, and falls back to laplace-torch for any other model.
 """

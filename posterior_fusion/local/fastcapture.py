@@ -67,8 +67,8 @@ CHUNK_COLUMNS = 1 << 11  # float32 partial sums over at most this many columns, 
 def _input_columns(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Layer input as columns ``(I, M·S)``: for a convolution the M·S patches of I values (rows ordered
     as ``F.unfold``'s (channel, kh, kw)), written by one strided copy per kernel offset (long runs of
-    output positions: 9x faster than copying a windowed view patch by patch, whose inner runs are kw
-    values); for a linear layer a view of the inputs at every position."""
+    output positions rather than a windowed view copied patch by patch, whose inner runs are kw values;
+    timings in ``docs/benchmarks.md``, "Capture"); for a linear layer a view of the inputs at every position."""
     if isinstance(module, nn.Conv2d):
         (ph, pw), (sh, sw), (dh, dw) = module.padding, module.stride, module.dilation
         kh, kw = module.kernel_size
@@ -92,9 +92,7 @@ def _pixel_gram_pays(module: nn.Conv2d, x: torch.Tensor) -> bool:
     ``(C·H·W)²`` multiply-adds per sample against the unfolded patches' ``(C·kh·kw)²·Ho·Wo`` (padded
     sizes) up to a factor 2 that buys back the patch copy, and a pixel Gram of at most
     :data:`PIXEL_GRAM_MAX` rows (a larger one is as slow as the patches: its GEMM writes more than it
-    computes). Measured (1 thread, 256 samples): LeNet's second convolution 14.1 → 6.2 ms, its first
-    7.1 → 4.1 ms; a 32-channel 14 × 14 input with a 5 × 5 kernel (6,272 rows) 439 vs 434 ms (patches
-    kept); 16 channels 16 × 16, 3 × 3 (products 4.1x the patches') 34 vs 143 ms (patches kept)."""
+    computes). The measurements behind the rule are in ``docs/benchmarks.md``, "Capture"."""
     (ph, pw), (kh, kw) = module.padding, module.kernel_size
     H, W = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
     Ho, Wo = _output_size(module, H, W)
@@ -158,7 +156,7 @@ def _output_gram(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     (conv ``(M, O, H, W)``, linear ``(M, ..., O)``). A convolution with at most :data:`CHUNK_COLUMNS`
     positions and no more channels than positions takes one batched product per sample straight
     from ``g``'s memory (float32 over one sample's positions, float64 over samples): no transposed
-    copy of ``g``, and 3x faster than the column chunks for LeNet's first convolution."""
+    copy of ``g`` (faster than the column chunks there: ``docs/benchmarks.md``, "Capture")."""
     if isinstance(module, nn.Conv2d):
         g3 = g.reshape(g.shape[0], g.shape[1], -1)  # (M, O, S)
         if g3.shape[1] <= g3.shape[2] <= CHUNK_COLUMNS:
@@ -219,7 +217,7 @@ def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn
     """One forward pass, then one backward pass per column to the layer *outputs* only (the
     graph is kept between them); calls ``on_column(r, inputs, grads)`` with the column index, the
     layers' inputs and their output gradients for that column. (A single vmapped backward over the C columns,
-    ``is_grads_batched``, measured 1.8x slower on the CPU.)"""
+    ``is_grads_batched``, is slower on the CPU: ``docs/benchmarks.md``, "Capture".)"""
     ins: dict[nn.Module, torch.Tensor] = {}
     outs: dict[nn.Module, torch.Tensor] = {}
 
@@ -262,8 +260,8 @@ def _no_param_grads(model: nn.Module):
 
 
 def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str):
-    """Consecutive slices (views) of ``x`` and ``y`` with progress. (A ``DataLoader`` indexes and
-    re-stacks every sample: ~3 ms per batch of 256, 12 % of a last-layer capture.)"""
+    """Consecutive slices (views) of ``x`` and ``y`` with progress (a ``DataLoader`` would index and
+    re-stack every sample)."""
     n = len(x)
     batches = ((x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, n, batch_size))
     return progress(batches, desc, -(-n // batch_size))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 
 def ensemble(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:

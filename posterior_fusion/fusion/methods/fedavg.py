@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 
 def fedavg_weights(inputs: FusionInputs) -> torch.Tensor:

@@ -22,11 +22,11 @@ from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.artifact.objects import LOG_2PI
 from posterior_fusion.curvature.kron import CHUNK_BYTES, default_chunk_bytes
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_equal_components
-from posterior_fusion.fusion.laplace import laplace_mode_weights, mode_precisions, uniform_weights
+from posterior_fusion.fusion.mode_laplace import laplace_mode_weights, mode_precisions, uniform_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_equal_components
 from posterior_fusion.kernels.graphs import GraphedStep
 
 

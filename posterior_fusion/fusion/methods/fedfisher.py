@@ -6,10 +6,10 @@ best validation iterate is kept (else the best objective).
 
 from __future__ import annotations
 
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
 
 
 def fedfisher(inputs: FusionInputs, settings: OptimiserSettings) -> FusionResult:

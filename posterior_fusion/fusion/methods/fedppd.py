@@ -18,9 +18,9 @@ import torch
 
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.distill import DistillConfig, distill
 from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 
 def _students(inputs: FusionInputs, method: str, components: list[int]) -> list[list[torch.Tensor]]:

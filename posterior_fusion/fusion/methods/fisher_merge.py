@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 
 def fisher_merge(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:

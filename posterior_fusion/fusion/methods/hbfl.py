@@ -34,10 +34,10 @@ import torch
 
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.common import FusionInputs, FusionMethod, FusionResult, require_structures
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_structures
 
 PROTOCOLS = ("reference", "kfac")
 

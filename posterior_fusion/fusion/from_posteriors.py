@@ -10,10 +10,10 @@ from typing import Any
 
 from posterior_fusion.artifact import ClientPosterior, write_global_artifact
 from posterior_fusion.data.silo import SiloData
-from posterior_fusion.fusion.common import FusionInputs, FusionOptions, FusionResult, check_compatible
 from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult, check_compatible
 
 
 def method_settings(method: str, settings: MethodSettings | Mapping[str, Any] | None = None) -> MethodSettings:
