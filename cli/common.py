@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from posterior_fusion.compat import REMOVED_IN, RENAMED_OPTIONS
 from posterior_fusion.errors import PfuseError, terminal_safe
 
 MAX_ERROR_CHARS = 2000
@@ -55,9 +56,22 @@ max_memory_option = click.option(
          "[default: 80% of available memory, or $PFUSE_MAX_MEMORY].")
 
 
+def old_spellings(command: str) -> Callable:
+    """The deprecated spellings of ``command``'s options (:data:`posterior_fusion.compat.RENAMED_OPTIONS`),
+    each accepted as a hidden option that warns and sets the new option's parameter."""
+    types = {"int": int, "str": str, "float": float}
+
+    def decorate(fn: Callable) -> Callable:
+        for old, (new, target, type_name) in RENAMED_OPTIONS.get(command, {}).items():
+            fn = renamed(old, new, target, type=types[type_name])(fn)
+        return fn
+
+    return decorate
+
+
 def renamed(old: str, new: str, target: str, **option_kwargs: Any) -> Callable:
     """Keep ``old`` as a hidden, deprecated spelling of option ``new`` (parameter ``target``)
-    for one release: using it prints a warning and sets ``target``."""
+    until :data:`posterior_fusion.compat.REMOVED_IN`: using it prints a warning and sets ``target``."""
     dest = "deprecated_" + old.lstrip("-").replace("-", "_")
 
     def decorate(fn: Callable) -> Callable:
@@ -65,7 +79,7 @@ def renamed(old: str, new: str, target: str, **option_kwargs: Any) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             value = kwargs.pop(dest)
             if value is not None and value is not False:
-                click.echo(f"warning: {old} is deprecated and will be removed in the next release; use {new}", err=True)
+                click.echo(f"warning: {old} is deprecated and will be removed in {REMOVED_IN}; use {new}", err=True)
                 kwargs[target] = value
             return fn(*args, **kwargs)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option, renamed, say
+from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option, old_spellings, say
 from posterior_fusion.data.importers import FORMATS
 from posterior_fusion.data.prepare import DATASETS, PROTOCOLS, SCHEMES, import_data, partition_to_files
 from posterior_fusion.errors import ConfigError
@@ -81,7 +81,7 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
               help="Folder with the Fashion-MNIST IDX .gz files [default: /usr/share/datasets/fashion-mnist, else the embedded subset].")
 @click.option("--max-train", default=None, type=int, help="Use at most this many training samples [default: all].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@renamed("--seed", "--partition-seed", "partition_seed", type=int)
+@old_spellings("partition")
 @handle_errors
 def partition(source, test_path, test_size, dataset, clients, alpha, partition_seed, out_dir, val_size, min_size, scheme,
               classes_per_client, protocol, data_dir, max_train, as_json):

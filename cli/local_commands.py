@@ -7,7 +7,7 @@ import json
 import click
 
 from posterior_fusion.artifact import load_global, write_global_artifact
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed, say
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
@@ -52,8 +52,7 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
                    "checked by fit-local) [default: not recorded].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output init file (HDF5).")
 @max_memory_option
-@renamed("--mixtures", "--components", "components", type=int)
-@renamed("--seed", "--init-seed", "init_seed", type=int)
+@old_spellings("init")
 @handle_errors
 def init(model, model_kwargs, components, init_seed, transform_from, out, max_memory):
     """Write M shared starting points that every client trains from."""
@@ -117,9 +116,7 @@ def init(model, model_kwargs, components, init_seed, transform_from, out, max_me
               help="Continue an interrupted run from its partial file (.<out>.partial.h5); same settings required.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @max_memory_option
-@renamed("--mixtures", "--components", "components", type=int)
-@renamed("--hessian", "--structure", "structure", type=click.Choice(STRUCTURES))
-@renamed("--seed", "--train-seed", "train_seed", type=int)
+@old_spellings("fit-local")
 @handle_errors
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, structure, epochs, batch_size, lr,
                   momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, ppd, ppd_steps, ppd_burn_in, ppd_thin,

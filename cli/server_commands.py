@@ -10,7 +10,8 @@ import click
 
 from posterior_fusion import ranges
 from posterior_fusion.artifact import load_global
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, renamed, say
+from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
+from posterior_fusion.compat import FUSE_FLAGS_TO_SETTINGS
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
 from posterior_fusion.errors import ConfigError
@@ -24,17 +25,13 @@ from posterior_fusion.local.config import STRUCTURES
 from posterior_fusion.metrics import check_data, choose_scale, evaluate_posterior, reliability_plot
 from posterior_fusion.predictive import LINKS, PREDICTIVES, write_predictions
 
-# Options that were method settings before per-method settings existed: old flag -> (setting, type).
-LEGACY_SETTINGS = {"--steps": ("steps", int), "--lr": ("adam_lr", float), "--clip": ("clip", float),
-                   "--val-every": ("val_every", int), "--modes": ("modes", int), "--num-samples": ("num_samples", int),
-                   "--regmean-alpha": ("alpha", float),
-                   "--lowrank-tol": ("lowrank_tol", float)}
-
 
 def legacy_settings(fn: Callable) -> Callable:
-    """Accept the pre-``--set`` flags for one release: each warns and becomes a setting
-    (dropped, with a warning, for a method whose record lacks it)."""
-    dests = {flag: "legacy_" + flag.lstrip("-").replace("-", "_") for flag in LEGACY_SETTINGS}
+    """Accept the pre-``--set`` flags (:data:`posterior_fusion.compat.FUSE_FLAGS_TO_SETTINGS`) until
+    their removal: each warns and becomes a setting (dropped, with a warning, for a method whose
+    record lacks it)."""
+    table = {flag: (key, {"int": int, "float": float}[t]) for flag, (key, t) in FUSE_FLAGS_TO_SETTINGS.items()}
+    dests = {flag: "legacy_" + flag.lstrip("-").replace("-", "_") for flag in table}
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -42,13 +39,13 @@ def legacy_settings(fn: Callable) -> Callable:
         for flag, dest in dests.items():
             value = kwargs.pop(dest)
             if value is not None:
-                key = LEGACY_SETTINGS[flag][0]
+                key = table[flag][0]
                 say(f"warning: {flag} is deprecated; use --set {key}={value}", err=True)
                 legacy[key] = value
         return fn(*args, legacy=legacy, **kwargs)
 
     for flag, dest in dests.items():
-        wrapper = click.option(flag, dest, hidden=True, default=None, type=LEGACY_SETTINGS[flag][1])(wrapper)
+        wrapper = click.option(flag, dest, hidden=True, default=None, type=table[flag][1])(wrapper)
     return wrapper
 
 
@@ -128,8 +125,7 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @max_memory_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @legacy_settings
-@renamed("--seed", "--sampling-seed", "sampling_seed", type=int)
-@renamed("--mode-index", "--component", "component", type=int)
+@old_spellings("fuse")
 @handle_errors
 def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, distill_epochs, temperature, prior_var,
              component, sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
@@ -285,8 +281,7 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
               help="A seconds-long smoke run (embedded subset, 3 clients, M=2, 1 epoch, 600 images, 20 steps, fedbens "
                    "and fedavg).")
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-@renamed("--mixtures", "--components", "components", type=int)
-@renamed("--hessian", "--structure", "structure", type=click.Choice(STRUCTURES))
+@old_spellings("demo")
 @handle_errors
 def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, quick, as_json):
     """Partition -> fit-local per silo -> fuse with every method -> side-by-side test table."""

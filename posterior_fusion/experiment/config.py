@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import tomllib
 
 from posterior_fusion import ranges
+from posterior_fusion.compat import RENAMED_TOML_KEYS, rename_keys
 from posterior_fusion.errors import ConfigError, DataError, shown
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion import METHODS
@@ -50,8 +51,6 @@ def _is(value, tp) -> bool:
     return isinstance(value, tp)
 
 
-# Deprecated TOML keys kept for one release: old -> new.
-RENAMED_KEYS = {"mixtures": "components"}
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,7 @@ class ExperimentConfig:
             raw = tomllib.loads(source.read_text())
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, DataError) as exc:
             raise ConfigError(f"{path}: cannot read config ({exc})") from None
-        for old, new in RENAMED_KEYS.items():
-            if old in raw:
-                print(f"warning: {path}: key {old!r} is deprecated; use {new!r}", file=sys.stderr)
-                raw.setdefault(new, raw.pop(old))
+        raw = rename_keys(raw, RENAMED_TOML_KEYS, str(path), lambda msg: print(msg, file=sys.stderr))
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:

@@ -30,6 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion import budget
 from posterior_fusion.artifact import load_client
+from posterior_fusion.compat import RENAMED_RUN_CONFIG_KEYS, rename_keys
 from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
 from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
@@ -41,7 +42,6 @@ from posterior_fusion.local.ppd import PPDConfig
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
-RENAMED_KEYS = {"mixtures": "components", "seed": "train_seed"}  # deprecated spellings, one release
 _FIT, _TRAIN, _PPD = FitConfig(), TrainConfig(), PPDConfig()
 
 
@@ -79,19 +79,15 @@ class FederatedSettings:
     def from_json(cls, text: str) -> FederatedSettings:
         try:
             obj = json.loads(text)
-            return cls(**{RENAMED_KEYS.get(k, k): v for k, v in obj.items()})
+            return cls(**{k.replace("-", "_"): v for k, v in
+                          rename_keys(obj, RENAMED_RUN_CONFIG_KEYS, "federated settings", print).items()})
         except (json.JSONDecodeError, TypeError, AttributeError) as exc:
             raise ConfigError(f"invalid federated settings: {exc}") from None
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FederatedSettings:
         """Settings from a Flower run config (keys as in examples/flower/pyproject.toml)."""
-        cfg = dict(cfg)
-        for old, new in RENAMED_KEYS.items():
-            old_key, new_key = old.replace("_", "-"), new.replace("_", "-")
-            if old_key in cfg:
-                print(f"warning: run config key {old_key!r} is deprecated; use {new_key!r}")
-                cfg.setdefault(new_key, cfg.pop(old_key))
+        cfg = rename_keys(cfg, RENAMED_RUN_CONFIG_KEYS, "run config", print)
         kwargs = json.loads(str(cfg.get("model-kwargs", "{}")))
         names = {f: f.replace("_", "-") for f in cls.__dataclass_fields__ if f != "model_kwargs"}
         vals = {f: cfg[key] for f, key in names.items() if key in cfg}

@@ -1,0 +1,43 @@
+"""Every old spelling still accepted, in one place, until version :data:`REMOVED_IN`.
+
+Each use prints one warning naming the new spelling. Delete this module's tables (and the lines
+that read them) at :data:`REMOVED_IN`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+REMOVED_IN = "0.4"
+
+# Command-line options: old flag -> (new flag, parameter, type name) per command.
+RENAMED_OPTIONS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "init": {"--mixtures": ("--components", "components", "int"), "--seed": ("--init-seed", "init_seed", "int")},
+    "fit-local": {"--mixtures": ("--components", "components", "int"), "--hessian": ("--structure", "structure", "str"),
+                  "--seed": ("--train-seed", "train_seed", "int")},
+    "partition": {"--seed": ("--partition-seed", "partition_seed", "int")},
+    "fuse": {"--seed": ("--sampling-seed", "sampling_seed", "int"), "--mode-index": ("--component", "component", "int")},
+    "demo": {"--mixtures": ("--components", "components", "int"), "--hessian": ("--structure", "structure", "str")},
+    "experiment": {"--work-dir": ("--out-dir", "out_dir", "str")},
+}
+# fuse options that became method settings (``--set KEY=VALUE``): old flag -> (setting, type name).
+FUSE_FLAGS_TO_SETTINGS: dict[str, tuple[str, str]] = {
+    "--steps": ("steps", "int"), "--lr": ("adam_lr", "float"), "--clip": ("clip", "float"),
+    "--val-every": ("val_every", "int"), "--modes": ("modes", "int"), "--num-samples": ("num_samples", "int"),
+    "--regmean-alpha": ("alpha", "float"), "--lowrank-tol": ("lowrank_tol", "float")}
+# Keys of the experiment TOML and of the Flower run config: old -> new.
+RENAMED_TOML_KEYS = {"mixtures": "components"}
+RENAMED_RUN_CONFIG_KEYS = {"mixtures": "components", "seed": "train-seed"}
+
+
+def rename_keys(values: Mapping[str, Any], table: Mapping[str, str], where: str,
+                warn: Callable[[str], None]) -> dict[str, Any]:
+    """``values`` with every old key of ``table`` renamed (a new key given too wins), warning once per key."""
+    out = dict(values)
+    for old, new in table.items():
+        if old in out:
+            warn(f"warning: {where}: key {old!r} is deprecated and will be removed in {REMOVED_IN}; use {new!r}")
+            value = out.pop(old)
+            out.setdefault(new, value)
+    return out
