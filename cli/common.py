@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,15 @@ from posterior_fusion.compat import REMOVED_IN, RENAMED_OPTIONS
 from posterior_fusion.errors import PfuseError, terminal_safe
 
 MAX_ERROR_CHARS = 2000
+# The library names settings in backticks (`min_size`); the CLI shows their flags. A setting's flag
+# is ``--`` + its name with ``-`` for ``_`` unless this table says otherwise.
+FLAG_OF: dict[str, str] = {}
+_SETTING = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+def as_flags(message: str) -> str:
+    """``message`` with every `setting` written as its command-line flag (the one place they map)."""
+    return _SETTING.sub(lambda m: FLAG_OF.get(m.group(1), "--" + m.group(1).replace("_", "-")), message)
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -26,7 +36,7 @@ def handle_errors(fn: Callable) -> Callable:
         except PfuseError as exc:
             # One line, whatever the message holds: newlines and control characters from a file
             # are escaped, and a huge string is cut.
-            line = terminal_safe(str(exc).replace("\n", "\\n").replace("\t", " "), MAX_ERROR_CHARS)
+            line = terminal_safe(as_flags(str(exc)).replace("\n", "\\n").replace("\t", " "), MAX_ERROR_CHARS)
             click.echo(f"error: {line}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:

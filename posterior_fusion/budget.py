@@ -55,7 +55,7 @@ def require(need: int, what: str, max_memory: int | str | None = None) -> None:
     limit = resolve_limit(max_memory)
     if limit is not None and need > limit:
         raise ResourceLimitError(f"{what} needs about {_size(need)}, over the limit of {_size(limit)} "
-                                 "(--max-memory, default 80% of available memory)")
+                                 "(`max_memory`, default 80% of available memory)")
 
 
 def _size(n: int) -> str:

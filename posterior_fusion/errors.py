@@ -1,7 +1,8 @@
 """Typed errors. Every failure a user can cause maps to one of these.
 
 The CLI catches :class:`PfuseError` and prints ``error: <message>`` on one line with a
-non-zero exit code; the Python API lets them propagate.
+non-zero exit code; the Python API lets them propagate. Messages name settings as the library
+spells them, in backticks (`` `min_size` ``); the CLI shows each as its flag (``--min-size``).
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def regular_files_in(folder: str | os.PathLike, follow_links: bool = False) -> l
         if entry.is_symlink() and not follow_links:
             target = os.path.realpath(entry)
             if os.path.commonpath([root, target]) != root:
-                raise DataError(f"{entry}: a link out of {folder} (to {target}); pass --follow-links to read it")
+                raise DataError(f"{entry}: a link out of {folder} (to {target}); pass `follow_links` to read it")
         if entry.is_dir():
             continue
         out.append(require_regular_file(entry))
@@ -277,6 +277,6 @@ def subfolders(folder: str | os.PathLike, follow_links: bool = False) -> list[Pa
         if entry.is_symlink() and not follow_links:
             target = os.path.realpath(entry)
             if os.path.commonpath([root, target]) != root:
-                raise DataError(f"{entry}: a link out of {folder} (to {target}); pass --follow-links to read it")
+                raise DataError(f"{entry}: a link out of {folder} (to {target}); pass `follow_links` to read it")
         out.append(entry)
     return out

@@ -205,7 +205,7 @@ def _pyplot():
     except ImportError:
         from posterior_fusion.errors import ConfigError
 
-        raise ConfigError("--plot needs matplotlib (pip install 'posterior-fusion[plot]')") from None
+        raise ConfigError("`plot` needs matplotlib (pip install 'posterior-fusion[plot]')") from None
     return plt
 
 

@@ -38,8 +38,8 @@ def _check(predictive: str, precisions, scale: float) -> None:
     if predictive not in PREDICTIVES:
         raise ConfigError(f"unknown predictive {predictive!r}; use one of {', '.join(PREDICTIVES)}")
     if predictive != "map" and precisions is None:
-        raise ConfigError(f"predictive {predictive!r} needs a global posterior (fuse --method fedbens stores one); "
-                          "this artifact has only point estimates: use --predictive map")
+        raise ConfigError(f"predictive {predictive!r} needs a global posterior (fuse `method` fedbens stores one); "
+                          "this artifact has only point estimates: use `predictive` map")
     ranges.check("scale", scale, ranges.PREDICTIVE_SCALE)
 
 

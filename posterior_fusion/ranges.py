@@ -28,4 +28,5 @@ def check(name: str, value: float | int, bounds: tuple[float, float]) -> None:
     lo, hi = bounds
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and lo <= value <= hi
     if not ok:
-        raise ConfigError(f"{name} must be a finite number in [{lo:g}, {hi:g}], got {str(value)[:40]}")
+        shown_name = f"`{name}`" if name.isidentifier() else name  # a setting: the CLI shows its flag
+        raise ConfigError(f"{shown_name} must be a finite number in [{lo:g}, {hi:g}], got {str(value)[:40]}")

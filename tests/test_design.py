@@ -340,3 +340,30 @@ def test_every_package_of_the_tree_is_in_the_wheel():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "posterior_fusion").rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
+
+
+def test_library_errors_name_settings_and_the_cli_shows_flags(tmp_path):
+    """No error raised by the library spells a command-line flag: it names the setting in
+    backticks, and the CLI's one mapping shows the flag."""
+    import re
+
+    from posterior_fusion.cli.common import as_flags
+
+    flag = re.compile(r"(?<![\w`])--[a-z]")
+    found = []
+    for path in sorted((ROOT / "posterior_fusion").rglob("*.py")):
+        src = path.read_text()
+        lines = src.split("\n")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                if flag.search(text):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
+    assert as_flags("lower `min_size` or pass `data_dir`; `x` stays") == "lower --min-size or pass --data-dir; --x stays"
+    r = CliRunner().invoke(pfuse, ["partition", "--clients", "0", "--out-dir", str(tmp_path / "p")])
+    assert r.exit_code == 2 and "--clients must be" in r.stderr and "`" not in r.stderr
+    from posterior_fusion.data.partition import dirichlet_partition
+
+    with pytest.raises(ConfigError, match="`clients` must be"):  # the library's own spelling
+        dirichlet_partition(torch.zeros(10, dtype=torch.long).numpy(), 0, 0.5, 0)

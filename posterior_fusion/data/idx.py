@@ -77,7 +77,7 @@ def load_fmnist(split: str, data_dir: str | os.PathLike | None = None) -> tuple[
     images_name, labels_name = FILES[split]
     for name in (images_name, labels_name):
         if not (folder / name).exists():
-            raise DataError(f"{folder / name} not found (install 'dataset-fashion-mnist' or pass --data-dir)")
+            raise DataError(f"{folder / name} not found (install 'dataset-fashion-mnist' or pass `data_dir`)")
     x = read_idx(folder / images_name)
     y = read_idx(folder / labels_name).astype(np.int64)
     if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:

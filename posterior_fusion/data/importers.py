@@ -171,7 +171,7 @@ def from_image_folder(path: Path, size: tuple[int, int] | None = None, grey: boo
     files = [(label, f) for label, folder in enumerate(classes) for f in regular_files_in(folder, follow_links)
              if f.suffix.lower() in IMAGE_SUFFIXES]
     if size is not None and not (1 <= size[0] <= MAX_IMAGE_SIDE and 1 <= size[1] <= MAX_IMAGE_SIDE):
-        raise DataError(f"--image-size {size[0]}x{size[1]}: each side must be in [1, {MAX_IMAGE_SIDE}]")
+        raise DataError(f"`image_size` {size[0]}x{size[1]}: each side must be in [1, {MAX_IMAGE_SIDE}]")
     limit = budget.resolve_limit(max_memory)
     channels = 1 if grey else 3
     pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # the budget below replaces PIL's fixed bomb limit
@@ -182,7 +182,7 @@ def from_image_folder(path: Path, size: tuple[int, int] | None = None, grey: boo
     for (_, f), (w, h) in zip(files, sizes):
         if limit is not None and w * h * 4 * 2 > limit:
             raise ResourceLimitError(f"{f}: declares {w}x{h} pixels, over the memory limit of "
-                                     f"{limit / 2**30:.2f} GiB (--max-memory)")
+                                     f"{limit / 2**30:.2f} GiB (`max_memory`)")
         if size is None:
             size = (w, h)
     if size is not None:
@@ -379,7 +379,7 @@ def detect_format(source: str) -> str:
         return table[suffix]
     if "idx" in p.name:
         return "idx"
-    raise DataError(f"{source}: cannot tell the format from the name; pass --format ({', '.join(FORMATS)})")
+    raise DataError(f"{source}: cannot tell the format from the name; pass `format` ({', '.join(FORMATS)})")
 
 
 def load_source(source: str, fmt: str = "auto", labels: str | os.PathLike | None = None, label_column: str = "label",
@@ -425,4 +425,4 @@ def load_source(source: str, fmt: str = "auto", labels: str | os.PathLike | None
         raise DataError(f"{p}: cannot read it as {fmt} ({type(exc).__name__}: {str(exc)[:200]})") from None
     except MemoryError:
         raise ResourceLimitError(f"{p}: ran out of memory while importing it (lower the data size or "
-                                 "raise --max-memory)") from None
+                                 "raise `max_memory`)") from None

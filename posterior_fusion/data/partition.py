@@ -19,9 +19,9 @@ def dirichlet_partition(
     (Hsu et al. 2019). Draws are repeated until every client has ``min_size`` samples.
     """
     if num_clients < 1:
-        raise ConfigError("--clients must be >= 1")
+        raise ConfigError("`clients` must be >= 1")
     if not alpha > 0:
-        raise ConfigError("--alpha must be > 0")
+        raise ConfigError("`alpha` must be > 0")
     if scheme not in ("fedbens", "per-class"):
         raise ConfigError(f"unknown partition scheme {scheme!r}; use 'fedbens' or 'per-class'")
     if min_size * num_clients > len(labels):
@@ -44,7 +44,7 @@ def dirichlet_partition(
         out = [np.sort(np.concatenate(p)) for p in parts]
         if min(len(o) for o in out) >= min_size:
             return out
-    raise ConfigError(f"no partition with every client >= {min_size} samples after {max_tries} draws; lower --min-size")
+    raise ConfigError(f"no partition with every client >= {min_size} samples after {max_tries} draws; lower `min_size`")
 
 
 def label_skew_partition(labels: np.ndarray, num_clients: int, classes_per_client: int, seed: int,
@@ -55,7 +55,7 @@ def label_skew_partition(labels: np.ndarray, num_clients: int, classes_per_clien
     classes = np.unique(labels)
     K = len(classes)
     if not 1 <= classes_per_client <= K:
-        raise ConfigError(f"--classes-per-client must be in [1, {K}]")
+        raise ConfigError(f"`classes_per_client` must be in [1, {K}]")
     if num_clients * classes_per_client < K:
         raise ConfigError(f"{num_clients} clients with {classes_per_client} classes each cannot cover {K} classes")
     rng = np.random.default_rng(seed)
@@ -71,7 +71,7 @@ def label_skew_partition(labels: np.ndarray, num_clients: int, classes_per_clien
             parts[c].append(chunk)
     out = [np.sort(np.concatenate(p)) if p else np.zeros(0, dtype=np.int64) for p in parts]
     if min(len(o) for o in out) < min_size:
-        raise ConfigError(f"a client got fewer than {min_size} samples; lower --min-size or use fewer clients")
+        raise ConfigError(f"a client got fewer than {min_size} samples; lower `min_size` or use fewer clients")
     return out
 
 

@@ -33,7 +33,7 @@ def resolve_transform(spec: str, x: np.ndarray, source: str) -> InputTransform:
     if spec.startswith("from:"):
         other = read_silo(spec.split(":", 1)[1], labels=False)
         return other.input_transform
-    raise ConfigError(f"--transform takes auto, none, constants:NAME or from:FILE, got {spec!r}")
+    raise ConfigError(f"`transform` takes auto, none, constants:NAME or from:FILE, got {spec!r}")
 
 
 def import_data(source: str, out: str | os.PathLike, fmt: str = "auto", transform: str = "auto",
@@ -45,7 +45,7 @@ def import_data(source: str, out: str | os.PathLike, fmt: str = "auto", transfor
     x, y = load_source(source, fmt, **kwargs)
     k = num_classes if num_classes is not None else (int(y.max()) + 1 if y is not None and y.size else 0)
     if y is not None and (k < 1 or y.max() >= k):
-        raise DataError(f"{source}: labels reach {int(y.max())}, more than --num-classes {k} allows")
+        raise DataError(f"{source}: labels reach {int(y.max())}, more than `num_classes` {k} allows")
     t = resolve_transform(transform, x, str(source))
     dataset = name or Path(str(source).split(":")[-1]).stem
     write_silo(out, SiloData(x, y, dataset, max(k, 1), str(source), t))
@@ -57,7 +57,7 @@ def _split_indices(labels: np.ndarray, clients: int, alpha: float, seed: int, mi
                    classes_per_client: int | None) -> list[np.ndarray]:
     if scheme == "label-skew":
         if classes_per_client is None:
-            raise ConfigError("--scheme label-skew needs --classes-per-client")
+            raise ConfigError("`scheme` label-skew needs `classes_per_client`")
         return label_skew_partition(labels, clients, classes_per_client, seed, min_size)
     return dirichlet_partition(labels, clients, alpha, seed, min_size=min_size, scheme=scheme)
 
@@ -93,7 +93,7 @@ def partition_to_files(
         origin = str(source)
     else:
         if dataset not in DATASETS:
-            raise ConfigError(f"unknown dataset {dataset!r}; available: {', '.join(DATASETS)} (or --from FILE)")
+            raise ConfigError(f"unknown dataset {dataset!r}; available: {', '.join(DATASETS)} (or `from` FILE)")
         folder = find_fmnist_dir(data_dir)
         x, y = load_fmnist("train", folder)
         xt, yt = load_fmnist("test", folder)
@@ -102,7 +102,7 @@ def partition_to_files(
         origin = str(folder)
     if protocol == "fedbens-reference":
         if scheme != "fedbens" or max_train is not None or test_size:
-            raise ConfigError("--protocol fedbens-reference fixes the scheme (fedbens) and uses all training data")
+            raise ConfigError("`protocol` fedbens-reference fixes the scheme (fedbens) and uses all training data")
         if source is None:
             t = InputTransform.constants("mnist")
             test_data = SiloData(test_data.x, test_data.labels(), name, k, transform=t)
@@ -114,13 +114,13 @@ def partition_to_files(
     order = rng.permutation(len(y))
     if test_size:
         if test_data is not None or not 0 < test_size < len(order):
-            raise ConfigError("--test-size needs --from without --test, and fewer samples than the data set")
+            raise ConfigError("`test_size` needs `from` without `test`, and fewer samples than the data set")
         held, order = order[:test_size], order[test_size:]
         test_data = SiloData(x[held], y[held], name, k, transform=t)
     if max_train is not None:
         order = order[: max_train + val_size]
     if val_size < 0 or val_size >= len(order):
-        raise ConfigError(f"--val-size {val_size} must be in [0, {len(order)})")
+        raise ConfigError(f"`val_size` {val_size} must be in [0, {len(order)})")
     val_idx, pool = order[:val_size], order[val_size:]
     parts = _split_indices(y[pool], clients, alpha, partition_seed, min_size, scheme, classes_per_client)
     return _write_split(Path(out_dir), x, y, name, k, t, parts, pool, val_idx, test_data,

@@ -114,7 +114,7 @@ class SiloData:
         top = (float(np.abs(x).max()) * t.scale + max(abs(m) for m in t.mean)) / min(t.std)
         if not top < MAX_TRANSFORMED:
             raise DataError(f"{where}: the input transform (scale {t.scale:g}, std down to {min(t.std):g}) maps the "
-                            f"data to values up to {top:.3g}, beyond {MAX_TRANSFORMED:g}; choose another --transform")
+                            f"data to values up to {top:.3g}, beyond {MAX_TRANSFORMED:g}; choose another `transform`")
 
     def subset(self, idx: np.ndarray) -> SiloData:
         return SiloData(self.x[idx], None if self.y is None else self.y[idx], self.dataset, self.num_classes,

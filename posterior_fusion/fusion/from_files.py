@@ -45,7 +45,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     if distill is not None:
         distill.validate()
         if not unlabeled_path:
-            raise ConfigError("--distill needs unlabeled server data (--unlabeled FILE)")
+            raise ConfigError("`distill` needs unlabeled server data (`unlabeled` FILE)")
     if not client_paths:
         raise IncompatibleArtifactsError("no client artifacts given")
     headers = [declared_bytes(p) for p in client_paths]

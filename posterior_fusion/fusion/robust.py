@@ -68,7 +68,7 @@ def screen_clients(clients: list[ClientPosterior], rule: ScreeningRule | None = 
     rule.validate()
     C = len(clients)
     if C < 3:
-        raise ConfigError(f"--robust needs at least 3 clients to compare against each other, got {C}")
+        raise ConfigError(f"`robust` needs at least 3 clients to compare against each other, got {C}")
     temperature = temperature or (lambda c: c.temperature)
     prior_precision = prior_precision or (lambda c: c.prior_precision)
     M = min(c.num_components for c in clients)

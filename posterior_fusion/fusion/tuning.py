@@ -32,7 +32,7 @@ def parse_tune(text: str | None) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     bad = [n for n in names if n not in TUNABLE]
     if bad or not names:
-        raise ConfigError(f"--tune takes a comma list of {TUNABLE}, got {text!r}")
+        raise ConfigError(f"`tune` takes a comma list of {TUNABLE}, got {text!r}")
     return names
 
 
@@ -41,7 +41,7 @@ def tune_fusion(clients: list[ClientPosterior], method: str, options: FusionOpti
                 log=lambda msg: None, settings: MethodSettings | Mapping[str, Any] | None = None):
     """Run ``method`` over the grid and return the best ``(inputs, result, metadata)``."""
     if val is None:
-        raise ConfigError("--tune needs server validation data (--val)")
+        raise ConfigError("`tune` needs server validation data (`val`)")
     ts = list(temperatures) if "T" in params else [options.temperature]
     pvs = list(prior_vars) if "prior" in params else [options.prior_var]
     table, best = [], None

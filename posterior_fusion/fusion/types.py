@@ -42,9 +42,9 @@ class FusionOptions:
         if self.prior_var is not None:
             ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
         if self.component < 0:
-            raise ConfigError("--component must be >= 0")
+            raise ConfigError("`component` must be >= 0")
         if self.device not in ("cpu", "cuda") or (self.device == "cuda" and not torch.cuda.is_available()):
-            raise ConfigError(f"--device {self.device!r} is not available here (cpu, or cuda with a GPU)")
+            raise ConfigError(f"`device` {self.device!r} is not available here (cpu, or cuda with a GPU)")
 
 
 def prior_precision_of(prior_var: float) -> float:
@@ -157,7 +157,7 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
     for c in clients:
         if c.metadata.get("partial"):
             raise IncompatibleArtifactsError(f"{c.path}: is the partial file of an interrupted fit-local run, not a "
-                                             "finished artifact (finish it with fit-local --resume)")
+                                             "finished artifact (finish it with fit-local `resume`)")
     ref = clients[0]
     for c in clients[1:]:
         if c.model_spec != ref.model_spec:

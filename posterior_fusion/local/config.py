@@ -45,9 +45,9 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(message)
         if self.weight_decay is not None and not self.weight_decay >= 0:
-            raise ConfigError("--weight-decay must be >= 0 (or omitted for T·λ0/n)")
+            raise ConfigError("`weight_decay` must be >= 0 (or omitted for T·λ0/n)")
         if self.swag_rank < 1 or self.swag_epochs < 0 or self.swag_snapshots_per_epoch < 1:
-            raise ConfigError("--swag-rank must be >= 1 (swag_epochs >= 0, swag_snapshots_per_epoch >= 1)")
+            raise ConfigError("`swag_rank` must be >= 1 (swag_epochs >= 0, swag_snapshots_per_epoch >= 1)")
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,9 @@ class PrivateModelConfig:
 
     def validate(self) -> None:
         if not 0 <= self.weight <= 1:
-            raise ConfigError(f"--private-weight must be in [0, 1], got {self.weight}")
+            raise ConfigError(f"`private_weight` must be in [0, 1], got {self.weight}")
         if self.epochs is not None and self.epochs < 1:
-            raise ConfigError(f"--private-epochs must be >= 1, got {self.epochs}")
+            raise ConfigError(f"`private_epochs` must be >= 1, got {self.epochs}")
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,13 @@ class FitConfig:
         ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
         ranges.check("curvature_batch_size", self.curvature_batch_size, ranges.BATCH_SIZE)
         if self.capture not in CAPTURE_METHODS:
-            raise ConfigError(f"unknown --capture {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
+            raise ConfigError(f"unknown `capture` {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.ppd is not None:
             self.ppd.validate()
         if self.private is not None:
             self.private.validate()
         if self.curvature_batch_size < 1:
-            raise ConfigError("--curvature-batch-size must be >= 1")
+            raise ConfigError("`curvature_batch_size` must be >= 1")
         self.train.validate()
 
     @property

@@ -77,7 +77,7 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
     epochs) and return its probabilities on the silo ``(n, classes)`` for distillation."""
     spec = ModelSpec(cfg.private.model, dict(cfg.private.model_kwargs))
     if spec.num_classes != num_classes:
-        raise ConfigError(f"--private-model outputs {spec.num_classes} classes, the shared model {num_classes}")
+        raise ConfigError(f"`private_model` outputs {spec.num_classes} classes, the shared model {num_classes}")
     spec.check_input(tuple(x.shape[1:]), "the silo")
     model = spec.build()
     train = replace(cfg.train, epochs=cfg.private.epochs or cfg.train.epochs, swag=False)
@@ -162,12 +162,12 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
             meta, comps = fit_local(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
         except KeyboardInterrupt:
             kept = f"the finished components are kept in {partial}; " if partial.exists() else ""
-            raise ResumeError(f"interrupted; {kept}rerun the same command with --resume to continue") from None
+            raise ResumeError(f"interrupted; {kept}rerun the same command with `resume` to continue") from None
         meta["init"] = init_info
         try:
             write_client_artifact(out, spec, layout, meta, comps)
         except OutputError as exc:
-            raise OutputError(f"{exc}; the finished components are kept in {partial} (rerun with --resume)") from None
+            raise OutputError(f"{exc}; the finished components are kept in {partial} (rerun with `resume`)") from None
         partial.unlink(missing_ok=True)
     return meta, comps
 

@@ -42,7 +42,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     meta = dict(source.metadata)
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
-                                         "finish it with fit-local --resume first")
+                                         "finish it with fit-local `resume` first")
     ggn = meta.get("ggn", "exact") if ggn is None else ggn  # structure, method and ggn: checked by capture()
     recorded = meta.get("curvature_batch_size", 256)
     if curvature_batch_size is None and (not isinstance(recorded, int) or isinstance(recorded, bool)):

@@ -194,7 +194,7 @@ def require_shared_inits(inputs: FusionInputs) -> None:
         first = known[0]
         odd = next(p for p, f in known if f != first[1])
         raise IncompatibleArtifactsError(f"{odd}: trained from other starting points than {first[0]} (init fingerprints "
-                                         "differ); use one init file or --init-seed for every silo, or --set "
+                                         "differ); use one init file or `init_seed` for every silo, or `set` "
                                          "allow_different_inits=true")
 
 

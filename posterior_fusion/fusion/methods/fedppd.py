@@ -31,7 +31,7 @@ def _students(inputs: FusionInputs, method: str, components: list[int]) -> list[
             comp = c.components[m]
             if comp.student is None:
                 raise MethodNotApplicableError(f"method {method!r} needs FedPPD students; {c.path} component {m} has "
-                                               "none (fit-local --ppd)")
+                                               "none (fit-local `ppd`)")
             row.append(comp.student.float())
         out.append(row)
     return out
@@ -73,7 +73,7 @@ def student_ensemble(inputs: FusionInputs, num_samples: int,
 
 def fedppd_distill(inputs: FusionInputs, settings: FedPPDDistillSettings) -> FusionResult:
     if inputs.unlabeled is None:
-        raise MethodNotApplicableError("method 'fedppd-distill' needs unlabeled server data (--unlabeled FILE)")
+        raise MethodNotApplicableError("method 'fedppd-distill' needs unlabeled server data (`unlabeled` FILE)")
     gen = torch.Generator().manual_seed(inputs.options.sampling_seed)
     teachers, labels = student_ensemble(inputs, settings.num_samples, gen)
     cfg = replace(DistillConfig(), epochs=settings.distill_epochs, sharpen=settings.sharpen)

@@ -26,7 +26,7 @@ def swag_ensemble(inputs: FusionInputs, settings: SwagSettings) -> FusionResult:
     for c in inputs.clients:
         for comp in c.components:
             if comp.swag is None:
-                raise MethodNotApplicableError(f"method 'swag' needs SWAG moments; {c.path} component {comp.index} has none (fit-local --swag)")
+                raise MethodNotApplicableError(f"method 'swag' needs SWAG moments; {c.path} component {comp.index} has none (fit-local `swag`)")
             members.extend(comp.swag.sample(max(1, settings.num_samples), gen).float())
     return FusionResult([w.clone() for w in members])
 

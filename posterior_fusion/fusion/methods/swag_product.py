@@ -113,7 +113,7 @@ def swag_product(inputs: FusionInputs, settings: SwagProductSettings) -> FusionR
         comp = c.components[m]
         if comp.swag is None:
             raise MethodNotApplicableError(f"method 'swag-product' needs SWAG moments; {c.path} component "
-                                           f"{comp.index} has none (fit-local --swag)")
+                                           f"{comp.index} has none (fit-local `swag`)")
         moments.append(comp.swag)
     prod = multiply(moments, [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision(),
                     settings.min_variance)
