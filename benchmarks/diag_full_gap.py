@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from posterior_fusion.artifact import ClientPosterior, load_client
-from posterior_fusion.artifact.objects import build_model
 from posterior_fusion.curvature import BlockDiag, Diag
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.experiment.grid import Cell, cache_key, fit_clients, partition_cell
@@ -44,6 +43,7 @@ from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior, median_s
 from posterior_fusion.fusion.optimise import accuracy_of
 from posterior_fusion.local.capture import capture
 from posterior_fusion.metrics import evaluate_members
+from posterior_fusion.posterior import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cell_study import study_arguments  # noqa: E402  (a sibling module: the studies' shared command line)

@@ -21,7 +21,6 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
@@ -29,6 +28,7 @@ from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component
 
 
 def main() -> None:

@@ -26,10 +26,10 @@ import time
 import torch
 
 import posterior_fusion
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.curvature import BlockDiag, Kron
 from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.kernels import triton_available
+from posterior_fusion.posterior import Component
 
 T, LAM = 0.1, 10.0
 

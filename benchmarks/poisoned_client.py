@@ -18,7 +18,6 @@ import torch
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
@@ -30,6 +29,7 @@ from posterior_fusion.local.fit import fit_local
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component
 
 
 def scaled(block, s):

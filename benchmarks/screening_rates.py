@@ -18,11 +18,11 @@ from pathlib import Path
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ScreeningError
 from posterior_fusion.fusion.robust import screen_clients
+from posterior_fusion.posterior import Component
 
 
 def attacked(art, dst, scale=1.0, flip=False, meta=None):

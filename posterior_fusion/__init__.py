@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in ("artifact", "curvature", "errors", "layout", "models", "fusion", "data", "local", "kernels",
-                "metrics", "predictive", "experiment", "flower", "budget", "storage", "summary", "demo", "files",
+                "metrics", "predictive", "experiment", "flower", "budget", "hdf5_safety", "summary", "demo", "files",
                 "ranges", "runtime"):
         return importlib.import_module(f"posterior_fusion.{name}")
     raise AttributeError(f"module 'posterior_fusion' has no attribute {name!r}")

@@ -249,34 +249,24 @@ def require_regular_file(path: str | os.PathLike, what: str = "input") -> Path:
     return path
 
 
-def regular_files_in(folder: str | os.PathLike, follow_links: bool = False) -> list[Path]:
-    """The entries of ``folder`` (sorted) that are regular files. A link that leaves ``folder``'s
-    tree is refused unless ``follow_links``; FIFOs, devices and sockets are refused."""
-    folder = Path(folder)
+def _entries(folder: Path, follow_links: bool) -> list[Path]:
+    """Sorted entries of ``folder``; a link that leaves its tree is refused unless ``follow_links``."""
     root = os.path.realpath(folder)
-    out = []
-    for entry in sorted(folder.iterdir()):
+    entries = sorted(folder.iterdir())
+    for entry in entries:
         if entry.is_symlink() and not follow_links:
             target = os.path.realpath(entry)
             if os.path.commonpath([root, target]) != root:
                 raise DataError(f"{entry}: a link out of {folder} (to {target}); pass `follow_links` to read it")
-        if entry.is_dir():
-            continue
-        out.append(require_regular_file(entry))
-    return out
+    return entries
+
+
+def regular_files_in(folder: str | os.PathLike, follow_links: bool = False) -> list[Path]:
+    """The entries of ``folder`` (sorted) that are regular files. A link that leaves ``folder``'s
+    tree is refused unless ``follow_links``; FIFOs, devices and sockets are refused."""
+    return [require_regular_file(e) for e in _entries(Path(folder), follow_links) if not e.is_dir()]
 
 
 def subfolders(folder: str | os.PathLike, follow_links: bool = False) -> list[Path]:
     """Sorted sub-folders of ``folder``, with the same link rule as :func:`regular_files_in`."""
-    folder = Path(folder)
-    root = os.path.realpath(folder)
-    out = []
-    for entry in sorted(folder.iterdir()):
-        if not entry.is_dir():
-            continue
-        if entry.is_symlink() and not follow_links:
-            target = os.path.realpath(entry)
-            if os.path.commonpath([root, target]) != root:
-                raise DataError(f"{entry}: a link out of {folder} (to {target}); pass `follow_links` to read it")
-        out.append(entry)
-    return out
+    return [e for e in _entries(Path(folder), follow_links) if e.is_dir()]

@@ -14,7 +14,6 @@ from torch.nn.utils import parameters_to_vector
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.artifact.writer import text_attr
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
@@ -31,6 +30,7 @@ from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component
 
 
 def test_round_trip_predictions_equal_trained_model(tmp_path, small_silo):

@@ -15,7 +15,6 @@ from conftest import fit_split, random_psd
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.data.silo import SiloData
@@ -24,6 +23,8 @@ from posterior_fusion.fusion import METHODS, FusionMethod, FusionResult, fuse
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.stacked import STACKERS
+from posterior_fusion.posterior import Component
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,16 +156,19 @@ class Iso(Precision):
     def from_tensors(cls, tensors, header):
         return cls(tensors["iso"], int(header["size"]))
 
-    @classmethod
-    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None):
-        return Diag.stacked([Diag(b.g.expand(b.size).to(dtype)) for b in blocks], offset, mu, scales, shifts, dtype)
 
 
-def test_a_new_block_type_needs_only_its_class_and_a_table_entry(monkeypatch, tmp_path):
-    """Writer, reader and stack find an unknown-to-them block type through BLOCK_TYPES."""
+def stack_iso(blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None):
+    """Iso's batched evaluation: fusion's table entry (as a diagonal)."""
+    return STACKERS["diag"]([Diag(b.g.expand(b.size).to(dtype)) for b in blocks], offset, mu, scales, shifts, dtype)
+
+
+def test_a_new_block_type_needs_only_its_class_and_its_table_entries(monkeypatch, tmp_path):
+    """Writer and reader find an unknown-to-them block type through BLOCK_TYPES, the stack through STACKERS."""
     from test_fusion import TINY, TINY_LAYOUT
 
     monkeypatch.setitem(BLOCK_TYPES, "iso", Iso)
+    monkeypatch.setitem(STACKERS, "iso", stack_iso)
     gen = torch.Generator().manual_seed(0)
     d = TINY_LAYOUT.dim
     comps = [Component(m, torch.randn(d, generator=gen, dtype=torch.float64),
@@ -200,7 +204,7 @@ def test_every_table_entry_round_trips_and_matches_dense(kind):
     assert cls.dataset_shapes(12, blocks[0].header()) == {k: tuple(t.shape) for k, t in blocks[0].to_tensors().items()}
     mu = torch.randn(3, 12, generator=gen, dtype=torch.float64)
     scales, shifts = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64), torch.tensor([0.1, 1.0, 3.0], dtype=torch.float64)
-    st = cls.stacked(blocks, 0, mu, scales, shifts, torch.float64)
+    st = STACKERS[kind](blocks, 0, mu, scales, shifts, torch.float64)
     W = torch.randn(4, 12, generator=gen, dtype=torch.float64)
     dense = [b.precision(1 / s.item(), t.item()).to_dense() for b, s, t in zip(blocks, scales, shifts)]
     ref = torch.stack([torch.einsum("ki,ij,kj->k", W - m, D, W - m) for m, D in zip(mu, dense)], -1)
@@ -367,3 +371,45 @@ def test_library_errors_name_settings_and_the_cli_shows_flags(tmp_path):
 
     with pytest.raises(ConfigError, match="`clients` must be"):  # the library's own spelling
         dirichlet_partition(torch.zeros(10, dtype=torch.long).numpy(), 0, 0.5, 0)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "diag+full"])
+def test_one_mixture_type_against_torch_distributions(structure):
+    """Client posteriors evaluate, draw and predict through the one ``GaussianMixture``; its density
+    equals a float64 mixture of dense ``MultivariateNormal`` s with unequal weights."""
+    from test_fusion import random_clients
+
+    from posterior_fusion.mixture import GaussianMixture
+
+    c = random_clients(structure, 1, 3, seed=11)[0]
+    weights = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    mix = GaussianMixture.of([k.map for k in c.components], [k.precision() for k in c.components], weights)
+    w = torch.randn(5, c.layout.dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    dense = [torch.distributions.MultivariateNormal(k.map.double(), precision_matrix=k.precision().to_dense().double())
+             for k in c.components]
+    want = torch.logsumexp(torch.stack([d.log_prob(w) for d in dense], -1) + weights.log(), -1)
+    torch.testing.assert_close(mix.log_prob(w), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(c.log_prob(w), torch.logsumexp(torch.stack([d.log_prob(w) for d in dense], -1)
+                                                              - torch.log(torch.tensor(3.0)), -1), rtol=1e-6, atol=1e-6)
+    draws = mix.sample(4000, torch.Generator().manual_seed(0))
+    assert draws.shape == (4000, c.layout.dim)
+    torch.testing.assert_close(draws.mean(0), sum(p * k.map.double() for p, k in zip(weights, c.components)),
+                               rtol=0, atol=0.15)
+
+
+def test_curvature_is_algebra_and_imports_nothing_above_it():
+    """``curvature/`` is the maths of one precision: it imports nothing from fusion, kernels,
+    artifact (nor any other layer above it); batched evaluation lives in ``fusion/stacked.py``."""
+    above = ("posterior_fusion.fusion", "posterior_fusion.kernels", "posterior_fusion.artifact",
+             "posterior_fusion.local", "posterior_fusion.data", "posterior_fusion.models")
+    found = []
+    for path in sorted((ROOT / "posterior_fusion" / "curvature").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith(above)]
+    assert not found, found
+    from posterior_fusion.curvature import BLOCK_TYPES as kinds
+    from posterior_fusion.fusion.stacked import STACKERS as stackers
+
+    assert set(kinds) == set(stackers)  # every stored block kind can be evaluated in batches

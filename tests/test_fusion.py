@@ -12,7 +12,6 @@ from conftest import fit_artifact, random_psd
 
 import posterior_fusion
 from posterior_fusion.artifact import ClientPosterior, Component, write_client_artifact
-from posterior_fusion.artifact.objects import frozen_mapping
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.errors import IncompatibleArtifactsError, MethodNotApplicableError
@@ -23,6 +22,7 @@ from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.resources import estimate_fuse_bytes
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import frozen_mapping
 
 fedavg, fisher_merge, product, regmean, fedbens = (METHODS[m] for m in ("fedavg", "fisher-merge", "product", "regmean", "fedbens"))
 

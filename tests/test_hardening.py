@@ -13,7 +13,6 @@ from conftest import fit_artifact, fit_split
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.silo import SiloData
@@ -21,6 +20,7 @@ from posterior_fusion.errors import ArtifactError, ConfigError, ResourceLimitErr
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.fusion import from_files as server
 from posterior_fusion.fusion.robust import screen_clients
+from posterior_fusion.posterior import Component
 
 
 @pytest.fixture(scope="module")

@@ -74,8 +74,8 @@ def _positive_clients(tmp_path, silo, structure, temps=(0.05, 0.1, 0.3), sizes=(
     """The fitted clients with full-rank random curvature of the same block kinds and unequal T_k:
     the paper's division by the prior is well posed, so eq. 3.8 applies exactly."""
     from posterior_fusion.artifact import write_client_artifact
-    from posterior_fusion.artifact.objects import Component
     from posterior_fusion.curvature import BlockDiag
+    from posterior_fusion.posterior import Component
 
     gen = torch.Generator().manual_seed(5)
     out = []

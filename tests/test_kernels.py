@@ -14,6 +14,7 @@ from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior, fedbens
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.stacked import stack_kron
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions
 from posterior_fusion.kernels import choose_backend, kron_direct_forms, kron_quadratic_forms, triton_available
 
@@ -143,8 +144,8 @@ def test_lowrank_does_not_depend_on_eigenvalue_order():
     for flip in (False, True):
         k = Kron((UB * b) @ UB.T, (UA * a) @ UA.T)
         k._eig = (b.flip(0), UB.flip(1), a.flip(0), UA.flip(1)) if flip else (b, UB, a, UA)
-        from posterior_fusion.artifact.objects import Component
         from posterior_fusion.curvature import BlockDiag
+        from posterior_fusion.posterior import Component
 
         comps.append(Component(0, torch.zeros(P * Q, dtype=torch.float64), BlockDiag([k]), {}, 0.1, 10.0))
     W = torch.randn(2, P * Q, generator=g, dtype=torch.float64)
@@ -184,7 +185,7 @@ def test_direct_form_equals_rotated_and_dense_reference(dtype, rtol, K):
     mu = torch.randn(N, P * Q, generator=gen, dtype=torch.float64)
     scales = torch.rand(N, generator=gen, dtype=torch.float64) + 0.5
     shifts = torch.rand(N, generator=gen, dtype=torch.float64) + 0.1
-    st = Kron.stacked(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype)
+    st = stack_kron(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype)
     W = torch.randn(K, P * Q, generator=gen, dtype=torch.float64)
     g = torch.randn(K, N, generator=gen, dtype=torch.float64)
     ref, ref_grad = torch.zeros(K, N, dtype=torch.float64), torch.zeros(K, P * Q, dtype=torch.float64)
@@ -194,7 +195,7 @@ def test_direct_form_equals_rotated_and_dense_reference(dtype, rtol, K):
         ref[:, n] = torch.einsum("ki,ij,kj->k", V, L, V)
         ref_grad += 2 * g[:, n : n + 1] * (V @ L)
     # the low-rank shortcut at a tolerance that drops nothing: its closed-form shift term is exact
-    low = Kron.stacked(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype, lowrank_tol=1e-30)
+    low = stack_kron(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype, lowrank_tol=1e-30)
     assert low.shift is not None
     for stacked, form in ((st, "direct"), (st, "rotated"), (low, "rotated")):
         w = W.to(dtype).requires_grad_(True)

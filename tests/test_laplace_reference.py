@@ -12,10 +12,10 @@ from torch.nn.utils import parameters_to_vector
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import _loader, capture
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component
 
 
 @pytest.mark.parametrize("structure,backend", [("kron", CurvlinopsGGN), ("diag", AsdlGGN)])

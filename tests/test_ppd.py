@@ -114,11 +114,11 @@ def test_fedppd_distill_ensemble_is_algorithm_3s(tmp_path, small_silo, monkeypat
 
     import posterior_fusion
     from posterior_fusion.artifact import write_client_artifact
-    from posterior_fusion.artifact.objects import Component
     from posterior_fusion.data.silo import SiloData
     from posterior_fusion.fusion import FusionInputs, FusionOptions
     from posterior_fusion.fusion.methods import fedppd as mod
     from posterior_fusion.fusion.methods.fedppd import FedPPDDistillSettings, fedppd_distill
+    from posterior_fusion.posterior import Component
 
     gen = torch.Generator().manual_seed(3)
     clients = []

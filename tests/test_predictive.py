@@ -13,7 +13,6 @@ from test_fusion import TINY, TINY_LAYOUT, dense_neg_log_posterior, random_clien
 
 import posterior_fusion
 from posterior_fusion.artifact import write_global_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.silo import SiloData, write_silo
@@ -26,6 +25,7 @@ from posterior_fusion.metrics import (
     maximum_calibration_error,
     ood_auroc,
 )
+from posterior_fusion.posterior import Component
 from posterior_fusion.predictive import logit_moments, probit, sampled_link
 
 T, LAMS, LAM0 = 0.5, [2.0, 3.0, 1.5], 2.5

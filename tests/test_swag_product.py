@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from posterior_fusion.artifact.objects import SwagMoments
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.methods.swag_product import multiply
+from posterior_fusion.posterior import SwagMoments
 
 
 def _moments(d: int, K: int, gen: torch.Generator) -> SwagMoments:

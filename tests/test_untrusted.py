@@ -21,7 +21,6 @@ from conftest import fit_artifact, fit_split
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact, write_global_artifact
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.artifact.writer import text_attr
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
@@ -39,6 +38,7 @@ from posterior_fusion.errors import (
 from posterior_fusion.files import output_lock
 from posterior_fusion.flower.federation import Reply, collect_replies, reply_from_message
 from posterior_fusion.fusion.robust import screen_clients
+from posterior_fusion.posterior import Component
 
 PATTERN = b"TOP-SECRET-PATTERN-" * 64
 

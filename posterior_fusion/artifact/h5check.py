@@ -22,7 +22,7 @@ from posterior_fusion.errors import (
     SchemaError,
     ValueCheckError,
 )
-from posterior_fusion.storage import storage_problem
+from posterior_fusion.hdf5_safety import storage_problem
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -32,13 +32,6 @@ from posterior_fusion.artifact.h5check import (
     open_file_sha256,
 )
 from posterior_fusion.artifact.h5check import open_artifact as _open
-from posterior_fusion.artifact.objects import (
-    ClientPosterior,
-    Component,
-    GlobalEnsemble,
-    SwagMoments,
-    frozen_mapping,
-)
 from posterior_fusion.artifact.records import (
     BlockRecord,
     ClientMetadata,
@@ -54,9 +47,16 @@ from posterior_fusion.errors import (
     SchemaError,
     UnsupportedVersionError,
 )
+from posterior_fusion.hdf5_safety import read_native
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
-from posterior_fusion.storage import read_native
+from posterior_fusion.posterior import (
+    ClientPosterior,
+    Component,
+    GlobalEnsemble,
+    SwagMoments,
+    frozen_mapping,
+)
 
 
 def _walk(chk: _Checker, f: h5py.File, pattern) -> set[str]:

@@ -12,13 +12,13 @@ import h5py
 import numpy as np
 import torch
 
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import NonFiniteOutputError
 from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -1,10 +1,11 @@
-"""Structured curvature / precision matrices sharing one protocol (:class:`Precision`).
+"""Structured curvature / precision matrices sharing one protocol (:class:`Precision`): the maths
+of one precision, importing nothing above it.
 
 :data:`BLOCK_TYPES` is the block-type table: ``kind`` (as stored in artifacts) -> class. The
-artifact reader and writer and the fusion stack find a block's class here; adding a block
-type means writing its class (protocol + storage + ``stacked``, whose stacked block evaluates
-``quadratic_forms`` and ``forms_and_vjp``: see :class:`~posterior_fusion.curvature.base.StackedBlock`)
-and adding it to this table (and, to produce it, a capture in ``local/capture.py``).
+artifact reader and writer find a block's class here; adding a block type means writing its
+class (protocol + storage) and adding it to this table, adding its batched evaluation to
+:data:`posterior_fusion.fusion.stacked.STACKERS` (see its ``StackedBlock``), and, to produce
+it, a capture in ``local/capture.py``.
 """
 
 from posterior_fusion.curvature.base import BlockValueError, Precision, eigh_psd

@@ -12,10 +12,9 @@ shape ``(..., dim)``; the leading dimensions batch.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,51 +31,13 @@ class BlockValueError(ValueError):
         self.message = message
 
 
-class StackedBlock(Protocol):
-    """N blocks of one kind and size, stacked for batched evaluation (see ``fusion/stack.py``).
-
-    A frozen dataclass whose tensor fields (and tensors inside tuple fields) are all indexed by
-    component first, so :func:`map_tensors` can move it or take a range of its components."""
-
-    offset: int
-    size: int
-    logdets: torch.Tensor  # (N,) log|Λ_n|
-
-    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
-        """``w`` ``(K, size)`` (this block's slice of K points) -> ``(K, N)`` quadratic forms,
-        differentiable w.r.t. ``w`` (once)."""
-        ...
-
-    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """The same forms without an autograd graph, with their vector-Jacobian product:
-        ``vjp(g (K, N)) -> (K, size)``, the gradient of ``Σ g ∘ q`` w.r.t. ``w``."""
-        ...
-
-    def to(self, device: str | torch.device) -> StackedBlock:
-        ...
-
-
-def map_tensors(block: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """A copy of the stacked block (a dataclass) with ``fn`` applied to every tensor field and to
-    every tensor in a tuple field; other fields are kept."""
-
-    def one(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return fn(value)
-        if isinstance(value, tuple) and value and all(isinstance(t, torch.Tensor) for t in value):
-            return tuple(fn(t) for t in value)
-        return value
-
-    return dataclasses.replace(block, **{f.name: one(getattr(block, f.name)) for f in dataclasses.fields(block)})
-
-
 class Precision(ABC):
     """A structured symmetric PSD matrix ``Λ = scale·G + shift·I`` of size ``dim × dim``.
 
     Every concrete block type also declares how it is stored (the block-type table
     :data:`posterior_fusion.curvature.BLOCK_TYPES` is keyed by ``kind``): ``dataset_names``,
-    :meth:`header`, :meth:`dataset_shapes`, :meth:`to_tensors`, :meth:`from_tensors`, and how
-    many of it are evaluated at once (:meth:`stacked`).
+    :meth:`header`, :meth:`dataset_shapes`, :meth:`to_tensors`, :meth:`from_tensors`. How N of
+    them are evaluated at once is fusion's (:mod:`posterior_fusion.fusion.stacked`).
     """
 
     kind: ClassVar[str] = ""
@@ -192,14 +153,6 @@ class Precision(ABC):
         """Rebuild raw curvature (``scale=1, shift=0``) from stored tensors (``header``: the block's
         header fields including ``size``) after checking their
         values (finite is checked by the reader; here: signs, symmetry); raises :class:`BlockValueError`."""
-        raise NotImplementedError
-
-    @classmethod
-    def stacked(cls, blocks: list[Precision], offset: int, mu: torch.Tensor, scales: torch.Tensor,
-                shifts: torch.Tensor, dtype: torch.dtype, lowrank_tol: float = 0.0,
-                kernel: str | None = None) -> StackedBlock:
-        """N raw blocks of this type with means ``mu`` ``(N, size)`` and per-component
-        ``scales``/``shifts`` ``(N,)`` stacked for batched quadratic forms."""
         raise NotImplementedError
 
     @classmethod

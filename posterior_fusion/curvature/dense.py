@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from posterior_fusion.curvature.base import Precision, check_psd_factor, eigh_psd, map_tensors
-from posterior_fusion.kernels import VJP, FormsWithVJP
+from posterior_fusion.curvature.base import Precision, check_psd_factor, eigh_psd
 
 
 class Dense(Precision):
@@ -77,7 +75,7 @@ class Dense(Precision):
     def nbytes(self) -> int:
         return self.G.numel() * self.G.element_size()
 
-    # --- storage and stacking ---------------------------------------------------------------
+    # --- storage -------------------------------------------------------------------------------
 
     @classmethod
     def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -92,13 +90,6 @@ class Dense(Precision):
         return cls(tensors["dense"])
 
     @classmethod
-    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedDense:
-        eig = [b.eigen() for b in blocks]
-        S = scales[:, None] * torch.stack([e[0].to(dtype) for e in eig]) + shifts[:, None]
-        U = torch.stack([e[1].to(dtype) for e in eig])
-        return StackedDense(offset, mu.shape[1], mu, S, U, S.log().sum(1))
-
-    @classmethod
     def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor) -> tuple[Dense, float]:
         return cls(sum(float(w) * b.G.double() for w, b in zip(weights, blocks))), 0.0
 
@@ -109,28 +100,3 @@ class Dense(Precision):
         return cls(sum(b.scale * b.G.double() + b.shift * eye for b in blocks) + extra_shift * eye)
 
 
-@dataclass(frozen=True)
-class StackedDense:
-    """N dense blocks in eigen-form: ``mu`` ``(N, p)``, eigenvalues of Λ ``S`` ``(N, p)``, ``U`` ``(N, p, p)``."""
-
-    offset: int
-    size: int
-    mu: torch.Tensor
-    S: torch.Tensor
-    U: torch.Tensor
-    logdets: torch.Tensor
-
-    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
-        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
-        return FormsWithVJP.apply(w, self.forms_and_vjp)
-
-    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, VJP]:
-        """``w`` ``(K, size)`` -> ``q[k, n] = Σ S_n z²`` with ``z = U_nᵀ (w_k − μ_n)`` ``(K, N)`` and
-        ``vjp(g (K, N)) = 2 Σ_n g[:, n] U_n (S_n ∘ z)`` ``(K, size)``; keeps ``S ∘ z`` ``(K, N, p)``."""
-        z = torch.einsum("knp,npq->knq", w[:, None, :] - self.mu[None], self.U)
-        Sz = z * self.S[None]
-        q = (z.mul_(Sz)).sum(-1)
-        return q, lambda g: 2 * torch.einsum("kn,knq,npq->kp", g, Sz, self.U)
-
-    def to(self, device) -> StackedDense:
-        return map_tensors(self, lambda t: t.to(device))

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from posterior_fusion.curvature.base import BlockValueError, Precision, map_tensors
-from posterior_fusion.kernels import VJP, FormsWithVJP
+from posterior_fusion.curvature.base import BlockValueError, Precision
 
 
 class Diag(Precision):
@@ -62,7 +60,7 @@ class Diag(Precision):
     def nbytes(self) -> int:
         return self.g.numel() * self.g.element_size()
 
-    # --- storage and stacking ---------------------------------------------------------------
+    # --- storage -------------------------------------------------------------------------------
 
     @classmethod
     def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -79,11 +77,6 @@ class Diag(Precision):
         return cls(g)
 
     @classmethod
-    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedDiag:
-        S = scales[:, None] * torch.stack([b.g.to(dtype) for b in blocks]) + shifts[:, None]
-        return StackedDiag(offset, mu.shape[1], mu, S, S.log().sum(1))
-
-    @classmethod
     def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor) -> tuple[Diag, float]:
         return cls(sum(float(w) * b.g.double() for w, b in zip(weights, blocks))), 0.0
 
@@ -93,27 +86,3 @@ class Diag(Precision):
         return cls(sum(b.scale * b.g.double() + b.shift for b in blocks) + extra_shift)
 
 
-@dataclass(frozen=True)
-class StackedDiag:
-    """N diagonal blocks: means ``mu`` ``(N, size)``, precisions' diagonals ``S`` ``(N, size)``."""
-
-    offset: int
-    size: int
-    mu: torch.Tensor
-    S: torch.Tensor
-    logdets: torch.Tensor
-
-    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
-        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
-        return FormsWithVJP.apply(w, self.forms_and_vjp)
-
-    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, VJP]:
-        """``w`` ``(K, size)`` -> ``q[k, n] = Σ S_n (w_k − μ_n)²`` ``(K, N)`` and
-        ``vjp(g (K, N)) = 2 Σ_n g[:, n] S_n (w − μ_n)`` ``(K, size)``; keeps ``S ∘ V`` ``(K, N, size)``."""
-        V = w[:, None, :] - self.mu[None]
-        SV = V * self.S[None]
-        q = (V.mul_(SV)).sum(-1)
-        return q, lambda g: 2 * torch.einsum("kn,kns->ks", g, SV)
-
-    def to(self, device) -> StackedDiag:
-        return map_tensors(self, lambda t: t.to(device))

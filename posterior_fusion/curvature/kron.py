@@ -13,13 +13,11 @@ This matches laplace-torch's ``KronDecomposed`` (first factor = output side).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd, map_tensors
-from posterior_fusion.kernels import VJP, FormsWithVJP, kron_direct_forms_and_vjp, kron_quadratic_forms_and_vjp
+from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd
 
 
 class Kron(Precision):
@@ -102,7 +100,7 @@ class Kron(Precision):
     def nbytes(self) -> int:
         return (self.B.numel() + self.A.numel()) * self.B.element_size()
 
-    # --- storage and stacking ---------------------------------------------------------------
+    # --- storage -------------------------------------------------------------------------------
 
     def header(self) -> dict[str, Any]:
         return {"shape": list(self.shape)}
@@ -160,133 +158,3 @@ class Kron(Precision):
         err = max(total_sq - 2 * cross + approx_sq, 0.0) ** 0.5 / total_sq ** 0.5
         return cls(0.5 * (B + B.T), 0.5 * (A + A.T)), err
 
-    @classmethod
-    def stacked(cls, blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedKron:
-        """Eigen-bases sorted ascending per component; with ``lowrank_tol > 0`` the low-rank
-        shortcut of ``fusion/stack.py`` keeps only directions with curvature ``>= tol · shift``."""
-        out, inn = blocks[0].shape
-        eig = [b.eigen() for b in blocks]
-        b = torch.stack([e[0].to(dtype) for e in eig])  # (N, out)
-        a = torch.stack([e[2].to(dtype) for e in eig])  # (N, in)
-        UB = torch.stack([e[1].to(dtype) for e in eig])
-        UA = torch.stack([e[3].to(dtype) for e in eig])
-        # Ascending order per component, whatever order the decomposition came in.
-        b, ib = b.sort(dim=1)
-        a, ia = a.sort(dim=1)
-        UB = UB.gather(2, ib[:, None, :].expand_as(UB))
-        UA = UA.gather(2, ia[:, None, :].expand_as(UA))
-        curv = scales[:, None, None] * b[:, :, None] * a[:, None, :]  # (N, out, in)
-        logdets = (curv + shifts[:, None, None]).log().flatten(1).sum(1)
-        mu = mu.reshape(-1, out, inn)
-        if lowrank_tol <= 0:
-            # raw factors rebuilt from the clamped spectra: the direct form is the same matrix
-            Bs = (UB * b[:, None, :]) @ UB.transpose(1, 2)
-            As = (UA * a[:, None, :]) @ UA.transpose(1, 2)
-            mu = mu.to(dtype)
-            direct = (Bs, As, Bs @ mu, scales.to(dtype).clone(), shifts.to(dtype).clone(), mu.flatten(1).square().sum(1))
-            return StackedKron(offset, out * inn, mu, curv + shifts[:, None, None], UB, UA, logdets, None,
-                               (out, inn, out, inn), kernel, direct)
-        thresh = lowrank_tol * shifts
-        keep_b = int((scales[:, None] * b * a[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
-        keep_a = int((scales[:, None] * a * b[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
-        return StackedKron(offset, out * inn, mu, curv[:, -keep_b:, -keep_a:].contiguous(),
-                           UB[:, :, -keep_b:].contiguous(), UA[:, :, -keep_a:].contiguous(), logdets,
-                           shifts.clone(), (out, inn, keep_b, keep_a), kernel)
-
-
-CHUNK_BYTES = 64 * 2**20  # working-set bound of the batched Kronecker quadratic forms (CPU)
-# On a GPU each chunk costs a dozen kernel launches per block whatever its size, and memory is not
-# the limit: larger chunks (measured on an H100, docs/benchmarks.md "On a GPU").
-CUDA_CHUNK_BYTES = 2**30
-
-
-def default_chunk_bytes(device: torch.device | str) -> int:
-    """The working-set bound for tensors on ``device``: :data:`CUDA_CHUNK_BYTES` on CUDA, else :data:`CHUNK_BYTES`."""
-    return CUDA_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
-
-
-@dataclass(frozen=True)
-class StackedKron:
-    """N Kronecker blocks: ``mu`` ``(N, out, in)``, rotated weights ``S`` ``(N, R1, R2)``,
-    bases ``UB`` ``(N, out, R1)`` / ``UA`` ``(N, in, R2)``; ``shift`` ``(N,)`` only under the
-    low-rank shortcut (its closed-form ``shift ‖W − μ‖²`` term); ``rank`` = (out, in, R1, R2).
-    ``direct`` = ``(B (N, out, out), A (N, in, in), B μ, scales (N,), shifts (N,), ‖μ‖² (N,))``: the raw
-    factors for the direct form (torch backend, no low-rank shortcut)."""
-
-    offset: int
-    size: int
-    mu: torch.Tensor
-    S: torch.Tensor
-    UB: torch.Tensor
-    UA: torch.Tensor
-    logdets: torch.Tensor
-    shift: torch.Tensor | None
-    rank: tuple[int, int, int, int]
-    kernel: str | None = None
-    direct: tuple[torch.Tensor, ...] | None = None
-
-    def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None, form: str | None = None) -> torch.Tensor:
-        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
-        return FormsWithVJP.apply(w, self.forms_and_vjp, chunk_bytes, form)
-
-    def forms_and_vjp(self, w: torch.Tensor, chunk_bytes: int | None = None,
-                      form: str | None = None) -> tuple[torch.Tensor, VJP]:
-        """``w`` ``(K, size)`` -> ``q`` ``(K, N)`` and ``vjp(grad_q (K, N)) -> (K, size)``.
-
-        Components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay under
-        ``chunk_bytes`` (default :func:`default_chunk_bytes` of ``w``'s device), so memory does not grow with N.
-        ``form``: ``"direct"`` (raw factors; the default when available) or ``"rotated"``
-        (eigenbases; the low-rank shortcut)."""
-        K = w.shape[0]
-        Wk = w.reshape(K, *self.mu.shape[1:])
-        N = self.mu.shape[0]
-        per = max(1, K * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
-        step = max(1, min(N, (default_chunk_bytes(w.device) if chunk_bytes is None else chunk_bytes) // per))
-        if form is None:
-            form = "direct" if self.direct is not None else "rotated"
-        # component ranges of the chunks; one chunk uses the stacked tensors as they are (no slicing:
-        # this runs every optimiser step)
-        spans = [(i, min(i + step, N)) for i in range(0, N, step)]
-
-        def take(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-            return t if (a, b) == (0, N) else t[a:b]
-
-        if form == "direct":
-            if self.direct is None:
-                raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
-            parts = [kron_direct_forms_and_vjp(Wk, take(self.mu, a, b), *(take(t, a, b) for t in self.direct[:-1]),
-                                               self.kernel, take(self.direct[-1], a, b))
-                     for a, b in spans]
-        else:
-            parts = [kron_quadratic_forms_and_vjp(Wk, *(take(t, a, b) for t in (self.mu, self.UB, self.UA, self.S)),
-                                                  self.kernel)
-                     for a, b in spans]
-        if len(parts) == 1:
-            return self._with_shift(w, *parts[0], K)
-        q = torch.cat([p[0] for p in parts], dim=1)
-
-        def chunked_vjp(g: torch.Tensor) -> torch.Tensor:
-            grads = (vj(g[:, a:b].contiguous()) for (a, b), (_, vj) in zip(spans, parts))
-            grad = next(grads)  # a fresh tensor: accumulated in place
-            for other in grads:
-                grad += other
-            return grad
-
-        return self._with_shift(w, q, chunked_vjp, K)
-
-    def _with_shift(self, w: torch.Tensor, q: torch.Tensor, vjp: VJP, K: int) -> tuple[torch.Tensor, VJP]:
-        """``(q, vjp)`` of the blocks' products, reshaped to ``(K, size)`` gradients, plus the low-rank
-        shortcut's closed-form ``λ0 ‖W − μ‖²`` term when it is on."""
-        if self.shift is None:
-            return q, lambda g: vjp(g).reshape(K, -1)
-        flat_mu = self.mu.flatten(1)  # closed-form λ0 ‖W − μ‖² of the low-rank shortcut
-        q = q + self.shift[None] * (w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None])
-
-        def shifted_vjp(g: torch.Tensor) -> torch.Tensor:
-            gl = g * self.shift[None]  # + 2 Σ_n g λ (w − μ_n)
-            return vjp(g).reshape(K, -1) + 2 * (gl.sum(1, keepdim=True) * w - gl @ flat_mu)
-
-        return q, shifted_vjp
-
-    def to(self, device) -> StackedKron:
-        return map_tensors(self, lambda t: t.to(device))

@@ -24,7 +24,7 @@ from posterior_fusion import budget
 from posterior_fusion.data.idx import read_idx
 from posterior_fusion.errors import DataError, ResourceLimitError, shown
 from posterior_fusion.files import regular_files_in, require_regular_file, subfolders
-from posterior_fusion.storage import read_native, storage_problem
+from posterior_fusion.hdf5_safety import plain_dataset_problem, read_native
 
 MAX_ROWS = 10_000_000
 MAX_LABEL = 100_000 - 1           # data files hold at most 100,000 classes
@@ -215,14 +215,10 @@ def from_hdf5(path: Path, x_key: str = "x", y_key: str = "y",
             for key in (x_key, y_key):
                 if key == y_key and key not in f:
                     continue
-                if key not in f or not isinstance(f.get(key, getlink=True), h5py.HardLink):
-                    raise DataError(f"{path}: no dataset /{key} (links are not followed)")
-                ds = f[key]
-                if not isinstance(ds, h5py.Dataset):
-                    raise DataError(f"{path} [/{key}]: is a {type(ds).__name__}, expected a dataset")
-                problem = storage_problem(ds)
+                problem = plain_dataset_problem(f, key)
                 if problem:
                     raise DataError(f"{path} [/{key}]: {problem}")
+                ds = f[key]
                 if ds.size > MAX_ROWS * 3 * 256 * 256:
                     raise DataError(f"{path} [/{key}]: {ds.shape} exceeds the size cap")
                 datasets[key] = ds

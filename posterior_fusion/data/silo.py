@@ -27,7 +27,7 @@ from posterior_fusion import budget
 from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import DataError
 from posterior_fusion.files import atomic_h5_write, require_regular_file
-from posterior_fusion.storage import MAX_COMPRESSION_RATIO, read_native, storage_problem
+from posterior_fusion.hdf5_safety import MAX_COMPRESSION_RATIO, plain_dataset_problem, read_native
 
 DATA_FORMAT = "posterior-fusion-data"
 DATA_FORMAT_VERSION = 1
@@ -167,18 +167,10 @@ def _scalar_attr(f: h5py.File, path: Path, name: str, kind: str, max_len: int = 
 
 
 def _dataset(f: h5py.File, path: Path, key: str) -> h5py.Dataset:
-    link = f.get(key, getlink=True)
-    if link is None:
-        raise DataError(f"{path}: missing dataset /{key}")
-    if not isinstance(link, h5py.HardLink):
-        raise DataError(f"{path} [/{key}]: {type(link).__name__} not allowed (only plain datasets)")
-    ds = f[key]
-    if not isinstance(ds, h5py.Dataset):
-        raise DataError(f"{path} [/{key}]: must be a dataset")
-    problem = storage_problem(ds)
+    problem = plain_dataset_problem(f, key)
     if problem:
         raise DataError(f"{path} [/{key}]: {problem}")
-    return ds
+    return f[key]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 (the curvature blocks of a set of client components) and evaluates, for K points ``W``
 ``(K, d)``, every quadratic form ``(w_k − μ_n)ᵀ Λ_n (w_k − μ_n)`` as a ``(K, N)`` tensor
 in one batched pass per block, plus each ``log|Λ_n|``. Each block position is stacked by its
-class's :meth:`~posterior_fusion.curvature.Precision.stacked` (found through the block-type
+kind's stacker in :data:`~posterior_fusion.fusion.stacked.STACKERS` (found through the block-type
 table), so this module has no per-structure code.
 
 Low-rank shortcut (``lowrank_tol > 0``, Kronecker blocks): eigen-directions whose curvature
@@ -22,10 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from posterior_fusion.artifact.objects import Component
-from posterior_fusion.curvature import BLOCK_TYPES
-from posterior_fusion.curvature.base import map_tensors
 from posterior_fusion.errors import IncompatibleArtifactsError
+from posterior_fusion.fusion.stacked import STACKERS, map_tensors
+from posterior_fusion.posterior import Component
 
 
 class StackedGaussians:
@@ -52,9 +51,12 @@ class StackedGaussians:
         mus = torch.stack([c.map.to(dtype) for c in components])  # (N, d)
         self.blocks = []
         for j, (proto, off) in enumerate(zip(ref.blocks, ref.offsets)):
-            cls = BLOCK_TYPES[proto.kind]
-            self.blocks.append(cls.stacked([c.curvature.blocks[j] for c in components], off,
-                                           mus[:, off : off + proto.dim], scales, shifts, dtype, lowrank_tol, kernel))
+            if proto.kind not in STACKERS:
+                raise IncompatibleArtifactsError(f"block kind {proto.kind!r} has no batched evaluation "
+                                                 "(posterior_fusion.fusion.stacked.STACKERS)")
+            self.blocks.append(STACKERS[proto.kind]([c.curvature.blocks[j] for c in components], off,
+                                                    mus[:, off : off + proto.dim], scales, shifts, dtype, lowrank_tol,
+                                                    kernel))
         self.logdets = sum(b.logdets for b in self.blocks)
 
     @property

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from posterior_fusion.artifact.objects import Component, frozen_mapping
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, OutputError, ResumeError
@@ -33,6 +32,7 @@ from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component, frozen_mapping
 
 
 def library_versions() -> dict[str, str]:

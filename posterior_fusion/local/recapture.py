@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 
 from posterior_fusion import ranges
-from posterior_fusion.artifact.objects import ClientPosterior, Component, build_model, frozen_mapping
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
@@ -28,6 +27,7 @@ from posterior_fusion.errors import IncompatibleArtifactsError, shown
 from posterior_fusion.files import check_output, output_lock
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fit import library_versions
+from posterior_fusion.posterior import ClientPosterior, Component, build_model, frozen_mapping
 
 
 def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str | None = None,

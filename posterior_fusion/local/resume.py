@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from posterior_fusion.artifact import load_client
-from posterior_fusion.artifact.objects import Component
 from posterior_fusion.errors import ResumeError
+from posterior_fusion.posterior import Component
 
 
 def partial_path(out: str | os.PathLike) -> Path:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from posterior_fusion.artifact.objects import SwagMoments
 from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.posterior import SwagMoments
 from posterior_fusion.progress import progress
 
 

@@ -19,15 +19,15 @@ from torch.autograd.function import once_differentiable
 
 from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.artifact.objects import LOG_2PI
-from posterior_fusion.curvature.kron import CHUNK_BYTES, default_chunk_bytes
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.fusion.mode_laplace import laplace_mode_weights, mode_precisions, uniform_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.stacked import CHUNK_BYTES, default_chunk_bytes
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_equal_components
 from posterior_fusion.kernels.graphs import GraphedStep
+from posterior_fusion.mixture import LOG_2PI, gaussian_log_norm
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class GlobalLogPosterior:
 
     Clients are evaluated in chunks of whole clients whose working set (about ``3·K·d`` numbers
     per component) stays under ``chunk_bytes`` (default: the device's
-    :func:`~posterior_fusion.curvature.kron.default_chunk_bytes`, 64 MiB on a CPU; 0 = every client at
+    :func:`~posterior_fusion.fusion.stacked.default_chunk_bytes`, 64 MiB on a CPU; 0 = every client at
     once). Each chunk's log-sum-exp and its gradient are computed before the next chunk starts and
     only the ``(K, d)`` gradient is kept for the backward pass, so peak memory does not grow with the
     number of clients and no product is computed twice (autograd through the whole sum would keep
@@ -87,7 +87,7 @@ class GlobalLogPosterior:
         self.d = d
         log_pi = torch.cat([torch.log(c.weights).to(dtype) for c in clients])
         # Normalised log N(w; ŵ, Λ⁻¹) = log π + ½ log|Λ| − d/2 log 2π − ½ q
-        self.log_norm = log_pi.to(device) + 0.5 * self.stack.logdets - 0.5 * d * LOG_2PI  # (N,)
+        self.log_norm = log_pi.to(device) + gaussian_log_norm(self.stack.logdets, d)  # (N,)
         # The prior correction  Σ_c log N(w; 0, λ_c⁻¹ I) − log N(w; 0, λ0⁻¹ I) = const − ½ (Σ λ_c − λ0) ‖w‖²
         lam_sum, lam0 = math.fsum(prior_precisions), float(server_prior_precision)
         self.prior_const = 0.5 * d * (sum(math.log(lam) for lam in prior_precisions) - math.log(lam0)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from posterior_fusion.artifact.objects import SwagMoments
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.posterior import SwagMoments
 
 
 def _inv_sqrt_psd(M: torch.Tensor, what: str) -> torch.Tensor:

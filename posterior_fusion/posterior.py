@@ -1,4 +1,6 @@
-"""Typed, immutable objects returned by :func:`posterior_fusion.load`."""
+"""Typed, immutable posteriors returned by :func:`posterior_fusion.load`: a client's mixture of
+Laplace approximations and a fused global ensemble. Their densities, draws and predictives come
+from the one mixture type, :class:`posterior_fusion.mixture.GaussianMixture`."""
 
 from __future__ import annotations
 
@@ -15,10 +17,9 @@ from torch.nn.utils import vector_to_parameters
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.mixture import GaussianMixture, gaussian_log_prob
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.predictive import predict
-
-LOG_2PI = math.log(2 * math.pi)
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,7 @@ class Component:
     def log_prob(self, w: torch.Tensor, temperature: float | None = None,
                  prior_precision: float | None = None) -> torch.Tensor:
         """``log N(w; map, Λ⁻¹)`` for ``w`` ``(..., d)``, normalised (includes ``½ log|Λ|``)."""
-        prec = self.precision(temperature, prior_precision)
-        v = w.to(self.map.dtype) - self.map
-        return -0.5 * prec.quadratic_form(v) + 0.5 * prec.logdet() - 0.5 * self.map.shape[0] * LOG_2PI
+        return gaussian_log_prob(w.to(self.map.dtype), self.map, self.precision(temperature, prior_precision))
 
 
 @dataclass(frozen=True)
@@ -120,11 +119,15 @@ class ClientPosterior:
         """Mixture weights π ``(M,)`` (uniform)."""
         return torch.full((self.num_components,), 1.0 / self.num_components, dtype=torch.float64)
 
+    def mixture(self, temperature: float | None = None, prior_precision: float | None = None) -> GaussianMixture:
+        """``q_c`` as a :class:`GaussianMixture` (optionally re-tempered or with another prior)."""
+        return GaussianMixture.of([c.map for c in self.components],
+                                  [c.precision(temperature, prior_precision) for c in self.components], self.weights)
+
     def log_prob(self, w: torch.Tensor, temperature: float | None = None,
                  prior_precision: float | None = None) -> torch.Tensor:
         """``log q_c(w)`` of the mixture for ``w`` ``(..., d)``."""
-        comps = torch.stack([c.log_prob(w, temperature, prior_precision) for c in self.components], dim=-1)
-        return torch.logsumexp(comps + self.weights.log().to(comps.dtype), dim=-1)
+        return self.mixture(temperature, prior_precision).log_prob(w)
 
     def model(self, component: int = 0) -> nn.Module:
         """The model with component ``component``'s MAP weights."""
@@ -168,33 +171,27 @@ class GlobalEnsemble:
             raise ConfigError(f"{self.path}: has no posterior curvature (only fedbens stores one)")
         return self.curvatures[k].precision(1.0, float(self.metadata["laplace"]["prior_precision"]))
 
+    def posterior(self) -> GaussianMixture:
+        """The global posterior ``Σ_k π_k N(w*_k, Λ*_k⁻¹)`` as a :class:`GaussianMixture`."""
+        return GaussianMixture.of(list(self.members), [self.precision(k) for k in range(len(self.members))],
+                                  self.mode_weights)
+
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``n`` draws ``(n, d)`` from the mixture ``Σ_k π_k N(w*_k, Λ*_k⁻¹)``."""
-        idx = torch.multinomial(self.mode_weights, n, replacement=True, generator=generator)
-        out = torch.empty(n, self.layout.dim, dtype=torch.float64)
-        for k in range(len(self.members)):
-            rows = (idx == k).nonzero().flatten()
-            if len(rows):
-                out[rows] = self.members[k].double() + self.precision(k).sample(len(rows), generator).double()
-        return out
+        return self.posterior().sample(n, generator)
 
     def log_prob(self, w: torch.Tensor) -> torch.Tensor:
-        """``log Σ_k π_k N(w; w*_k, Λ*_k⁻¹)`` for ``w`` ``(..., d)``."""
-        d = self.layout.dim
-        terms = []
-        for k, mu in enumerate(self.members):
-            p = self.precision(k)
-            v = w.to(p.dtype) - mu.to(p.dtype)
-            terms.append(-0.5 * p.quadratic_form(v) + 0.5 * p.logdet() - 0.5 * d * LOG_2PI)
-        return torch.logsumexp(torch.stack(terms, -1).double() + self.mode_weights.log(), dim=-1)
+        """``log Σ_k π_k N(w; w*_k, Λ*_k⁻¹)`` for ``w`` ``(..., d)`` (float64)."""
+        return self.posterior().log_prob(w.double()).double()
 
     def predict(self, x: torch.Tensor, predictive: str = "map", samples: int = 30, scale: float = 1.0,
                 link: str = "probit", seed: int = 0, max_memory: int | str | None = None) -> torch.Tensor:
         """Class probabilities ``(n, classes)`` for inputs ``x`` (see :mod:`posterior_fusion.predictive`);
         the GLM predictive's working set stays within ``max_memory``."""
-        precisions = None if self.curvatures is None else [self.precision(k) for k in range(len(self.members))]
-        return predict(self.model_spec, list(self.members), x, predictive, precisions, self.mode_weights,
-                       samples, scale, link, seed, max_memory)
+        if self.curvatures is None:  # point estimates only: the map predictive (others refuse in one line)
+            return predict(self.model_spec, list(self.members), x, predictive, None, self.mode_weights,
+                           samples, scale, link, seed, max_memory)
+        return self.posterior().predict(self.model_spec, x, predictive, samples, scale, link, seed, max_memory)
 
     def models(self) -> list[nn.Module]:
         """One fresh model per member; no storage is shared between them."""

@@ -1,4 +1,5 @@
-"""Where an HDF5 dataset's bytes come from, checked before they are read (untrusted files).
+"""The HDF5 safety checks shared by artifacts, data files and imported HDF5 sources: where a
+dataset's bytes come from, checked before they are read (untrusted files).
 
 HDF5 lets a dataset's bytes live outside the file: *external raw storage* (a list of other
 files, possibly FIFOs or devices) and *virtual datasets* (views of datasets in other HDF5
@@ -54,3 +55,17 @@ def read_native(ds: h5py.Dataset) -> np.ndarray:
     if isinstance(arr, np.ndarray) and not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     return arr
+
+
+def plain_dataset_problem(f: h5py.File, key: str) -> str | None:
+    """Why ``f[key]`` is not a plain, hard-linked dataset whose bytes are all inside the file
+    (``None`` when it is): soft and external links, groups and :func:`storage_problem` refused."""
+    link = f.get(key, getlink=True)
+    if link is None:
+        return "missing dataset"
+    if not isinstance(link, h5py.HardLink):
+        return f"{type(link).__name__} not allowed (only plain datasets)"
+    obj = f[key]
+    if not isinstance(obj, h5py.Dataset):
+        return f"is a {type(obj).__name__}, expected a dataset"
+    return storage_problem(obj)

@@ -1,0 +1,262 @@
+"""Batched evaluation of stacked precision blocks: fusion's side of the curvature.
+
+N components' blocks of one kind at one position are stacked so that the K points' quadratic
+forms against all N come from a few batched products (with their vector-Jacobian product, for
+the optimisers). The curvature classes (:mod:`posterior_fusion.curvature`) know the maths of one
+precision; how N of them are evaluated together, in chunks bounded by a working-set size, and
+the Kronecker low-rank shortcut live here. :data:`STACKERS` is the table per block kind (a new
+block kind adds its class to ``BLOCK_TYPES`` and its stacker here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from posterior_fusion.curvature import Precision
+from posterior_fusion.kernels import VJP, FormsWithVJP, kron_direct_forms_and_vjp, kron_quadratic_forms_and_vjp
+
+
+class StackedBlock(Protocol):
+    """N blocks of one kind and size, stacked for batched evaluation (see ``fusion/stack.py``).
+
+    A frozen dataclass whose tensor fields (and tensors inside tuple fields) are all indexed by
+    component first, so :func:`map_tensors` can move it or take a range of its components."""
+
+    offset: int
+    size: int
+    logdets: torch.Tensor  # (N,) log|Λ_n|
+
+    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` ``(K, size)`` (this block's slice of K points) -> ``(K, N)`` quadratic forms,
+        differentiable w.r.t. ``w`` (once)."""
+        ...
+
+    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """The same forms without an autograd graph, with their vector-Jacobian product:
+        ``vjp(g (K, N)) -> (K, size)``, the gradient of ``Σ g ∘ q`` w.r.t. ``w``."""
+        ...
+
+    def to(self, device: str | torch.device) -> StackedBlock:
+        ...
+
+
+def map_tensors(block: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A copy of the stacked block (a dataclass) with ``fn`` applied to every tensor field and to
+    every tensor in a tuple field; other fields are kept."""
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return fn(value)
+        if isinstance(value, tuple) and value and all(isinstance(t, torch.Tensor) for t in value):
+            return tuple(fn(t) for t in value)
+        return value
+
+    return dataclasses.replace(block, **{f.name: one(getattr(block, f.name)) for f in dataclasses.fields(block)})
+
+
+def stack_diag(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedDiag:
+    """N diagonal blocks ``G_n`` as ``scale_n·G_n + shift_n`` with means ``mu`` ``(N, size)``."""
+    S = scales[:, None] * torch.stack([b.g.to(dtype) for b in blocks]) + shifts[:, None]
+    return StackedDiag(offset, mu.shape[1], mu, S, S.log().sum(1))
+
+
+@dataclass(frozen=True)
+class StackedDiag:
+    """N diagonal blocks: means ``mu`` ``(N, size)``, precisions' diagonals ``S`` ``(N, size)``."""
+
+    offset: int
+    size: int
+    mu: torch.Tensor
+    S: torch.Tensor
+    logdets: torch.Tensor
+
+    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
+        return FormsWithVJP.apply(w, self.forms_and_vjp)
+
+    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, VJP]:
+        """``w`` ``(K, size)`` -> ``q[k, n] = Σ S_n (w_k − μ_n)²`` ``(K, N)`` and
+        ``vjp(g (K, N)) = 2 Σ_n g[:, n] S_n (w − μ_n)`` ``(K, size)``; keeps ``S ∘ V`` ``(K, N, size)``."""
+        V = w[:, None, :] - self.mu[None]
+        SV = V * self.S[None]
+        q = (V.mul_(SV)).sum(-1)
+        return q, lambda g: 2 * torch.einsum("kn,kns->ks", g, SV)
+
+    def to(self, device) -> StackedDiag:
+        return map_tensors(self, lambda t: t.to(device))
+
+
+def stack_dense(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedDense:
+    """N dense blocks in eigen-form with means ``mu`` ``(N, size)``."""
+    eig = [b.eigen() for b in blocks]
+    S = scales[:, None] * torch.stack([e[0].to(dtype) for e in eig]) + shifts[:, None]
+    U = torch.stack([e[1].to(dtype) for e in eig])
+    return StackedDense(offset, mu.shape[1], mu, S, U, S.log().sum(1))
+
+
+@dataclass(frozen=True)
+class StackedDense:
+    """N dense blocks in eigen-form: ``mu`` ``(N, p)``, eigenvalues of Λ ``S`` ``(N, p)``, ``U`` ``(N, p, p)``."""
+
+    offset: int
+    size: int
+    mu: torch.Tensor
+    S: torch.Tensor
+    U: torch.Tensor
+    logdets: torch.Tensor
+
+    def quadratic_forms(self, w: torch.Tensor) -> torch.Tensor:
+        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
+        return FormsWithVJP.apply(w, self.forms_and_vjp)
+
+    def forms_and_vjp(self, w: torch.Tensor) -> tuple[torch.Tensor, VJP]:
+        """``w`` ``(K, size)`` -> ``q[k, n] = Σ S_n z²`` with ``z = U_nᵀ (w_k − μ_n)`` ``(K, N)`` and
+        ``vjp(g (K, N)) = 2 Σ_n g[:, n] U_n (S_n ∘ z)`` ``(K, size)``; keeps ``S ∘ z`` ``(K, N, p)``."""
+        z = torch.einsum("knp,npq->knq", w[:, None, :] - self.mu[None], self.U)
+        Sz = z * self.S[None]
+        q = (z.mul_(Sz)).sum(-1)
+        return q, lambda g: 2 * torch.einsum("kn,knq,npq->kp", g, Sz, self.U)
+
+    def to(self, device) -> StackedDense:
+        return map_tensors(self, lambda t: t.to(device))
+
+
+def stack_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedKron:
+    """Eigen-bases sorted ascending per component; with ``lowrank_tol > 0`` the low-rank
+    shortcut of ``fusion/stack.py`` keeps only directions with curvature ``>= tol · shift``."""
+    out, inn = blocks[0].shape
+    eig = [b.eigen() for b in blocks]
+    b = torch.stack([e[0].to(dtype) for e in eig])  # (N, out)
+    a = torch.stack([e[2].to(dtype) for e in eig])  # (N, in)
+    UB = torch.stack([e[1].to(dtype) for e in eig])
+    UA = torch.stack([e[3].to(dtype) for e in eig])
+    # Ascending order per component, whatever order the decomposition came in.
+    b, ib = b.sort(dim=1)
+    a, ia = a.sort(dim=1)
+    UB = UB.gather(2, ib[:, None, :].expand_as(UB))
+    UA = UA.gather(2, ia[:, None, :].expand_as(UA))
+    curv = scales[:, None, None] * b[:, :, None] * a[:, None, :]  # (N, out, in)
+    logdets = (curv + shifts[:, None, None]).log().flatten(1).sum(1)
+    mu = mu.reshape(-1, out, inn)
+    if lowrank_tol <= 0:
+        # raw factors rebuilt from the clamped spectra: the direct form is the same matrix
+        Bs = (UB * b[:, None, :]) @ UB.transpose(1, 2)
+        As = (UA * a[:, None, :]) @ UA.transpose(1, 2)
+        mu = mu.to(dtype)
+        direct = (Bs, As, Bs @ mu, scales.to(dtype).clone(), shifts.to(dtype).clone(), mu.flatten(1).square().sum(1))
+        return StackedKron(offset, out * inn, mu, curv + shifts[:, None, None], UB, UA, logdets, None,
+                           (out, inn, out, inn), kernel, direct)
+    thresh = lowrank_tol * shifts
+    keep_b = int((scales[:, None] * b * a[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
+    keep_a = int((scales[:, None] * a * b[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
+    return StackedKron(offset, out * inn, mu, curv[:, -keep_b:, -keep_a:].contiguous(),
+                       UB[:, :, -keep_b:].contiguous(), UA[:, :, -keep_a:].contiguous(), logdets,
+                       shifts.clone(), (out, inn, keep_b, keep_a), kernel)
+
+
+CHUNK_BYTES = 64 * 2**20  # working-set bound of the batched Kronecker quadratic forms (CPU)
+# On a GPU each chunk costs a dozen kernel launches per block whatever its size, and memory is not
+# the limit: larger chunks (measured on an H100, docs/benchmarks.md "On a GPU").
+CUDA_CHUNK_BYTES = 2**30
+
+
+def default_chunk_bytes(device: torch.device | str) -> int:
+    """The working-set bound for tensors on ``device``: :data:`CUDA_CHUNK_BYTES` on CUDA, else :data:`CHUNK_BYTES`."""
+    return CUDA_CHUNK_BYTES if torch.device(device).type == "cuda" else CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class StackedKron:
+    """N Kronecker blocks: ``mu`` ``(N, out, in)``, rotated weights ``S`` ``(N, R1, R2)``,
+    bases ``UB`` ``(N, out, R1)`` / ``UA`` ``(N, in, R2)``; ``shift`` ``(N,)`` only under the
+    low-rank shortcut (its closed-form ``shift ‖W − μ‖²`` term); ``rank`` = (out, in, R1, R2).
+    ``direct`` = ``(B (N, out, out), A (N, in, in), B μ, scales (N,), shifts (N,), ‖μ‖² (N,))``: the raw
+    factors for the direct form (torch backend, no low-rank shortcut)."""
+
+    offset: int
+    size: int
+    mu: torch.Tensor
+    S: torch.Tensor
+    UB: torch.Tensor
+    UA: torch.Tensor
+    logdets: torch.Tensor
+    shift: torch.Tensor | None
+    rank: tuple[int, int, int, int]
+    kernel: str | None = None
+    direct: tuple[torch.Tensor, ...] | None = None
+
+    def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None, form: str | None = None) -> torch.Tensor:
+        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
+        return FormsWithVJP.apply(w, self.forms_and_vjp, chunk_bytes, form)
+
+    def forms_and_vjp(self, w: torch.Tensor, chunk_bytes: int | None = None,
+                      form: str | None = None) -> tuple[torch.Tensor, VJP]:
+        """``w`` ``(K, size)`` -> ``q`` ``(K, N)`` and ``vjp(grad_q (K, N)) -> (K, size)``.
+
+        Components are processed in chunks whose ``(K, n, R1, R2)`` temporaries stay under
+        ``chunk_bytes`` (default :func:`default_chunk_bytes` of ``w``'s device), so memory does not grow with N.
+        ``form``: ``"direct"`` (raw factors; the default when available) or ``"rotated"``
+        (eigenbases; the low-rank shortcut)."""
+        K = w.shape[0]
+        Wk = w.reshape(K, *self.mu.shape[1:])
+        N = self.mu.shape[0]
+        per = max(1, K * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
+        step = max(1, min(N, (default_chunk_bytes(w.device) if chunk_bytes is None else chunk_bytes) // per))
+        if form is None:
+            form = "direct" if self.direct is not None else "rotated"
+        # component ranges of the chunks; one chunk uses the stacked tensors as they are (no slicing:
+        # this runs every optimiser step)
+        spans = [(i, min(i + step, N)) for i in range(0, N, step)]
+
+        def take(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            return t if (a, b) == (0, N) else t[a:b]
+
+        if form == "direct":
+            if self.direct is None:
+                raise ValueError("the direct form needs the raw factors (not under the low-rank shortcut)")
+            parts = [kron_direct_forms_and_vjp(Wk, take(self.mu, a, b), *(take(t, a, b) for t in self.direct[:-1]),
+                                               self.kernel, take(self.direct[-1], a, b))
+                     for a, b in spans]
+        else:
+            parts = [kron_quadratic_forms_and_vjp(Wk, *(take(t, a, b) for t in (self.mu, self.UB, self.UA, self.S)),
+                                                  self.kernel)
+                     for a, b in spans]
+        if len(parts) == 1:
+            return self._with_shift(w, *parts[0], K)
+        q = torch.cat([p[0] for p in parts], dim=1)
+
+        def chunked_vjp(g: torch.Tensor) -> torch.Tensor:
+            grads = (vj(g[:, a:b].contiguous()) for (a, b), (_, vj) in zip(spans, parts))
+            grad = next(grads)  # a fresh tensor: accumulated in place
+            for other in grads:
+                grad += other
+            return grad
+
+        return self._with_shift(w, q, chunked_vjp, K)
+
+    def _with_shift(self, w: torch.Tensor, q: torch.Tensor, vjp: VJP, K: int) -> tuple[torch.Tensor, VJP]:
+        """``(q, vjp)`` of the blocks' products, reshaped to ``(K, size)`` gradients, plus the low-rank
+        shortcut's closed-form ``λ0 ‖W − μ‖²`` term when it is on."""
+        if self.shift is None:
+            return q, lambda g: vjp(g).reshape(K, -1)
+        flat_mu = self.mu.flatten(1)  # closed-form λ0 ‖W − μ‖² of the low-rank shortcut
+        q = q + self.shift[None] * (w.square().sum(1)[:, None] - 2 * w @ flat_mu.T + flat_mu.square().sum(1)[None])
+
+        def shifted_vjp(g: torch.Tensor) -> torch.Tensor:
+            gl = g * self.shift[None]  # + 2 Σ_n g λ (w − μ_n)
+            return vjp(g).reshape(K, -1) + 2 * (gl.sum(1, keepdim=True) * w - gl @ flat_mu)
+
+        return q, shifted_vjp
+
+    def to(self, device) -> StackedKron:
+        return map_tensors(self, lambda t: t.to(device))
+
+
+Stacker = Callable[..., Any]
+# block kind -> stacker(blocks, offset, mu (N, size), scales (N,), shifts (N,), dtype, lowrank_tol, kernel)
+STACKERS: dict[str, Stacker] = {"diag": stack_diag, "dense": stack_dense, "kron": stack_kron}
