@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import typing
 
 import click
 
@@ -14,13 +15,12 @@ from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import CAPTURE_METHODS
-from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, PrivateModelConfig, TrainConfig
+from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_to_file
 from posterior_fusion.local.init import initial_weights
-from posterior_fusion.local.ppd import PPDConfig
 from posterior_fusion.models import ModelSpec
 
-FIT, TRAIN, PPD = FitConfig(), TrainConfig(), PPDConfig()
+FIT = FitConfig()
 
 
 def parse_model(name: str, kwargs_json: str | None, max_memory: int | str | None = None) -> ModelSpec:
@@ -68,6 +68,22 @@ def init(model, model_kwargs, components, init_seed, transform_from, out, max_me
     say(f"wrote {out}: {components} starting points for {spec.name} ({ws[0].numel()} parameters)")
 
 
+def fit_options(fn):
+    """One click option per fit setting (:func:`~posterior_fusion.local.config.fit_settings`: name,
+    default, help and choices declared once on the config records)."""
+    types = {int: int, float: float, str: str, dict: str}
+    for s in reversed(fit_settings()):
+        base = next((a for a in typing.get_args(s.type) if a is not type(None)), s.type)
+        if base is bool:
+            fn = click.option(s.flag, s.name, is_flag=True, default=s.default, help=s.help)(fn)
+            continue
+        default = json.dumps(s.default) if base is dict else s.default
+        kind = click.Choice(s.choices) if s.choices else types[base]
+        fn = click.option(s.flag, s.name, default=default, show_default=s.default is not None, type=kind,
+                          help=s.help)(fn)
+    return fn
+
+
 @click.command("fit-local")
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Silo data file (from partition).")
 @click.option("--init", "init_path", default=None, type=click.Path(dir_okay=False),
@@ -77,40 +93,7 @@ def init(model, model_kwargs, components, init_seed, transform_from, out, max_me
 @model_kwargs_option
 @click.option("--components", "-M", default=5, show_default=True, type=int,
               help="Mixture components M (ignored with --init, which fixes M).")
-@click.option("--structure", default=FIT.structure, show_default=True, type=click.Choice(STRUCTURES),
-              help="Curvature structure: K-FAC, diagonal, or diagonal + full last layer.")
-@click.option("--epochs", default=TRAIN.epochs, show_default=True, type=int, help="Local training epochs per component.")
-@click.option("--batch-size", default=TRAIN.batch_size, show_default=True, type=int, help="SGD batch size.")
-@click.option("--lr", default=TRAIN.lr, show_default=True, type=float, help="SGD learning rate.")
-@click.option("--momentum", default=TRAIN.momentum, show_default=True, type=float, help="SGD momentum.")
-@click.option("--weight-decay", default=None, type=float,
-              help="SGD weight decay [default: T·λ0/n, which makes the result the tempered-posterior MAP].")
-@click.option("--temperature", default=FIT.temperature, show_default=True, type=float, help="Likelihood temperature T recorded for the server.")
-@click.option("--prior-var", default=FIT.prior_var, show_default=True, type=float, help="Prior variance σ0² (λ0 = 1/σ0²).")
-@click.option("--swag", is_flag=True, help="Also collect SWAG moments over the last epochs.")
-@click.option("--swag-rank", default=TRAIN.swag_rank, show_default=True, type=int, help="SWAG deviation columns K.")
-@click.option("--ggn", default=FIT.ggn, show_default=True, type=click.Choice(GGN_TYPES),
-              help="exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one sampled label (faster).")
-@click.option("--ppd", is_flag=True,
-              help="FedPPD: also run an SGLD chain from each component's MAP and distil its posterior predictive "
-                   "into a student network stored beside the MAP (fuse --method fedppd / fedppd-distill).")
-@click.option("--ppd-steps", default=PPD.steps, show_default=True, type=int, help="SGLD steps of --ppd (burn-in included).")
-@click.option("--ppd-burn-in", default=PPD.burn_in, show_default=True, type=int, help="SGLD burn-in steps of --ppd.")
-@click.option("--ppd-thin", default=PPD.thin, show_default=True, type=int, help="Keep every this many SGLD iterates.")
-@click.option("--ppd-step-size", default=PPD.step_size, show_default=True, type=float, help="SGLD step size ε.")
-@click.option("--private-model", default=None,
-              help="HBFL's heterogeneous client: this silo's own architecture (a model name), trained first and "
-                   "distilled on the silo's data into the shared --model; it never leaves the silo [default: none].")
-@click.option("--private-model-kwargs", default="{}", show_default=True, help="JSON keyword arguments of --private-model.")
-@click.option("--private-epochs", default=None, type=int, help="Epochs of the private model [default: --epochs].")
-@click.option("--private-weight", default=0.5, show_default=True, type=float,
-              help="Weight of the distillation term in the shared model's loss (HBFL's 1 − α).")
-@click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
-              help="fast: this package's capture (one forward + one batched backward per batch) for models whose "
-                   "parameters all sit in Linear/Conv2d layers, laplace-torch otherwise; laplace: always laplace-torch.")
-@click.option("--curvature-batch-size", default=FIT.curvature_batch_size, show_default=True, type=int,
-              help="Batch size of the curvature pass.")
-@click.option("--train-seed", default=FIT.train_seed, show_default=True, type=int, help="Training seed (data order per component).")
+@fit_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted run from its partial file (.<out>.partial.h5); same settings required.")
@@ -118,21 +101,10 @@ def init(model, model_kwargs, components, init_seed, transform_from, out, max_me
 @max_memory_option
 @old_spellings("fit-local")
 @handle_errors
-def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, structure, epochs, batch_size, lr,
-                  momentum, weight_decay, temperature, prior_var, swag, swag_rank, ggn, ppd, ppd_steps, ppd_burn_in, ppd_thin,
-                  ppd_step_size, private_model, private_model_kwargs, private_epochs, private_weight, capture,
-                  curvature_batch_size,
-                  train_seed, out, resume, as_json, max_memory):
+def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, out, resume, as_json, max_memory,
+                  **settings):
     """Train M models on one silo and write their local posteriors to one artifact."""
-    cfg = FitConfig(structure=structure, temperature=temperature, prior_var=prior_var, train_seed=train_seed,
-                    curvature_batch_size=curvature_batch_size, ggn=ggn, capture=capture,
-                    ppd=PPDConfig(steps=ppd_steps, burn_in=ppd_burn_in, thin=ppd_thin, step_size=ppd_step_size)
-                    if ppd else None,
-                    private=PrivateModelConfig(private_model, dict(parse_model(private_model, private_model_kwargs).kwargs),
-                                               private_epochs, private_weight) if private_model else None,
-                    train=TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
-                                      weight_decay=weight_decay, swag=swag, swag_rank=swag_rank))
-    cfg.validate()
+    cfg = fit_config_from(settings)
     if init_path is not None:
         init_art = load_global(init_path, max_memory)
         spec, inits = init_art.model_spec, list(init_art.members)
@@ -160,7 +132,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     if as_json:
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})
     else:
-        say(f"wrote {out}: {len(comps)} components, structure {structure}, n={meta['n_data']}")
+        say(f"wrote {out}: {len(comps)} components, structure {cfg.structure}, n={meta['n_data']}")
 
 
 @click.command("recapture")

@@ -413,3 +413,39 @@ def test_curvature_is_algebra_and_imports_nothing_above_it():
     from posterior_fusion.fusion.stacked import STACKERS as stackers
 
     assert set(kinds) == set(stackers)  # every stored block kind can be evaluated in batches
+
+
+def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypatch, tmp_path):
+    """Add a field to TrainConfig at run time: fit-local's --help, the Flower run config and the
+    experiment TOML's [fit] table all accept it, and it reaches the FitConfig they build."""
+    import importlib
+    from dataclasses import make_dataclass
+
+    from posterior_fusion.cli import local_commands
+    from posterior_fusion.experiment.config import ExperimentConfig
+    from posterior_fusion.flower.federation import FederatedSettings
+    from posterior_fusion.local import config
+    from posterior_fusion.local.fields import fit_field
+
+    extended = make_dataclass("TrainConfig", [("label_smoothing", float, fit_field(0.0, "Label smoothing (a test)."))],
+                              bases=(config.TrainConfig,), frozen=True)
+    monkeypatch.setattr(config, "TrainConfig", extended)
+    try:
+        importlib.reload(local_commands)  # the command's options are derived when its module loads
+        r = CliRunner().invoke(pfuse, ["fit-local", "--help"])
+        assert "--label-smoothing" in r.stdout and "Label smoothing (a test)." in r.stdout
+        flower = FederatedSettings.from_run_config({"label-smoothing": 0.25, "epochs": 2})
+        assert flower.fit_config().train.label_smoothing == 0.25 and flower.fit_config().train.epochs == 2
+        assert FederatedSettings.from_json(flower.to_json()) == flower
+        (tmp_path / "g.toml").write_text("[fit]\nlabel_smoothing = 0.5\n")
+        grid = ExperimentConfig.from_toml(tmp_path / "g.toml")
+        from posterior_fusion.experiment.grid import client_fit_config
+
+        assert client_fit_config(grid, "kron", 3).train.label_smoothing == 0.5
+        (tmp_path / "bad.toml").write_text("[fit]\nlabel_smootihng = 0.5\n")
+        with pytest.raises(ConfigError, match="no fit setting 'label_smootihng'"):
+            ExperimentConfig.from_toml(tmp_path / "bad.toml")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(local_commands)
+    assert "--label-smoothing" not in CliRunner().invoke(pfuse, ["fit-local", "--help"]).stdout

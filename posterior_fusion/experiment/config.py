@@ -17,7 +17,7 @@ from posterior_fusion.errors import ConfigError, DataError, shown
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion import METHODS
 from posterior_fusion.fusion.registry import COMPARED
-from posterior_fusion.local.config import STRUCTURES
+from posterior_fusion.local.config import STRUCTURES, fit_config_from
 
 MAX_CONFIG_BYTES = 1_000_000
 MAX_AXIS = 64
@@ -82,6 +82,7 @@ class ExperimentConfig:
     tune_prior_vars: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
     centralized: bool = True          # pooled-data upper bound
     share_training: bool = True       # structures after the first recapture its trained components (pfuse recapture)
+    fit: dict = field(default_factory=dict)  # [fit] table: any other fit setting of fit-local by its name
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> ExperimentConfig:
@@ -125,6 +126,10 @@ class ExperimentConfig:
         ranges.check(f"{where}: val_size", self.val_size, (0, 1_000_000))
         if self.max_train is not None:
             ranges.check(f"{where}: max_train", self.max_train, (1, 10_000_000))
+        own = {"structure", "temperature", "prior_var", "train_seed", "epochs"}  # set by the grid's own keys
+        if own & set(self.fit):
+            raise ConfigError(f"{where}: [fit] may not set {sorted(own & set(self.fit))}: the grid's own keys do")
+        fit_config_from({k: v for k, v in self.fit.items()}, f"{where}: [fit] ")  # names, types and ranges
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ConfigError(f"{where}: unknown methods {bad}; available: {list(METHODS)}")

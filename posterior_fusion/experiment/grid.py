@@ -37,7 +37,7 @@ from posterior_fusion.experiment.report import write_tables
 from posterior_fusion.files import write_text_atomically
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, get_method, method_settings
 from posterior_fusion.fusion.tuning import tune_fusion
-from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.config import FitConfig, TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_silo_to_artifact, library_versions
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.recapture import recapture_to_file
@@ -112,6 +112,13 @@ class FuseJob:
         return f"{self.method}-tuned" if self.tuned else self.method
 
 
+def client_fit_config(cfg: ExperimentConfig, structure: str, seed: int) -> FitConfig:
+    """The fit of every client of a cell: the grid's own keys (epochs, temperature, prior_var, the
+    structure axis and the run seed) over the TOML's ``[fit]`` table of fit settings."""
+    return fit_config_from({**cfg.fit, "structure": structure, "temperature": cfg.temperature,
+                            "prior_var": cfg.prior_var, "train_seed": seed, "epochs": cfg.epochs}, f"{cfg.name}: ")
+
+
 def partition_cell(cfg: ExperimentConfig, cell: Cell, work: Path) -> tuple[str, dict]:
     """Level 1: the cell's silos, validation and test files; returns ``(key, summary)``."""
     key = {"data": cfg.data, "max_train": cfg.max_train, "alpha": cell.alpha, "clients": cell.clients,
@@ -133,8 +140,7 @@ def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, su
     """Level 2: every client of the cell fitted once with the largest M; returns ``(key, posteriors)``."""
     spec = ModelSpec(cfg.model, {})
     m_max = max(cfg.components)
-    fit_cfg = FitConfig(structure=structure, temperature=cfg.temperature, prior_var=cfg.prior_var,
-                        train_seed=cell.seed, train=TrainConfig(epochs=cfg.epochs))
+    fit_cfg = client_fit_config(cfg, structure, cell.seed)
     fit_key = fit_cfg.fingerprint_dict()
     ckey = cache_key({"p": pkey, "fit": fit_key, "M": m_max, "model": spec.to_json()})
     cdir = work / "clients" / ckey
@@ -287,8 +293,7 @@ def centralized_result(cfg: ExperimentConfig, cell: Cell, pkey: str, summary: di
         pooled = SiloData(np.concatenate([s.x for s in silos]), np.concatenate([s.y for s in silos]), silos[0].dataset,
                           silos[0].num_classes, transform=silos[0].transform)
         spec = ModelSpec(cfg.model, {})
-        fit = FitConfig(temperature=cfg.temperature, prior_var=cfg.prior_var,
-                        train=TrainConfig(epochs=cfg.epochs)).resolved(len(pooled))
+        fit = client_fit_config(cfg, FitConfig().structure, cell.seed).resolved(len(pooled))
         model = spec.build()
         vector_to_parameters(initial_weights(spec, 1, cell.seed)[0], model.parameters())
         torch.manual_seed(cell.seed)

@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,44 +36,41 @@ from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.registry import DEFAULT_METHOD
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.local.config import FitConfig, PrivateModelConfig, TrainConfig
+from posterior_fusion.local.config import FitConfig, PrivateModelConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_silo_to_artifact
-from posterior_fusion.local.ppd import PPDConfig
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
-_FIT, _TRAIN, _PPD = FitConfig(), TrainConfig(), PPDConfig()
 
 
-@dataclass(frozen=True)
 class FederatedSettings:
-    """What the server sends to every node: the shared part of ``pfuse fit-local``'s options
-    (names as on the CLI, with ``_``; defaults from :class:`FitConfig`)."""
+    """What the server sends to every node: the model, M, the init seed and every fit setting of
+    ``pfuse fit-local`` (:func:`~posterior_fusion.local.config.fit_settings`, declared once: a
+    setting added there is a run-config key here too), except the private model, which each node
+    chooses in its own node config."""
 
-    model: str = "lenet"
-    model_kwargs: dict = field(default_factory=dict)
-    components: int = 5
-    init_seed: int = 0
-    structure: str = _FIT.structure
-    temperature: float = _FIT.temperature
-    prior_var: float = _FIT.prior_var
-    epochs: int = _TRAIN.epochs
-    batch_size: int = _TRAIN.batch_size
-    lr: float = _TRAIN.lr
-    momentum: float = _TRAIN.momentum
-    swag: bool = _TRAIN.swag
-    swag_rank: int = _TRAIN.swag_rank
-    ggn: str = _FIT.ggn
-    capture: str = _FIT.capture
-    ppd: bool = False
-    ppd_steps: int = _PPD.steps
-    ppd_burn_in: int = _PPD.burn_in
-    ppd_thin: int = _PPD.thin
-    ppd_step_size: float = _PPD.step_size
-    train_seed: int = _FIT.train_seed
+    def __init__(self, model: str = "lenet", model_kwargs: dict | None = None, components: int = 5,
+                 init_seed: int = 0, **fit: Any) -> None:
+        table = _server_fit_settings()
+        unknown = sorted(set(fit) - set(table))
+        if unknown:
+            raise ConfigError(f"no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
+        self.model, self.model_kwargs = model, dict(model_kwargs or {})
+        self.components, self.init_seed = components, init_seed
+        self.fit = {name: fit.get(name, s.default) for name, s in table.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        fit = self.__dict__.get("fit", {})
+        if name in fit:
+            return fit[name]
+        raise AttributeError(name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FederatedSettings) and self.to_json() == other.to_json()
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps({"model": self.model, "model_kwargs": self.model_kwargs, "components": self.components,
+                           "init_seed": self.init_seed, **self.fit}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> FederatedSettings:
@@ -86,25 +83,23 @@ class FederatedSettings:
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> FederatedSettings:
-        """Settings from a Flower run config (keys as in examples/flower/pyproject.toml)."""
+        """Settings from a Flower run config (keys as in examples/flower/pyproject.toml: the fit
+        settings' names with ``-``)."""
         cfg = rename_keys(cfg, RENAMED_RUN_CONFIG_KEYS, "run config", print)
         kwargs = json.loads(str(cfg.get("model-kwargs", "{}")))
-        names = {f: f.replace("_", "-") for f in cls.__dataclass_fields__ if f != "model_kwargs"}
-        vals = {f: cfg[key] for f, key in names.items() if key in cfg}
-        return cls(model_kwargs=kwargs, **vals)
+        keys = {"model": "model", "components": "components", "init-seed": "init_seed",
+                **{s.run_config_key: name for name, s in _server_fit_settings().items()}}
+        return cls(model_kwargs=kwargs, **{name: cfg[key] for key, name in keys.items() if key in cfg})
 
     def spec(self) -> ModelSpec:
         return ModelSpec(self.model, dict(self.model_kwargs))
 
     def fit_config(self) -> FitConfig:
-        cfg = FitConfig(structure=self.structure, temperature=self.temperature, prior_var=self.prior_var,
-                        train_seed=self.train_seed, ggn=self.ggn, capture=self.capture,
-                        ppd=PPDConfig(steps=self.ppd_steps, burn_in=self.ppd_burn_in, thin=self.ppd_thin,
-                                      step_size=self.ppd_step_size) if self.ppd else None,
-                        train=TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                                          momentum=self.momentum, swag=self.swag, swag_rank=self.swag_rank))
-        cfg.validate()
-        return cfg
+        return fit_config_from(self.fit, "federated settings: ")
+
+
+def _server_fit_settings() -> dict:
+    return {s.name: s for s in fit_settings() if s.path[0] != "private"}
 
 
 def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,

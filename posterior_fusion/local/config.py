@@ -3,11 +3,17 @@ experiment runner all build (defaults live here and nowhere else)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import dataclasses
+import json
+import typing
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
+from posterior_fusion.local.fields import fit_field
 from posterior_fusion.local.ppd import PPDConfig
 
 STRUCTURES = tuple(CAPTURE)  # curvature structures a silo can capture (local/capture.py)
@@ -23,15 +29,16 @@ def auto_weight_decay(temperature: float, prior_precision: float, n_data: int) -
 class TrainConfig:
     """SGD settings. ``weight_decay=None``: :func:`auto_weight_decay` (resolved per silo)."""
 
-    epochs: int = 20
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float | None = None
-    swag: bool = False
-    swag_epochs: int = 0          # last epochs over which SWAG snapshots are taken (0: max(1, E//4))
-    swag_snapshots_per_epoch: int = 4
-    swag_rank: int = 20           # K deviation columns kept
+    epochs: int = fit_field(20, "Local training epochs per component.")
+    batch_size: int = fit_field(64, "SGD batch size.")
+    lr: float = fit_field(0.01, "SGD learning rate.")
+    momentum: float = fit_field(0.9, "SGD momentum.")
+    weight_decay: float | None = fit_field(None, "SGD weight decay [default: T·λ0/n, which makes the result the "
+                                                 "tempered-posterior MAP].")
+    swag: bool = fit_field(False, "Also collect SWAG moments over the last epochs.")
+    swag_epochs: int = fit_field(0, "Last epochs over which SWAG snapshots are taken (0: max(1, epochs // 4)).")
+    swag_snapshots_per_epoch: int = fit_field(4, "SWAG snapshots per epoch.")
+    swag_rank: int = fit_field(20, "SWAG deviation columns K.")
 
     def validate(self) -> None:
         ranges.check("epochs", self.epochs, ranges.EPOCHS)
@@ -56,10 +63,12 @@ class PrivateModelConfig:
     trained first and distilled on the silo's data into the shared model (``weight``: the
     weight of the distillation term, HBFL's 1 − α; ``epochs`` None: the shared model's epochs)."""
 
-    model: str
-    model_kwargs: dict = field(default_factory=dict)
-    epochs: int | None = None
-    weight: float = 0.5
+    model: str = fit_field(None, "HBFL's heterogeneous client: the silo's own architecture, trained first and "
+                                 "distilled into the shared model; never written to the artifact [default: none].")
+    model_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON keyword arguments of the private model.",
+                                                                "choices": None})
+    epochs: int | None = fit_field(None, "Epochs of the private model [default: the shared model's epochs].")
+    weight: float = fit_field(0.5, "Weight of the distillation term in the shared model's loss (HBFL's 1 − α).")
 
     def validate(self) -> None:
         if not 0 <= self.weight <= 1:
@@ -72,13 +81,17 @@ class PrivateModelConfig:
 class FitConfig:
     """Everything that determines a silo's fit besides the data, the model and the starting points."""
 
-    structure: str = "kron"
-    temperature: float = 0.1
-    prior_var: float = 0.1
-    train_seed: int = 0
-    curvature_batch_size: int = 256
-    ggn: str = "exact"            # "exact" GGN or "mc" (Monte-Carlo Fisher, 1 sample)
-    capture: str = "fast"         # "fast" (local/fastcapture.py, where the model allows) or "laplace"
+    structure: str = fit_field("kron", "Curvature structure: K-FAC, diagonal, or diagonal + full last layer.",
+                               choices=tuple(CAPTURE))
+    temperature: float = fit_field(0.1, "Likelihood temperature T recorded for the server.")
+    prior_var: float = fit_field(0.1, "Prior variance σ0² (λ0 = 1/σ0²).")
+    train_seed: int = fit_field(0, "Training seed (data order per component).")
+    curvature_batch_size: int = fit_field(256, "Batch size of the curvature pass.")
+    ggn: str = fit_field("exact", "exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one "
+                                  "sampled label (faster).", choices=GGN_TYPES)
+    capture: str = fit_field("fast", "fast: this package's capture (one forward + one batched backward per batch) "
+                                     "for models whose parameters all sit in Linear/Conv2d layers, laplace-torch "
+                                     "otherwise; laplace: always laplace-torch.", choices=CAPTURE_METHODS)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -122,3 +135,93 @@ class FitConfig:
             return self
         wd = auto_weight_decay(self.temperature, self.prior_precision, n_data)
         return replace(self, train=replace(self.train, weight_decay=wd))
+
+
+# ------------------------------------------------------------------- fit settings, flat
+
+PPD_SWITCH_HELP = ("FedPPD: also run an SGLD chain from each component's MAP and distil its posterior predictive "
+                   "into a student network stored beside the MAP (fuse --method fedppd / fedppd-distill).")
+
+
+@dataclass(frozen=True)
+class FitSetting:
+    """One fit setting under its flat name (``epochs``, ``ppd_steps``, ``private_model``…): where
+    it lives in :class:`FitConfig` (``path``), its type, default, help and choices."""
+
+    name: str
+    path: tuple[str, ...]
+    type: Any
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def run_config_key(self) -> str:
+        return self.name.replace("_", "-")
+
+
+def _declared(cls: type, prefix: str, path: tuple[str, ...]) -> list[FitSetting]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        if "help" not in f.metadata:  # nested records (train, ppd, private) are listed on their own
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(FitSetting(prefix + f.name, (*path, f.name), hints[f.name], default, f.metadata["help"],
+                              f.metadata.get("choices")))
+    return out
+
+
+def fit_settings() -> list[FitSetting]:
+    """Every fit setting, declared once on :class:`FitConfig`, :class:`TrainConfig`, :class:`PPDConfig`
+    and :class:`PrivateModelConfig`: ``fit-local``'s options, the Flower run-config keys and the
+    experiment TOML's ``[fit]`` keys are these names (read at call time, so a field added to one of
+    the records appears everywhere)."""
+    return [*_declared(FitConfig, "", ()), *_declared(TrainConfig, "", ("train",)),
+            FitSetting("ppd", ("ppd",), bool, False, PPD_SWITCH_HELP),
+            *_declared(PPDConfig, "ppd_", ("ppd",)),
+            *[replace(s, name="private_" + s.name.removeprefix("private_")) for s in _declared(PrivateModelConfig, "private_", ("private",))]]
+
+
+def _convert(value: Any, s: FitSetting, where: str) -> Any:
+    """Strings (Flower, TOML) to the setting's type; JSON text for the private model's kwargs."""
+    args = typing.get_args(s.type)
+    base = next((a for a in args if a is not type(None)), s.type) if args else s.type
+    if value is None or (type(None) in args and isinstance(value, str) and value.lower() in ("none", "")):
+        return None
+    try:
+        if base is bool:
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        if base is int and not isinstance(value, bool):
+            return int(value)
+        if base is float and not isinstance(value, bool):
+            return float(value)
+        if base is dict:
+            return json.loads(value) if isinstance(value, str) else dict(value)
+        return value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}`{s.name}` cannot be read from {str(value)[:40]!r} ({exc})") from None
+
+
+def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
+    """A validated :class:`FitConfig` from flat settings (names of :func:`fit_settings`; the rest
+    take their declared defaults)."""
+    table = {s.name: s for s in fit_settings()}
+    unknown = sorted(set(values) - set(table))
+    if unknown:
+        raise ConfigError(f"{where}no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
+    flat = {name: _convert(values[name], s, where) if name in values else s.default for name, s in table.items()}
+    parts: dict[tuple[str, ...], dict[str, Any]] = {}
+    for name, s in table.items():
+        if len(s.path) == 2:
+            parts.setdefault(s.path[:1], {})[s.path[1]] = flat[name]
+    own = {s.path[0]: flat[name] for name, s in table.items() if len(s.path) == 1 and s.path[0] != "ppd"}
+    cfg = FitConfig(**own, train=TrainConfig(**parts[("train",)]),
+                    ppd=PPDConfig(**parts[("ppd",)]) if flat["ppd"] else None,
+                    private=PrivateModelConfig(**parts[("private",)]) if flat["private_model"] else None)
+    cfg.validate()
+    return cfg

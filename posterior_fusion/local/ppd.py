@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.local.fields import fit_field
 from posterior_fusion.progress import progress
 
 
@@ -27,13 +28,13 @@ from posterior_fusion.progress import progress
 class PPDConfig:
     """SGLD and distillation settings of ``pfuse fit-local --ppd``."""
 
-    steps: int = 2000          # SGLD steps (burn-in included)
-    burn_in: int = 500
-    thin: int = 5              # every thin-th iterate after burn-in is a sample
-    step_size: float = 1e-5    # SGLD ε
-    batch_size: int = 64
-    student_lr: float = 1e-3   # SGD (momentum 0.9) step of the student per sample
-    perturb: float = 0.1       # std of the Gaussian input perturbation of the distillation batch
+    steps: int = fit_field(2000, "SGLD steps of --ppd (burn-in included).")
+    burn_in: int = fit_field(500, "SGLD burn-in steps of --ppd.")
+    thin: int = fit_field(5, "Keep every this many SGLD iterates after the burn-in.")
+    step_size: float = fit_field(1e-5, "SGLD step size ε.")
+    batch_size: int = fit_field(64, "Batch size of the SGLD chain and of the student's distillation.")
+    student_lr: float = fit_field(1e-3, "SGD (momentum 0.9) step of the student per SGLD sample.")
+    perturb: float = fit_field(0.1, "Std of the Gaussian input perturbation of the distillation batch.")
 
     def validate(self) -> None:
         if (self.steps < 1 or not 0 <= self.burn_in < self.steps or self.thin < 1 or not self.step_size > 0
