@@ -24,7 +24,7 @@ from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fit import fit_silo_to_artifact
+from posterior_fusion.local.fit import fit_silo_file
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -58,7 +58,7 @@ def main() -> None:
         if path.exists():
             continue
         t0 = time.perf_counter()
-        fit_silo_to_artifact(spec, c["path"], path, args.components, args.seed, cfg,
+        fit_silo_file(spec, c["path"], path, args.components, args.seed, cfg,
                              log=lambda m, i=i: print(f"client {i}:", m, flush=True))
         fit_times.append(time.perf_counter() - t0)
     test = read_silo(summary["test"])

@@ -21,7 +21,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fit import fit_silo_to_artifact
+from posterior_fusion.local.fit import fit_silo_file
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -58,7 +58,7 @@ def main() -> None:
                     for i, c in enumerate(summary["clients"]):
                         paths.append(part / f"{structure}_post_{i}.h5")
                         if not paths[-1].exists():
-                            fit_silo_to_artifact(cfg["model"], c["path"], paths[-1], args.components, seed, fit,
+                            fit_silo_file(cfg["model"], c["path"], paths[-1], args.components, seed, fit,
                                                  log=lambda m: None)
                     for method in METHODS:
                         try:

@@ -25,7 +25,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fit import fit_local
+from posterior_fusion.local.fit import fit_components
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
@@ -68,7 +68,7 @@ def main() -> None:
     for i, c in enumerate(summary["clients"]):
         paths.append(out / f"post_{i}.h5")
         if not paths[-1].exists():
-            meta, comps = fit_local(spec, read_silo(c["path"]), inits, cfg, log=lambda *_: None)
+            meta, comps = fit_components(spec, read_silo(c["path"]), inits, cfg, log=lambda *_: None)
             write_client_artifact(paths[-1], spec, layout, meta, comps)
     test = read_silo(summary["test"])
     attacks = {

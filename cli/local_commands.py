@@ -16,7 +16,7 @@ from posterior_fusion.files import check_output
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
-from posterior_fusion.local.fit import fit_to_file
+from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.models import ModelSpec
 
@@ -128,7 +128,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     if init_path is not None:
         check_transform(init_art.metadata.get("input_transform"), data.input_transform, data_path, init_path)
     init_info = {"file": init_path} if init_path else {"init_seed": init_seed}
-    meta, comps = fit_to_file(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr)
+    meta, comps = fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr)
     if as_json:
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})
     else:

@@ -14,7 +14,7 @@ from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, write_fused
 from posterior_fusion.fusion.registry import DEMO
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fit import fit_silo_to_artifact
+from posterior_fusion.local.fit import fit_silo_file
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -67,7 +67,7 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
     for i, c in enumerate(summary["clients"]):
         log(f"fit-local client {i} (n={c['n']}, M={components}, {structure}, {epochs} epochs)")
         paths.append(out / f"post_{i}.h5")
-        fit_silo_to_artifact(spec, c["path"], paths[-1], components, seed, cfg, log=lambda m: log("  " + m))
+        fit_silo_file(spec, c["path"], paths[-1], components, seed, cfg, log=lambda m: log("  " + m))
     test = read_silo(summary["test"])
     rows = []
     for method in methods:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import ast
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from conftest import fit_split, random_psd
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
+from posterior_fusion.artifact.blocks import ENCODINGS, BlockEncoding
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.data.silo import SiloData
@@ -107,7 +106,6 @@ class Iso(Precision):
     """A toy block type for the table test: ``G = g·I`` stored as one scalar."""
 
     kind = "iso"
-    dataset_names = ("iso",)
 
     def __init__(self, g: torch.Tensor, size: int, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
@@ -145,16 +143,13 @@ class Iso(Precision):
     def nbytes(self):
         return self.g.element_size()
 
-    @classmethod
-    def dataset_shapes(cls, size: int, header: Mapping[str, Any]):
-        return {"iso": (1,)}
-
     def to_tensors(self):
         return {"iso": self.g}
 
-    @classmethod
-    def from_tensors(cls, tensors, header):
-        return cls(tensors["iso"], int(header["size"]))
+
+# Iso on disk: one scalar dataset (the artifact's table entry)
+ISO_ENCODING = BlockEncoding(("iso",), lambda size, header: {"iso": (1,)},
+                             lambda tensors, header: Iso(tensors["iso"], int(header["size"])))
 
 
 
@@ -164,10 +159,11 @@ def stack_iso(blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel
 
 
 def test_a_new_block_type_needs_only_its_class_and_its_table_entries(monkeypatch, tmp_path):
-    """Writer and reader find an unknown-to-them block type through BLOCK_TYPES, the stack through STACKERS."""
+    """Writer and reader find an unknown-to-them block type through ENCODINGS, the stack through STACKERS."""
     from test_fusion import TINY, TINY_LAYOUT
 
     monkeypatch.setitem(BLOCK_TYPES, "iso", Iso)
+    monkeypatch.setitem(ENCODINGS, "iso", ISO_ENCODING)
     monkeypatch.setitem(STACKERS, "iso", stack_iso)
     gen = torch.Generator().manual_seed(0)
     d = TINY_LAYOUT.dim
@@ -198,10 +194,11 @@ def test_every_table_entry_round_trips_and_matches_dense(kind):
             "dense": lambda: Dense(random_psd(12, gen)),
             "kron": lambda: Kron(random_psd(3, gen), random_psd(4, gen))}
     blocks = [make[kind]() for _ in range(3)]
-    cls = BLOCK_TYPES[kind]
-    again = cls.from_tensors(blocks[0].to_tensors(), {"kind": kind, "size": 12, **blocks[0].header()})
+    cls, enc = BLOCK_TYPES[kind], ENCODINGS[kind]
+    assert isinstance(blocks[0], cls)
+    again = enc.decode(blocks[0].to_tensors(), {"kind": kind, "size": 12, **enc.header(blocks[0])})
     torch.testing.assert_close(again.to_dense(), blocks[0].to_dense())
-    assert cls.dataset_shapes(12, blocks[0].header()) == {k: tuple(t.shape) for k, t in blocks[0].to_tensors().items()}
+    assert enc.shapes(12, enc.header(blocks[0])) == {k: tuple(t.shape) for k, t in blocks[0].to_tensors().items()}
     mu = torch.randn(3, 12, generator=gen, dtype=torch.float64)
     scales, shifts = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64), torch.tensor([0.1, 1.0, 3.0], dtype=torch.float64)
     st = STACKERS[kind](blocks, 0, mu, scales, shifts, torch.float64)
@@ -409,10 +406,11 @@ def test_curvature_is_algebra_and_imports_nothing_above_it():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             found += [f"{path.name}: {n}" for n in names if n.startswith(above)]
     assert not found, found
+    from posterior_fusion.artifact.blocks import ENCODINGS as encodings
     from posterior_fusion.curvature import BLOCK_TYPES as kinds
     from posterior_fusion.fusion.stacked import STACKERS as stackers
 
-    assert set(kinds) == set(stackers)  # every stored block kind can be evaluated in batches
+    assert set(kinds) == set(stackers) == set(encodings)  # every block kind is stored and evaluated in batches
 
 
 def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypatch, tmp_path):

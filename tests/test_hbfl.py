@@ -74,6 +74,7 @@ def _positive_clients(tmp_path, silo, structure, temps=(0.05, 0.1, 0.3), sizes=(
     """The fitted clients with full-rank random curvature of the same block kinds and unequal T_k:
     the paper's division by the prior is well posed, so eq. 3.8 applies exactly."""
     from posterior_fusion.artifact import write_client_artifact
+    from posterior_fusion.artifact.blocks import ENCODINGS
     from posterior_fusion.curvature import BlockDiag
     from posterior_fusion.posterior import Component
 
@@ -91,7 +92,8 @@ def _positive_clients(tmp_path, silo, structure, temps=(0.05, 0.1, 0.3), sizes=(
                 else:
                     a = torch.randn(side, side, generator=gen, dtype=torch.float64)
                     tensors[name] = (a @ a.T / side + torch.eye(side, dtype=torch.float64)).float()
-            blocks.append(type(b).from_tensors(tensors, {**b.header(), "size": b.dim}))
+            enc = ENCODINGS[b.kind]
+            blocks.append(enc.decode(tensors, {**enc.header(b), "size": b.dim}))
         new = Component(0, comp.map, BlockDiag(blocks), comp.training, t, comp.prior_precision)
         meta = dict(c.metadata, temperature=t)
         path = tmp_path / f"pos{k}.h5"

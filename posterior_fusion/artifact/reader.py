@@ -26,6 +26,7 @@ import torch
 
 from posterior_fusion import budget
 from posterior_fusion.artifact import schema
+from posterior_fusion.artifact.blocks import ENCODINGS, BlockValueError
 from posterior_fusion.artifact.h5check import Checker as _Checker
 from posterior_fusion.artifact.h5check import (
     file_sha256,  # noqa: F401 (public here too)
@@ -40,7 +41,7 @@ from posterior_fusion.artifact.records import (
     parse_layout,
     parse_training,
 )
-from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, BlockValueError, Precision
+from posterior_fusion.curvature import BlockDiag, Precision
 from posterior_fusion.errors import (
     ModelSpecError,
     NotAnArtifactError,
@@ -232,7 +233,7 @@ def _blocks(chk: _Checker, f: h5py.File, base: str, records: tuple[BlockRecord, 
         where = f"{base}/{j}"
         tensors = {name: _read(chk, f[f"{where}/{name}"], f"{where}/{name}") for name in b.datasets}
         try:
-            parts.append(BLOCK_TYPES[b.kind].from_tensors(tensors, {**b.fields, "size": b.size}))
+            parts.append(ENCODINGS[b.kind].decode(tensors, {**b.fields, "size": b.size}))
         except BlockValueError as exc:
             raise chk.bad_value(f"{where}/{exc.name}", exc.message) from None
     return BlockDiag(parts)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from posterior_fusion.artifact import schema
+from posterior_fusion.artifact.blocks import ENCODINGS, BlockValueError
 from posterior_fusion.artifact.jsonattr import HeaderProblem, _is_int, _is_number, parse_json  # noqa: F401 (re-exported)
-from posterior_fusion.curvature import BLOCK_TYPES, BlockValueError
 from posterior_fusion.layout import ParameterLayout
 
 
@@ -60,8 +60,8 @@ class BlockRecord:
 
     @classmethod
     def parse(cls, raw: Any, where: str, expected_offset: int, layout: ParameterLayout) -> BlockRecord:
-        if not isinstance(raw, dict) or raw.get("kind") not in BLOCK_TYPES:
-            raise HeaderProblem(where, f"block kind must be one of {tuple(BLOCK_TYPES)}")
+        if not isinstance(raw, dict) or raw.get("kind") not in ENCODINGS:
+            raise HeaderProblem(where, f"block kind must be one of {tuple(ENCODINGS)}")
         size, off = raw.get("size"), raw.get("offset")
         if not (_is_int(size) and _is_int(off)) or size < 1:
             raise HeaderProblem(where, "block offset/size must be integers, size >= 1")
@@ -69,7 +69,7 @@ class BlockRecord:
             raise HeaderProblem(where, f"blocks do not tile the parameters: offset {off}, expected {expected_offset}")
         fields = {k: v for k, v in raw.items() if k not in ("kind", "offset", "size")}
         try:
-            datasets = BLOCK_TYPES[raw["kind"]].dataset_shapes(size, fields)
+            datasets = ENCODINGS[raw["kind"]].shapes(size, fields)
         except BlockValueError as exc:
             raise HeaderProblem(where, exc.message) from None
         for name, shape in datasets.items():

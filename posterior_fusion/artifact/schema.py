@@ -41,9 +41,9 @@ FLOAT_DTYPES = ("float32", "float64")
 
 
 def _dataset_names() -> str:
-    from posterior_fusion.curvature import BLOCK_TYPES  # here, not at import: the header preview is torch-free
+    from posterior_fusion.artifact.blocks import ENCODINGS  # here, not at import: the header preview is torch-free
 
-    return "|".join(sorted({re.escape(n) for cls in BLOCK_TYPES.values() for n in cls.dataset_names}))
+    return "|".join(sorted({re.escape(n) for enc in ENCODINGS.values() for n in enc.dataset_names}))
 
 
 def global_path_re() -> re.Pattern:

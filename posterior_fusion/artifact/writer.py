@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 import torch
 
+from posterior_fusion.artifact.blocks import ENCODINGS
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import NonFiniteOutputError
@@ -74,7 +75,7 @@ def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype 
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
     for i, (block, off) in enumerate(zip(curvature.blocks, curvature.offsets)):
-        descr.append({"kind": block.kind, "offset": off, "size": block.dim, **block.header()})
+        descr.append({"kind": block.kind, "offset": off, "size": block.dim, **ENCODINGS[block.kind].header(block)})
         g = curv.create_group(str(i))
         for name, tensor in block.to_tensors().items():
             data = _np(tensor if dtype is None else tensor.to(dtype))

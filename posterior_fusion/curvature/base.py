@@ -13,35 +13,23 @@ shape ``(..., dim)``; the leading dimensions batch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 
 
-class BlockValueError(ValueError):
-    """Raised by :meth:`Precision.from_tensors` / :meth:`Precision.dataset_shapes`; ``name``
-    is the offending dataset (or header field) so the reader can name the HDF5 path."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
-        self.message = message
-
-
 class Precision(ABC):
     """A structured symmetric PSD matrix ``Λ = scale·G + shift·I`` of size ``dim × dim``.
 
-    Every concrete block type also declares how it is stored (the block-type table
-    :data:`posterior_fusion.curvature.BLOCK_TYPES` is keyed by ``kind``): ``dataset_names``,
-    :meth:`header`, :meth:`dataset_shapes`, :meth:`to_tensors`, :meth:`from_tensors`. How N of
-    them are evaluated at once is fusion's (:mod:`posterior_fusion.fusion.stacked`).
+    Every concrete block type has a ``kind`` (the block-type table
+    :data:`posterior_fusion.curvature.BLOCK_TYPES` is keyed by it) and :meth:`to_tensors`. How it
+    is stored is the artifact's (:mod:`posterior_fusion.artifact.blocks`); how N of them are
+    evaluated at once is fusion's (:mod:`posterior_fusion.fusion.stacked`).
     """
 
     kind: ClassVar[str] = ""
-    dataset_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, scale: float = 1.0, shift: float = 0.0) -> None:
         if not (scale >= 0 and shift >= 0):
@@ -133,26 +121,9 @@ class Precision(ABC):
         half the work of :meth:`solve` when only such inner products are needed)."""
         raise NotImplementedError(f"{type(self).__name__} has no whiten")
 
-    # --- storage: one table entry per block type -------------------------------------------
-
-    def header(self) -> dict[str, Any]:
-        """Extra header fields of this block beyond ``kind``/``offset``/``size`` (JSON-able)."""
-        return {}
-
-    @classmethod
-    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-        """Dataset name -> shape implied by a block header (raises :class:`BlockValueError`)."""
-        raise NotImplementedError
-
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The raw curvature tensors to store, by dataset name."""
-        raise NotImplementedError
-
-    @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Precision:
-        """Rebuild raw curvature (``scale=1, shift=0``) from stored tensors (``header``: the block's
-        header fields including ``size``) after checking their
-        values (finite is checked by the reader; here: signs, symmetry); raises :class:`BlockValueError`."""
+        """The tensors that define the block, by name (how they are stored is the artifact's:
+        :mod:`posterior_fusion.artifact.blocks`)."""
         raise NotImplementedError
 
     @classmethod
@@ -181,16 +152,3 @@ def eigh_psd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     work = matrix.double() if matrix.dtype == torch.float32 else matrix
     evals, evecs = torch.linalg.eigh(0.5 * (work + work.T))
     return evals.clamp_min(0).to(matrix.dtype), evecs.to(matrix.dtype)
-
-
-SYMMETRY_RTOL = 1e-4
-
-
-def check_psd_factor(name: str, t: torch.Tensor) -> None:
-    """Stored factors must be square, symmetric (to ``SYMMETRY_RTOL``) with a non-negative diagonal."""
-    if (torch.diagonal(t) < 0).any():
-        raise BlockValueError(name, "curvature factor has a negative diagonal entry")
-    scale = t.abs().max().item() if t.numel() else 0.0
-    if scale > 0 and (t - t.T).abs().max().item() > SYMMETRY_RTOL * scale:
-        raise BlockValueError(name, "curvature factor is not symmetric")
-

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-from posterior_fusion.curvature.base import Precision, check_psd_factor, eigh_psd
+from posterior_fusion.curvature.base import Precision, eigh_psd
 
 
 class Dense(Precision):
     """Full symmetric PSD block (e.g. the last layer of diag+full, or a bias block of kron)."""
 
     kind = "dense"
-    dataset_names = ("dense",)
 
     def __init__(self, G: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
@@ -75,19 +71,9 @@ class Dense(Precision):
     def nbytes(self) -> int:
         return self.G.numel() * self.G.element_size()
 
-    # --- storage -------------------------------------------------------------------------------
-
-    @classmethod
-    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-        return {"dense": (size, size)}
-
     def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that define the block, by name (stored as they are: ``artifact/blocks.py``)."""
         return {"dense": self.G}
-
-    @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Dense:
-        check_psd_factor("dense", tensors["dense"])
-        return cls(tensors["dense"])
 
     @classmethod
     def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor) -> tuple[Dense, float]:

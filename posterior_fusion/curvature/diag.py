@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-from posterior_fusion.curvature.base import BlockValueError, Precision
+from posterior_fusion.curvature.base import Precision
 
 
 class Diag(Precision):
     """Diagonal structure; ``g`` has shape ``(d,)`` and is >= 0."""
 
     kind = "diag"
-    dataset_names = ("diag",)
 
     def __init__(self, g: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
@@ -60,21 +56,9 @@ class Diag(Precision):
     def nbytes(self) -> int:
         return self.g.numel() * self.g.element_size()
 
-    # --- storage -------------------------------------------------------------------------------
-
-    @classmethod
-    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-        return {"diag": (size,)}
-
     def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that define the block, by name (stored as they are: ``artifact/blocks.py``)."""
         return {"diag": self.g}
-
-    @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Diag:
-        g = tensors["diag"]
-        if (g < 0).any():
-            raise BlockValueError("diag", "diagonal curvature has negative entries")
-        return cls(g)
 
     @classmethod
     def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor) -> tuple[Diag, float]:

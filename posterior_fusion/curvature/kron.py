@@ -12,19 +12,15 @@ This matches laplace-torch's ``KronDecomposed`` (first factor = output side).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-from posterior_fusion.curvature.base import BlockValueError, Precision, check_psd_factor, eigh_psd
+from posterior_fusion.curvature.base import Precision, eigh_psd
 
 
 class Kron(Precision):
     """Two-factor Kronecker block for a weight of matrix shape ``(out, in)``."""
 
     kind = "kron"
-    dataset_names = ("kron_B", "kron_A")
 
     def __init__(self, B: torch.Tensor, A: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> None:
         super().__init__(scale, shift)
@@ -100,28 +96,9 @@ class Kron(Precision):
     def nbytes(self) -> int:
         return (self.B.numel() + self.A.numel()) * self.B.element_size()
 
-    # --- storage -------------------------------------------------------------------------------
-
-    def header(self) -> dict[str, Any]:
-        return {"shape": list(self.shape)}
-
-    @classmethod
-    def dataset_shapes(cls, size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-        shape = header.get("shape")
-        if (not isinstance(shape, list) or len(shape) != 2
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
-                or shape[0] * shape[1] != size):
-            raise BlockValueError("shape", "kron block needs shape [out, in] with out*in == size")
-        return {"kron_B": (shape[0], shape[0]), "kron_A": (shape[1], shape[1])}
-
     def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that define the block, by name (stored as they are: ``artifact/blocks.py``)."""
         return {"kron_B": self.B, "kron_A": self.A}
-
-    @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Kron:
-        for name in cls.dataset_names:
-            check_psd_factor(name, tensors[name])
-        return cls(tensors["kron_B"], tensors["kron_A"])
 
     @classmethod
     def weighted_sum(cls, blocks: list[Precision], weights: torch.Tensor, iterations: int = 500) -> tuple[Kron, float]:

@@ -38,7 +38,7 @@ from posterior_fusion.files import write_text_atomically
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, get_method, method_settings
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.local.config import FitConfig, TrainConfig, fit_config_from
-from posterior_fusion.local.fit import fit_silo_to_artifact, library_versions
+from posterior_fusion.local.fit import fit_silo_file, library_versions
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.resume import partial_path
@@ -83,12 +83,12 @@ class FitJob:
             torch.set_num_threads(self.threads)
         spec = ModelSpec.from_json(self.spec_json)
         try:  # an interrupted grid continues its clients' partial fits (same fingerprint only)
-            fit_silo_to_artifact(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log,
+            fit_silo_file(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log,
                                  resume=partial_path(self.out).exists())
         except ResumeError as exc:
             log(f"note: {exc}; starting this client afresh")
             partial_path(self.out).unlink(missing_ok=True)
-            fit_silo_to_artifact(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log)
+            fit_silo_file(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log)
         return self.out
 
 

@@ -1,6 +1,6 @@
 """One-round federated fit-local + fuse on Flower (``pip install posterior-fusion[flower]``).
 
-The ClientApp's train handler runs the same :func:`~posterior_fusion.local.fit.fit_local`
+The ClientApp's train handler runs the same :func:`~posterior_fusion.local.fit.fit_components`
 as ``pfuse fit-local`` on the node's silo and replies with the artifact's bytes. The
 ServerApp sends the shared settings to every node, validates each reply with the same
 reader as files (a bad or missing reply is logged and left out, or stops the run, per
@@ -37,7 +37,7 @@ from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.registry import DEFAULT_METHOD
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, PrivateModelConfig, fit_config_from, fit_settings
-from posterior_fusion.local.fit import fit_silo_to_artifact
+from posterior_fusion.local.fit import fit_silo_file
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
@@ -110,7 +110,7 @@ def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, o
     if private is not None:
         cfg = replace(cfg, private=private)
         cfg.validate()
-    fit_silo_to_artifact(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log)
+    fit_silo_file(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log)
 
 
 def node_private_model(context: Context) -> PrivateModelConfig | None:

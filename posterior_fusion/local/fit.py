@@ -1,9 +1,9 @@
-"""``fit_local``: train M components from shared starting points and capture their posteriors.
+"""``fit_components``: train M components from shared starting points and capture their posteriors.
 
 Components are independent given their seeds (component m trains with seed
 ``train_seed·1_000_003 + m`` from starting point m), so a run interrupted after k components
 can resume at component k and produce the same artifact as an uninterrupted run
-(:func:`fit_to_file` with ``resume=True``).
+(:func:`fit_and_write` with ``resume=True``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
         return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])
 
 
-def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig, log=print,
+def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig, log=print,
               done: list[Component] | None = None,
               on_component: Callable[[dict, list[Component]], None] | None = None) -> tuple[dict, list[Component]]:
     """Fit one component per initial vector in ``inits``; returns ``(metadata, components)``.
@@ -142,7 +142,7 @@ def fit_local(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: F
     return metadata, comps
 
 
-def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig,
+def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig,
                 out: str | os.PathLike, init_info: dict[str, Any], resume: bool = False,
                 log: Callable[[str], None] = print) -> tuple[dict, list[Component]]:
     """Fit and write the client artifact ``out``, saving a partial artifact after each
@@ -159,7 +159,7 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
             write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps)
 
         try:
-            meta, comps = fit_local(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
+            meta, comps = fit_components(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
         except KeyboardInterrupt:
             kept = f"the finished components are kept in {partial}; " if partial.exists() else ""
             raise ResumeError(f"interrupted; {kept}rerun the same command with `resume` to continue") from None
@@ -172,11 +172,11 @@ def fit_to_file(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg:
     return meta, comps
 
 
-def fit_silo_to_artifact(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.PathLike, components: int,
+def fit_silo_file(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.PathLike, components: int,
                          init_seed: int, cfg: FitConfig, log=print, resume: bool = False) -> dict:
     """Read a silo, fit ``components`` components from the ``init_seed`` starting points, write the
     artifact to ``out``: what ``pfuse fit-local --init-seed [--resume]`` does. Returns the metadata."""
     data = read_silo(silo_path, num_classes=spec.num_classes)
-    meta, _ = fit_to_file(spec, data, initial_weights(spec, components, init_seed), cfg, out,
+    meta, _ = fit_and_write(spec, data, initial_weights(spec, components, init_seed), cfg, out,
                           {"init_seed": init_seed}, resume=resume, log=log)
     return meta
