@@ -255,7 +255,7 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
     data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory, labels=False)
     check_data(g.model_spec, data, len(g.members), max_memory, g.metadata.get("input_transform"), g.path)
     scale, _ = _scale(g, predictive, samples, link, scale, scale_from, max_memory)
-    probs = g.predict(data.inputs(), predictive, samples, scale, link, max_memory=max_memory)
+    probs = g.predict(data.inputs(), predictive, samples, scale, link, max_memory=max_memory, raw=True)
     write_predictions(out, probs, {"global_sha256": g.sha256, "predictive": predictive, "scale": scale})
     say(f"wrote {out}: probabilities {tuple(probs.shape)} ({predictive})")
 

@@ -18,6 +18,7 @@ _LAZY = {
     "Dense": "posterior_fusion.curvature", "Kron": "posterior_fusion.curvature",
     "BlockDiag": "posterior_fusion.curvature", "PfuseError": "posterior_fusion.errors",
     "ParameterLayout": "posterior_fusion.layout", "ModelSpec": "posterior_fusion.models",
+    "read_data": "posterior_fusion.data.silo", "GaussianMixture": "posterior_fusion.mixture",
 }
 __all__ = [*_LAZY, "__version__"]
 

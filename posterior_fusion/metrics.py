@@ -155,7 +155,7 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
         check_data(g.model_spec, data, len(g.members) * (samples if predictive == "mc" else g.model_spec.num_classes),
                    max_memory)
         x, y = data.tensors()
-        probs_in = g.predict(x, predictive, samples, scale, link, max_memory=max_memory)
+        probs_in = g.predict(x, predictive, samples, scale, link, max_memory=max_memory, raw=True)
         out = classification_metrics(probs_in, y, bins)
         out.update({"num_members": len(g.members), "n": len(y)})
     out.update({"predictive": predictive, "samples": samples if predictive == "mc" or link == "mc" else None,
@@ -163,8 +163,8 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
     if ood is not None:
         check_data(g.model_spec, ood, len(g.members), max_memory, g.metadata.get("input_transform"), g.path)
         if probs_in is None:
-            probs_in = g.predict(x, predictive, samples, scale, link, max_memory=max_memory)
-        probs_out = g.predict(ood.inputs(), predictive, samples, scale, link, max_memory=max_memory)
+            probs_in = g.predict(x, predictive, samples, scale, link, max_memory=max_memory, raw=True)
+        probs_out = g.predict(ood.inputs(), predictive, samples, scale, link, max_memory=max_memory, raw=True)
         out["ood_auroc"] = ood_auroc(probs_in, probs_out)
         out["ood_n"] = len(ood)
     return out
@@ -189,7 +189,7 @@ def choose_scale(global_artifact, val: SiloData, predictive: str, samples: int =
         if moments is not None:
             p = sum(float(pi) * probit(m, s * c) for pi, (m, c) in zip(g.mode_weights, moments)).float()
         else:
-            p = g.predict(x, predictive, samples, s, link)
+            p = g.predict(x, predictive, samples, s, link, raw=True)
         nll = -torch.log(p.gather(1, y[:, None]).clamp_min(1e-12)).mean().item()
         table.append({"scale": s, "val_nll": nll, "val_accuracy": (p.argmax(-1) == y).float().mean().item()})
     best = min(table, key=lambda r: (r["val_nll"], -r["scale"]))

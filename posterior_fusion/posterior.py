@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 
 from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.mixture import GaussianMixture, gaussian_log_prob
@@ -129,6 +131,13 @@ class ClientPosterior:
         """``log q_c(w)`` of the mixture for ``w`` ``(..., d)``."""
         return self.mixture(temperature, prior_precision).log_prob(w)
 
+    def predict(self, x: torch.Tensor | np.ndarray, raw: bool = False) -> torch.Tensor:
+        """The client's own ensemble: class probabilities ``(n, classes)`` averaged over its
+        components' MAPs; ``x`` as :meth:`GlobalEnsemble.predict` takes it (the client's input
+        transform applied unless ``raw``)."""
+        x = model_inputs(self.model_spec, self.metadata.get("input_transform"), x, raw, self.path)
+        return predict(self.model_spec, [c.map for c in self.components], x, "map", None, self.weights)
+
     def model(self, component: int = 0) -> nn.Module:
         """The model with component ``component``'s MAP weights."""
         if not 0 <= component < self.num_components:
@@ -184,10 +193,16 @@ class GlobalEnsemble:
         """``log Σ_k π_k N(w; w*_k, Λ*_k⁻¹)`` for ``w`` ``(..., d)`` (float64)."""
         return self.posterior().log_prob(w.double()).double()
 
-    def predict(self, x: torch.Tensor, predictive: str = "map", samples: int = 30, scale: float = 1.0,
-                link: str = "probit", seed: int = 0, max_memory: int | str | None = None) -> torch.Tensor:
-        """Class probabilities ``(n, classes)`` for inputs ``x`` (see :mod:`posterior_fusion.predictive`);
-        the GLM predictive's working set stays within ``max_memory``."""
+    def predict(self, x: torch.Tensor | np.ndarray, predictive: str = "map", samples: int = 30, scale: float = 1.0,
+                link: str = "probit", seed: int = 0, max_memory: int | str | None = None,
+                raw: bool = False) -> torch.Tensor:
+        """Class probabilities ``(n, classes)`` for inputs ``x`` (see :mod:`posterior_fusion.predictive`).
+
+        ``x``: inputs as a data file stores them (uint8 pixels ``(n, H, W)``/``(n, C, H, W)`` or
+        features ``(n, F)``; numpy or torch, any real dtype): the input transform the clients were
+        trained with is applied. ``raw=True``: ``x`` is already the model's input (transformed).
+        The GLM predictive's working set stays within ``max_memory``."""
+        x = model_inputs(self.model_spec, self.metadata.get("input_transform"), x, raw, self.path)
         if self.curvatures is None:  # point estimates only: the map predictive (others refuse in one line)
             return predict(self.model_spec, list(self.members), x, predictive, None, self.mode_weights,
                            samples, scale, link, seed, max_memory)
@@ -196,6 +211,21 @@ class GlobalEnsemble:
     def models(self) -> list[nn.Module]:
         """One fresh model per member; no storage is shared between them."""
         return [build_model(self.model_spec, w) for w in self.members]
+
+
+def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.Tensor | np.ndarray, raw: bool,
+                 where: str) -> torch.Tensor:
+    """float32 model inputs from ``x`` (numpy or torch, any real dtype): the recorded input
+    transform applied unless ``raw``; a shape the model cannot take is refused in one line."""
+    arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if arr.dtype.kind not in "fiub" or arr.ndim < 2:
+        raise ConfigError(f"{where}: inputs must be a real array (n, ...), got {arr.dtype} of shape {arr.shape}")
+    if raw or transform is None:
+        out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    else:
+        out = InputTransform.from_dict(dict(transform), where).apply(arr, "inputs")
+    spec.check_input(tuple(out.shape[1:]), f"{where}: inputs")
+    return out
 
 
 def frozen_mapping(obj: dict) -> Mapping[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -275,3 +276,25 @@ def test_end_to_end_predictives_metrics_and_plot(fused):
     out = json.loads(r.stdout)
     grid = out["scale_tuning"]["grid"]
     assert out["scale"] == min(grid, key=lambda g: (g["val_nll"], -g["scale"]))["scale"]
+
+
+def test_the_api_applies_the_artifacts_input_transform(fused):
+    """``GlobalEnsemble.predict`` on stored inputs (numpy uint8, float64, torch) equals the CLI's
+    path (transformed inputs, ``raw=True``); ``read_data`` gives inputs with their transform; a
+    shape the model cannot take is one line."""
+    from posterior_fusion.errors import PfuseError
+
+    g = posterior_fusion.load(fused / "g_equal.h5")
+    data = posterior_fusion.read_data(fused / "test.h5")
+    assert data.input_transform.key() == posterior_fusion.data.transform.InputTransform.from_dict(
+        g.metadata["input_transform"]).key()
+    want = g.predict(data.inputs(), raw=True)
+    for x in (data.x, data.x.astype(np.float64), torch.from_numpy(data.x)):
+        torch.testing.assert_close(g.predict(x), want)
+    assert not torch.allclose(g.predict(data.x, raw=True), want)  # untransformed pixels are other inputs
+    client = posterior_fusion.load(fused / "post_0.h5")
+    torch.testing.assert_close(client.predict(data.x), client.predict(data.inputs(), raw=True))
+    with pytest.raises(PfuseError, match="inputs"):
+        g.predict(np.zeros((2, 8, 8), np.uint8))
+    with pytest.raises(PfuseError, match="real array"):
+        g.predict(np.array(["a", "b"]))

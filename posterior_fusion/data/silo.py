@@ -256,6 +256,13 @@ def read_silo(path: str | os.PathLike, num_classes: int | None = None,
     return out
 
 
+def read_data(path: str | os.PathLike, max_memory: int | str | None = None) -> SiloData:
+    """A data file for a notebook: ``.x`` the stored inputs, ``.y`` the labels (``None`` in a
+    prediction-only file), ``.input_transform`` the shared transform and ``.inputs()`` the
+    transformed float32 model inputs (validated like every data file)."""
+    return read_silo(path, max_memory=max_memory, labels=False)
+
+
 def silo_header(path: str | os.PathLike) -> SiloHeader:
     """Validate a data file's header only (no data read); used for memory estimates."""
     with _open_data(Path(path)) as (_, head):
