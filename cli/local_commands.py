@@ -9,7 +9,7 @@ import click
 
 from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
-from posterior_fusion.data.silo import read_silo
+from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
@@ -23,14 +23,19 @@ from posterior_fusion.models import ModelSpec
 FIT = FitConfig()
 
 
-def parse_model(name: str, kwargs_json: str | None, max_memory: int | str | None = None) -> ModelSpec:
-    """The model spec, its size checked against the cap and the memory budget before anything is built."""
+def parse_model(name: str, kwargs_json: str | None, max_memory: int | str | None = None,
+                fit_to: tuple | None = None) -> ModelSpec:
+    """The model spec (with ``fit_to=(input_shape, num_classes, file)``: what it leaves out taken
+    from the data), its size checked against the cap and the memory budget before anything is built."""
     try:
         kwargs = json.loads(kwargs_json) if kwargs_json else {}
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"--model-kwargs is not valid JSON: {getattr(exc, 'msg', exc)}") from None
     spec = ModelSpec(name, kwargs)
-    spec.check_size(max_memory)
+    spec.check_size(max_memory)  # the spec as given first: a bomb is refused before anything else
+    if fit_to is not None:
+        spec = spec.fitted_to(*fit_to)
+        spec.check_size(max_memory)
     return spec
 
 
@@ -120,7 +125,8 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
         if explicit["components"] and components != len(inits):
             raise ConfigError(f"{init_path}: holds {len(inits)} starting points, but --components asks for {components}")
     else:
-        spec = parse_model(model, model_kwargs, max_memory)
+        head = silo_header(data_path)  # the model takes its input size and class count from the data
+        spec = parse_model(model, model_kwargs, max_memory, fit_to=(head.input_shape, head.num_classes, data_path))
         if components < 1:
             raise ConfigError("--components must be >= 1")
         inits = initial_weights(spec, components, init_seed)

@@ -336,3 +336,22 @@ def test_reference_protocol_partition_files(tmp_path):
     np.testing.assert_array_equal(v.y, y[val])
     r = cli("partition", "--protocol", "fedbens-reference", "--scheme", "per-class", "--out-dir", tmp_path / "x")
     assert r.exit_code == 2 and "fixes the scheme" in r.stderr
+
+
+def test_the_model_takes_its_sizes_from_the_data(tmp_path):
+    """``--model mlp`` on 3-class, 13-feature wine builds a 13 -> 3 network by itself (it used to
+    build 784 -> 10); an explicit value that disagrees with the data is refused in one line."""
+    import posterior_fusion
+
+    r = CliRunner().invoke(pfuse, ["import-data", "sklearn:wine", "--out", str(tmp_path / "wine.h5")])
+    assert r.exit_code == 0, r.stderr
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "wine.h5"), "--model", "mlp", "-M", "1",
+                                   "--epochs", "1", "--out", str(tmp_path / "w.h5")])
+    assert r.exit_code == 0, r.stderr
+    art = posterior_fusion.load(tmp_path / "w.h5")
+    assert art.model_spec.kwargs == {"in_features": 13, "num_classes": 3} and art.model_spec.num_classes == 3
+    assert len(art.metadata["class_counts"]) == 3
+    for kwargs, key in (('{"num_classes": 10}', "num_classes=3"), ('{"in_features": 784}', "in_features=13")):
+        r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "wine.h5"), "--model", "mlp",
+                                       "--model-kwargs", kwargs, "--out", str(tmp_path / "x.h5")])
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and key in r.stderr and "--model-kwargs" in r.stderr

@@ -186,6 +186,12 @@ class SiloHeader:
     transform: InputTransform | None = None
 
     @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Per-sample shape of the model inputs (a channel axis added to ``(H, W)`` images)."""
+        shape = tuple(self.x_shape[1:])
+        return (1, *shape) if len(shape) == 2 else shape
+
+    @property
     def load_bytes(self) -> int:
         """Bytes allocated by loading and converting to float32 tensors (4 bytes per value + labels)."""
         return int(np.prod(self.x_shape)) * (4 + np.dtype(self.x_dtype).itemsize) + self.n * 16

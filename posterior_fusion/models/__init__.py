@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -150,6 +151,27 @@ class ModelSpec:
         if torch.get_default_device().type != "meta":
             self.check_size()
         return self._construct()
+
+    def fitted_to(self, input_shape: tuple[int, ...], num_classes: int, where: str) -> ModelSpec:
+        """This spec with what the data determines filled in where the spec leaves it out and the
+        builder takes it: ``num_classes``, ``in_features`` (the number of input values) and, for
+        images ``(C, H, W)``, ``in_channels`` — recorded only where it differs from the builder's
+        default, so a spec that already fits stays as it was. An explicit value that disagrees is refused."""
+        builder, allowed, _ = resolve_model(self.name, self.provider)
+        params = inspect.signature(builder).parameters
+        from_data = {"num_classes": num_classes, "in_features": math.prod(input_shape)}
+        if len(input_shape) == 3:
+            from_data["in_channels"] = input_shape[0]
+        kwargs = dict(self.kwargs)
+        for key, value in from_data.items():
+            if key not in allowed:
+                continue
+            if key in kwargs and kwargs[key] != value:
+                raise ModelSpecError(f"{where}: the data gives {key}={value}, but `model_kwargs` sets "
+                                     f"{key}={kwargs[key]}; leave it out to take it from the data")
+            if key not in kwargs and (key not in params or params[key].default != value):
+                kwargs[key] = value
+        return ModelSpec(self.name, kwargs, self.provider)
 
     def check_input(self, sample_shape: tuple[int, ...], where: str) -> None:
         """Refuse data whose per-sample shape (after the loader's channel axis) does not fit
