@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 
-from posterior_fusion import ranges
 from posterior_fusion.artifact import load_global
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
 from posterior_fusion.compat import FUSE_FLAGS_TO_SETTINGS
@@ -213,7 +212,6 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
 def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, scale_from, ood, bins, plot, as_json,
                  max_memory):
     """Accuracy, NLL, ECE/MCE, Brier, entropy, AUROC(correct), selective accuracy (and OOD AUROC) of global artifacts."""
-    ranges.check("--bins", bins, ranges.BINS)
     if plot:
         check_output(plot, inputs=[*global_artifacts, data_path, ood, scale_from])
     results = []

@@ -141,21 +141,30 @@ def _private_folder(path: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
 
 
+@contextlib.contextmanager
+def _workspace(target: Path) -> Iterator[Path]:
+    """A fresh private folder beside ``target`` (stale ones of dead writers removed first), removed
+    afterwards; any OS failure, making it or inside the block, is one :class:`OutputError` naming ``target``."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target)
+        folder = _private_folder(target)
+    except OSError as exc:
+        raise OutputError(_describe(target, exc)) from None
+    try:
+        yield folder
+    except OSError as exc:
+        raise OutputError(_describe(target, exc)) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def write_atomically(path: str | os.PathLike, produce: Callable[[Path], None]) -> None:
     """Create ``path`` by calling ``produce(tmp)`` on a path inside a private folder, then
     renaming ``tmp`` over ``path`` (a link at ``path`` is replaced, never followed)."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(_describe(path, exc)) from None
-    remove_stale_temporaries(path)
-    try:
-        folder = _private_folder(path)
-    except OSError as exc:
-        raise OutputError(_describe(path, exc)) from None
-    tmp = folder / path.name
-    try:
+    with _workspace(path) as folder:
+        tmp = folder / path.name
         produce(tmp)
         fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
         try:
@@ -166,10 +175,6 @@ def write_atomically(path: str | os.PathLike, produce: Callable[[Path], None]) -
             os.close(fd)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as exc:
-        raise OutputError(_describe(path, exc)) from None
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def atomic_h5_write(path: str | os.PathLike, fill: Callable[[h5py.File], None]) -> None:
@@ -203,13 +208,7 @@ def atomic_folder(out_dir: str | os.PathLike, owned: Callable[[str], bool]) -> I
         if foreign:
             raise OutputError(f"{out}: holds files this command did not write ({', '.join(sorted(foreign)[:3])}); "
                               "choose an empty or new folder")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        folder = _private_folder(out)
-    except OSError as exc:
-        raise OutputError(_describe(out, exc)) from None
-    try:
+    with _workspace(out) as folder:
         yield folder
         os.chmod(folder, 0o755)
         for entry in folder.iterdir():
@@ -223,10 +222,6 @@ def atomic_folder(out_dir: str | os.PathLike, owned: Callable[[str], bool]) -> I
         else:
             os.rename(folder, out)
         _fsync_dir(out.parent)
-    except OSError as exc:
-        raise OutputError(_describe(out, exc)) from None
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- inputs

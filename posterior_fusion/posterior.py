@@ -191,7 +191,7 @@ class GlobalEnsemble:
 
     def log_prob(self, w: torch.Tensor) -> torch.Tensor:
         """``log Σ_k π_k N(w; w*_k, Λ*_k⁻¹)`` for ``w`` ``(..., d)`` (float64)."""
-        return self.posterior().log_prob(w.double()).double()
+        return self.posterior().log_prob(w).double()
 
     def predict(self, x: torch.Tensor | np.ndarray, predictive: str = "map", samples: int = 30, scale: float = 1.0,
                 link: str = "probit", seed: int = 0, max_memory: int | str | None = None,

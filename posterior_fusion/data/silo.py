@@ -111,7 +111,8 @@ class SiloData:
         channels = 1 if x.ndim == 3 else x.shape[1]
         if len(t.mean) not in (1, channels):
             raise DataError(f"{where}: its input transform has {len(t.mean)} channels, the data {channels}")
-        top = (float(np.abs(x).max()) * t.scale + max(abs(m) for m in t.mean)) / min(t.std)
+        largest = float(x.max()) if x.dtype == np.uint8 else float(np.abs(x).max())  # no copy of uint8 data
+        top = (largest * t.scale + max(abs(m) for m in t.mean)) / min(t.std)
         if not top < MAX_TRANSFORMED:
             raise DataError(f"{where}: the input transform (scale {t.scale:g}, std down to {min(t.std):g}) maps the "
                             f"data to values up to {top:.3g}, beyond {MAX_TRANSFORMED:g}; choose another `transform`")

@@ -24,7 +24,7 @@ from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import IncompatibleArtifactsError, shown
-from posterior_fusion.files import check_output, output_lock
+from posterior_fusion.files import output_lock
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fit import library_versions
 from posterior_fusion.posterior import ClientPosterior, Component, build_model, frozen_mapping
@@ -87,10 +87,9 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       log: Callable[[str], None] = print) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact and the silo, recapture, write
     ``out`` atomically. Returns the new metadata."""
-    check_output(out, inputs=[source_path, silo_path])
-    source = load_client(source_path, max_memory)
-    data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
-    with output_lock(out, inputs=[source_path, silo_path]):
+    with output_lock(out, inputs=[source_path, silo_path]):  # checked before anything is loaded
+        source = load_client(source_path, max_memory)
+        data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps)
     return meta

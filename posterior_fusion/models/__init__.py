@@ -125,12 +125,17 @@ class ModelSpec:
         except (ValueError, TypeError) as exc:
             raise ModelSpecError(f"model {self.name!r} {self.kwargs}: {exc}") from None
 
-    def parameter_count(self) -> int:
-        """Number of parameters, computed on PyTorch's meta device (nothing is allocated)."""
+    @functools.cached_property
+    def _parameter_count(self) -> int:
         import torch
 
         with torch.device("meta"):
             return sum(p.numel() for p in self._construct().parameters())
+
+    def parameter_count(self) -> int:
+        """Number of parameters, computed once on PyTorch's meta device (nothing is allocated):
+        ``build()`` checks it before every construction, and models are built per member."""
+        return self._parameter_count
 
     def check_size(self, max_memory: int | str | None = None) -> int:
         """Refuse, before any allocation, a model over :data:`MAX_PARAMETERS` or whose training
