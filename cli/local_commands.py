@@ -73,11 +73,11 @@ def init(model, model_kwargs, components, init_seed, transform_from, out, max_me
     say(f"wrote {out}: {components} starting points for {spec.name} ({ws[0].numel()} parameters)")
 
 
-def fit_options(fn):
+def fit_options(fn, only: tuple[str, ...] | None = None):
     """One click option per fit setting (:func:`~posterior_fusion.local.config.fit_settings`: name,
-    default, help and choices declared once on the config records)."""
+    default, help and choices declared once on the config records); ``only``: those settings."""
     types = {int: int, float: float, str: str, dict: str}
-    for s in reversed(fit_settings()):
+    for s in reversed([s for s in fit_settings() if only is None or s.name in only]):
         base = next((a for a in typing.get_args(s.type) if a is not type(None)), s.type)
         if base is bool:
             fn = click.option(s.flag, s.name, is_flag=True, default=s.default, help=s.help)(fn)
@@ -155,9 +155,11 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 @click.option("--curvature-batch-size", default=None, type=int, help="Batch size of the curvature pass [default: the source's].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@lambda fn: fit_options(fn, only=("kfac", "device"))
 @max_memory_option
 @handle_errors
-def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_batch_size, out, as_json, max_memory):
+def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_batch_size, out, as_json, kfac, device,
+                  max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
@@ -166,7 +168,7 @@ def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_bat
     from posterior_fusion.local.recapture import recapture_to_file
 
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
-                             max_memory, log=log_to_stderr)
+                             max_memory, log=log_to_stderr, kfac=kfac, device=device)
     if as_json:
         echo_json({"out": out, "structure": structure, "n_data": meta["n_data"], "recaptured_from": meta["recaptured_from"]})
     else:

@@ -55,3 +55,24 @@ def release_freed_memory() -> bool:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(trim(0))
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str, where: str = "`device`"):
+    """The ``torch.device`` a ``device`` setting names: ``auto`` is CUDA where a GPU is visible, else
+    the CPU; ``cuda`` without one is refused in one line."""
+    import torch
+
+    from posterior_fusion.errors import ConfigError
+
+    if name not in DEVICES:
+        raise ConfigError(f"{where} must be one of {', '.join(DEVICES)}, got {str(name)[:40]!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(f"{where} cuda: no CUDA device is visible (torch {torch.__version__}, {build}); "
+                          "use cpu or auto")
+    return torch.device(name)

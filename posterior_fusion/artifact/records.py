@@ -89,7 +89,7 @@ TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "train_seconds": (int, float), "curvature_seconds": (int, float),
     "ppd_samples": (int,), "ppd_seconds": (int, float),
 }
-TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace")}  # string fields: allowed values
+TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace"), "device": ("cpu", "cuda")}  # string fields: allowed values
 
 
 def parse_training(raw: Any, where: str) -> dict[str, Any]:

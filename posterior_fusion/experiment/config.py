@@ -13,7 +13,7 @@ import tomllib
 
 from posterior_fusion import ranges
 from posterior_fusion.compat import RENAMED_TOML_KEYS, rename_keys
-from posterior_fusion.errors import ConfigError, DataError, shown
+from posterior_fusion.errors import ConfigError, DataError, ModelSpecError, shown
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion import METHODS
 from posterior_fusion.fusion.registry import COMPARED
@@ -70,6 +70,7 @@ class ExperimentConfig:
     structures: list[str] = field(default_factory=lambda: ["kron"])
     methods: list[str] = field(default_factory=lambda: list(COMPARED))
     model: str = "lenet"
+    model_kwargs: dict = field(default_factory=dict)  # JSON keyword arguments of the model (e.g. {in_channels = 1})
     epochs: int = 20
     steps: int = 300                  # server Adam steps of the optimising methods
     temperature: float = 0.1
@@ -83,6 +84,13 @@ class ExperimentConfig:
     centralized: bool = True          # pooled-data upper bound
     share_training: bool = True       # structures after the first recapture its trained components (pfuse recapture)
     fit: dict = field(default_factory=dict)  # [fit] table: any other fit setting of fit-local by its name
+
+    @property
+    def spec(self):
+        """The grid's model."""
+        from posterior_fusion.models import ModelSpec
+
+        return ModelSpec(self.model, dict(self.model_kwargs))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> ExperimentConfig:
@@ -130,6 +138,10 @@ class ExperimentConfig:
         if own & set(self.fit):
             raise ConfigError(f"{where}: [fit] may not set {sorted(own & set(self.fit))}: the grid's own keys do")
         fit_config_from({k: v for k, v in self.fit.items()}, f"{where}: [fit] ")  # names, types and ranges
+        try:
+            self.spec
+        except ModelSpecError as exc:
+            raise ConfigError(f"{where}: model / model_kwargs: {exc}") from None
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ConfigError(f"{where}: unknown methods {bad}; available: {list(METHODS)}")

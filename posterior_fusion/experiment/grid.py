@@ -138,7 +138,7 @@ def partition_cell(cfg: ExperimentConfig, cell: Cell, work: Path) -> tuple[str, 
 def fit_clients(cfg: ExperimentConfig, cell: Cell, structure: str, pkey: str, summary: dict, work: Path,
                 jobs: int, log: Log) -> tuple[str, list[ClientPosterior]]:
     """Level 2: every client of the cell fitted once with the largest M; returns ``(key, posteriors)``."""
-    spec = ModelSpec(cfg.model, {})
+    spec = cfg.spec
     m_max = max(cfg.components)
     fit_cfg = client_fit_config(cfg, structure, cell.seed)
     fit_key = fit_cfg.fingerprint_dict()
@@ -273,7 +273,7 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
     except MethodNotApplicableError as exc:
         log(f"  {job.label}: skipped ({exc})")
         return None
-    m = evaluate_members(ModelSpec(cfg.model, {}), res.members, test)
+    m = evaluate_members(cfg.spec, res.members, test)
     row = {**base, "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "brier": m["brier"],
            "members": len(res.members), "fuse_seconds": meta["fuse_seconds"], "tuning": meta.get("tuning", {}).get("chosen")}
     write_json(rpath, row)
@@ -292,7 +292,7 @@ def centralized_result(cfg: ExperimentConfig, cell: Cell, pkey: str, summary: di
         silos = [read_silo(c["path"]) for c in summary["clients"]]
         pooled = SiloData(np.concatenate([s.x for s in silos]), np.concatenate([s.y for s in silos]), silos[0].dataset,
                           silos[0].num_classes, transform=silos[0].transform)
-        spec = ModelSpec(cfg.model, {})
+        spec = cfg.spec
         fit = client_fit_config(cfg, FitConfig().structure, cell.seed).resolved(len(pooled))
         model = spec.build()
         vector_to_parameters(initial_weights(spec, 1, cell.seed)[0], model.parameters())

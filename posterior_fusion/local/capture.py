@@ -29,7 +29,7 @@ def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str = "curv
     return LoaderProgress(DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False), desc)
 
 
-def _laplace(model: nn.Module, structure: str, subset: str, backend, ggn: str = "exact"):
+def _laplace(model: nn.Module, structure: str, subset: str, backend, ggn: str = "exact", **extra):
     from laplace import Laplace
 
     if ggn not in GGN_TYPES:
@@ -37,14 +37,16 @@ def _laplace(model: nn.Module, structure: str, subset: str, backend, ggn: str = 
     # A fresh copy per Laplace object: backends leave hooks behind on the model.
     return Laplace(copy.deepcopy(model), "classification", subset_of_weights=subset,
                    hessian_structure=structure, backend=backend,
-                   backend_kwargs={"stochastic": ggn == "mc"})
+                   backend_kwargs={"stochastic": ggn == "mc"}, **extra)
 
 
-def capture_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact") -> BlockDiag:
-    """K-FAC GGN: one ``Kron(B, A)`` per weight, one ``Dense`` per bias (laplace-torch's blocks)."""
+def capture_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact",
+                 kfac: str = "expand") -> BlockDiag:
+    """K-FAC GGN: one ``Kron(B, A)`` per weight, one ``Dense`` per bias (laplace-torch's blocks);
+    ``kfac``: curvlinops' "expand" or "reduce" approximation for weight-shared layers."""
     from laplace.curvature import CurvlinopsGGN
 
-    la = _laplace(model, "kron", "all", CurvlinopsGGN, ggn)
+    la = _laplace(model, "kron", "all", CurvlinopsGGN, ggn, asdl_fisher_kwargs={"kfac_approx": kfac})
     la.fit(_loader(x, y, batch_size))
     layout = ParameterLayout.from_model(model)
     blocks: list[Precision] = []
@@ -91,15 +93,15 @@ CAPTURE = {"kron": capture_kron, "diag": capture_diag, "diag+full": capture_diag
 
 def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
             ggn: str = "exact", method: str = "fast", generator: torch.Generator | None = None,
-            log=lambda m: None) -> tuple[BlockDiag, str]:
+            log=lambda m: None, kfac: str = "expand") -> tuple[BlockDiag, str]:
     """Raw curvature of ``structure`` and the method that computed it (``"fast"`` or ``"laplace"``).
 
     ``ggn="exact"``: exact GGN (one backward pass per class); ``"mc"``: Monte-Carlo Fisher with
     one sampled label (``generator`` draws it on the fast path). ``method="fast"`` uses
     :mod:`posterior_fusion.local.fastcapture` when the model is supported (else laplace-torch,
     with a log line); the last-layer full block of ``diag+full`` is always exact on the fast path
-    (closed form, cheaper than sampling)."""
-    from posterior_fusion.local.fastcapture import FAST_CAPTURE, unsupported_reason
+    (closed form, cheaper than sampling). ``kfac`` ("expand" or "reduce") applies to ``kron``."""
+    from posterior_fusion.local.fastcapture import FAST_CAPTURE, KFAC_TYPES, unsupported_reason
 
     if structure not in CAPTURE:
         raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(CAPTURE)}")
@@ -107,9 +109,14 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         raise ConfigError(f"unknown capture method {method!r}; use one of {', '.join(CAPTURE_METHODS)}")
     if ggn not in GGN_TYPES:
         raise ConfigError(f"unknown GGN type {ggn!r}; use one of {', '.join(GGN_TYPES)}")
+    if kfac not in KFAC_TYPES:
+        raise ConfigError(f"unknown K-FAC type `kfac` {kfac!r}; use one of {', '.join(KFAC_TYPES)}")
+    extra = {"kfac": kfac} if structure == "kron" else {}
     if method == "fast":
         reason = unsupported_reason(model, x[:2])
         if reason is None:
-            return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator), "fast"
+            return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator, **extra), "fast"
         log(f"fast capture not available ({reason}); using laplace-torch")
-    return CAPTURE[structure](model, x, y, batch_size, ggn), "laplace"
+    if x.device.type != "cpu":
+        model, x, y = copy.deepcopy(model).cpu(), x.cpu(), y.cpu()  # laplace-torch's backends run here on the CPU
+    return CAPTURE[structure](model, x, y, batch_size, ggn, **extra), "laplace"

@@ -13,8 +13,10 @@ from typing import Any
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
+from posterior_fusion.local.fastcapture import KFAC_TYPES
 from posterior_fusion.local.fields import fit_field
 from posterior_fusion.local.ppd import PPDConfig
+from posterior_fusion.runtime import DEVICES
 
 STRUCTURES = tuple(CAPTURE)  # curvature structures a silo can capture (local/capture.py)
 
@@ -92,6 +94,13 @@ class FitConfig:
     capture: str = fit_field("fast", "fast: this package's capture (one forward + one batched backward per batch) "
                                      "for models whose parameters all sit in Linear/Conv2d layers, laplace-torch "
                                      "otherwise; laplace: always laplace-torch.", choices=CAPTURE_METHODS)
+    kfac: str = fit_field("expand", "K-FAC for weight-shared (convolution) layers, structure kron: expand (sums "
+                                    "over samples and output positions, laplace-torch's default) or reduce (each "
+                                    "sample's positions summed first: far cheaper on convolutions; Eschenhagen et "
+                                    "al. 2023). Recorded in the artifact.", choices=KFAC_TYPES)
+    device: str = fit_field("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
+                                    "where a GPU is visible). The artifact is the same whatever the device.",
+                            choices=DEVICES)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -104,6 +113,10 @@ class FitConfig:
         ranges.check("temperature", self.temperature, ranges.TEMPERATURE)
         ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
         ranges.check("curvature_batch_size", self.curvature_batch_size, ranges.BATCH_SIZE)
+        if self.kfac not in KFAC_TYPES:
+            raise ConfigError(f"unknown `kfac` {self.kfac!r}; use one of {', '.join(KFAC_TYPES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"unknown `device` {self.device!r}; use one of {', '.join(DEVICES)}")
         if self.capture not in CAPTURE_METHODS:
             raise ConfigError(f"unknown `capture` {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.ppd is not None:
@@ -120,10 +133,12 @@ class FitConfig:
         return 1.0 / self.prior_var
 
     def fingerprint_dict(self) -> dict:
-        """The settings that determine the result: ``capture`` (fast or laplace-torch, equal at
-        rounding level) is left out, and ``ppd`` when off, so caches and partial files written
-        before these options existed keep their keys."""
-        out = {k: v for k, v in asdict(self).items() if k != "capture"}
+        """The settings that determine the result: ``capture`` (fast or laplace-torch) and ``device``
+        (equal at rounding level) are left out, and ``ppd``, ``private`` and ``kfac`` at their defaults,
+        so caches and partial files written before these options existed keep their keys."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("capture", "device")}
+        if out["kfac"] == "expand" or out["structure"] != "kron":
+            out.pop("kfac")
         for optional in ("ppd", "private"):
             if out[optional] is None:
                 out.pop(optional)

@@ -18,6 +18,8 @@ gradients). For a batch of M inputs with logits f ``(M, C)`` and probabilities p
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,39 +28,105 @@ from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.models.pooling import fast_max_pooling
 from posterior_fusion.progress import progress
 
-SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
+SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)  # K-FAC blocks (weight: Kron, bias: Dense)
+NORM_LAYERS = (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)  # affine parameters: Diag blocks
+KFAC_TYPES = ("expand", "reduce")
+BLOCK_POLICY = {
+    "kron": "Linear/Conv2d weight: K-FAC (Kron); its bias: Dense",
+    "diag": "diagonal GGN from per-sample gradients",
+    "prior": "no curvature captured (zero block: the prior alone)",
+}
+"""What each parameter's block holds (recorded per parameter in the artifact's ``curvature_blocks``)."""
+
+
+def _conv_problem(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
+                                          or isinstance(module.padding, str)):
+        return "uses groups, a padding mode or string padding"
+    return None
+
+
+def _captured(module: nn.Module) -> bool:
+    """Whether the fast capture back-propagates to this module's output (it owns curvature)."""
+    return isinstance(module, SUPPORTED_LAYERS + NORM_LAYERS) and any(True for _ in module.parameters(recurse=False))
 
 
 def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) -> str | None:
     """Why the fast capture cannot handle ``model`` (None when it can). With ``example`` (a
-    small input batch) it also checks that every layer runs exactly once per forward pass."""
+    small input batch) it also checks that every captured layer runs exactly once per forward pass.
+
+    Layer policy (:func:`block_policy`): Linear/Conv2d K-FAC (or diagonal), GroupNorm / LayerNorm /
+    BatchNorm (evaluation mode) affine parameters diagonal, any other parameter the prior alone."""
     for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if own and not isinstance(module, SUPPORTED_LAYERS):
-            return f"module {name or '<root>'} ({type(module).__name__}) has parameters"
-        if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
-                                              or isinstance(module.padding, str)):
-            return f"convolution {name} uses groups, a padding mode or string padding"
+        problem = _conv_problem(module)
+        if problem is not None:
+            return f"convolution {name} {problem}"
+        if isinstance(module, NORM_LAYERS[2:]) and module.training:
+            return f"{type(module).__name__} {name} is in training mode (batch statistics couple the samples)"
     if not any(isinstance(m, SUPPORTED_LAYERS) for m in model.modules()):
         return "the model has no Linear or Conv2d layer"
     if example is not None:
         calls: dict[nn.Module, int] = {}
+        layers = _layers(model)
         handles = [m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1))
-                   for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)]
+                   for m in layers]
         try:
             with torch.no_grad():
                 model(example)
         finally:
             for h in handles:
                 h.remove()
-        layers = [m for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)]
         if any(calls.get(m, 0) != 1 for m in layers):
-            return "a Linear/Conv2d layer does not run exactly once per forward pass"
+            return "a Linear/Conv2d or normalisation layer does not run exactly once per forward pass"
     return None
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, SUPPORTED_LAYERS)]
+    """The modules the capture back-propagates to, in ``model.modules()`` order."""
+    return [m for m in model.modules() if _captured(m)]
+
+
+def block_policy(model: nn.Module, structure: str) -> list[tuple[str, str]]:
+    """``(parameter name, block)`` in ``model.parameters()`` order, block a key of :data:`BLOCK_POLICY`
+    (``structure`` kron: Linear/Conv2d weights ``kron``, their biases ``dense``; diag: ``diag``)."""
+    out = []
+    for mname, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            if isinstance(module, SUPPORTED_LAYERS):
+                kind = ("kron" if pname == "weight" else "dense") if structure == "kron" else "diag"
+            elif isinstance(module, NORM_LAYERS):
+                kind = "diag"
+            else:
+                kind = "prior"
+            out.append((name, kind))
+    return out
+
+
+def _normalised(module: nn.Module, u: torch.Tensor) -> torch.Tensor:
+    """A normalisation layer's input ``u`` normalised, before its affine map (same shape as ``u``)."""
+    if isinstance(module, nn.GroupNorm):
+        return F.group_norm(u, module.num_groups, eps=module.eps)
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(u, module.normalized_shape, eps=module.eps)
+    return F.batch_norm(u, module.running_mean, module.running_var, training=False, eps=module.eps)
+
+
+def _norm_per_sample(module: nn.Module, u: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """Per-sample gradients ``(M, k)`` of a normalisation layer's weight and bias (those that exist),
+    from its input ``u`` and output gradient ``g``: weight Σ g ⊙ x̂, bias Σ g over the positions the
+    parameter is shared across."""
+    M = u.shape[0]
+    xhat = _normalised(module, u)
+    if isinstance(module, nn.LayerNorm):
+        k = math.prod(module.normalized_shape)
+        per = lambda t: t.reshape(M, -1, k).sum(1)  # noqa: E731
+    else:  # channel axis 1
+        per = lambda t: t.reshape(M, t.shape[1], -1).sum(2)  # noqa: E731
+    out = []
+    for pname, _ in module.named_parameters(recurse=False):
+        out.append(per(g * xhat) if pname == "weight" else per(g))
+    return out
 
 
 CHUNK_COLUMNS = 1 << 11  # float32 partial sums over at most this many columns, accumulated in float64
@@ -136,6 +204,33 @@ def _input_gram(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return _gram(X), X.shape[1] // x.shape[0]
 
 
+def _reduced_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """K-FAC-reduce's input per sample ``(M, I)``: the layer input averaged over the positions the
+    weight is shared across — for a convolution the mean of its patches (rows in ``F.unfold``'s
+    (channel, kh, kw) order), one strided window sum per kernel offset, no unfolding; for a linear
+    layer the mean over the middle dimensions of ``(M, ..., I)``."""
+    if isinstance(module, nn.Conv2d):
+        (ph, pw), (sh, sw), (dh, dw) = module.padding, module.stride, module.dilation
+        kh, kw = module.kernel_size
+        xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+        M, C, H, W = xp.shape
+        Ho, Wo = _output_size(module, H, W)
+        out = xp.new_empty(M, C, kh, kw)
+        for a in range(kh):
+            for b in range(kw):
+                window = xp[:, :, a * dh : a * dh + (Ho - 1) * sh + 1 : sh, b * dw : b * dw + (Wo - 1) * sw + 1 : sw]
+                out[:, :, a, b] = window.sum((2, 3))
+        return out.reshape(M, C * kh * kw) / (Ho * Wo)
+    return x.reshape(x.shape[0], -1, x.shape[-1]).mean(1)
+
+
+def _reduced_grad(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """K-FAC-reduce's output gradient per sample ``(M, O)``: summed over the shared positions."""
+    if isinstance(module, nn.Conv2d):
+        return g.sum((2, 3))
+    return g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+
+
 def _grad_columns(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     """Output gradient ``(M, O, ...)`` (conv) or ``(M, ..., O)`` (linear) as columns ``(O, M·S)``."""
     if isinstance(module, nn.Conv2d):
@@ -208,7 +303,8 @@ def _columns(logits: torch.Tensor, ggn: str, generator: torch.Generator | None) 
         keep[torch.arange(M, device=p.device), j] = False
         S = (Y * q[:, None, :])[keep].reshape(M, C - 1, C)  # s_i[n] = D_n Y_n e_i, i ≠ j_n
         return S.transpose(0, 1)
-    y = torch.multinomial(p, 1, generator=generator).squeeze(1)
+    on = generator.device if generator is not None else p.device  # the same draws whatever the model's device
+    y = torch.multinomial(p.to(on), 1, generator=generator).squeeze(1).to(p.device)
     return (p - F.one_hot(y, p.shape[1]).to(p.dtype)).unsqueeze(0)
 
 
@@ -268,66 +364,106 @@ def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str):
 
 
 def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact",
-              generator: torch.Generator | None = None) -> BlockDiag:
-    """K-FAC GGN as laplace-torch's curvlinops backend: ``Kron(B, A)`` per weight, ``Dense(B)`` per bias."""
+              generator: torch.Generator | None = None, kfac: str = "expand") -> BlockDiag:
+    """K-FAC GGN as laplace-torch's curvlinops backend: ``Kron(B, A)`` per Linear/Conv2d weight,
+    ``Dense(B)`` per bias, a ``Diag`` per normalisation-layer parameter and a zero ``Diag`` (the prior
+    alone) for any other parameter (:func:`block_policy`).
+
+    ``kfac="expand"``: A = Σ uuᵀ / (N·S) and B = Σ ggᵀ over samples *and* shared positions;
+    ``"reduce"`` (Eschenhagen et al. 2023): A = Σ_n ū_n ū_nᵀ / N with ū the patches' mean over the S
+    positions and B = Σ_n ĝ_n ĝ_nᵀ with ĝ the output gradient summed over them (curvlinops'
+    conventions; both equal for layers without weight sharing)."""
+    if kfac not in KFAC_TYPES:
+        raise ValueError(f"unknown K-FAC type {kfac!r}; use one of {', '.join(KFAC_TYPES)}")
     layers = _layers(model)
     n = x.shape[0]
-    A = [0.0] * len(layers)
-    B = [0.0] * len(layers)
+    A: list = [0.0] * len(layers)
+    B: list = [0.0] * len(layers)
+    D: dict[int, list] = {}  # normalisation layers: squared per-sample gradients, one sum per parameter
 
     def on_column(r, inputs, grads):
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
-            B[i] = B[i] + _output_gram(layer, g)
-            if r == 0:  # A depends on the inputs only: once per batch (mean over positions)
-                gram, positions = _input_gram(layer, u)
-                A[i] = A[i] + gram / (n * positions)
+            if isinstance(layer, NORM_LAYERS):
+                parts = [(t.double() ** 2).sum(0) for t in _norm_per_sample(layer, u, g)]
+                D[i] = parts if i not in D else [d + p for d, p in zip(D[i], parts)]
+            elif kfac == "reduce":
+                G = _reduced_grad(layer, g)
+                B[i] = B[i] + _gram(G.T)
+                if r == 0:
+                    A[i] = A[i] + _gram(_reduced_input(layer, u).T) / n
+            else:
+                B[i] = B[i] + _output_gram(layer, g)
+                if r == 0:  # A depends on the inputs only: once per batch (mean over positions)
+                    gram, positions = _input_gram(layer, u)
+                    A[i] = A[i] + gram / (n * positions)
 
     with _no_param_grads(model):
         for xb, _ in _loader(x, y, batch_size, "curvature"):
             _batch_pass(model, layers, xb, ggn, generator, on_column)
+    own = {layer: i for i, layer in enumerate(layers)}
     blocks: list[Precision] = []
-    for layer, a, b in zip(layers, A, B):
-        a, b = a.to(layer.weight.dtype), b.to(layer.weight.dtype)
-        blocks.append(Kron(b, a))
-        if layer.bias is not None:
-            blocks.append(Dense(b.clone()))
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        i = own.get(module)
+        if i is not None and isinstance(module, SUPPORTED_LAYERS):
+            a, b = A[i].to("cpu", module.weight.dtype), B[i].to("cpu", module.weight.dtype)  # results on the CPU
+            blocks.append(Kron(b, a))
+            if module.bias is not None:
+                blocks.append(Dense(b.clone()))
+        elif i is not None:
+            blocks.extend(Diag(d.reshape(-1).to("cpu", p.dtype)) for d, p in zip(D[i], params))
+        else:
+            blocks.extend(Diag(torch.zeros(p.numel(), dtype=p.dtype)) for p in params)
     return BlockDiag(blocks)
 
 
 def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
                      ggn: str = "exact", generator: torch.Generator | None = None) -> torch.Tensor:
-    """Diagonal of the GGN (or MC Fisher) ``(d,)`` in ``model.parameters()`` order."""
+    """Diagonal of the GGN (or MC Fisher) ``(d,)`` in ``model.parameters()`` order (zero for the
+    parameters :func:`block_policy` gives the prior alone)."""
     layers = _layers(model)
-    diag_w = [0.0] * len(layers)
-    diag_b = [0.0] * len(layers)
+    sums: dict[int, list] = {}  # per captured layer: one float64 sum of squared per-sample gradients per parameter
 
     squared: dict[int, torch.Tensor] = {}  # per batch: u² (linear) or the input patches (weight sharing)
 
+    def add(i: int, parts: list[torch.Tensor]) -> None:
+        sums[i] = parts if i not in sums else [s + p for s, p in zip(sums[i], parts)]
+
     def on_column(r, inputs, grads):
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
-            if isinstance(layer, nn.Linear) and u.ndim == 2:  # per-sample gradient g uᵀ: square = g² (u²)ᵀ
+            if isinstance(layer, NORM_LAYERS):
+                add(i, [(t.double() ** 2).sum(0) for t in _norm_per_sample(layer, u, g)])
+            elif isinstance(layer, nn.Linear) and u.ndim == 2:  # per-sample gradient g uᵀ: square = g² (u²)ᵀ
                 if r == 0:
                     squared[i] = u.double() ** 2
                 g2 = g.double() ** 2
-                diag_w[i] = diag_w[i] + g2.T @ squared[i]
-                diag_b[i] = diag_b[i] + g2.sum(0)
+                add(i, [g2.T @ squared[i], g2.sum(0)])
             else:  # weight sharing: per-sample gradients summed over positions, then squared
                 if r == 0:
                     X = _input_columns(layer, u)  # (I, M·S) -> per-sample patches (M, I, S), a view
                     squared[i] = X.view(X.shape[0], u.shape[0], -1).transpose(0, 1)
                 pw, pb = _per_sample(layer, squared[i], g)
-                diag_w[i] = diag_w[i] + (pw * pw).sum(0, dtype=torch.float64)
-                diag_b[i] = diag_b[i] + (pb * pb).sum(0, dtype=torch.float64)
+                add(i, [(pw * pw).sum(0, dtype=torch.float64), (pb * pb).sum(0, dtype=torch.float64)])
 
     with _no_param_grads(model):
         for xb, _ in _loader(x, y, batch_size, "curvature"):
             _batch_pass(model, layers, xb, ggn, generator, on_column)
+    own = {layer: i for i, layer in enumerate(layers)}
     parts = []
-    for layer, dw, db in zip(layers, diag_w, diag_b):
-        parts.append(dw.reshape(-1).to(layer.weight.dtype))
-        if layer.bias is not None:
-            parts.append(db.to(layer.weight.dtype))
-    return torch.cat(parts)
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        i = own.get(module)
+        if i is None or not params:
+            parts.extend(torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params)
+        elif isinstance(module, SUPPORTED_LAYERS):
+            parts.append(sums[i][0].reshape(-1).to(module.weight.dtype))
+            if module.bias is not None:
+                parts.append(sums[i][1].to(module.weight.dtype))
+        else:
+            parts.extend(d.reshape(-1).to(p.dtype) for d, p in zip(sums[i], params))
+    return torch.cat(parts).cpu()
 
 
 def fast_diag(model, x, y, batch_size=256, ggn="exact", generator=None) -> BlockDiag:
@@ -343,8 +479,8 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     n_out, n_in = last.weight.shape
     has_b = last.bias is not None
     k = n_in + 1 if has_b else n_in
-    first = torch.zeros(n_out, k, k, dtype=torch.float64)
-    second = torch.zeros(n_out * k, n_out * k, dtype=torch.float64)
+    first = torch.zeros(n_out, k, k, dtype=torch.float64, device=x.device)
+    second = torch.zeros(n_out * k, n_out * k, dtype=torch.float64, device=x.device)
     try:
         with torch.no_grad(), fast_max_pooling(model):
             for xb, _ in _loader(x, x.new_zeros(len(x)), batch_size, "curvature (last layer)"):
@@ -363,7 +499,7 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
         handle.remove()
     diagonal = torch.block_diag(*[second[o * k : (o + 1) * k, o * k : (o + 1) * k] for o in range(n_out)])
     second = second + second.T - diagonal  # the lower block triangle mirrored from the upper
-    H = (torch.block_diag(*first) - second).to(last.weight.dtype)  # index (o, i), i < k
+    H = (torch.block_diag(*first) - second).to("cpu", last.weight.dtype)  # index (o, i), i < k
     if not has_b:
         return H
     idx = torch.arange(n_out * k).reshape(n_out, k)

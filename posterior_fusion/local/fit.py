@@ -22,17 +22,19 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
-from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, OutputError, ResumeError
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, ModelSpecError, OutputError, ResumeError
 from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import FitConfig
+from posterior_fusion.local.fastcapture import block_policy
 from posterior_fusion.local.init import init_fingerprint, initial_weights
 from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import train_map
-from posterior_fusion.models import ModelSpec
+from posterior_fusion.models import ModelSpec, non_parameter_state
 from posterior_fusion.posterior import Component, frozen_mapping
+from posterior_fusion.runtime import resolve_device
 
 
 def library_versions() -> dict[str, str]:
@@ -64,6 +66,7 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         "dataset": data.dataset, "data_sha256": data.sha256(), "input_transform": data.input_transform.to_dict(),
         "temperature": cfg.temperature, "prior_precision": cfg.prior_precision, "structure": cfg.structure,
         "train_seed": cfg.train_seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,
+        **({"kfac": cfg.kfac} if cfg.structure == "kron" else {}),
         "train": asdict(cfg.train), "library_versions": library_versions(), "fit_fingerprint": h.hexdigest(),
         **({"ppd": asdict(cfg.ppd)} if cfg.ppd is not None else {}),
         # HBFL: the private architecture stays in the silo; only how it was used is recorded
@@ -79,14 +82,14 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
     if spec.num_classes != num_classes:
         raise ConfigError(f"`private_model` outputs {spec.num_classes} classes, the shared model {num_classes}")
     spec.check_input(tuple(x.shape[1:]), "the silo")
-    model = spec.build()
+    model = spec.build().to(x.device)
     train = replace(cfg.train, epochs=cfg.private.epochs or cfg.train.epochs, swag=False)
     seed = cfg.train_seed * 1_000_003 + 999_983
     torch.manual_seed(seed)
     res = train_map(model, x, y, train, seed=seed, desc="private model")
     log(f"private model: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} (kept in the silo)")
     with torch.no_grad():
-        return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])
+        return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])  # on x's device
 
 
 def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig, log=print,
@@ -102,8 +105,15 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     spec.check_input(data.input_shape(), data.source or "data")
     metadata = fit_metadata(spec, data, inits, cfg)
     cfg = cfg.resolved(len(data))
-    x, y = data.tensors()
-    layout = ParameterLayout.from_model(spec.build())
+    device = resolve_device(cfg.device)
+    probe = spec.build()
+    state = non_parameter_state(probe)
+    if state is not None:
+        raise ModelSpecError(f"model {spec.name!r}: {state}")
+    layout = ParameterLayout.from_model(probe)
+    x, y = (t.to(device) for t in data.tensors())
+    log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
+        + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}")
     comps = list(done or [])
     if [c.index for c in comps] != list(range(len(comps))) or len(comps) > len(inits):
         raise ConfigError("resumed components must be 0..k-1 of the same run")
@@ -112,8 +122,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         w0 = inits[m]
         if w0.shape != (layout.dim,):
             raise IncompatibleArtifactsError(f"initial vector {m} has shape {tuple(w0.shape)}, model needs ({layout.dim},)")
-        model = spec.build()
-        vector_to_parameters(w0.clone(), model.parameters())
+        model = spec.build().to(device)
+        vector_to_parameters(w0.to(device).clone(), model.parameters())
         component_seed = cfg.train_seed * 1_000_003 + m
         torch.manual_seed(component_seed)
         t0 = time.perf_counter()
@@ -121,20 +131,22 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                         soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0)
         t1 = time.perf_counter()
         curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
-                                    torch.Generator().manual_seed(component_seed), log)
+                                    torch.Generator().manual_seed(component_seed), log, cfg.kfac)
         t2 = time.perf_counter()
+        if captured_by == "fast":  # what each parameter's block holds (docs/methods.md, "Layer policy")
+            metadata["curvature_blocks"] = dict(block_policy(model, cfg.structure))
         training = {"seed": component_seed, "epochs": cfg.train.epochs, "final_loss": res.final_loss,
                     "final_accuracy": res.final_accuracy, "train_seconds": round(t1 - t0, 3),
-                    "curvature_seconds": round(t2 - t1, 3), "capture": captured_by}
+                    "curvature_seconds": round(t2 - t1, 3), "capture": captured_by, "device": device.type}
         student = None
         if cfg.ppd is not None:
             w_map = parameters_to_vector(model.parameters()).detach().clone()
-            student, record = distil_ppd(spec.build, w_map, x, y, cfg.ppd, cfg.prior_precision, cfg.temperature,
-                                         seed=component_seed)
+            student, record = distil_ppd(lambda: spec.build().to(device), w_map, x, y, cfg.ppd, cfg.prior_precision,
+                                         cfg.temperature, seed=component_seed)
             training.update(ppd_samples=record["samples"], ppd_seconds=round(time.perf_counter() - t2, 3))
         log(f"component {m + 1}/{len(inits)}: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} "
             f"train {t1 - t0:.1f}s curvature {t2 - t1:.1f}s")
-        w = parameters_to_vector(model.parameters()).detach().clone()
+        w = parameters_to_vector(model.parameters()).detach().cpu().clone()
         comps.append(Component(m, w, curv, frozen_mapping(training), cfg.temperature, cfg.prior_precision, res.swag,
                                student))
         if on_component is not None:

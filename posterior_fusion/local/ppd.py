@@ -60,7 +60,7 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
     for step in progress(range(steps), desc, show=show_progress):
         if pos + batch_size > n:
             order, pos = torch.randperm(n, generator=generator), 0
-        idx = order[pos : pos + batch_size]
+        idx = order[pos : pos + batch_size].to(x.device)
         pos += batch_size
         xb, yb = x[idx], y[idx]
         model.zero_grad(set_to_none=True)
@@ -69,7 +69,7 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
         U.backward()
         with torch.no_grad():
             for p in params:
-                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype) * step_size**0.5
+                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device) * step_size**0.5
                 p.add_(-0.5 * step_size * p.grad + noise)
         if step >= burn_in and (step - burn_in) % thin == 0:
             if on_sample is not None:
@@ -90,14 +90,15 @@ def distil_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Ten
     cfg.validate()
     gen = torch.Generator().manual_seed(seed)
     teacher, student = build(), build()
-    vector_to_parameters(start.detach().clone(), teacher.parameters())
-    vector_to_parameters(start.detach().clone(), student.parameters())
+    device = next(teacher.parameters()).device
+    vector_to_parameters(start.detach().to(device).clone(), teacher.parameters())
+    vector_to_parameters(start.detach().to(device).clone(), student.parameters())
     teacher.train()
     student.train()
     opt = torch.optim.SGD(student.parameters(), lr=cfg.student_lr, momentum=0.9)
 
     def inject(k: int, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> None:
-        xp = xb + cfg.perturb * torch.randn(xb.shape, generator=gen, dtype=xb.dtype)
+        xp = xb + cfg.perturb * torch.randn(xb.shape, generator=gen, dtype=xb.dtype).to(xb.device)
         with torch.no_grad():
             target = torch.softmax(model(xp), -1)
         loss = -(target * torch.log_softmax(student(xp), -1)).sum(-1).mean()
@@ -107,4 +108,4 @@ def distil_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Ten
 
     kept = sgld(teacher, _cross_entropy_sum, x, y, cfg.steps, cfg.step_size, prior_precision, temperature,
                 cfg.batch_size, cfg.burn_in, cfg.thin, gen, inject, "ppd (sgld + distill)", show_progress)
-    return parameters_to_vector(student.parameters()).detach().clone(), {"samples": kept}
+    return parameters_to_vector(student.parameters()).detach().cpu().clone(), {"samples": kept}

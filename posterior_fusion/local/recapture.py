@@ -26,13 +26,16 @@ from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import IncompatibleArtifactsError, shown
 from posterior_fusion.files import output_lock
 from posterior_fusion.local.capture import capture
+from posterior_fusion.local.fastcapture import block_policy
 from posterior_fusion.local.fit import library_versions
 from posterior_fusion.posterior import ClientPosterior, Component, build_model, frozen_mapping
+from posterior_fusion.runtime import resolve_device
 
 
 def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str | None = None,
               curvature_batch_size: int | None = None, method: str = "fast",
-              log: Callable[[str], None] = print) -> tuple[dict, list[Component]]:
+              log: Callable[[str], None] = print, kfac: str = "expand",
+              device: str = "auto") -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn`` and ``curvature_batch_size`` default to the source's. Everything else (MAPs, SWAG
@@ -58,38 +61,50 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     if data.num_classes != source.model_spec.num_classes:
         raise IncompatibleArtifactsError(f"{data.source or 'data'}: has {data.num_classes} classes, "
                                          f"{source.path}'s model outputs {source.model_spec.num_classes}")
-    x, y = data.tensors()
+    where = resolve_device(device)
+    x, y = (t.to(where) for t in data.tensors())
     comps = []
+    policy = None
     for c in source.components:
-        model = build_model(source.model_spec, c.map)
+        model = build_model(source.model_spec, c.map).to(where)
         seed = int(c.training.get("seed", c.index))
         t0 = time.perf_counter()
-        curv, captured_by = capture(structure, model, x, y, batch, ggn, method, torch.Generator().manual_seed(seed), log)
+        curv, captured_by = capture(structure, model, x, y, batch, ggn, method, torch.Generator().manual_seed(seed), log,
+                                    kfac)
+        if captured_by == "fast":
+            policy = dict(block_policy(model, structure))
         seconds = time.perf_counter() - t0
         log(f"component {c.index + 1}/{len(source.components)}: {structure} curvature {seconds:.1f}s")
-        training = dict(c.training, curvature_seconds=round(seconds, 3), capture=captured_by)
+        training = dict(c.training, curvature_seconds=round(seconds, 3), capture=captured_by, device=where.type)
         comps.append(Component(c.index, c.map, curv, frozen_mapping(training), c.temperature, c.prior_precision,
                                c.swag, c.student))
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
+    for key in ("kfac", "curvature_blocks"):
+        meta.pop(key, None)
+    recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}
+    if structure == "kron":
+        meta["kfac"] = kfac
+        if kfac != "expand":  # expand keeps the key recaptures had before `kfac` existed
+            recipe["kfac"] = kfac
+    if policy is not None:
+        meta["curvature_blocks"] = policy
     meta.update(structure=structure, ggn=ggn, curvature_batch_size=batch, recaptured_from=origin,
                 library_versions=library_versions(),
-                fit_fingerprint=hashlib.sha256(json.dumps(
-                    {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch},
-                    sort_keys=True).encode()).hexdigest())
+                fit_fingerprint=hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest())
     return meta, comps
 
 
 def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike, out: str | os.PathLike,
                       structure: str, ggn: str | None = None, curvature_batch_size: int | None = None,
                       method: str = "fast", max_memory: int | str | None = None,
-                      log: Callable[[str], None] = print) -> dict:
+                      log: Callable[[str], None] = print, kfac: str = "expand", device: str = "auto") -> dict:
     """What ``pfuse recapture`` does: validate the source artifact and the silo, recapture, write
     ``out`` atomically. Returns the new metadata."""
     with output_lock(out, inputs=[source_path, silo_path]):  # checked before anything is loaded
         source = load_client(source_path, max_memory)
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
-        meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log)
+        meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps)
     return meta

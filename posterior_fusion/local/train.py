@@ -47,7 +47,7 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
     model.train()
     bar = progress(range(cfg.epochs), f"{desc} training")
     for epoch in bar:
-        perm = torch.randperm(n, generator=gen)
+        perm = torch.randperm(n, generator=gen).to(x.device)
         loss_sum, correct = 0.0, 0.0
         collect = epoch >= cfg.epochs - swag_epochs
         for step in range(steps):
@@ -76,5 +76,5 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
         warnings.warn(f"SWAG collected {count} snapshots, fewer than swag_rank={cfg.swag_rank}: the deviation matrix "
                       f"has rank {count} (train longer or lower --swag-rank)", stacklevel=2)
     if cfg.swag and count > 0:
-        swag = SwagMoments(mean.float(), sq.float(), torch.stack(devs))
+        swag = SwagMoments(mean.float().cpu(), sq.float().cpu(), torch.stack(devs).cpu())
     return TrainResult(loss_sum / n, correct / n, swag)

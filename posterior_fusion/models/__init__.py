@@ -34,6 +34,22 @@ MODEL_REGISTRY: dict[str, tuple[Callable[..., nn.Module], dict[str, type]]] = {
     "resnet20": (builtin.resnet20, {"num_classes": int, "in_channels": int, "width": int, "norm": str}),
 }
 ENTRY_POINT_GROUP = "posterior_fusion.models"
+
+
+def non_parameter_state(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be fitted into an artifact (None when it can): state outside its
+    parameters — persistent buffers such as BatchNorm's running statistics — would not travel in
+    the artifact, which stores parameters only, so every reader would predict with the freshly built
+    buffers: a silently wrong model. The policy is documented in ``docs/methods.md`` ("Layer policy")."""
+    for mname, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        state = [b for b, t in module.named_buffers(recurse=False) if b not in skip and t is not None]
+        if state:
+            where = f"layer {mname!r} ({type(module).__name__})" if mname else type(module).__name__
+            return (f"{where} keeps state outside its parameters ({', '.join(state[:3])}); an artifact stores "
+                    "parameters only, so its readers would predict with fresh statistics — use GroupNorm or "
+                    "LayerNorm (resnet20: `norm: group`) or a model without BatchNorm")
+    return None
 _ALLOWED_TYPES = {int: int, float: float, bool: bool, str: str, "int": int, "float": float, "bool": bool, "str": str,
                   "list[int]": list, "list[int] | None": list}
 

@@ -1,0 +1,212 @@
+"""Models at real size (issue 28): K-FAC-reduce against curvlinops, the layer policy (normalisation
+layers' diagonal blocks against a dense per-sample Jacobian reference, other parameters the prior
+alone, BatchNorm's running statistics refused), silos on a device, and a GroupNorm ResNet end to
+end through the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import posterior_fusion
+from cli.main import pfuse
+from posterior_fusion.data.silo import SiloData
+from posterior_fusion.local.capture import capture
+from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fastcapture import block_policy, fast_diag_vector, fast_kron, unsupported_reason
+from posterior_fusion.models import non_parameter_state
+
+
+def convnet() -> nn.Module:
+    """Strided, padded and dilated convolutions (weight sharing with every index pattern) and a
+    linear layer whose input has an extra position axis (weight sharing in a Linear)."""
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2, padding=1, bias=True), nn.Tanh(),
+        nn.Conv2d(4, 3, (3, 2), stride=1, padding=(2, 1), dilation=(2, 1), bias=False), nn.Tanh(),
+        nn.Flatten(2), nn.Linear(25, 6), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 6, 5))
+
+
+def _data(n: int = 24, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2, 9, 7, generator=g, dtype=torch.float64), torch.randint(0, 5, (n,), generator=g)
+
+
+def _factors(curv) -> list[torch.Tensor]:
+    return [t for b in curv.blocks for t in b.to_tensors().values()]
+
+
+@pytest.mark.parametrize("ggn", ["exact", "mc"])
+def test_reduce_factors_equal_curvlinops_and_expand_is_unchanged(ggn):
+    """K-FAC-reduce and -expand factors of the fast capture equal curvlinops' (through laplace-torch's
+    backend, float64) on convolutions with stride, padding and dilation and a weight-shared Linear;
+    reduce differs from expand where weights are shared and equals it where they are not."""
+    torch.manual_seed(0)
+    model = convnet().double().eval()
+    x, y = _data()
+    assert unsupported_reason(model, x[:2]) is None
+    out = {}
+    for kfac in ("expand", "reduce"):
+        gen = (lambda: torch.Generator().manual_seed(3)) if ggn == "mc" else (lambda: None)
+        fast, how = capture("kron", model, x, y, 8, ggn, "fast", gen(), kfac=kfac)
+        assert how == "fast"
+        out[kfac] = fast
+        if ggn == "exact":  # curvlinops' MC labels come from its own generator: compared on the exact GGN
+            ref, how = capture("kron", model, x, y, 8, ggn, "laplace", kfac=kfac)
+            assert how == "laplace"
+            for a, b in zip(_factors(ref), _factors(fast), strict=True):
+                assert ((a - b).norm() / a.norm()).item() < 1e-10, kfac
+    differs = [((a - b).norm() / a.norm()).item() for a, b in zip(_factors(out["expand"]), _factors(out["reduce"]))]
+    # blocks: conv1 (B, A), bias (B), conv2 (B, A), linear 1 (B, A), bias (B), linear 2 (B, A), bias (B)
+    assert min(differs[:6]) > 1e-3 and max(differs[8:]) < 1e-12, differs
+
+
+def _dense_ggn_diagonal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diag(Σ_n J_nᵀ H_n J_n) in float64 from full per-sample Jacobians (the independent reference)."""
+    params = dict(model.named_parameters())
+    out = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float64)
+    for n in range(len(x)):
+        def f(p, xn=x[n : n + 1]):
+            return torch.func.functional_call(model, p, (xn,))[0]
+
+        jac = torch.func.jacrev(f)(params)
+        J = torch.cat([jac[k].reshape(jac[k].shape[0], -1) for k in params], 1)  # (C, d)
+        p = f(params).softmax(-1)
+        H = torch.diag(p) - torch.outer(p, p)
+        out += ((J.T @ H) * J.T).sum(1)
+    return out
+
+
+class Scaled(nn.Module):
+    """A parameter outside any known layer (the layer policy gives it the prior alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def normnet(kind: str) -> nn.Module:
+    norm = {"group": lambda: nn.GroupNorm(2, 4), "layer": lambda: nn.LayerNorm([4, 5, 4]),
+            "batch": lambda: nn.BatchNorm2d(4)}[kind]()
+    return nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), norm, nn.ReLU(), Scaled(), nn.Flatten(),
+                         nn.Linear(80, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 5))
+
+
+@pytest.mark.parametrize("kind", ["group", "layer", "batch"])
+def test_layer_policy_blocks_equal_the_dense_reference(kind):
+    """GroupNorm, LayerNorm and (evaluation-mode) BatchNorm affine parameters get diagonal blocks equal
+    to the exact GGN diagonal of a dense Jacobian reference; a parameter of an unknown module gets a
+    zero block (the prior alone); the K-FAC structure keeps Kron/Dense blocks for Linear/Conv2d, the
+    policy lists each parameter's kind, and the diag structure equals the reference everywhere else."""
+    torch.manual_seed(1)
+    model = normnet(kind).double()
+    x = torch.randn(16, 2, 9, 7, dtype=torch.float64)
+    y = torch.randint(0, 5, (16,))
+    if kind == "batch":
+        model.train()
+        model(x)  # running statistics that are not (0, 1)
+        assert "training mode" in unsupported_reason(model)
+    model.eval()
+    ref = _dense_ggn_diagonal(model, x)
+    names = [n for n, _ in model.named_parameters()]
+    policy = dict(block_policy(model, "kron"))
+    assert list(policy) == names
+    expected = {"0.weight": "kron", "0.bias": "dense", "1.weight": "diag", "1.bias": "diag", "3.gain": "prior",
+                "5.weight": "kron", "5.bias": "dense", "6.weight": "diag", "6.bias": "diag", "8.weight": "kron",
+                "8.bias": "dense"}
+    assert policy == expected
+
+    sizes = [p.numel() for p in model.parameters()]
+    prior = torch.cat([torch.full((s,), k == "prior") for s, k in zip(sizes, expected.values())])
+    diag = fast_diag_vector(model, x, y, 5)
+    torch.testing.assert_close(diag[~prior], ref[~prior], rtol=1e-10, atol=1e-12)
+    assert torch.count_nonzero(diag[prior]) == 0
+    kron = fast_kron(model, x, y, 5)
+    assert [b.kind for b in kron.blocks] == [expected[n] if expected[n] != "prior" else "diag" for n in names]
+    offsets = torch.tensor([0, *sizes]).cumsum(0)
+    for i, kind_ in enumerate(expected.values()):
+        block = kron.blocks[i].to_dense().diagonal()
+        want = ref[offsets[i] : offsets[i + 1]]
+        if kind_ == "diag":
+            torch.testing.assert_close(block, want, rtol=1e-10, atol=1e-12)
+        elif kind_ == "prior":
+            assert torch.count_nonzero(block) == 0 and torch.count_nonzero(want) > 0
+
+
+def test_batchnorm_running_statistics_are_refused_in_one_line(tmp_path):
+    bn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.LazyLinear(3))
+    assert "running_mean" in non_parameter_state(bn) and "GroupNorm" in non_parameter_state(bn)
+    assert non_parameter_state(normnet("group")) is None
+
+
+def test_cuda_device_without_a_gpu_is_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal cannot be observed (test_fit_on_cuda_equals_cpu runs)")
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).random((30, 6), dtype=np.float32))
+    np.save(tmp_path / "y.npy", np.arange(30) % 3)
+    r = CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "x.npy"), "--labels", str(tmp_path / "y.npy"),
+                                   "--out", str(tmp_path / "d.h5")])
+    assert r.exit_code == 0, r.stderr
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "d.h5"), "--model", "mlp", "--device", "cuda",
+                                   "--out", str(tmp_path / "a.h5")])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "no CUDA device" in r.stderr, r.stderr
+    assert not (tmp_path / "a.h5").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("structure,kfac", [("kron", "expand"), ("kron", "reduce"), ("diag+full", "expand")])
+def test_fit_on_cuda_equals_cpu(structure, kfac, small_silo):
+    """Training and capture on the GPU give the CPU's artifact within float32 rounding."""
+    from posterior_fusion.local.fit import fit_components
+    from posterior_fusion.local.init import initial_weights
+    from posterior_fusion.models import ModelSpec
+
+    spec = ModelSpec("lenet", {})
+    silo = SiloData(small_silo.x[:200], small_silo.y[:200], "fmnist", 10)
+    out = {}
+    for device in ("cpu", "cuda"):
+        cfg = FitConfig(structure=structure, kfac=kfac, device=device, train=TrainConfig(epochs=1, batch_size=32))
+        out[device] = fit_components(spec, silo, initial_weights(spec, 1, 0), cfg, log=lambda *_: None)[1][0]
+    a, b = out["cpu"], out["cuda"]
+    assert b.map.device.type == "cpu" and ((a.map - b.map).norm() / a.map.norm()).item() < 1e-4
+    for ta, tb in zip(_factors(a.curvature), _factors(b.curvature)):
+        assert tb.device.type == "cpu" and ((ta - tb).norm() / ta.norm()).item() < 1e-3
+
+
+def test_groupnorm_resnet_fits_fuses_and_evaluates_with_reduce(tmp_path, small_silo):
+    """A GroupNorm ResNet-20 (width 4) through the CLI with K-FAC-reduce: the artifact records the
+    K-FAC type and each parameter's block, fedbens fuses it, evaluate scores it; the fingerprint of an
+    expand fit is the one written before ``kfac`` existed (caches keep their keys)."""
+    import numpy as np
+
+    x = (small_silo.x[:120].astype(np.float32) / 255.0)[:, None]
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", small_silo.y[:120])
+    assert CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "x.npy"), "--labels", str(tmp_path / "y.npy"),
+                                      "--out", str(tmp_path / "d.h5")]).exit_code == 0
+    kw = '{"width": 4, "norm": "group"}'
+    arts = []
+    for c in range(2):
+        arts.append(tmp_path / f"c{c}.h5")
+        r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "d.h5"), "--model", "resnet20",
+                                       "--model-kwargs", kw, "-M", "2", "--epochs", "1", "--kfac", "reduce",
+                                       "--train-seed", str(c), "--device", "cpu", "--out", str(arts[-1])])
+        assert r.exit_code == 0, r.stderr
+    art = posterior_fusion.load(arts[0])
+    assert art.metadata["kfac"] == "reduce" and art.model_spec.kwargs["in_channels"] == 1
+    blocks = art.metadata["curvature_blocks"]
+    assert blocks["stem.weight"] == "kron" and blocks["blocks.0.n1.weight"] == "diag" and blocks["fc.bias"] == "dense"
+    assert [b.kind for b in art.components[0].curvature.blocks].count("diag") == sum(v == "diag" for v in blocks.values())
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, arts), "--method", "fedbens", "--set", "steps=5",
+                                   "--out", str(tmp_path / "g.h5")])
+    assert r.exit_code == 0, r.stderr
+    r = CliRunner().invoke(pfuse, ["evaluate", str(tmp_path / "g.h5"), "--data", str(tmp_path / "d.h5"), "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert FitConfig().fingerprint_dict().keys() == FitConfig(kfac="expand", device="cuda").fingerprint_dict().keys()
+    assert "kfac" not in FitConfig().fingerprint_dict() and FitConfig(kfac="reduce").fingerprint_dict()["kfac"] == "reduce"
