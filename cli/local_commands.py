@@ -155,11 +155,11 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 @click.option("--curvature-batch-size", default=None, type=int, help="Batch size of the curvature pass [default: the source's].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-@lambda fn: fit_options(fn, only=("kfac", "device"))
+@lambda fn: fit_options(fn, only=("kfac", "device", "compress"))
 @max_memory_option
 @handle_errors
 def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_batch_size, out, as_json, kfac, device,
-                  max_memory):
+                  compress, max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
@@ -168,7 +168,7 @@ def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_bat
     from posterior_fusion.local.recapture import recapture_to_file
 
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
-                             max_memory, log=log_to_stderr, kfac=kfac, device=device)
+                             max_memory, log=log_to_stderr, kfac=kfac, device=device, compress=compress)
     if as_json:
         echo_json({"out": out, "structure": structure, "n_data": meta["n_data"], "recaptured_from": meta["recaptured_from"]})
     else:

@@ -40,12 +40,15 @@ def check_psd_factor(name: str, t: torch.Tensor) -> None:
 class BlockEncoding:
     """One block kind on disk: ``dataset_names``; ``header(block)`` (extra JSON fields);
     ``shapes(size, header)`` (dataset name -> shape, raising :class:`BlockValueError`);
-    ``decode(tensors, header)`` (the raw block after its value checks; finite is the reader's)."""
+    ``decode(tensors, header)`` (the raw block after its value checks; finite is the reader's);
+    ``compress(block, budget)``: ``(kind, header, tensors)`` of a compact encoding within a relative
+    error ``budget`` (None: the kind is stored as it is whatever the budget)."""
 
     dataset_names: tuple[str, ...]
     shapes: Callable[[int, Mapping[str, Any]], dict[str, tuple[int, ...]]]
     decode: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any]], Precision]
     header: Callable[[Precision], dict[str, Any]] = lambda block: {}
+    compress: Callable[[Precision, float], tuple[str, dict[str, Any], dict[str, torch.Tensor]]] | None = None
 
 
 def _decode_diag(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Diag:
@@ -74,9 +77,55 @@ def _decode_kron(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any])
     return Kron(tensors["kron_B"], tensors["kron_A"])
 
 
+LOWRANK_NAMES = ("lowrank_B_vectors", "lowrank_B_values", "lowrank_A_vectors", "lowrank_A_values")
+
+
+def _compress_kron(block: Precision, budget: float) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """A Kronecker block's factors as top-r eigenpairs plus a trace-keeping isotropic remainder
+    (:func:`posterior_fusion.curvature.lowrank.truncate`), each within ``budget``; the header records
+    the ranks, the isotropic levels and each factor's relative Frobenius error."""
+    from posterior_fusion.curvature.lowrank import truncate
+
+    UB, lB, sB, eB = truncate(block.B, budget)
+    UA, lA, sA, eA = truncate(block.A, budget)
+    header = {"shape": list(block.shape), "rank": [lB.numel(), lA.numel()], "isotropic": [sB, sA], "error": [eB, eA]}
+    return "kron_lowrank", header, dict(zip(LOWRANK_NAMES, (UB, lB, UA, lA)))
+
+
+def _lowrank_shapes(size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    sides = _kron_shapes(size, header)
+    out, inn = sides["kron_B"][0], sides["kron_A"][0]
+    rank, iso, err = header.get("rank"), header.get("isotropic"), header.get("error")
+    if (not isinstance(rank, list) or len(rank) != 2 or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                              for r in rank)
+            or not 0 <= rank[0] <= out or not 0 <= rank[1] <= inn):
+        raise BlockValueError("rank", "kron_lowrank block needs rank [r_B, r_A] with 0 <= r <= the factor's side")
+    for name, pair in (("isotropic", iso), ("error", err)):
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e38 for v in pair)):
+            raise BlockValueError(name, f"kron_lowrank block needs {name} [B, A] of two finite numbers >= 0")
+    return dict(zip(LOWRANK_NAMES, ((out, rank[0]), (rank[0],), (inn, rank[1]), (rank[1],))))
+
+
+def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Kron:
+    """The Kronecker block rebuilt from its compact form (the fusion methods see a plain ``Kron``)."""
+    from posterior_fusion.curvature.lowrank import rebuild
+
+    factors = []
+    for side, sigma in zip("BA", header["isotropic"]):
+        U, lam = tensors[f"lowrank_{side}_vectors"], tensors[f"lowrank_{side}_values"]
+        if (lam < 0).any():
+            raise BlockValueError(f"lowrank_{side}_values", "eigenvalues must be >= 0")
+        if U.numel() and (U.double().T @ U.double() - torch.eye(U.shape[1], dtype=torch.float64)).abs().max() > 1e-3:
+            raise BlockValueError(f"lowrank_{side}_vectors", "eigenvectors must be orthonormal")
+        factors.append(rebuild(U, lam, float(sigma), U.dtype if U.dtype == torch.float64 else torch.float32))
+    return Kron(*factors)
+
+
 ENCODINGS: dict[str, BlockEncoding] = {
     "diag": BlockEncoding(("diag",), lambda size, header: {"diag": (size,)}, _decode_diag),
     "dense": BlockEncoding(("dense",), lambda size, header: {"dense": (size, size)}, _decode_dense),
     "kron": BlockEncoding(("kron_B", "kron_A"), _kron_shapes, _decode_kron,
-                          header=lambda block: {"shape": list(block.shape)}),
+                          header=lambda block: {"shape": list(block.shape)}, compress=_compress_kron),
+    "kron_lowrank": BlockEncoding(LOWRANK_NAMES, _lowrank_shapes, _decode_lowrank),
 }

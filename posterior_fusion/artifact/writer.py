@@ -70,27 +70,33 @@ def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, met
 
 
 def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype | None = None,
-                    step: str = "the curvature capture") -> None:
-    """``group/curvature``: one subgroup per block (its class's datasets) and the ``blocks`` header."""
+                    step: str = "the curvature capture", compress: float = 0.0) -> None:
+    """``group/curvature``: one subgroup per block (its class's datasets) and the ``blocks`` header;
+    with ``compress`` > 0 the kinds that have a compact encoding use it within that relative error."""
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
     for i, (block, off) in enumerate(zip(curvature.blocks, curvature.offsets)):
-        descr.append({"kind": block.kind, "offset": off, "size": block.dim, **ENCODINGS[block.kind].header(block)})
+        encoding = ENCODINGS[block.kind]
+        if compress > 0 and encoding.compress is not None:
+            kind, header, tensors = encoding.compress(block, compress)
+        else:
+            kind, header, tensors = block.kind, encoding.header(block), block.to_tensors()
+        descr.append({"kind": kind, "offset": off, "size": block.dim, **header})
         g = curv.create_group(str(i))
-        for name, tensor in block.to_tensors().items():
+        for name, tensor in tensors.items():
             data = _np(tensor if dtype is None else tensor.to(dtype))
             require_finite(group.file.filename, f"{group.name}/curvature/{i}/{name}", data, step)
             g.create_dataset(name, data=data)
     curv.attrs["blocks"] = text_attr(json.dumps(descr))
 
 
-def write_component(group: h5py.Group, comp: Component) -> None:
+def write_component(group: h5py.Group, comp: Component, compress: float = 0.0) -> None:
     """Write one component (MAP, raw curvature blocks, training info, SWAG) into ``group``."""
     path = group.file.filename
     group.attrs["training"] = text_attr(metadata_json(path, dict(comp.training)))
     require_finite(path, f"{group.name}/map", comp.map, "training")
     group.create_dataset("map", data=_np(comp.map))
-    write_curvature(group, comp.curvature)
+    write_curvature(group, comp.curvature, compress=compress)
     if comp.swag is not None:
         s = group.create_group("swag")
         for name in ("mean", "sq_mean", "deviations"):
@@ -103,17 +109,19 @@ def write_component(group: h5py.Group, comp: Component) -> None:
 
 def write_client_artifact(
     path: str | os.PathLike, spec: ModelSpec, layout: ParameterLayout,
-    metadata: dict[str, Any], components: Sequence[Component],
+    metadata: dict[str, Any], components: Sequence[Component], compress: float = 0.0,
 ) -> None:
     """Write a client artifact atomically. ``metadata`` must hold at least ``n_data``,
-    ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``."""
+    ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``. ``compress`` > 0:
+    Kronecker factors stored as top-r eigenpairs plus an isotropic remainder within that relative
+    Frobenius error per factor (recorded per block; readers rebuild the factors)."""
     meta = dict(metadata, num_components=len(components))
 
     def fill(f: h5py.File) -> None:
         _root(f, KIND_CLIENT, spec, layout, meta)
         comps = f.create_group("components")
         for comp in components:
-            write_component(comps.create_group(str(comp.index)), comp)
+            write_component(comps.create_group(str(comp.index)), comp, compress)
 
     atomic_h5_write(path, fill)
 

@@ -139,7 +139,7 @@ class ExperimentConfig:
             raise ConfigError(f"{where}: [fit] may not set {sorted(own & set(self.fit))}: the grid's own keys do")
         fit_config_from({k: v for k, v in self.fit.items()}, f"{where}: [fit] ")  # names, types and ranges
         try:
-            self.spec
+            _ = self.spec
         except ModelSpecError as exc:
             raise ConfigError(f"{where}: model / model_kwargs: {exc}") from None
         bad = [m for m in self.methods if m not in METHODS]

@@ -101,6 +101,10 @@ class FitConfig:
     device: str = fit_field("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
                                     "where a GPU is visible). The artifact is the same whatever the device.",
                             choices=DEVICES)
+    compress: float = fit_field(0.0, "Store each K-FAC factor as its top eigenpairs plus an isotropic remainder "
+                                     "that keeps the trace, the rank chosen per factor so the relative Frobenius "
+                                     "error stays within this budget (e.g. 0.05; the error is recorded per block); "
+                                     "0: plain factors, exact.")
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -117,6 +121,8 @@ class FitConfig:
             raise ConfigError(f"unknown `kfac` {self.kfac!r}; use one of {', '.join(KFAC_TYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"unknown `device` {self.device!r}; use one of {', '.join(DEVICES)}")
+        if not 0 <= self.compress < 1:
+            raise ConfigError(f"`compress` must be in [0, 1) (a relative error budget; 0: plain), got {self.compress}")
         if self.capture not in CAPTURE_METHODS:
             raise ConfigError(f"unknown `capture` {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.ppd is not None:
@@ -139,6 +145,8 @@ class FitConfig:
         out = {k: v for k, v in asdict(self).items() if k not in ("capture", "device")}
         if out["kfac"] == "expand" or out["structure"] != "kron":
             out.pop("kfac")
+        if out["compress"] == 0:
+            out.pop("compress")
         for optional in ("ppd", "private"):
             if out[optional] is None:
                 out.pop(optional)

@@ -81,7 +81,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
-    for key in ("kfac", "curvature_blocks"):
+    for key in ("kfac", "curvature_blocks", "compress"):
         meta.pop(key, None)
     recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}
     if structure == "kron":
@@ -99,12 +99,15 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
 def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike, out: str | os.PathLike,
                       structure: str, ggn: str | None = None, curvature_batch_size: int | None = None,
                       method: str = "fast", max_memory: int | str | None = None,
-                      log: Callable[[str], None] = print, kfac: str = "expand", device: str = "auto") -> dict:
+                      log: Callable[[str], None] = print, kfac: str = "expand", device: str = "auto",
+                      compress: float = 0.0) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact and the silo, recapture, write
     ``out`` atomically. Returns the new metadata."""
     with output_lock(out, inputs=[source_path, silo_path]):  # checked before anything is loaded
         source = load_client(source_path, max_memory)
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device)
-        write_client_artifact(out, source.model_spec, source.layout, meta, comps)
+        if compress > 0:
+            meta["compress"] = compress
+        write_client_artifact(out, source.model_spec, source.layout, meta, comps, compress)
     return meta
