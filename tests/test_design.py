@@ -410,7 +410,9 @@ def test_curvature_is_algebra_and_imports_nothing_above_it():
     from posterior_fusion.curvature import BLOCK_TYPES as kinds
     from posterior_fusion.fusion.stacked import STACKERS as stackers
 
-    assert set(kinds) == set(stackers) == set(encodings)  # every block kind is stored and evaluated in batches
+    assert set(kinds) == set(stackers) and set(kinds) <= set(encodings)  # every block kind is stored and evaluated in batches
+    compact = set(encodings) - set(kinds)  # other encodings are compact forms of a kind, rebuilt on read
+    assert compact == {"kron_lowrank"} and encodings["kron"].compress is not None
 
 
 def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypatch, tmp_path):

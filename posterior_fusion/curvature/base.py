@@ -133,6 +133,12 @@ class Precision(ABC):
         raise NotImplementedError
 
     @classmethod
+    def weighted_sums(cls, blocks: list[Precision], weights: torch.Tensor) -> list[tuple[Precision, float]]:
+        """:meth:`weighted_sum` for each row of ``weights`` ``(K, N)`` (a structure may share work
+        between the rows)."""
+        return [cls.weighted_sum(blocks, w) for w in weights]
+
+    @classmethod
     def sum_of(cls, blocks: list[Precision], extra_shift: float = 0.0) -> Precision:
         """``Σ_i Λ_i + extra_shift · I`` in this structure, float64 (closed-form products of
         Gaussians); a structure whose sums leave it raises :class:`MethodNotApplicableError`."""

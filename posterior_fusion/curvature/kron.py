@@ -108,30 +108,61 @@ class Kron(Precision):
         Exact when the clients' factors are proportional; PSD because every Gram entry
         ``⟨B_n, B_m⟩`` of PSD factors and every weight is non-negative. Returns ``(Kron(B̃, Ã),
         ‖T − B̃ ⊗ Ã‖_F / ‖T‖_F)``."""
-        w = torch.as_tensor(weights, dtype=torch.float64).clamp_min(0)
-        Bs = torch.stack([b.B.double() for b in blocks])
-        As = torch.stack([b.A.double() for b in blocks])
-        GB = torch.einsum("nij,mij->nm", Bs, Bs)
-        GA = torch.einsum("nij,mij->nm", As, As)
-        total_sq = float(w @ (GB * GA) @ w)
-        if total_sq <= 0:
-            return cls(torch.zeros_like(Bs[0]), torch.zeros_like(As[0])), 0.0
-        M = (w[:, None] * GA * w[None, :]) @ GB
-        alpha = torch.full((len(blocks),), 1.0 / len(blocks), dtype=torch.float64)
-        for _ in range(iterations):  # power iteration; M is similar to a symmetric PSD matrix
-            nxt = M @ alpha
-            nxt = nxt / nxt.norm().clamp_min(1e-300)
-            if torch.allclose(nxt, alpha, rtol=0, atol=1e-14):
-                alpha = nxt
-                break
-            alpha = nxt
-        u_norm = float(alpha @ GB @ alpha) ** 0.5
-        alpha = alpha / u_norm                        # ‖B̃‖_F = 1
-        beta = w * (GB @ alpha)                       # Ã = Rᵀ vec(B̃)
-        B = torch.einsum("n,nij->ij", alpha, Bs)
-        A = torch.einsum("n,nij->ij", beta, As)
-        cross = float((w * (GB @ alpha) * (GA @ beta)).sum())
-        approx_sq = float(beta @ GA @ beta)
-        err = max(total_sq - 2 * cross + approx_sq, 0.0) ** 0.5 / total_sq ** 0.5
-        return cls(0.5 * (B + B.T), 0.5 * (A + A.T)), err
+        return cls.weighted_sums(blocks, torch.as_tensor(weights)[None], iterations)[0]
 
+    @classmethod
+    def weighted_sums(cls, blocks: list[Precision], weights: torch.Tensor,
+                      iterations: int = 500) -> list[tuple[Kron, float]]:
+        """:meth:`weighted_sum` for each row of ``weights`` ``(K, N)``: the factors' Gram matrices
+        ``⟨B_n, B_m⟩``, ``⟨A_n, A_m⟩`` (the O(N² D²) part) are computed once for all K rows, in float64
+        over column chunks of the stored factors (no float64 copy of all N factors)."""
+        W = torch.as_tensor(weights, dtype=torch.float64).clamp_min(0)
+        GB = _gram([b.B for b in blocks])
+        GA = _gram([b.A for b in blocks])
+        out = []
+        for w in W:
+            total_sq = float(w @ (GB * GA) @ w)
+            if total_sq <= 0:
+                out.append((cls(torch.zeros_like(blocks[0].B, dtype=torch.float64),
+                                torch.zeros_like(blocks[0].A, dtype=torch.float64)), 0.0))
+                continue
+            M = (w[:, None] * GA * w[None, :]) @ GB
+            alpha = torch.full((len(blocks),), 1.0 / len(blocks), dtype=torch.float64)
+            for _ in range(iterations):  # power iteration; M is similar to a symmetric PSD matrix
+                nxt = M @ alpha
+                nxt = nxt / nxt.norm().clamp_min(1e-300)
+                if torch.allclose(nxt, alpha, rtol=0, atol=1e-14):
+                    alpha = nxt
+                    break
+                alpha = nxt
+            u_norm = float(alpha @ GB @ alpha) ** 0.5
+            alpha = alpha / u_norm                        # ‖B̃‖_F = 1
+            beta = w * (GB @ alpha)                       # Ã = Rᵀ vec(B̃)
+            B = _combine([b.B for b in blocks], alpha)
+            A = _combine([b.A for b in blocks], beta)
+            cross = float((w * (GB @ alpha) * (GA @ beta)).sum())
+            approx_sq = float(beta @ GA @ beta)
+            err = max(total_sq - 2 * cross + approx_sq, 0.0) ** 0.5 / total_sq ** 0.5
+            out.append((cls(0.5 * (B + B.T), 0.5 * (A + A.T)), err))
+        return out
+
+
+GRAM_CHUNK = 1 << 20  # entries of each factor converted to float64 at a time by :func:`_gram`
+
+
+def _gram(factors: list[torch.Tensor]) -> torch.Tensor:
+    """``⟨F_n, F_m⟩`` ``(N, N)`` in float64 for N equal-shape matrices, over chunks of their entries."""
+    flat = [f.reshape(-1) for f in factors]
+    G = torch.zeros(len(flat), len(flat), dtype=torch.float64)
+    for start in range(0, flat[0].numel(), GRAM_CHUNK):
+        X = torch.stack([f[start : start + GRAM_CHUNK].double() for f in flat])
+        G += X @ X.T
+    return G
+
+
+def _combine(factors: list[torch.Tensor], coef: torch.Tensor) -> torch.Tensor:
+    """``Σ_n coef_n F_n`` in float64."""
+    out = torch.zeros(factors[0].shape, dtype=torch.float64)
+    for c, f in zip(coef.tolist(), factors):
+        out.add_(f.double(), alpha=c)
+    return out

@@ -23,6 +23,7 @@ import torch
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag
 from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.progress import progress
 
 
 def responsibilities(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
@@ -43,21 +44,14 @@ def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], p
     representation (0 = exact)."""
     resp = responsibilities(clients, temperatures, prior_precisions, W)
     ref = clients[0].components[0].curvature
-    precisions, errors = [], []
-    for k in range(W.shape[0]):
-        weights, blocks_per_comp = [], []
-        for c, t, r in zip(clients, temperatures, resp):
-            for m, comp in enumerate(c.components):
-                weights.append(float(r[k, m]) / t)
-                blocks_per_comp.append(comp.curvature.blocks)
-        w = torch.tensor(weights, dtype=torch.float64)
-        parts, errs = [], []
-        for j, proto in enumerate(ref.blocks):
-            block, err = BLOCK_TYPES[proto.kind].weighted_sum([bs[j] for bs in blocks_per_comp], w)
-            parts.append(block)
-            errs.append(err)
-        precisions.append(BlockDiag(parts))
-        errors.append(errs)
+    # (K, N): the weight r_cm / T_c of every client component at every mode
+    weights = torch.cat([r.double() / t for r, t in zip(resp, temperatures)], dim=1)
+    blocks_per_comp = [comp.curvature.blocks for c in clients for comp in c.components]
+    per_block = []  # per block position, K (block, error) pairs: one call shares the work of the K modes
+    for j, proto in enumerate(progress(ref.blocks, "Laplace at the modes", len(ref.blocks))):
+        per_block.append(BLOCK_TYPES[proto.kind].weighted_sums([bs[j] for bs in blocks_per_comp], weights))
+    precisions = [BlockDiag([pb[k][0] for pb in per_block]) for k in range(W.shape[0])]
+    errors = [[pb[k][1] for pb in per_block] for k in range(W.shape[0])]
     return precisions, errors
 
 
