@@ -355,3 +355,16 @@ def test_the_model_takes_its_sizes_from_the_data(tmp_path):
         r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "wine.h5"), "--model", "mlp",
                                        "--model-kwargs", kwargs, "--out", str(tmp_path / "x.h5")])
         assert r.exit_code == 2 and r.stderr.count("\n") == 1 and key in r.stderr and "--model-kwargs" in r.stderr
+
+
+def test_csv_label_column_typo_names_the_columns(tmp_path):
+    """A misspelt --label-column says which columns exist (it used to blame a non-numeric feature);
+    an unlabelled CSV with a text column names that column and the option to use."""
+    (tmp_path / "wine.csv").write_text("alcohol,acid,cultivar\n13.2,1.7,a\n12.1,2.0,b\n")
+    r = cli("import-data", tmp_path / "wine.csv", "--label-column", "cultivr", "--out", tmp_path / "w.h5")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert "no column 'cultivr'" in r.stderr and "'cultivar'" in r.stderr and "'alcohol'" in r.stderr
+    r = cli("import-data", tmp_path / "wine.csv", "--out", tmp_path / "w.h5")
+    assert r.exit_code == 2 and "column 'cultivar' is not numeric" in r.stderr and "--label-column" in r.stderr
+    r = cli("import-data", tmp_path / "wine.csv", "--label-column", "cultivar", "--out", tmp_path / "w.h5")
+    assert r.exit_code == 0, r.stderr

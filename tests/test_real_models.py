@@ -298,3 +298,42 @@ def test_weighted_sums_share_the_grams_and_match_the_dense_nearest_kronecker():
         T = sum(float(wn) * torch.kron(b.B.double(), b.A.double()) for wn, b in zip(w, blocks))
         true = ((T - torch.kron(block.B, block.A)).norm() / T.norm()).item()
         assert abs(true - err) < 1e-9 and abs(err1 - err) < 1e-12
+
+
+def test_a_broken_laplace_install_is_one_line_and_the_fast_path_never_imports_it(tmp_path, monkeypatch):
+    """laplace-torch failing to import (as with a torchvision built for another torch) leaves the
+    default path working and turns `--capture laplace` into one `error:` line naming the fix."""
+    import sys
+
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).random((40, 6), dtype=np.float32))
+    np.save(tmp_path / "y.npy", np.arange(40) % 3)
+    assert CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "x.npy"), "--labels", str(tmp_path / "y.npy"),
+                                      "--out", str(tmp_path / "d.h5")]).exit_code == 0
+    for name in [m for m in sys.modules if m == "laplace" or m.startswith("laplace.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "laplace", None)  # `import laplace` now raises ImportError
+    base = ["fit-local", "--data", str(tmp_path / "d.h5"), "--model", "mlp", "-M", "1", "--epochs", "1"]
+    r = CliRunner().invoke(pfuse, [*base, "--out", str(tmp_path / "a.h5")])
+    assert r.exit_code == 0, r.stderr
+    r = CliRunner().invoke(pfuse, [*base, "--capture", "laplace", "--out", str(tmp_path / "b.h5")])
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "torchvision" in errors[0] and "Traceback" not in r.stderr
+    assert "training" not in r.stderr  # refused before any work
+
+
+@pytest.mark.parametrize("ggn", ["exact", "mc"])
+def test_memory_bounded_capture_passes_change_nothing(monkeypatch, ggn):
+    """The capture splits a batch into passes whose kept activations fit PASS_BYTES: one sample per
+    pass gives the same factors (and, for MC, the same sampled labels) as one pass for the batch."""
+    from posterior_fusion.local import fastcapture
+
+    model = convnet().double().eval()
+    x, y = _data(30)
+    one = fast_kron(model, x, y, 30, ggn, torch.Generator().manual_seed(0), kfac="reduce")
+    monkeypatch.setattr(fastcapture, "PASS_BYTES", 1)
+    assert fastcapture._pass_size(model, x, 30) == 1
+    many = fast_kron(model, x, y, 30, ggn, torch.Generator().manual_seed(0), kfac="reduce")
+    for a, b in zip(_factors(one), _factors(many)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

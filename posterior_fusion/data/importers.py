@@ -106,6 +106,14 @@ def from_npy(path: Path, labels: Path | None = None,
     return x, y
 
 
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def from_csv(path: Path, label_column: str = "label",
              max_memory: int | str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """A CSV file with a header row; ``label_column`` holds integer labels (or class names,
@@ -125,12 +133,17 @@ def from_csv(path: Path, label_column: str = "label",
     if short is not None:
         raise DataError(f"{path}: row {short + 2} has {len(body[short])} fields, the header {len(header)}")
     has_label = label_column in header
+    columns = ", ".join(repr(h) for h in header[:20]) + (", …" if len(header) > 20 else "")
+    if not has_label and label_column != "label":  # a label column named on purpose must exist
+        raise DataError(f"{path}: no column {shown(label_column)} (--label-column); the columns are {columns}")
     li = header.index(label_column) if has_label else None
     feats = [i for i in range(len(header)) if i != li]
     try:
         x = np.array([[float(r[i]) for i in feats] for r in body], dtype=np.float32)
     except ValueError as exc:
-        raise DataError(f"{path}: every feature must be numeric ({exc})") from None
+        bad = next((header[i] for i in feats if not all(_is_float(r[i]) for r in body)), "?")
+        hint = "" if has_label else f"; no column {shown(label_column)} holds the labels — name it with --label-column"
+        raise DataError(f"{path}: column {shown(bad)} is not numeric ({exc}){hint}") from None
     if not has_label:
         return _inputs(x, str(path)), None
     raw = [r[li] for r in body]

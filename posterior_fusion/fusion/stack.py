@@ -25,6 +25,7 @@ import torch
 from posterior_fusion.errors import IncompatibleArtifactsError
 from posterior_fusion.fusion.stacked import STACKERS, map_tensors
 from posterior_fusion.posterior import Component
+from posterior_fusion.progress import progress
 
 
 class StackedGaussians:
@@ -50,7 +51,8 @@ class StackedGaussians:
         self.dtype = dtype
         mus = torch.stack([c.map.to(dtype) for c in components])  # (N, d)
         self.blocks = []
-        for j, (proto, off) in enumerate(zip(ref.blocks, ref.offsets)):
+        blocks = progress(list(zip(ref.blocks, ref.offsets)), f"stacking {self.num} components", len(ref.blocks))
+        for j, (proto, off) in enumerate(blocks):
             if proto.kind not in STACKERS:
                 raise IncompatibleArtifactsError(f"block kind {proto.kind!r} has no batched evaluation "
                                                  "(posterior_fusion.fusion.stacked.STACKERS)")

@@ -29,8 +29,24 @@ def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str = "curv
     return LoaderProgress(DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False), desc)
 
 
+def laplace_backends():
+    """laplace-torch's ``Laplace`` and its two curvature backends, imported here and only here (the
+    default fast path never imports it). A broken install — usually a torchvision built for another
+    torch, which laplace-torch's dependencies pull in — ends in one line that says how to fix it."""
+    try:
+        from laplace import Laplace
+        from laplace.curvature import AsdlGGN, CurvlinopsGGN
+    except Exception as exc:  # noqa: BLE001 - any import failure of the optional backend is one line
+        first = (str(exc).splitlines() or [""])[0][:160]
+        raise ConfigError(f"laplace-torch cannot be imported ({type(exc).__name__}: {first}); the usual cause is a "
+                          f"torchvision built for another torch than {torch.__version__}: `pip uninstall torchvision` "
+                          "(pfuse does not use it) or install the matching one; the default `capture: fast` does not "
+                          "need laplace-torch") from None
+    return Laplace, AsdlGGN, CurvlinopsGGN
+
+
 def _laplace(model: nn.Module, structure: str, subset: str, backend, ggn: str = "exact", **extra):
-    from laplace import Laplace
+    Laplace, _, _ = laplace_backends()
 
     if ggn not in GGN_TYPES:
         raise ConfigError(f"unknown GGN type {ggn!r}; use 'exact' or 'mc'")
@@ -44,8 +60,7 @@ def capture_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size:
                  kfac: str = "expand") -> BlockDiag:
     """K-FAC GGN: one ``Kron(B, A)`` per weight, one ``Dense`` per bias (laplace-torch's blocks);
     ``kfac``: curvlinops' "expand" or "reduce" approximation for weight-shared layers."""
-    from laplace.curvature import CurvlinopsGGN
-
+    _, _, CurvlinopsGGN = laplace_backends()
     la = _laplace(model, "kron", "all", CurvlinopsGGN, ggn, asdl_fisher_kwargs={"kfac_approx": kfac})
     la.fit(_loader(x, y, batch_size))
     layout = ParameterLayout.from_model(model)
@@ -64,8 +79,7 @@ def capture_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size:
 def capture_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
                         ggn: str = "exact") -> torch.Tensor:
     """Diagonal of the GGN, ``(d,)``, through the ASDL backend."""
-    from laplace.curvature import AsdlGGN
-
+    _, AsdlGGN, _ = laplace_backends()
     la = _laplace(model, "diag", "all", AsdlGGN, ggn)
     la.fit(_loader(x, y, batch_size))
     return la.H.detach().clone()
@@ -78,8 +92,7 @@ def capture_diag(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size:
 def capture_diag_full(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
                       ggn: str = "exact") -> BlockDiag:
     """Diag GGN for all but the last layer, exact full GGN block of the last ``nn.Linear``."""
-    from laplace.curvature import CurvlinopsGGN
-
+    _, _, CurvlinopsGGN = laplace_backends()
     g = capture_diag_vector(model, x, y, batch_size, ggn)
     la = _laplace(model, "full", "last_layer", CurvlinopsGGN, ggn)
     la.fit(_loader(x, y, batch_size))

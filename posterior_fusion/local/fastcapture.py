@@ -355,6 +355,29 @@ def _no_param_grads(model: nn.Module):
     return _Ctx()
 
 
+PASS_BYTES = 384 * 2**20  # bound of the activations one capture pass keeps for its backward passes
+
+
+def _pass_size(model: nn.Module, x: torch.Tensor, batch_size: int) -> int:
+    """Samples per capture pass: ``batch_size``, or fewer where the activations the pass keeps for
+    its C − 1 backward passes (estimated as twice every module output of one sample, the graph's
+    saved tensors and the output gradients) would exceed :data:`PASS_BYTES`. The captured sums do
+    not depend on how the samples are grouped (MC labels are drawn row by row from the same
+    generator), so this bounds the peak memory of large models without changing the result."""
+    sizes: list[int] = []
+    handles = [m.register_forward_hook(lambda m, i, o: sizes.append(o.numel() * o.element_size()
+                                                                   if isinstance(o, torch.Tensor) else 0))
+               for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(x[:1])
+    finally:
+        for h in handles:
+            h.remove()
+    per_sample = max(1, 2 * sum(sizes))
+    return max(1, min(batch_size, PASS_BYTES // per_sample))
+
+
 def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str):
     """Consecutive slices (views) of ``x`` and ``y`` with progress (a ``DataLoader`` would index and
     re-stack every sample)."""
@@ -398,7 +421,7 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
                     A[i] = A[i] + gram / (n * positions)
 
     with _no_param_grads(model):
-        for xb, _ in _loader(x, y, batch_size, "curvature"):
+        for xb, _ in _loader(x, y, _pass_size(model, x, batch_size), "curvature"):
             _batch_pass(model, layers, xb, ggn, generator, on_column)
     own = {layer: i for i, layer in enumerate(layers)}
     blocks: list[Precision] = []
@@ -448,7 +471,7 @@ def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_s
                 add(i, [(pw * pw).sum(0, dtype=torch.float64), (pb * pb).sum(0, dtype=torch.float64)])
 
     with _no_param_grads(model):
-        for xb, _ in _loader(x, y, batch_size, "curvature"):
+        for xb, _ in _loader(x, y, _pass_size(model, x, batch_size), "curvature"):
             _batch_pass(model, layers, xb, ggn, generator, on_column)
     own = {layer: i for i, layer in enumerate(layers)}
     parts = []

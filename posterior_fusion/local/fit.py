@@ -25,7 +25,7 @@ from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, ModelSpecError, OutputError, ResumeError
 from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture import capture
+from posterior_fusion.local.capture import capture, laplace_backends
 from posterior_fusion.local.config import FitConfig
 from posterior_fusion.local.fastcapture import block_policy
 from posterior_fusion.local.init import init_fingerprint, initial_weights
@@ -112,6 +112,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     if state is not None:
         raise ModelSpecError(f"model {spec.name!r}: {state}")
     layout = ParameterLayout.from_model(probe)
+    if cfg.capture == "laplace":
+        laplace_backends()  # a broken laplace-torch install is refused before any training
     x, y = (t.to(device) for t in data.tensors())
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
         + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}")

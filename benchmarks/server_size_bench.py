@@ -1,0 +1,102 @@
+"""The server at real size (issue 28): ``pfuse fuse --method fedbens`` on ResNet-20 artifacts of
+width ``--width`` from C clients with M components each, in a fresh process per run (peak resident
+memory from VmHWM, wall seconds).
+
+    nice -n 19 .venv/bin/python benchmarks/server_size_bench.py --width 64 --clients 5 --components 5 \
+        --json docs/results/real_size/server_w64_c5_m5.json
+
+The C·M components share one real K-FAC-reduce capture (random CIFAR-shaped images, ``--n`` of them)
+with per-component scales and MAP perturbations: the server's cost depends on the sizes, not on the
+values. Three runs: ``steps=S1`` and ``steps=S2`` without the Laplace step (their difference over
+S2 − S1 is the seconds per step, the rest the set-up) and ``steps=S1`` with it (its difference to
+the first is the Laplace step at the modes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from posterior_fusion.artifact import write_client_artifact
+from posterior_fusion.curvature import BlockDiag, Kron
+from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.local.capture import capture
+from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component, frozen_mapping
+
+WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('VMHWM %s\\n' % next("
+           "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
+           "from posterior_fusion.cli.main import main; main()")
+
+
+def fuse(paths: list[Path], out: Path, settings: list[str], max_memory: str) -> dict:
+    args = ["fuse", *map(str, paths), "--method", "fedbens", "--max-memory", max_memory, "--out", str(out)]
+    for s in settings:
+        args += ["--set", s]
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", WRAPPER, *args], capture_output=True, text=True)
+    peak = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("VMHWM ")]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    return {"settings": settings, "exit": proc.returncode, "seconds": round(time.time() - t0, 1),
+            "peak_mib": round(peak[-1] / 1024) if peak else None, "error": errors[-1][:200] if errors else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--clients", type=int, default=5)
+    ap.add_argument("--components", type=int, default=5)
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--steps", default="10,30", help="S1,S2")
+    ap.add_argument("--compress", type=float, default=0.0)
+    ap.add_argument("--max-memory", default="20G")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    s1, s2 = map(int, args.steps.split(","))
+    spec = ModelSpec("resnet20", {"width": args.width})
+    torch.manual_seed(0)
+    model = spec.build().eval()
+    layout = ParameterLayout.from_model(model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(args.n, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (args.n,), generator=g)
+    curv, _ = capture("kron", model, x, y, 128, "exact", "fast", kfac="reduce")
+    w0 = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    work = Path(tempfile.mkdtemp(prefix="serversize_"))
+    paths = []
+    for c in range(args.clients):
+        comps = []
+        for m in range(args.components):
+            s = 1.0 + 0.1 * c + 0.01 * m
+            blocks = [Kron(b.B * s, b.A) if isinstance(b, Kron) else b for b in curv.blocks]
+            w = w0 + 0.01 * torch.randn(w0.shape, generator=g)
+            comps.append(Component(m, w, BlockDiag(blocks), frozen_mapping({"seed": m}), 0.1, 10.0))
+        paths.append(work / f"client_{c}.h5")
+        write_client_artifact(paths[-1], spec, layout, {"n_data": 1000, "class_counts": [100] * 10, "temperature": 0.1,
+                                                       "prior_precision": 10.0, "structure": "kron"}, comps, args.compress)
+    row = {"width": args.width, "parameters": layout.dim, "clients": args.clients, "components": args.components,
+           "compress": args.compress, "artifact_mb": round(sum(p.stat().st_size for p in paths) / 1e6 / args.clients, 1)}
+    runs = [fuse(paths, work / "g1.h5", [f"steps={s1}", "laplace=false"], args.max_memory),
+            fuse(paths, work / "g2.h5", [f"steps={s2}", "laplace=false"], args.max_memory),
+            fuse(paths, work / "g3.h5", [f"steps={s1}"], args.max_memory)]
+    row["runs"] = runs
+    if all(r["exit"] == 0 for r in runs):
+        per_step = (runs[1]["seconds"] - runs[0]["seconds"]) / (s2 - s1)
+        row.update(seconds_per_step=round(per_step, 2), setup_s=round(runs[0]["seconds"] - s1 * per_step, 1),
+                   laplace_s=round(runs[2]["seconds"] - runs[0]["seconds"], 1),
+                   peak_mib=max(r["peak_mib"] for r in runs))
+    print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
