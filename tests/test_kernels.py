@@ -161,17 +161,19 @@ def test_chunked_kron_quadratic_forms_equal_unchunked(kron_clients):
     clients = [posterior_fusion.load(p) for p in kron_clients]
     comps = [c for cl in clients for c in cl.components] * 3
     stack = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float64)
+    low = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float64, lowrank_tol=1e-30)  # the rotated form
     W = torch.stack([c.map.double() for c in comps[:4]]).requires_grad_(True)
-    kron = [b for b in stack.blocks if hasattr(b, "rank")]
-    for b in kron:
+    kron = [(b, "direct") for b in stack.blocks if hasattr(b, "rank")]
+    kron += [(b, "rotated") for b in low.blocks if hasattr(b, "rank")]
+    assert all(b.S is None for b, form in kron if form == "direct")  # the direct form alone is kept
+    for b, form in kron:
         w = W[:, b.offset : b.offset + b.size]
-        for form in ("direct", "rotated"):
-            whole = b.quadratic_forms(w, chunk_bytes=1 << 40, form=form)
-            tiny = b.quadratic_forms(w, chunk_bytes=1, form=form)  # one component per chunk
-            torch.testing.assert_close(tiny, whole, rtol=1e-12, atol=1e-10)
-            g1 = torch.autograd.grad(whole.sum(), W, retain_graph=True)[0]
-            g2 = torch.autograd.grad(tiny.sum(), W)[0]
-            torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-10)
+        whole = b.quadratic_forms(w, chunk_bytes=1 << 40, form=form)
+        tiny = b.quadratic_forms(w, chunk_bytes=1, form=form)  # one component per chunk
+        torch.testing.assert_close(tiny, whole, rtol=1e-12, atol=1e-10)
+        g1 = torch.autograd.grad(whole.sum(), W, retain_graph=True)[0]
+        g2 = torch.autograd.grad(tiny.sum(), W)[0]
+        torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-10)
 
 
 @pytest.mark.parametrize("K", [1, 3])
@@ -185,7 +187,7 @@ def test_direct_form_equals_rotated_and_dense_reference(dtype, rtol, K):
     mu = torch.randn(N, P * Q, generator=gen, dtype=torch.float64)
     scales = torch.rand(N, generator=gen, dtype=torch.float64) + 0.5
     shifts = torch.rand(N, generator=gen, dtype=torch.float64) + 0.1
-    st = stack_kron(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype)
+    st = stack_kron(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype, rotated=True)
     W = torch.randn(K, P * Q, generator=gen, dtype=torch.float64)
     g = torch.randn(K, N, generator=gen, dtype=torch.float64)
     ref, ref_grad = torch.zeros(K, N, dtype=torch.float64), torch.zeros(K, P * Q, dtype=torch.float64)

@@ -93,7 +93,7 @@ class Precision(ABC):
 
     @abstractmethod
     def logdet(self) -> torch.Tensor:
-        """``log |Λ|`` as a 0-d tensor (``-inf`` if Λ is singular)."""
+        """``log |Λ|`` as a 0-d float64 tensor (summed in float64; ``-inf`` if Λ is singular)."""
 
     @abstractmethod
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -120,6 +120,11 @@ class Precision(ABC):
         """``u = Λ^{-1/2} v`` in the eigenbasis, ``(..., dim)``: ``u·u' = vᵀ Λ⁻¹ v'`` (one rotation,
         half the work of :meth:`solve` when only such inner products are needed)."""
         raise NotImplementedError(f"{type(self).__name__} has no whiten")
+
+    def astype(self, dtype: torch.dtype) -> Precision:
+        """The same block in ``dtype`` (scale and shift kept; a cached decomposition is converted, not
+        recomputed)."""
+        raise NotImplementedError(f"{type(self).__name__} has no astype")
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors that define the block, by name (how they are stored is the artifact's:

@@ -23,6 +23,12 @@ class Dense(Precision):
     def with_scale_shift(self, scale: float, shift: float) -> Dense:
         return self._share_cache(Dense(self.G, scale, shift))
 
+    def astype(self, dtype: torch.dtype) -> Dense:
+        out = Dense(self.G.to(dtype), self.scale, self.shift)
+        if self._eig is not None:
+            out._eig = tuple(t.to(dtype) for t in self._eig)
+        return out
+
     def eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw eigenpairs of ``G``: ``(g (p,), U (p, p))`` with ``G = U diag(g) Uᵀ``."""
         if self._eig is None:
@@ -57,7 +63,7 @@ class Dense(Precision):
         return (v @ U) * self.eigenvalues().rsqrt()
 
     def logdet(self) -> torch.Tensor:
-        return self.eigenvalues().log().sum()
+        return self.eigenvalues().log().sum(dtype=torch.float64)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         _, U = self.eigen()

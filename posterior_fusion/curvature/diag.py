@@ -23,6 +23,9 @@ class Diag(Precision):
     def with_scale_shift(self, scale: float, shift: float) -> Diag:
         return Diag(self.g, scale, shift)
 
+    def astype(self, dtype: torch.dtype) -> Diag:
+        return Diag(self.g.to(dtype), self.scale, self.shift)
+
     def diagonal(self) -> torch.Tensor:
         return self.scale * self.g + self.shift
 
@@ -43,7 +46,7 @@ class Diag(Precision):
         return v * self.diagonal().rsqrt()
 
     def logdet(self) -> torch.Tensor:
-        return self.diagonal().log().sum()
+        return self.diagonal().log().sum(dtype=torch.float64)  # float64 sum of d logs
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         eps = torch.randn(n, self.dim, generator=generator, dtype=self.g.dtype)

@@ -38,6 +38,12 @@ class Kron(Precision):
     def with_scale_shift(self, scale: float, shift: float) -> Kron:
         return self._share_cache(Kron(self.B, self.A, scale, shift))
 
+    def astype(self, dtype: torch.dtype) -> Kron:
+        out = Kron(self.B.to(dtype), self.A.to(dtype), self.scale, self.shift)
+        if self._eig is not None:
+            out._eig = tuple(t.to(dtype) for t in self._eig)
+        return out
+
     def eigen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw factor eigenpairs ``(b (out,), U_B (out,out), a (in,), U_A (in,in))``."""
         if self._eig is None:
@@ -78,7 +84,7 @@ class Kron(Precision):
         return (self._rotate(v) * self.eigenvalue_grid().rsqrt()).reshape(v.shape)
 
     def logdet(self) -> torch.Tensor:
-        return self.eigenvalue_grid().log().sum()
+        return self.eigenvalue_grid().log().sum(dtype=torch.float64)  # float64 sum of out·in logs
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         _, UB, _, UA = self.eigen()
@@ -143,7 +149,8 @@ class Kron(Precision):
             cross = float((w * (GB @ alpha) * (GA @ beta)).sum())
             approx_sq = float(beta @ GA @ beta)
             err = max(total_sq - 2 * cross + approx_sq, 0.0) ** 0.5 / total_sq ** 0.5
-            out.append((cls(0.5 * (B + B.T), 0.5 * (A + A.T)), err))
+            dtype = blocks[0].B.dtype  # combined in float64, kept in the factors' dtype (K modes' worth)
+            out.append((cls((0.5 * (B + B.T)).to(dtype), (0.5 * (A + A.T)).to(dtype)), err))
         return out
 
 

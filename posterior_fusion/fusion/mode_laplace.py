@@ -22,17 +22,27 @@ import torch
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag
-from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.progress import progress
 
 
 def responsibilities(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                      W: torch.Tensor) -> list[torch.Tensor]:
-    """Per client, ``(K, M_c)`` component responsibilities at the K points ``W`` ``(K, d)`` (float64)."""
+    """Per client, ``(K, M_c)`` component responsibilities at the K points ``W`` ``(K, d)``, in float64
+    one block at a time (from the blocks' cached decompositions: no float64 copy of every factor)."""
     out = []
+    W = W.detach().double()
     for c, t, lam in zip(clients, temperatures, prior_precisions):
-        stack = StackedGaussians(list(c.components), 1.0 / t, lam, torch.float64)
-        log_comp = torch.log(c.weights)[None] + 0.5 * stack.logdets[None] - 0.5 * stack.quadratic_forms(W.double())
+        cols = []
+        for comp in c.components:
+            V = W - comp.map.double()
+            logdet = torch.zeros((), dtype=torch.float64)
+            q = torch.zeros(W.shape[0], dtype=torch.float64)
+            for block, off in zip(comp.curvature.blocks, comp.curvature.offsets):
+                prec = block.precision(t, lam).astype(torch.float64)
+                logdet = logdet + prec.logdet()
+                q = q + prec.quadratic_form(V[:, off : off + block.dim])
+            cols.append(0.5 * logdet - 0.5 * q)
+        log_comp = torch.log(c.weights.double())[None] + torch.stack(cols, dim=1)
         out.append(torch.softmax(log_comp, dim=-1))
     return out
 

@@ -126,9 +126,12 @@ class StackedDense:
         return map_tensors(self, lambda t: t.to(device))
 
 
-def stack_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None) -> StackedKron:
+def stack_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None,
+               rotated: bool = False) -> StackedKron:
     """Eigen-bases sorted ascending per component; with ``lowrank_tol > 0`` the low-rank
-    shortcut of ``fusion/stack.py`` keeps only directions with curvature ``>= tol · shift``."""
+    shortcut of ``fusion/stack.py`` keeps only directions with curvature ``>= tol · shift``.
+    Without it only the direct form's factors are kept (``rotated=True`` also keeps the stacked
+    eigenbases for the rotated form: twice the memory, ``docs/benchmarks.md`` "Server at real size")."""
     out, inn = blocks[0].shape
     eig = [b.eigen() for b in blocks]
     b = torch.stack([e[0].to(dtype) for e in eig])  # (N, out)
@@ -149,8 +152,10 @@ def stack_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowra
         As = (UA * a[:, None, :]) @ UA.transpose(1, 2)
         mu = mu.to(dtype)
         direct = (Bs, As, Bs @ mu, scales.to(dtype).clone(), shifts.to(dtype).clone(), mu.flatten(1).square().sum(1))
-        return StackedKron(offset, out * inn, mu, curv + shifts[:, None, None], UB, UA, logdets, None,
-                           (out, inn, out, inn), kernel, direct)
+        if not rotated:
+            UB = UA = curv = shifts = None  # the direct form alone
+        return StackedKron(offset, out * inn, mu, None if curv is None else curv + shifts[:, None, None], UB, UA,
+                           logdets, None, (out, inn, out, inn), kernel, direct)
     thresh = lowrank_tol * shifts
     keep_b = int((scales[:, None] * b * a[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
     keep_a = int((scales[:, None] * a * b[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
@@ -181,9 +186,9 @@ class StackedKron:
     offset: int
     size: int
     mu: torch.Tensor
-    S: torch.Tensor
-    UB: torch.Tensor
-    UA: torch.Tensor
+    S: torch.Tensor | None  # None: the direct form alone
+    UB: torch.Tensor | None
+    UA: torch.Tensor | None
     logdets: torch.Tensor
     shift: torch.Tensor | None
     rank: tuple[int, int, int, int]
@@ -205,7 +210,8 @@ class StackedKron:
         K = w.shape[0]
         Wk = w.reshape(K, *self.mu.shape[1:])
         N = self.mu.shape[0]
-        per = max(1, K * self.S.shape[1] * self.S.shape[2] * Wk.element_size() * 3)
+        R1, R2 = self.rank[2:]
+        per = max(1, K * R1 * R2 * Wk.element_size() * 3)
         step = max(1, min(N, (default_chunk_bytes(w.device) if chunk_bytes is None else chunk_bytes) // per))
         if form is None:
             form = "direct" if self.direct is not None else "rotated"
@@ -223,6 +229,8 @@ class StackedKron:
                                                self.kernel, take(self.direct[-1], a, b))
                      for a, b in spans]
         else:
+            if self.S is None:
+                raise ValueError("the rotated form needs the stacked eigenbases (stack_kron(..., rotated=True))")
             parts = [kron_quadratic_forms_and_vjp(Wk, *(take(t, a, b) for t in (self.mu, self.UB, self.UA, self.S)),
                                                   self.kernel)
                      for a, b in spans]
