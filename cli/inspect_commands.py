@@ -29,7 +29,24 @@ def inspect_cmd(file, as_json, max_memory):
     """Summarise an artifact (model, layout, structure, sizes, metadata) and validate it.
 
     The summary comes from the header at once (torch is not needed for it); then the whole file,
-    values included, is validated as fuse would — a bad file still ends with one line and exit 2."""
+    values included, is validated as fuse would — a bad file still ends with one line and exit 2.
+    A data file (from import-data or partition) is described too: samples, shape, classes, transform."""
+    from posterior_fusion.data.silo import describe_data, is_data_file
+
+    if is_data_file(file):
+        d = describe_data(file, max_memory)
+        if as_json:
+            echo_json(d)
+            return
+        say(f"{file}  (data file: {d['n']} samples of {tuple(d['input_shape'])}, stored as {d['stored_dtype']}, "
+            f"dataset {d['dataset']!r})")
+        say(f"classes: {d['num_classes']}  " + (f"counts {d['class_counts']}" if d["labelled"] else "unlabelled"))
+        t = d["input_transform"]
+        parts = [f"{k} " + (f"({len(v)} values: {', '.join(f'{x:.4g}' for x in v[:3])}, …)" if isinstance(v, (list, tuple))
+                            and len(v) > 3 else str(v)) for k, v in t.items()]
+        say(f"input transform: {'; '.join(parts)}")
+        say("validated: the whole file, values included")
+        return
     if as_json:
         from posterior_fusion.artifact import load
         from posterior_fusion.summary import summarize

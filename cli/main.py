@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 import click
 
@@ -56,8 +57,15 @@ def pfuse(quiet: bool) -> None:
     their buffers in again every step); PFUSE_MALLOC=default turns that off.
     """
     keep_freed_memory()
+    warnings.showwarning = one_line_warning
     if quiet:
         os.environ["PFUSE_PROGRESS"] = "0"
+
+
+def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one ``warning:`` line on stderr (no source line, no category path)."""
+    text = str(message).strip().splitlines()
+    say(f"warning: {text[0] if text else category.__name__}", err=True)
 
 
 def main() -> None:

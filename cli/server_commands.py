@@ -234,9 +234,12 @@ def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, 
         extra = f"  OOD AUROC {m['ood_auroc']:.4f}" if "ood_auroc" in m else ""
         members = (f"members {m['num_members']} (single-member accuracy {m['member_accuracy_min']:.4f}.."
                    f"{m['member_accuracy_max']:.4f})" if "member_accuracy_min" in m else f"modes {m['num_members']}")
+        a = m["auroc_correct"]
+        auroc = (f"{a:.4f}" if a == a else  # NaN: one of the two groups is empty
+                 f"n/a (every prediction {'right' if m['accuracy'] == 1 else 'wrong'}: no pair to rank)")
         say(f"{g.method} [{predictive}]: accuracy {m['accuracy']:.4f}  NLL {m['nll']:.4f}  ECE {m['ece']:.4f}  "
                    f"MCE {m['mce']:.4f}  Brier {m['brier']:.4f}  entropy {m['entropy_mean']:.3f}  "
-                   f"AUROC(correct) {m['auroc_correct']:.4f}{extra}  {members}  n={m['n']}  ({path})")
+                   f"AUROC(correct) {auroc}{extra}  {members}  n={m['n']}  ({path})")
 
 
 @click.command("predict")

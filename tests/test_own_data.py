@@ -368,3 +368,19 @@ def test_csv_label_column_typo_names_the_columns(tmp_path):
     assert r.exit_code == 2 and "column 'cultivar' is not numeric" in r.stderr and "--label-column" in r.stderr
     r = cli("import-data", tmp_path / "wine.csv", "--label-column", "cultivar", "--out", tmp_path / "w.h5")
     assert r.exit_code == 0, r.stderr
+
+
+def test_inspect_describes_a_data_file(tmp_path):
+    r = cli("import-data", "sklearn:wine", "--out", tmp_path / "wine.h5")
+    assert r.exit_code == 0, r.stderr
+    r = cli("inspect", tmp_path / "wine.h5")
+    assert r.exit_code == 0 and "data file: 178 samples of (13,)" in r.stdout and "[59, 71, 48]" in r.stdout
+    r = cli("inspect", tmp_path / "wine.h5", "--json")
+    d = json.loads(r.stdout)
+    assert d["kind"] == "data" and d["num_classes"] == 3 and d["class_counts"] == [59, 71, 48]
+
+
+def test_partition_on_small_data_says_which_option_to_lower(tmp_path):
+    cli("import-data", "sklearn:wine", "--out", tmp_path / "wine.h5")
+    r = cli("partition", "--from", tmp_path / "wine.h5", "--clients", "2", "--out-dir", tmp_path / "p")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--val-size" in r.stderr and "178" in r.stderr

@@ -337,3 +337,24 @@ def test_memory_bounded_capture_passes_change_nothing(monkeypatch, ggn):
     many = fast_kron(model, x, y, 30, ggn, torch.Generator().manual_seed(0), kfac="reduce")
     for a, b in zip(_factors(one), _factors(many)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_warnings_are_one_line(tmp_path):
+    """A library warning (SWAG with fewer snapshots than its rank) reaches the terminal as one
+    `warning:` line, without Python's category path and source line."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).random((40, 6), dtype=np.float32))
+    np.save(tmp_path / "y.npy", np.arange(40) % 3)
+    run = [sys.executable, "-c", "from posterior_fusion.cli.main import main; main()"]
+    subprocess.run([*run, "import-data", str(tmp_path / "x.npy"), "--labels", str(tmp_path / "y.npy"),
+                    "--out", str(tmp_path / "d.h5")], check=True, capture_output=True)
+    r = subprocess.run([*run, "fit-local", "--data", str(tmp_path / "d.h5"), "--model", "mlp", "-M", "1", "--epochs",
+                        "1", "--swag", "--out", str(tmp_path / "a.h5")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "SWAG collected" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: SWAG collected"), r.stderr
+    assert "UserWarning" not in r.stderr and "warnings.warn" not in r.stderr

@@ -120,7 +120,8 @@ def partition_to_files(
     if max_train is not None:
         order = order[: max_train + val_size]
     if val_size < 0 or val_size >= len(order):
-        raise ConfigError(f"`val_size` {val_size} must be in [0, {len(order)})")
+        raise ConfigError(f"`val_size` {val_size} leaves nothing to train on: the data has {len(order)} samples "
+                          f"(after the test split); lower `val_size` (e.g. {len(order) // 10}) or set it to 0")
     val_idx, pool = order[:val_size], order[val_size:]
     parts = _split_indices(y[pool], clients, alpha, partition_seed, min_size, scheme, classes_per_client)
     return _write_split(Path(out_dir), x, y, name, k, t, parts, pool, val_idx, test_data,

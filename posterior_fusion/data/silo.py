@@ -270,6 +270,33 @@ def read_data(path: str | os.PathLike, max_memory: int | str | None = None) -> S
     return read_silo(path, max_memory=max_memory, labels=False)
 
 
+def is_data_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a regular HDF5 file whose ``format`` attribute names a data file (a quick
+    look at the root attribute; the file is validated when it is read)."""
+    p = Path(path)
+    try:
+        if not p.is_file() or not h5py.is_hdf5(p):
+            return False
+        with h5py.File(p, "r") as f:
+            value = f.attrs.get("format")
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError):
+        return False
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return value == DATA_FORMAT
+
+
+def describe_data(path: str | os.PathLike, max_memory: int | str | None = None) -> dict:
+    """A data file's summary for ``pfuse inspect``: size, input shape and dtype, classes and their
+    counts, the input transform (the whole file is read and validated)."""
+    head = silo_header(path)
+    data = read_silo(path, max_memory=max_memory, labels=False)
+    return {"file": str(path), "kind": "data", "n": head.n, "input_shape": list(head.input_shape),
+            "stored_dtype": head.x_dtype, "dataset": head.dataset, "num_classes": head.num_classes,
+            "labelled": head.has_labels, "class_counts": data.class_counts() if data.y is not None else None,
+            "input_transform": data.input_transform.to_dict()}
+
+
 def silo_header(path: str | os.PathLike) -> SiloHeader:
     """Validate a data file's header only (no data read); used for memory estimates."""
     with _open_data(Path(path)) as (_, head):
