@@ -40,9 +40,19 @@ class Kron(Precision):
 
     def astype(self, dtype: torch.dtype) -> Kron:
         out = Kron(self.B.to(dtype), self.A.to(dtype), self.scale, self.shift)
-        if self._eig is not None:
-            out._eig = tuple(t.to(dtype) for t in self._eig)
+        for key, value in self._raw_cache.items():
+            out._raw_cache[key] = tuple(t.to(dtype) for t in value)
         return out
+
+    def eigenvalues(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw factor eigenvalues ``(b (out,), a (in,))`` clamped at 0, from the eigenpairs when they
+        are known, else without eigenvectors (``eigvalsh``: less work, no ``D × D`` basis kept)."""
+        if self._eig is not None:
+            return self._eig[0], self._eig[2]
+        if "eigvals" not in self._raw_cache:
+            self._raw_cache["eigvals"] = tuple(  # eigvalsh reads one triangle: no symmetrised copy
+                torch.linalg.eigvalsh(F.double()).clamp_min(0).to(F.dtype) for F in (self.B, self.A))
+        return self._raw_cache["eigvals"]
 
     def eigen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw factor eigenpairs ``(b (out,), U_B (out,out), a (in,), U_A (in,in))``."""
@@ -54,7 +64,7 @@ class Kron(Precision):
 
     def eigenvalue_grid(self) -> torch.Tensor:
         """Eigenvalues of Λ as an ``(out, in)`` grid ``scale · b aᵀ + shift``."""
-        b, _, a, _ = self.eigen()
+        b, a = self.eigenvalues()
         return self.scale * torch.outer(b, a) + self.shift
 
     def _rotate(self, v: torch.Tensor) -> torch.Tensor:
@@ -63,9 +73,10 @@ class Kron(Precision):
         return UB.T @ V @ UA
 
     def quadratic_form(self, v: torch.Tensor) -> torch.Tensor:
+        """``scale · ⟨V, B V Aᵀ⟩ + shift · ‖V‖²`` straight from the factors (no decomposition)."""
         self._check_vec(v)
-        Z = self._rotate(v)
-        return (Z.square() * self.eigenvalue_grid()).sum((-2, -1))
+        V = v.reshape(*v.shape[:-1], *self.shape)
+        return self.scale * (V * (self.B @ V @ self.A.T)).sum((-2, -1)) + self.shift * V.square().sum((-2, -1))
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         self._check_vec(v)

@@ -126,6 +126,17 @@ class StackedDense:
         return map_tensors(self, lambda t: t.to(device))
 
 
+def _adopted(blocks: list[Precision], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The factors ``name`` of N Kronecker blocks stacked ``(N, D, D)``; where they already have the
+    stack's dtype, each block's factor becomes a view of the stack (same values), so the factors are
+    held once, not twice (the server's peak memory at real size: ``docs/benchmarks.md``)."""
+    stacked = torch.stack([getattr(blk, name).to(dtype) for blk in blocks])
+    if all(getattr(blk, name).dtype == dtype and getattr(blk, name).device == stacked.device for blk in blocks):
+        for n, blk in enumerate(blocks):
+            setattr(blk, name, stacked[n])
+    return stacked
+
+
 def stack_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None,
                rotated: bool = False) -> StackedKron:
     """Eigen-bases sorted ascending per component; with ``lowrank_tol > 0`` the low-rank
@@ -133,6 +144,15 @@ def stack_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowra
     Without it only the direct form's factors are kept (``rotated=True`` also keeps the stacked
     eigenbases for the rotated form: twice the memory, ``docs/benchmarks.md`` "Server at real size")."""
     out, inn = blocks[0].shape
+    if lowrank_tol <= 0 and not rotated:  # the direct form: the factors and their eigenvalues only
+        b = torch.stack([blk.eigenvalues()[0].to(dtype) for blk in blocks])  # (N, out)
+        a = torch.stack([blk.eigenvalues()[1].to(dtype) for blk in blocks])  # (N, in)
+        logdets = (scales[:, None, None] * b[:, :, None] * a[:, None, :] + shifts[:, None, None]).log().flatten(1).sum(1)
+        Bs = _adopted([blk for blk in blocks], "B", dtype)
+        As = _adopted([blk for blk in blocks], "A", dtype)
+        mu = mu.reshape(-1, out, inn).to(dtype)
+        direct = (Bs, As, Bs @ mu, scales.to(dtype).clone(), shifts.to(dtype).clone(), mu.flatten(1).square().sum(1))
+        return StackedKron(offset, out * inn, mu, None, None, None, logdets, None, (out, inn, out, inn), kernel, direct)
     eig = [b.eigen() for b in blocks]
     b = torch.stack([e[0].to(dtype) for e in eig])  # (N, out)
     a = torch.stack([e[2].to(dtype) for e in eig])  # (N, in)
@@ -146,16 +166,13 @@ def stack_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowra
     curv = scales[:, None, None] * b[:, :, None] * a[:, None, :]  # (N, out, in)
     logdets = (curv + shifts[:, None, None]).log().flatten(1).sum(1)
     mu = mu.reshape(-1, out, inn)
-    if lowrank_tol <= 0:
-        # raw factors rebuilt from the clamped spectra: the direct form is the same matrix
+    if lowrank_tol <= 0:  # both forms (rotated=True): the raw factors rebuilt from the clamped spectra
         Bs = (UB * b[:, None, :]) @ UB.transpose(1, 2)
         As = (UA * a[:, None, :]) @ UA.transpose(1, 2)
         mu = mu.to(dtype)
         direct = (Bs, As, Bs @ mu, scales.to(dtype).clone(), shifts.to(dtype).clone(), mu.flatten(1).square().sum(1))
-        if not rotated:
-            UB = UA = curv = shifts = None  # the direct form alone
-        return StackedKron(offset, out * inn, mu, None if curv is None else curv + shifts[:, None, None], UB, UA,
-                           logdets, None, (out, inn, out, inn), kernel, direct)
+        return StackedKron(offset, out * inn, mu, curv + shifts[:, None, None], UB, UA, logdets, None,
+                           (out, inn, out, inn), kernel, direct)
     thresh = lowrank_tol * shifts
     keep_b = int((scales[:, None] * b * a[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
     keep_a = int((scales[:, None] * a * b[:, -1:] >= thresh[:, None]).sum(1).max().clamp_min(1).item())
