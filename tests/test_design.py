@@ -15,7 +15,7 @@ import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.blocks import ENCODINGS, BlockEncoding
 from posterior_fusion.cli.main import pfuse
-from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron, Precision
+from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron, LowRankKron, Precision
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion import METHODS, FusionMethod, FusionResult, fuse
@@ -192,7 +192,8 @@ def test_every_table_entry_round_trips_and_matches_dense(kind):
     gen = torch.Generator().manual_seed(1)
     make = {"diag": lambda: Diag(torch.rand(12, generator=gen, dtype=torch.float64)),
             "dense": lambda: Dense(random_psd(12, gen)),
-            "kron": lambda: Kron(random_psd(3, gen), random_psd(4, gen))}
+            "kron": lambda: Kron(random_psd(3, gen), random_psd(4, gen)),
+            "kron_lowrank": lambda: LowRankKron.from_kron(Kron(random_psd(3, gen), random_psd(4, gen)), 0.3)}
     blocks = [make[kind]() for _ in range(3)]
     cls, enc = BLOCK_TYPES[kind], ENCODINGS[kind]
     assert isinstance(blocks[0], cls)
@@ -212,7 +213,7 @@ def test_every_table_entry_round_trips_and_matches_dense(kind):
     torch.testing.assert_close(p.solve(W), torch.linalg.solve(p.to_dense(), W.T).T)
     u = p.whiten(W)  # u uᵀ = W Λ⁻¹ Wᵀ
     torch.testing.assert_close(u @ u.T, W @ torch.linalg.solve(p.to_dense(), W.T))
-    if kind == "kron":
+    if kind in ("kron", "kron_lowrank"):
         with pytest.raises(posterior_fusion.errors.MethodNotApplicableError):
             cls.sum_of(blocks)
     else:
@@ -410,9 +411,7 @@ def test_curvature_is_algebra_and_imports_nothing_above_it():
     from posterior_fusion.curvature import BLOCK_TYPES as kinds
     from posterior_fusion.fusion.stacked import STACKERS as stackers
 
-    assert set(kinds) == set(stackers) and set(kinds) <= set(encodings)  # every block kind is stored and evaluated in batches
-    compact = set(encodings) - set(kinds)  # other encodings are compact forms of a kind, rebuilt on read
-    assert compact == {"kron_lowrank"} and encodings["kron"].compress is not None
+    assert set(kinds) == set(stackers) == set(encodings)  # every block kind is stored and evaluated in batches
 
 
 def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypatch, tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from posterior_fusion.curvature import Dense, Diag, Kron, Precision
+from posterior_fusion.curvature import Dense, Diag, Kron, LowRankKron, Precision
 
 SYMMETRY_RTOL = 1e-4
 
@@ -80,16 +80,17 @@ def _decode_kron(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any])
 LOWRANK_NAMES = ("lowrank_B_vectors", "lowrank_B_values", "lowrank_A_vectors", "lowrank_A_values")
 
 
+def _lowrank_header(block: Precision) -> dict[str, Any]:
+    return {"shape": list(block.shape), "rank": [block.lB.numel(), block.lA.numel()],
+            "isotropic": [block.sB, block.sA], "error": list(block.errors)}
+
+
 def _compress_kron(block: Precision, budget: float) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
     """A Kronecker block's factors as top-r eigenpairs plus a trace-keeping isotropic remainder
-    (:func:`posterior_fusion.curvature.lowrank.truncate`), each within ``budget``; the header records
-    the ranks, the isotropic levels and each factor's relative Frobenius error."""
-    from posterior_fusion.curvature.lowrank import truncate
-
-    UB, lB, sB, eB = truncate(block.B, budget)
-    UA, lA, sA, eA = truncate(block.A, budget)
-    header = {"shape": list(block.shape), "rank": [lB.numel(), lA.numel()], "isotropic": [sB, sA], "error": [eB, eA]}
-    return "kron_lowrank", header, dict(zip(LOWRANK_NAMES, (UB, lB, UA, lA)))
+    (:meth:`LowRankKron.from_kron`), each within ``budget``; the header records the ranks, the
+    isotropic levels and each factor's relative Frobenius error."""
+    compact = LowRankKron.from_kron(block, budget)
+    return compact.kind, _lowrank_header(compact), compact.to_tensors()
 
 
 def _lowrank_shapes(size: int, header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -107,19 +108,19 @@ def _lowrank_shapes(size: int, header: Mapping[str, Any]) -> dict[str, tuple[int
     return dict(zip(LOWRANK_NAMES, ((out, rank[0]), (rank[0],), (inn, rank[1]), (rank[1],))))
 
 
-def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Kron:
-    """The Kronecker block rebuilt from its compact form (the fusion methods see a plain ``Kron``)."""
-    from posterior_fusion.curvature.lowrank import rebuild
-
-    factors = []
+def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> LowRankKron:
+    """The Kronecker block in its compact form (a :class:`Kron` to every fusion method)."""
+    parts = []
     for side, sigma in zip("BA", header["isotropic"]):
         U, lam = tensors[f"lowrank_{side}_vectors"], tensors[f"lowrank_{side}_values"]
         if (lam < 0).any():
             raise BlockValueError(f"lowrank_{side}_values", "eigenvalues must be >= 0")
         if U.numel() and (U.double().T @ U.double() - torch.eye(U.shape[1], dtype=torch.float64)).abs().max() > 1e-3:
             raise BlockValueError(f"lowrank_{side}_vectors", "eigenvectors must be orthonormal")
-        factors.append(rebuild(U, lam, float(sigma), U.dtype if U.dtype == torch.float64 else torch.float32))
-    return Kron(*factors)
+        if lam.numel() and float(lam.min()) < float(sigma) * (1 - 1e-4):
+            raise BlockValueError(f"lowrank_{side}_values", "kept eigenvalues must not be below the isotropic level")
+        parts += [U, lam.to(U.dtype), float(sigma)]
+    return LowRankKron(*parts, errors=tuple(header["error"]))
 
 
 ENCODINGS: dict[str, BlockEncoding] = {
@@ -127,5 +128,5 @@ ENCODINGS: dict[str, BlockEncoding] = {
     "dense": BlockEncoding(("dense",), lambda size, header: {"dense": (size, size)}, _decode_dense),
     "kron": BlockEncoding(("kron_B", "kron_A"), _kron_shapes, _decode_kron,
                           header=lambda block: {"shape": list(block.shape)}, compress=_compress_kron),
-    "kron_lowrank": BlockEncoding(LOWRANK_NAMES, _lowrank_shapes, _decode_lowrank),
+    "kron_lowrank": BlockEncoding(LOWRANK_NAMES, _lowrank_shapes, _decode_lowrank, header=_lowrank_header),
 }

@@ -14,7 +14,8 @@ from posterior_fusion.curvature.blockdiag import BlockDiag
 from posterior_fusion.curvature.dense import Dense
 from posterior_fusion.curvature.diag import Diag
 from posterior_fusion.curvature.kron import Kron
+from posterior_fusion.curvature.lowrank import LowRankKron
 
-BLOCK_TYPES: dict[str, type[Precision]] = {cls.kind: cls for cls in (Diag, Dense, Kron)}
+BLOCK_TYPES: dict[str, type[Precision]] = {cls.kind: cls for cls in (Diag, Dense, Kron, LowRankKron)}
 
-__all__ = ["Precision", "Diag", "Dense", "Kron", "BlockDiag", "BLOCK_TYPES", "eigh_psd"]
+__all__ = ["Precision", "Diag", "Dense", "Kron", "LowRankKron", "BlockDiag", "BLOCK_TYPES", "eigh_psd"]

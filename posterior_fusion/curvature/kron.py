@@ -140,7 +140,7 @@ class Kron(Precision):
         for w in W:
             total_sq = float(w @ (GB * GA) @ w)
             if total_sq <= 0:
-                out.append((cls(torch.zeros_like(blocks[0].B, dtype=torch.float64),
+                out.append((Kron(torch.zeros_like(blocks[0].B, dtype=torch.float64),
                                 torch.zeros_like(blocks[0].A, dtype=torch.float64)), 0.0))
                 continue
             M = (w[:, None] * GA * w[None, :]) @ GB
@@ -161,7 +161,7 @@ class Kron(Precision):
             approx_sq = float(beta @ GA @ beta)
             err = max(total_sq - 2 * cross + approx_sq, 0.0) ** 0.5 / total_sq ** 0.5
             dtype = blocks[0].B.dtype  # combined in float64, kept in the factors' dtype (K modes' worth)
-            out.append((cls((0.5 * (B + B.T)).to(dtype), (0.5 * (A + A.T)).to(dtype)), err))
+            out.append((Kron((0.5 * (B + B.T)).to(dtype), (0.5 * (A + A.T)).to(dtype)), err))
         return out
 
 

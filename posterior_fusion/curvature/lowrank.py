@@ -4,15 +4,17 @@
 
 ``U`` ``(D, r)`` holds the r leading eigenvectors, ``λ`` ``(r,)`` their eigenvalues. F̃ shares F's
 eigenvectors, so its relative Frobenius error is ``√(Σ_{i>r} (λ_i − σ)²) / ‖F‖_F`` from the
-eigenvalues alone; :func:`truncate` takes the smallest r that meets a relative-error budget. Used by
-the artifact's compressed Kronecker encoding (``artifact/blocks.py``, ``kron_lowrank``).
+eigenvalues alone; :func:`truncate` takes the smallest r that meets a relative-error budget.
+:class:`LowRankKron` is a Kronecker block held in that form (an artifact's ``kron_lowrank`` blocks,
+written with ``--compress``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from posterior_fusion.curvature.base import eigh_psd
+from posterior_fusion.curvature.base import Precision, eigh_psd
+from posterior_fusion.curvature.kron import Kron
 
 
 def truncate(F: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor, float, float]:
@@ -39,3 +41,96 @@ def rebuild(U: torch.Tensor, lam: torch.Tensor, sigma: float, dtype: torch.dtype
     Ud, ld = U.double(), lam.double()
     F = (Ud * (ld - sigma)) @ Ud.T + sigma * torch.eye(U.shape[0], dtype=torch.float64)
     return (0.5 * (F + F.T)).to(dtype)
+
+
+class LowRankKron(Kron):
+    """A Kronecker block whose factors are each stored as ``F̃ = σ I + U diag(λ − σ) Uᵀ`` (top-r
+    eigenpairs plus a trace-keeping isotropic remainder; :func:`truncate`). It is a :class:`Kron`:
+    quadratic forms and log-determinants come from the compact form (``O(out·in·(r_B + r_A))``, no
+    ``D × D`` factor), and a method that needs the plain factors gets them rebuilt on access
+    (``.B``/``.A``, not kept). ``errors`` are each factor's recorded relative Frobenius error."""
+
+    kind = "kron_lowrank"
+
+    def __init__(self, UB: torch.Tensor, lB: torch.Tensor, sB: float, UA: torch.Tensor, lA: torch.Tensor, sA: float,
+                 scale: float = 1.0, shift: float = 0.0, errors: tuple[float, float] = (0.0, 0.0)) -> None:
+        Precision.__init__(self, scale, shift)
+        self.UB, self.lB, self.sB = UB, lB, float(sB)
+        self.UA, self.lA, self.sA = UA, lA, float(sA)
+        self.errors = (float(errors[0]), float(errors[1]))
+
+    @property
+    def B(self) -> torch.Tensor:  # noqa: N802 - the Kron attribute it stands for
+        return rebuild(self.UB, self.lB, self.sB, self.UB.dtype)
+
+    @B.setter
+    def B(self, value: torch.Tensor) -> None:  # noqa: N802
+        raise AttributeError("a LowRankKron's factors are its compact form")
+
+    @property
+    def A(self) -> torch.Tensor:  # noqa: N802
+        return rebuild(self.UA, self.lA, self.sA, self.UA.dtype)
+
+    @A.setter
+    def A(self, value: torch.Tensor) -> None:  # noqa: N802
+        raise AttributeError("a LowRankKron's factors are its compact form")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.UB.shape[0], self.UA.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.UB.shape[0] * self.UA.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.UB.dtype
+
+    def with_scale_shift(self, scale: float, shift: float) -> LowRankKron:
+        return self._share_cache(LowRankKron(self.UB, self.lB, self.sB, self.UA, self.lA, self.sA, scale, shift,
+                                             self.errors))
+
+    def astype(self, dtype: torch.dtype) -> LowRankKron:
+        return LowRankKron(self.UB.to(dtype), self.lB.to(dtype), self.sB, self.UA.to(dtype), self.lA.to(dtype),
+                           self.sA, self.scale, self.shift, self.errors)
+
+    def eigenvalues(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b (out,), a (in,))``: the kept eigenvalues, then σ repeated (no decomposition), or in the
+        order of the eigenbases once :meth:`eigen` has built them (solve, whiten, sample)."""
+        if self._eig is not None:
+            return self._eig[0], self._eig[2]
+        out, inn = self.shape
+        b = torch.cat([self.lB, self.lB.new_full((out - self.lB.numel(),), self.sB)])
+        a = torch.cat([self.lA, self.lA.new_full((inn - self.lA.numel(),), self.sA)])
+        return b, a
+
+    def quadratic_form(self, v: torch.Tensor) -> torch.Tensor:
+        """``scale · ⟨V, B̃ V Ã⟩ + shift · ‖V‖²`` from the compact form: with ``P = U_Bᵀ V``,
+        ``Q = V U_A``, ``R = U_Bᵀ V U_A`` and ``d = λ − σ``, ``⟨V, B̃ V Ã⟩ = σ_B σ_A ‖V‖² + σ_B Σ d_A ‖Q‖²
+        + σ_A Σ d_B ‖P‖² + Σ d_B d_A R²``."""
+        self._check_vec(v)
+        V = v.reshape(*v.shape[:-1], *self.shape)
+        dB, dA = self.lB - self.sB, self.lA - self.sA
+        P = self.UB.T @ V
+        Q = V @ self.UA
+        R = P @ self.UA
+        vv = V.square().sum((-2, -1))
+        inner = (self.sB * self.sA * vv + self.sB * (Q.square() * dA).sum((-2, -1))
+                 + self.sA * (P.square() * dB[:, None]).sum((-2, -1)) + (R.square() * dB[:, None] * dA).sum((-2, -1)))
+        return self.scale * inner + self.shift * vv
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.UB, self.lB, self.UA, self.lA))
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"lowrank_B_vectors": self.UB, "lowrank_B_values": self.lB,
+                "lowrank_A_vectors": self.UA, "lowrank_A_values": self.lA}
+
+    @classmethod
+    def from_kron(cls, block: Kron, budget: float) -> LowRankKron:
+        """The compact form of a plain Kronecker block within a relative error ``budget`` per factor."""
+        UB, lB, sB, eB = truncate(block.B, budget)
+        UA, lA, sA, eA = truncate(block.A, budget)
+        return cls(UB, lB, sB, UA, lA, sA, block.scale, block.shift, (eB, eA))

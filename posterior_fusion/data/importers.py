@@ -135,14 +135,14 @@ def from_csv(path: Path, label_column: str = "label",
     has_label = label_column in header
     columns = ", ".join(repr(h) for h in header[:20]) + (", …" if len(header) > 20 else "")
     if not has_label and label_column != "label":  # a label column named on purpose must exist
-        raise DataError(f"{path}: no column {shown(label_column)} (--label-column); the columns are {columns}")
+        raise DataError(f"{path}: no column {shown(label_column)} (`label_column`); the columns are {columns}")
     li = header.index(label_column) if has_label else None
     feats = [i for i in range(len(header)) if i != li]
     try:
         x = np.array([[float(r[i]) for i in feats] for r in body], dtype=np.float32)
     except ValueError as exc:
         bad = next((header[i] for i in feats if not all(_is_float(r[i]) for r in body)), "?")
-        hint = "" if has_label else f"; no column {shown(label_column)} holds the labels — name it with --label-column"
+        hint = "" if has_label else f"; no column {shown(label_column)} holds the labels — name it with `label_column`"
         raise DataError(f"{path}: column {shown(bad)} is not numeric ({exc}){hint}") from None
     if not has_label:
         return _inputs(x, str(path)), None

@@ -118,5 +118,5 @@ def check_transform(expected: dict | None, actual: InputTransform, data_file: st
         raise DataError(f"{data_file}: its input transform (scale {actual.scale:g}, mean {list(actual.mean)[:4]}, "
                         f"std {list(actual.std)[:4]}) differs from the one {artifact} was trained with "
                         f"(scale {want.scale:g}, mean {list(want.mean)[:4]}, std {list(want.std)[:4]}); "
-                        "import the data again with the federation's transform: `pfuse import-data ... "
-                        "--transform from:FILE`, FILE a data file that has it (e.g. a client's silo)")
+                        "import the data again with the federation's transform: `transform` from:FILE, FILE a "
+                        "data file that has it (e.g. a client's silo)")

@@ -282,6 +282,111 @@ class StackedKron:
         return map_tensors(self, lambda t: t.to(device))
 
 
+def _padded(U: torch.Tensor, lam: torch.Tensor, sigma: float, r: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``U`` ``(D, r)`` and ``d = λ − σ`` ``(r,)`` padded with zero columns to ``r`` (they add nothing)."""
+    Up = torch.zeros(U.shape[0], r, dtype=dtype)
+    Up[:, : U.shape[1]] = U.to(dtype)
+    d = torch.zeros(r, dtype=dtype)
+    d[: lam.numel()] = (lam.double() - sigma).clamp_min(0).to(dtype)
+    return Up, d
+
+
+def stack_lowrank_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, lowrank_tol=0.0,
+                       kernel=None) -> StackedLowRankKron:
+    """N compressed Kronecker blocks (:class:`~posterior_fusion.curvature.LowRankKron`) in their
+    compact form, ranks padded to the largest of the N (zero columns)."""
+    out, inn = blocks[0].shape
+    rB = max(b.lB.numel() for b in blocks)
+    rA = max(b.lA.numel() for b in blocks)
+    sideB = [_padded(b.UB, b.lB, b.sB, rB, dtype) for b in blocks]
+    sideA = [_padded(b.UA, b.lA, b.sA, rA, dtype) for b in blocks]
+    logdets = torch.stack([
+        (float(s) * torch.outer(*(t.double() for t in b.eigenvalues())) + float(h)).log().sum()
+        for b, s, h in zip(blocks, scales, shifts)]).to(dtype)
+    return StackedLowRankKron(
+        offset, out * inn, mu.reshape(-1, out, inn).to(dtype),
+        torch.stack([u for u, _ in sideB]), torch.stack([d for _, d in sideB]),
+        torch.tensor([b.sB for b in blocks], dtype=dtype),
+        torch.stack([u for u, _ in sideA]), torch.stack([d for _, d in sideA]),
+        torch.tensor([b.sA for b in blocks], dtype=dtype),
+        scales.to(dtype).clone(), shifts.to(dtype).clone(), logdets, (out, inn, rB, rA))
+
+
+@dataclass(frozen=True)
+class StackedLowRankKron:
+    """N Kronecker blocks in compact form, ``F = σ I + U diag(d) Uᵀ`` per factor: ``mu`` ``(N, out, in)``,
+    ``UB`` ``(N, out, r_B)``, ``dB`` ``(N, r_B)``, ``sB`` ``(N,)`` and the same for A; precisions
+    ``scale_n (B ⊗ A) + shift_n I``. A quadratic form costs ``O(out·in·(r_B + r_A))`` per point and
+    component: no ``D × D`` factor is formed."""
+
+    offset: int
+    size: int
+    mu: torch.Tensor
+    UB: torch.Tensor
+    dB: torch.Tensor
+    sB: torch.Tensor
+    UA: torch.Tensor
+    dA: torch.Tensor
+    sA: torch.Tensor
+    scales: torch.Tensor
+    shifts: torch.Tensor
+    logdets: torch.Tensor
+    rank: tuple[int, int, int, int]
+
+    def quadratic_forms(self, w: torch.Tensor, chunk_bytes: int | None = None) -> torch.Tensor:
+        """``(K, N)``, differentiable w.r.t. ``w`` (see :meth:`forms_and_vjp`)."""
+        return FormsWithVJP.apply(w, self.forms_and_vjp, chunk_bytes)
+
+    def forms_and_vjp(self, w: torch.Tensor, chunk_bytes: int | None = None) -> tuple[torch.Tensor, VJP]:
+        """``w`` ``(K, size)`` -> ``q`` ``(K, N)`` and ``vjp(g (K, N)) -> (K, size)``. With
+        ``V = W_k − μ_n``, ``P = U_Bᵀ V``, ``Q = V U_A``, ``R = U_Bᵀ V U_A``:
+        ``q = scale (σ_B σ_A ‖V‖² + σ_B Σ d_A ‖Q‖² + σ_A Σ d_B ‖P‖² + Σ d_B d_A R²) + shift ‖V‖²`` and
+        ``∂q/∂V = 2 [(scale σ_B σ_A + shift) V + scale σ_B Q d_A U_Aᵀ + scale σ_A U_B d_B P + scale U_B d_B R d_A U_Aᵀ]``.
+        Components are processed in chunks whose ``(K, n, out, in)`` differences stay under ``chunk_bytes``."""
+        K = w.shape[0]
+        out, inn = self.mu.shape[1:]
+        Wk = w.reshape(K, out, inn)
+        N = self.mu.shape[0]
+        per = max(1, K * out * inn * Wk.element_size() * 2)
+        step = max(1, min(N, (default_chunk_bytes(w.device) if chunk_bytes is None else chunk_bytes) // per))
+        parts = [self._span(Wk, a, min(a + step, N)) for a in range(0, N, step)]
+        q = torch.cat([p[0] for p in parts], dim=1)
+        bounds = [(a, min(a + step, N)) for a in range(0, N, step)]
+
+        def vjp(g: torch.Tensor) -> torch.Tensor:
+            grad = sum(vj(g[:, a:b]) for (a, b), (_, vj) in zip(bounds, parts))
+            return grad.reshape(K, -1)
+
+        return q, vjp
+
+    def _span(self, Wk: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, VJP]:
+        UB, dB, sB, UA, dA, sA = (t[a:b] for t in (self.UB, self.dB, self.sB, self.UA, self.dA, self.sA))
+        scale, shift = self.scales[a:b], self.shifts[a:b]
+        V = Wk[:, None] - self.mu[None, a:b]                       # (K, n, out, in)
+        P = torch.einsum("nor,knoi->knri", UB, V)                  # (K, n, rB, in)
+        Q = torch.einsum("knoi,nij->knoj", V, UA)                  # (K, n, out, rA)
+        R = torch.einsum("knri,nij->knrj", P, UA)                  # (K, n, rB, rA)
+        vv = V.square().sum((-2, -1))
+        inner = (sB * sA * vv + sB * (Q.square() * dA[None, :, None, :]).sum((-2, -1))
+                 + sA * (P.square() * dB[None, :, :, None]).sum((-2, -1))
+                 + (R.square() * dB[None, :, :, None] * dA[None, :, None, :]).sum((-2, -1)))
+        q = scale * inner + shift * vv
+
+        def vjp(g: torch.Tensor) -> torch.Tensor:
+            out = torch.einsum("kn,knoi->koi", g * (scale * sB * sA + shift), V)
+            out += torch.einsum("kn,knoj,nij->koi", g * scale * sB, Q * dA[None, :, None, :], UA)
+            out += torch.einsum("kn,nor,knri->koi", g * scale * sA, UB, P * dB[None, :, :, None])
+            out += torch.einsum("kn,nor,knrj,nij->koi", g * scale, UB,
+                                R * dB[None, :, :, None] * dA[None, :, None, :], UA)
+            return 2 * out
+
+        return q, vjp
+
+    def to(self, device) -> StackedLowRankKron:
+        return map_tensors(self, lambda t: t.to(device))
+
+
 Stacker = Callable[..., Any]
 # block kind -> stacker(blocks, offset, mu (N, size), scales (N,), shifts (N,), dtype, lowrank_tol, kernel)
-STACKERS: dict[str, Stacker] = {"diag": stack_diag, "dense": stack_dense, "kron": stack_kron}
+STACKERS: dict[str, Stacker] = {"diag": stack_diag, "dense": stack_dense, "kron": stack_kron,
+                                "kron_lowrank": stack_lowrank_kron}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings import MethodSettings, setting
@@ -71,7 +72,7 @@ def merge(inputs: FusionInputs, alpha: float, linear_only: bool, plain_mean: boo
     q = torch.tensor([float(c.n_data) for c in clients], dtype=torch.float64)
     q = q / q.sum()
     for j, (block, off) in enumerate(zip(ref.blocks, ref.offsets)):
-        if block.kind != "kron":
+        if not isinstance(block, Kron):  # plain or compressed (LowRankKron) Kronecker blocks
             continue
         entry = entries.get(off)
         if linear_only and (entry is None or len(entry.shape) != 2):  # a convolution weight (out, in, kh, kw)
