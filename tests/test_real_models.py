@@ -387,3 +387,52 @@ def test_warnings_are_one_line(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if "SWAG collected" in ln]
     assert len(lines) == 1 and lines[0].startswith("warning: SWAG collected"), r.stderr
     assert "UserWarning" not in r.stderr and "warnings.warn" not in r.stderr
+
+
+def test_hostile_compressed_blocks_are_one_line(tmp_path):
+    """A kron_lowrank block whose header or data lies (rank beyond the side, negative isotropic level,
+    vectors that are not orthonormal, values below the isotropic level) is refused in one line."""
+    import json
+
+    import h5py
+
+    from posterior_fusion.artifact import write_client_artifact
+    from posterior_fusion.artifact.writer import text_attr
+    from posterior_fusion.curvature import BlockDiag, Kron
+    from posterior_fusion.layout import ParameterLayout
+    from posterior_fusion.models import ModelSpec
+    from posterior_fusion.posterior import Component, frozen_mapping
+
+    spec = ModelSpec("mlp", {"in_features": 6, "num_classes": 3, "hidden_sizes": [], "bias": False})
+    layout = ParameterLayout.from_model(spec.build())
+    g = torch.Generator().manual_seed(0)
+    B, A = (lambda X: X @ X.T)(torch.randn(3, 3, generator=g)), (lambda X: X @ X.T)(torch.randn(6, 6, generator=g))
+    comp = Component(0, torch.randn(18, generator=g), BlockDiag([Kron(B, A)]), frozen_mapping({"seed": 0}), 0.1, 10.0)
+    meta = {"n_data": 10, "class_counts": [3, 3, 4], "temperature": 0.1, "prior_precision": 10.0, "structure": "kron"}
+    good = tmp_path / "good.h5"
+    write_client_artifact(good, spec, layout, meta, [comp], compress=0.3)
+    assert CliRunner().invoke(pfuse, ["inspect", str(good)]).exit_code == 0
+
+    def broken(name, edit_header=None, edit_data=None):
+        path = tmp_path / f"{name}.h5"
+        path.write_bytes(good.read_bytes())
+        with h5py.File(path, "r+") as f:
+            grp = f["components/0/curvature"]
+            if edit_header:
+                blocks = json.loads(grp.attrs["blocks"])
+                edit_header(blocks[0])
+                grp.attrs["blocks"] = text_attr(json.dumps(blocks))
+            if edit_data:
+                edit_data(grp["0"])
+        return path
+
+    def scale_vectors(grp):
+        grp["lowrank_A_vectors"][...] = 2 * grp["lowrank_A_vectors"][...]
+
+    cases = {"rank": broken("rank", lambda b: b.__setitem__("rank", [9, 1])),
+             "isotropic": broken("iso", lambda b: b.__setitem__("isotropic", [-1.0, 0.5])),
+             "orthonormal": broken("vectors", edit_data=scale_vectors),
+             "isotropic level": broken("values", lambda b: b.__setitem__("isotropic", [b["isotropic"][0], 1e6]))}
+    for needle, path in cases.items():
+        r = CliRunner().invoke(pfuse, ["inspect", str(path)])
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, (needle, r.stderr)
