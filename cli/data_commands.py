@@ -24,7 +24,9 @@ from posterior_fusion.errors import ConfigError
 @click.option("--x-key", default="x", show_default=True, help="Array/dataset name of the inputs (npz, hdf5).")
 @click.option("--y-key", default="y", show_default=True, help="Array/dataset name of the labels (npz, hdf5).")
 @click.option("--image-size", default=None, help="Resize images of an image folder to WxH, e.g. 32x32 [default: first image's size].")
-@click.option("--grey", is_flag=True, help="Read images of an image folder as grey levels (one channel).")
+@click.option("--grey/--rgb", default=None,
+              help="Read images of an image folder as grey levels (one channel) or RGB [default: grey when every "
+                   "image is stored with one channel].")
 @click.option("--name", default=None, help="Data set name recorded in the file [default: the source's name].")
 @click.option("--num-classes", default=None, type=int, help="Number of classes [default: largest label + 1].")
 @click.option("--follow-links", is_flag=True,

@@ -384,3 +384,46 @@ def test_partition_on_small_data_says_which_option_to_lower(tmp_path):
     cli("import-data", "sklearn:wine", "--out", tmp_path / "wine.h5")
     r = cli("partition", "--from", tmp_path / "wine.h5", "--clients", "2", "--out-dir", tmp_path / "p")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--val-size" in r.stderr and "178" in r.stderr
+
+
+def test_image_folders_detect_greyscale_and_the_flags_force_it(tmp_path):
+    """A folder of one-channel images imports as one channel (it used to become RGB silently);
+    colour images as three; --rgb / --grey force either."""
+    from PIL import Image
+
+    for kind, mode in (("grey", "L"), ("colour", "RGB")):
+        for c in range(2):
+            (tmp_path / kind / f"class_{c}").mkdir(parents=True)
+            for i in range(3):
+                shape = (8, 8) if mode == "L" else (8, 8, 3)
+                Image.fromarray(RNG.integers(0, 256, shape, dtype=np.uint8), mode).save(
+                    tmp_path / kind / f"class_{c}" / f"{i}.png")
+    import posterior_fusion as pf
+
+    for kind, flags, channels in (("grey", [], 1), ("colour", [], 3), ("grey", ["--rgb"], 3), ("colour", ["--grey"], 1)):
+        out = tmp_path / f"{kind}{''.join(flags)}.h5"
+        r = cli("import-data", tmp_path / kind, *flags, "--out", out)
+        assert r.exit_code == 0, r.stderr
+        assert pf.read_data(out).inputs().shape[1] == channels, (kind, flags)
+
+
+def test_the_readme_python_snippet_runs(tmp_path, monkeypatch, small_silo):
+    """The README's Python API block runs as printed, on a run/ folder made here."""
+    import re
+    from pathlib import Path
+
+    from conftest import fit_split
+
+    from posterior_fusion.data.silo import SiloData, write_silo
+    from posterior_fusion.fusion import fuse, write_fused
+
+    run = tmp_path / "run"
+    run.mkdir()
+    paths = fit_split(run, small_silo, 2, 100, "kron", name="post")
+    inputs, result, meta = fuse(paths, "fedbens", settings={"steps": 5})
+    write_fused(run / "global.h5", inputs, result, meta)
+    write_silo(run / "test.h5", SiloData(small_silo.x[200:260], small_silo.y[200:260], "fmnist", 10))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - the README's own code

@@ -157,22 +157,26 @@ def from_csv(path: Path, label_column: str = "label",
     return _inputs(x, str(path)), _labels(np.array(ints, dtype=np.int64), str(path))
 
 
-def _image_size(f: Path) -> tuple[int, int]:
-    """An image's declared (width, height), read from its header only."""
+GREY_MODES = ("1", "L", "LA", "I", "I;16", "F")  # Pillow modes with one colour channel
+
+
+def _image_header(f: Path) -> tuple[int, int, str]:
+    """An image's declared (width, height) and Pillow mode, read from its header only."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(f) as im:
-            return im.size
+            return (*im.size, im.mode)
     except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise DataError(f"{f}: cannot read image ({exc})") from None
 
 
-def from_image_folder(path: Path, size: tuple[int, int] | None = None, grey: bool = False,
+def from_image_folder(path: Path, size: tuple[int, int] | None = None, grey: bool | None = None,
                       max_memory: int | str | None = None,
                       follow_links: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``path/<class>/<image>``: one sub-folder per class (sorted names = labels 0..K-1), read with
-    Pillow; RGB (or grey) uint8, resized to ``size`` (default: the first image's size).
+    Pillow; RGB (or grey) uint8, resized to ``size`` (default: the first image's size). ``grey``
+    None: one channel when every image is stored with one (greyscale PNG/JPEG), else RGB.
 
     Every image's pixel count is read from its header and the whole stack is checked against
     the budget before anything is decoded; links out of the tree are refused (``follow_links``)."""
@@ -186,13 +190,15 @@ def from_image_folder(path: Path, size: tuple[int, int] | None = None, grey: boo
     if size is not None and not (1 <= size[0] <= MAX_IMAGE_SIDE and 1 <= size[1] <= MAX_IMAGE_SIDE):
         raise DataError(f"`image_size` {size[0]}x{size[1]}: each side must be in [1, {MAX_IMAGE_SIDE}]")
     limit = budget.resolve_limit(max_memory)
-    channels = 1 if grey else 3
     pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # the budget below replaces PIL's fixed bomb limit
     try:
-        sizes = [_image_size(f) for _, f in files]  # headers only: nothing is decoded before the whole stack fits
+        heads = [_image_header(f) for _, f in files]  # headers only: nothing is decoded before the whole stack fits
     finally:
         Image.MAX_IMAGE_PIXELS = pil_limit
-    for (_, f), (w, h) in zip(files, sizes):
+    if grey is None:
+        grey = bool(heads) and all(mode in GREY_MODES for _, _, mode in heads)
+    channels = 1 if grey else 3
+    for (_, f), (w, h, _) in zip(files, heads):
         if limit is not None and w * h * 4 * 2 > limit:
             raise ResourceLimitError(f"{f}: declares {w}x{h} pixels, over the memory limit of "
                                      f"{limit / 2**30:.2f} GiB (`max_memory`)")
@@ -393,7 +399,7 @@ def detect_format(source: str) -> str:
 
 def load_source(source: str, fmt: str = "auto", labels: str | os.PathLike | None = None, label_column: str = "label",
                 x_key: str = "x", y_key: str = "y", size: tuple[int, int] | None = None,
-                grey: bool = False, max_memory: int | str | None = None,
+                grey: bool | None = None, max_memory: int | str | None = None,
                 follow_links: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Read ``source`` in format ``fmt`` (``auto``: from its name) into ``(x, y)``.
 
