@@ -6,6 +6,10 @@
   logits are Gaussian with covariance ``J Λ*⁻¹ Jᵀ``; its softmax is approximated with the probit
   (``link="probit"``: ``softmax(f* / sqrt(1 + π/8 · diag(J Λ*⁻¹ Jᵀ)))``, laplace-torch's choice)
   or integrated by sampling the logits (``link="mc"``).
+* ``glm-last-layer``: the same with only the last ``nn.Linear`` uncertain (laplace-torch's
+  last-layer Laplace): its Jacobian is ``[e_c ⊗ φ(x), e_c]`` in closed form (φ: the layer's input),
+  and ``Λ*``'s blocks over that layer are its marginal (``Λ*`` is block-diagonal), so the covariance
+  costs one forward pass and a ``(C, C·F + C)`` product per sample — no per-sample full Jacobian.
 
 ``scale`` multiplies every posterior covariance (1 = the posterior; a value chosen on
 validation data tempers the predictive). Shapes: ``x`` ``(n, ...)``, probabilities ``(n, classes)``.
@@ -20,17 +24,18 @@ from collections.abc import Sequence
 import h5py
 import numpy as np
 import torch
+from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from posterior_fusion import budget, ranges
-from posterior_fusion.curvature import Precision
+from posterior_fusion.curvature import BlockDiag, Diag, Precision
 from posterior_fusion.errors import ConfigError, NonFiniteOutputError
 from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.runtime import release_freed_memory
 
-PREDICTIVES = ("map", "mc", "glm")
+PREDICTIVES = ("map", "mc", "glm", "glm-last-layer")
 LINKS = ("probit", "mc")
 
 
@@ -89,6 +94,71 @@ def logit_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: tor
     return torch.cat(means), torch.cat(covs)
 
 
+def restricted(precision: Precision, start: int, stop: int) -> BlockDiag:
+    """The blocks of a block-diagonal ``precision`` over the parameters ``[start, stop)`` (a diagonal
+    block reaching past the range is sliced; any other block must lie inside it or outside it)."""
+    blocks = precision.blocks if isinstance(precision, BlockDiag) else (precision,)
+    offsets = precision.offsets if isinstance(precision, BlockDiag) else (0,)
+    parts = []
+    for b, off in zip(blocks, offsets):
+        lo, hi = max(start, off), min(stop, off + b.dim)
+        if lo >= hi:
+            continue
+        if (lo, hi) == (off, off + b.dim):
+            parts.append(b)
+        elif isinstance(b, Diag):
+            parts.append(Diag(b.g[lo - off : hi - off], b.scale, b.shift))
+        else:
+            raise ConfigError(f"a {b.kind} block covers parameters on both sides of the last layer's; "
+                              "the last-layer predictive needs the layer's own blocks")
+    return BlockDiag(parts, precision.scale, precision.shift)
+
+
+def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,
+                       batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logit mean ``(n, C)`` and covariance ``scale · J Λ_ll⁻¹ Jᵀ`` ``(n, C, C)`` with only the last
+    ``nn.Linear`` uncertain: ``J = [e_c ⊗ φ, e_c]`` (weight row-major, then bias) and ``Λ_ll`` the
+    blocks of ``precision`` over that layer."""
+    from posterior_fusion.posterior import build_model
+
+    model = build_model(spec, w)
+    named = list(model.named_parameters())
+    last_name = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not last_name:
+        raise ConfigError(f"model {spec.name!r} has no nn.Linear: the last-layer predictive needs one")
+    last = dict(model.named_modules())[last_name[-1]]
+    offsets, total = {}, 0
+    for n, p in named:
+        offsets[n] = (total, p.numel())
+        total += p.numel()
+    prefix = f"{last_name[-1]}." if last_name[-1] else ""
+    start = offsets[prefix + "weight"][0]
+    C, F = last.weight.shape
+    size = C * F + (C if last.bias is not None else 0)
+    if last.bias is not None and offsets[prefix + "bias"][0] != start + C * F:
+        raise ConfigError("the last layer's weight and bias are not adjacent in the parameter vector")
+    prec = restricted(precision, start, start + size)
+    feats: list[torch.Tensor] = []
+    handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
+    eye = torch.eye(C, dtype=torch.float64)
+    means, covs = [], []
+    try:
+        with torch.no_grad():
+            for i in range(0, x.shape[0], batch_size):
+                feats.clear()
+                logits = model(x[i : i + batch_size]).double()
+                phi = feats[0].reshape(logits.shape[0], -1).double()  # (b, F)
+                J = torch.einsum("ce,bf->bcef", eye, phi).reshape(len(phi), C, C * F)  # e_c ⊗ φ
+                if last.bias is not None:
+                    J = torch.cat([J, eye.expand(len(phi), C, C)], dim=2)
+                U = prec.whiten(J.reshape(-1, size).to(prec.dtype)).double().reshape(len(phi), C, size)
+                covs.append(scale * torch.einsum("bcd,bed->bce", U, U))
+                means.append(logits)
+    finally:
+        handle.remove()
+    return torch.cat(means), torch.cat(covs)
+
+
 def probit(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     """Probit approximation of ``E[softmax(f)]``, ``f ~ N(mean, cov)``: ``softmax(mean / sqrt(1 + π/8 · diag cov))``."""
     var = torch.diagonal(cov, dim1=-2, dim2=-1)
@@ -127,7 +197,10 @@ def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, p
             W = w.double() + math.sqrt(scale) * precisions[k].sample(samples, gen).double()
             p = torch.softmax(batched_logits(spec, W, x).double(), -1).mean(0)
         else:
-            mean, cov = logit_moments(spec, w, precisions[k], x, scale, max_memory=max_memory)
+            if predictive == "glm":
+                mean, cov = logit_moments(spec, w, precisions[k], x, scale, max_memory=max_memory)
+            else:
+                mean, cov = last_layer_moments(spec, w, precisions[k], x, scale)
             p = probit(mean, cov) if link == "probit" else sampled_link(mean, cov, samples, gen)
         out += pi[k] * p
     return out.float()

@@ -298,3 +298,42 @@ def test_the_api_applies_the_artifacts_input_transform(fused):
         g.predict(np.zeros((2, 8, 8), np.uint8))
     with pytest.raises(PfuseError, match="real array"):
         g.predict(np.array(["a", "b"]))
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
+def test_last_layer_glm_equals_the_dense_jacobian_restricted_to_the_last_layer(structure):
+    """glm-last-layer's logit covariance = J_ll Λ_ll⁻¹ J_llᵀ with J_ll the last layer's columns of
+    the full Jacobian (autograd, float64) and Λ_ll the dense precision's block over that layer (its
+    marginal: Λ is block-diagonal), for Kronecker, diagonal and diagonal + full-last-layer precisions."""
+    from posterior_fusion.predictive import last_layer_moments
+
+    spec = TINY
+    d = TINY_LAYOUT.dim
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(d, generator=gen)
+    if structure == "kron":
+        raw = BlockDiag([Kron(random_psd(3, gen), random_psd(4, gen)), Dense(random_psd(3, gen)),
+                         Kron(random_psd(2, gen), random_psd(3, gen)), Dense(random_psd(2, gen))])
+    elif structure == "diag":
+        raw = BlockDiag([Diag(torch.rand(d, generator=gen, dtype=torch.float64))])
+    else:
+        raw = BlockDiag([Diag(torch.rand(15, generator=gen, dtype=torch.float64)), Dense(random_psd(d - 15, gen))])
+    prec = raw.precision(0.5, 1.0)
+    x = torch.randn(9, 4, generator=gen)
+    mean, cov = last_layer_moments(spec, w, prec, x, batch_size=4)
+    model = spec.build().double()
+    from torch.func import functional_call
+
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    sizes = [math.prod(s) for s in shapes]
+
+    def f(flat):
+        params = {n: t.reshape(s) for n, t, s in zip(names, torch.split(flat, sizes), shapes)}
+        return functional_call(model, params, (x.double(),))
+
+    J = torch.autograd.functional.jacobian(f, w.double())[:, :, 15:]  # the last Linear: weight (2, 3), bias (2)
+    L = prec.to_dense().double()[15:, 15:]
+    ref = torch.einsum("ncd,de,nke->nck", J, torch.linalg.inv(L), J)
+    torch.testing.assert_close(cov, ref, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(mean, f(w.double()), rtol=1e-5, atol=1e-6)

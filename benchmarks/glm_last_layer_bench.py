@@ -1,0 +1,67 @@
+"""The last-layer GLM predictive against the full-network GLM predictive (issue 29, item 3), side by
+side on one fedbens artifact: seconds, peak resident memory (a fresh ``pfuse evaluate`` process per
+predictive) and the metrics.
+
+    nice -n 19 .venv/bin/python benchmarks/glm_last_layer_bench.py --work /tmp/glmll \
+        --json docs/results/predictive/glm_last_layer.json
+
+Three LeNet clients (α = 0.5, M = 2, kron, 5 epochs) on 9,000 Fashion-MNIST training images (the
+installed full set); fedbens with its Laplace posterior (100 steps); the full 10,000-image test set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CLI = [sys.executable, "-c", "from posterior_fusion.cli.main import main; main()"]
+WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('VMHWM %s\\n' % next("
+           "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
+           "from posterior_fusion.cli.main import main; main()")
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{args[0]}: {proc.stderr.strip().splitlines()[-1]}")
+    return proc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default="/tmp/glmll")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "g.h5").exists():
+        run("partition", "--clients", 3, "--alpha", 0.5, "--partition-seed", 0, "--max-train", 9000, "--out-dir", work)
+        for c in range(3):
+            run("fit-local", "--data", work / f"client_{c}.h5", "-M", 2, "--epochs", 5, "--train-seed", c,
+                "--out", work / f"post_{c}.h5")
+        run("fuse", *(work / f"post_{c}.h5" for c in range(3)), "--method", "fedbens", "--set", "steps=100",
+            "--out", work / "g.h5")
+    rows = []
+    for predictive in ("glm-last-layer", "glm"):
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-c", WRAPPER, "evaluate", str(work / "g.h5"), "--data",
+                               str(work / "test.h5"), "--predictive", predictive, "--json"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(proc.stderr.strip().splitlines()[-1])
+        peak = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("VMHWM ")]
+        m = json.loads(proc.stdout)
+        rows.append({"predictive": predictive, "seconds": round(time.time() - t0, 1), "peak_mib": round(peak[-1] / 1024),
+                     "n": m["n"], "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"]})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
