@@ -275,7 +275,9 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @click.option("--epochs", default=5, show_default=True, type=int, help="Local epochs.")
 @click.option("--structure", default="kron", show_default=True, type=click.Choice(STRUCTURES), help="Curvature structure.")
 @click.option("--steps", default=300, show_default=True, type=int, help="Server Adam steps (fedbens, fedfisher).")
-@click.option("--methods", default=",".join(DEMO_METHODS), show_default=True, help="Comma-separated fusion methods.")
+@click.option("--methods", default=None,
+              help=f"Comma-separated fusion methods [default: those of {','.join(DEMO_METHODS)} that apply to "
+                   "--structure].")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Run seed: the partition, init and training seeds of the demo all equal it.")
 @click.option("--quick", is_flag=True,
@@ -286,12 +288,12 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @handle_errors
 def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, quick, as_json):
     """Partition -> fit-local per silo -> fuse with every method -> side-by-side test table."""
-    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    chosen = None if methods is None else tuple(m.strip() for m in methods.split(",") if m.strip())
     max_train = None
     if quick:
         clients, components, epochs, steps, chosen, max_train = 3, 2, 1, 20, QUICK, 600
         subset = True
-    for m in chosen:
+    for m in chosen or ():
         get_method(m)
     if full:
         say("warning: --full is deprecated: the full Fashion-MNIST is the default when installed", err=True)

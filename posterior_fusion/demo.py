@@ -34,15 +34,23 @@ def fmnist_source(subset: bool = False) -> tuple[Path, str]:
                     "ranking of methods is not representative; install dataset-fashion-mnist for the full set)")
 
 
+def demo_methods(structure: str) -> tuple[str, ...]:
+    """The demo's methods that can fuse ``structure`` (each method declares its structures)."""
+    return tuple(m for m in DEMO_METHODS if METHODS[m].applies_to(structure))
+
+
 def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5, alpha: float = 0.1,
              components: int = 3, epochs: int = 5, structure: str = "kron", seed: int = 0,
-             methods: tuple[str, ...] = DEMO_METHODS, steps: int = 300, max_train: int | None = None,
+             methods: tuple[str, ...] | None = None, steps: int = 300, max_train: int | None = None,
              log=print, dataset: str = "fmnist") -> list[dict]:
     """Run the whole pipeline in ``out_dir``; returns one row of test metrics per method.
 
     ``seed`` is the run seed: partition, init and training seeds all equal it. ``dataset``:
     ``fmnist`` (LeNet; the installed full set, or the embedded subset with ``subset`` or when the
-    full set is not installed) or ``digits`` (scikit-learn's 8x8 handwritten digits, an MLP)."""
+    full set is not installed) or ``digits`` (scikit-learn's 8x8 handwritten digits, an MLP).
+    ``methods`` None: the demo's methods that apply to ``structure``."""
+    if methods is None:
+        methods = demo_methods(structure)
     out = Path(out_dir)
     t0 = time.perf_counter()
     if dataset == "digits":

@@ -100,3 +100,10 @@ def test_demo_uses_the_installed_full_fashion_mnist(monkeypatch, tmp_path):
     monkeypatch.setattr(idx, "SYSTEM_FMNIST_DIR", tmp_path / "missing")
     monkeypatch.setattr(demo, "SYSTEM_FMNIST_DIR", tmp_path / "missing")
     assert demo.fmnist_source()[0] == idx.EMBEDDED_FMNIST_DIR
+
+
+def test_demo_offers_only_the_methods_that_apply():
+    from posterior_fusion.demo import demo_methods
+
+    assert "product" not in demo_methods("kron") and "regmean" in demo_methods("kron")
+    assert "product" in demo_methods("diag") and "regmean" not in demo_methods("diag")

@@ -133,7 +133,8 @@ class FusionMethod:
     networks it serves per prediction, from settings and sizes alone; ``work_bytes``: its
     working set beyond the loaded artifacts (memory estimate); ``distils``: it distils into one
     model by itself (``--distill`` is not applied again); ``tunable``: T and σ0² can be chosen
-    on validation data (``--tune``, the experiment grids' ``tune``).
+    on validation data (``--tune``, the experiment grids' ``tune``); ``structures``: the curvature
+    structures it can fuse (None: all), so lists such as the demo's offer it only where it applies.
     """
 
     name: str
@@ -145,6 +146,10 @@ class FusionMethod:
     work_bytes: Callable[[Any, FuseSize], int] = no_work
     distils: bool = False
     tunable: bool = False
+    structures: tuple[str, ...] | None = None
+
+    def applies_to(self, structure: str) -> bool:
+        return self.structures is None or structure in self.structures
 
     def __call__(self, inputs: FusionInputs, settings: MethodSettings | None = None) -> FusionResult:
         return self.run(inputs, settings if settings is not None else self.settings())

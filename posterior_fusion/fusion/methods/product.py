@@ -39,4 +39,5 @@ def product(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
     return FusionResult([out.float()])
 
 
-METHOD = FusionMethod("product", product, MethodSettings, "closed-form product of client Gaussians (diag, diag+full)")
+METHOD = FusionMethod("product", product, MethodSettings, "closed-form product of client Gaussians (diag, diag+full)",
+                      structures=("diag", "diag+full"))

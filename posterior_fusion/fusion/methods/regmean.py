@@ -90,7 +90,7 @@ def merge(inputs: FusionInputs, alpha: float, linear_only: bool, plain_mean: boo
 
 
 def regmean(inputs: FusionInputs, settings: RegMeanSettings) -> FusionResult:
-    require_structures(inputs, ("kron",), "regmean", " (it needs the K-FAC input factors)")
+    require_structures(inputs, METHOD.structures, "regmean", " (it needs the K-FAC input factors)")
     reference = settings.protocol == "reference"
     if settings.alpha is not None:
         alphas = [settings.alpha]
@@ -113,4 +113,4 @@ def regmean(inputs: FusionInputs, settings: RegMeanSettings) -> FusionResult:
 
 
 METHOD = FusionMethod("regmean", regmean, RegMeanSettings,
-                      "Gram-weighted merge of linear layers from K-FAC input factors (RegMean)")
+                      "Gram-weighted merge of linear layers from K-FAC input factors (RegMean)", structures=("kron",))
