@@ -119,9 +119,9 @@ def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
     """Logit mean ``(n, C)`` and covariance ``scale · J Λ_ll⁻¹ Jᵀ`` ``(n, C, C)`` with only the last
     ``nn.Linear`` uncertain: ``J = [e_c ⊗ φ, e_c]`` (weight row-major, then bias) and ``Λ_ll`` the
     blocks of ``precision`` over that layer."""
-    from posterior_fusion.posterior import build_model
-
-    model = build_model(spec, w)
+    model = spec.build()
+    torch.nn.utils.vector_to_parameters(w.detach().clone().to(torch.float32), model.parameters())
+    model.eval()
     named = list(model.named_parameters())
     last_name = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not last_name:
