@@ -4,7 +4,7 @@ plus an isotropic rest), then ``pfuse fuse`` with each method and ``pfuse evalua
 test set, plain and compressed side by side.
 
     nice -n 19 .venv/bin/python benchmarks/compressed_vs_plain.py --clients runs/resnet20_fmnist/clients/<key> \
-        --test runs/resnet20_fmnist/partitions/<key>/test.h5 --budgets 0.05,0.1 --methods fedbens,fedfisher,regmean \
+        --test runs/resnet20_fmnist/partitions/<key>/test.h5 --val runs/resnet20_fmnist/partitions/<key>/server_val.h5 --budgets 0.05,0.1 --methods fedbens,fedfisher,regmean \
         --json docs/results/real_size/compressed_vs_plain_a0.1.json
 """
 
@@ -47,6 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", required=True, help="folder of post_<i>.h5 client artifacts")
     ap.add_argument("--test", required=True)
+    ap.add_argument("--val", default=None, help="server validation file passed to fuse (best-iterate selection)")
     ap.add_argument("--budgets", default="0.05,0.1")
     ap.add_argument("--methods", default="fedbens,fedfisher,regmean,fedavg")
     ap.add_argument("--json", default=None)
@@ -71,7 +72,7 @@ def main() -> None:
         for budget, paths in sets.items():
             t0 = time.time()
             g = work / f"g_{method}_{budget}.h5"
-            run("fuse", *paths, "--method", method, "--out", g)
+            run("fuse", *paths, "--method", method, *(["--val", args.val] if args.val else []), "--out", g)
             metrics = json.loads(run("evaluate", g, "--data", args.test, "--json"))
             m = metrics[0] if isinstance(metrics, list) else metrics
             row = {"method": method, "compress": budget, "accuracy": m.get("accuracy"), "nll": m.get("nll"),
