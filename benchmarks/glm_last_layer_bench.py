@@ -15,13 +15,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from measured import run_measured
+
 CLI = [sys.executable, "-c", "from posterior_fusion.cli.main import main; main()"]
-WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('VMHWM %s\\n' % next("
-           "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
-           "from posterior_fusion.cli.main import main; main()")
 
 
 def run(*args) -> subprocess.CompletedProcess:
@@ -47,15 +45,11 @@ def main() -> None:
             "--out", work / "g.h5")
     rows = []
     for predictive in ("glm-last-layer", "glm"):
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-c", WRAPPER, "evaluate", str(work / "g.h5"), "--data",
-                               str(work / "test.h5"), "--predictive", predictive, "--json"],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(proc.stderr.strip().splitlines()[-1])
-        peak = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("VMHWM ")]
-        m = json.loads(proc.stdout)
-        rows.append({"predictive": predictive, "seconds": round(time.time() - t0, 1), "peak_mib": round(peak[-1] / 1024),
+        r = run_measured("evaluate", work / "g.h5", "--data", work / "test.h5", "--predictive", predictive, "--json")
+        if r["exit"]:
+            raise SystemExit(r["error"])
+        m = json.loads(r["stdout"])
+        rows.append({"predictive": predictive, "seconds": r["seconds"], "peak_mib": r["peak_mib"],
                      "n": m["n"], "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"]})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:

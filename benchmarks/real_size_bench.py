@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from measured import run_measured
 
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.layout import ParameterLayout
@@ -32,9 +33,6 @@ from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import Component, frozen_mapping
 
-WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('VMHWM %s\\n' % next("
-           "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
-           "from posterior_fusion.cli.main import main; main()")
 CAPTURES = (("expand", "exact"), ("reduce", "exact"), ("reduce", "mc"))
 
 
@@ -42,11 +40,8 @@ def fit_local_peak(data: Path, width: int, out: Path) -> dict:
     args = ["fit-local", "--data", str(data), "--model", "resnet20", "--model-kwargs", json.dumps({"width": width}),
             "-M", "1", "--epochs", "1", "--batch-size", "128", "--kfac", "reduce", "--compress", "0.05",
             "--device", "cpu", "--out", str(out)]
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", WRAPPER, *args], capture_output=True, text=True)
-    peak = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("VMHWM ")]
-    return {"exit": proc.returncode, "seconds": round(time.time() - t0, 1),
-            "peak_mib": round(peak[-1] / 1024) if peak else None}
+    r = run_measured(*args)
+    return {k: r[k] for k in ("exit", "seconds", "peak_mib")}
 
 
 def main() -> None:

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from measured import run_measured
 
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.curvature import BlockDiag, Kron
@@ -31,21 +29,13 @@ from posterior_fusion.local.capture import capture
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import Component, frozen_mapping
 
-WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('VMHWM %s\\n' % next("
-           "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
-           "from posterior_fusion.cli.main import main; main()")
-
 
 def fuse(paths: list[Path], out: Path, settings: list[str], max_memory: str) -> dict:
     args = ["fuse", *map(str, paths), "--method", "fedbens", "--max-memory", max_memory, "--out", str(out)]
     for s in settings:
         args += ["--set", s]
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", WRAPPER, *args], capture_output=True, text=True)
-    peak = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("VMHWM ")]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    return {"settings": settings, "exit": proc.returncode, "seconds": round(time.time() - t0, 1),
-            "peak_mib": round(peak[-1] / 1024) if peak else None, "error": errors[-1][:200] if errors else None}
+    r = run_measured(*args)
+    return {"settings": settings, **{k: r[k] for k in ("exit", "seconds", "peak_mib", "error")}}
 
 
 def main() -> None:

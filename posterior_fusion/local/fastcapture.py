@@ -132,22 +132,28 @@ def _norm_per_sample(module: nn.Module, u: torch.Tensor, g: torch.Tensor) -> lis
 CHUNK_COLUMNS = 1 << 11  # float32 partial sums over at most this many columns, accumulated in float64
 
 
+def _kernel_windows(module: nn.Conv2d, x: torch.Tensor):
+    """For each kernel offset ``(a, b)`` of a convolution, the strided view ``(M, C, Ho, Wo)`` of its
+    zero-padded input ``x`` ``(M, C, H, W)`` that this offset meets at every output position."""
+    (ph, pw), (sh, sw), (dh, dw) = module.padding, module.stride, module.dilation
+    kh, kw = module.kernel_size
+    xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+    Ho, Wo = _conv_output_size(module, x)
+    for a in range(kh):
+        for b in range(kw):
+            yield a, b, xp[:, :, a * dh : a * dh + (Ho - 1) * sh + 1 : sh, b * dw : b * dw + (Wo - 1) * sw + 1 : sw]
+
+
 def _input_columns(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Layer input as columns ``(I, M·S)``: for a convolution the M·S patches of I values (rows ordered
     as ``F.unfold``'s (channel, kh, kw)), written by one strided copy per kernel offset (long runs of
     output positions rather than a windowed view copied patch by patch, whose inner runs are kw values;
     timings in ``docs/benchmarks.md``, "Capture"); for a linear layer a view of the inputs at every position."""
     if isinstance(module, nn.Conv2d):
-        (ph, pw), (sh, sw), (dh, dw) = module.padding, module.stride, module.dilation
-        kh, kw = module.kernel_size
-        xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
-        M, C, H, W = xp.shape
-        Ho, Wo = _output_size(module, H, W)
-        out = xp.new_empty(C, kh, kw, M, Ho, Wo)
-        xt = xp.transpose(0, 1)  # (C, M, H, W)
-        for a in range(kh):
-            for b in range(kw):
-                out[:, a, b] = xt[:, :, a * dh : a * dh + (Ho - 1) * sh + 1 : sh, b * dw : b * dw + (Wo - 1) * sw + 1 : sw]
+        (kh, kw), (M, C), (Ho, Wo) = module.kernel_size, x.shape[:2], _conv_output_size(module, x)
+        out = x.new_empty(C, kh, kw, M, Ho, Wo)
+        for a, b, window in _kernel_windows(module, x):  # window (M, C, Ho, Wo)
+            out[:, a, b] = window.transpose(0, 1)
         return out.view(C * kh * kw, M * Ho * Wo)
     return x.reshape(-1, x.shape[-1]).T
 
@@ -165,6 +171,12 @@ def _pixel_gram_pays(module: nn.Conv2d, x: torch.Tensor) -> bool:
     H, W = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
     Ho, Wo = _output_size(module, H, W)
     return x.shape[1] * H * W <= PIXEL_GRAM_MAX and (H * W) ** 2 <= 2 * (kh * kw) ** 2 * Ho * Wo
+
+
+def _conv_output_size(module: nn.Conv2d, x: torch.Tensor) -> tuple[int, int]:
+    """Output positions of a convolution over its input ``x`` ``(M, C, H, W)`` (padding included)."""
+    (ph, pw) = module.padding
+    return _output_size(module, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
 
 
 def _output_size(module: nn.Conv2d, H: int, W: int) -> tuple[int, int]:
@@ -210,16 +222,10 @@ def _reduced_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     (channel, kh, kw) order), one strided window sum per kernel offset, no unfolding; for a linear
     layer the mean over the middle dimensions of ``(M, ..., I)``."""
     if isinstance(module, nn.Conv2d):
-        (ph, pw), (sh, sw), (dh, dw) = module.padding, module.stride, module.dilation
-        kh, kw = module.kernel_size
-        xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
-        M, C, H, W = xp.shape
-        Ho, Wo = _output_size(module, H, W)
-        out = xp.new_empty(M, C, kh, kw)
-        for a in range(kh):
-            for b in range(kw):
-                window = xp[:, :, a * dh : a * dh + (Ho - 1) * sh + 1 : sh, b * dw : b * dw + (Wo - 1) * sw + 1 : sw]
-                out[:, :, a, b] = window.sum((2, 3))
+        (kh, kw), (M, C), (Ho, Wo) = module.kernel_size, x.shape[:2], _conv_output_size(module, x)
+        out = x.new_empty(M, C, kh, kw)
+        for a, b, window in _kernel_windows(module, x):
+            out[:, :, a, b] = window.sum((2, 3))
         return out.reshape(M, C * kh * kw) / (Ho * Wo)
     return x.reshape(x.shape[0], -1, x.shape[-1]).mean(1)
 
