@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import h5py
+from measured import save_rows
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
@@ -83,9 +84,7 @@ def main() -> None:
                 row["max_factor_error"] = round(max(errs[budget]), 4)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    save_rows(args.json, rows)
 
 
 if __name__ == "__main__":

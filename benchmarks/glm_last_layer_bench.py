@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from measured import run_measured
+from measured import run_measured, save_rows
 
 CLI = [sys.executable, "-c", "from posterior_fusion.cli.main import main; main()"]
 
@@ -52,9 +52,7 @@ def main() -> None:
         rows.append({"predictive": predictive, "seconds": r["seconds"], "peak_mib": r["peak_mib"],
                      "n": m["n"], "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"]})
         print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    save_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ real-size benchmarks."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -22,3 +23,12 @@ def run_measured(*args) -> dict:
     return {"exit": proc.returncode, "seconds": round(time.time() - t0, 1),
             "peak_mib": round(peak[-1] / 1024) if peak else None, "error": errors[-1][:200] if errors else None,
             "stdout": proc.stdout}
+
+
+def save_rows(path: str | None, rows) -> None:
+    """Write a benchmark's rows as indented JSON to ``path`` (its folder made), when one is given."""
+    if path:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=1) + "\n")

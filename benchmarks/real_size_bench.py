@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from measured import run_measured
+from measured import run_measured, save_rows
 
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.layout import ParameterLayout
@@ -95,9 +95,7 @@ def main() -> None:
         row["fit_local"] = fit_local_peak(work / "silo.h5", width, work / f"fit_{width}.h5")
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    save_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from measured import run_measured
+from measured import run_measured, save_rows
 
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.curvature import BlockDiag, Kron
@@ -83,9 +83,7 @@ def main() -> None:
                    laplace_s=round(runs[2]["seconds"] - runs[0]["seconds"], 1),
                    peak_mib=max(r["peak_mib"] for r in runs))
     print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
+    save_rows(args.json, row)
 
 
 if __name__ == "__main__":
