@@ -15,26 +15,16 @@ import io
 import json
 import os
 import struct
-import subprocess
-import sys
-import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
-
-WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('VMHWM %s\\n' % next("
-           "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
-           "from posterior_fusion.cli.main import main; main()")
+from measured import run_measured
 
 
 def run(*args: str | Path) -> dict:
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", WRAPPER, *map(str, args)], capture_output=True, text=True)
-    peak = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("VMHWM ")]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    return {"command": " ".join(map(str, args)), "exit": proc.returncode, "seconds": round(time.time() - t0, 1),
-            "peak_mib": round(peak[-1] / 1024) if peak else None, "error": errors[-1][:160] if errors else None}
+    r = run_measured(*args)
+    return {"command": " ".join(map(str, args)), **{k: r[k] for k in ("exit", "seconds", "peak_mib", "error")}}
 
 
 def npy_header(shape) -> bytes:

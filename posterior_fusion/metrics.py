@@ -13,7 +13,7 @@ from posterior_fusion.data.transform import check_transform
 from posterior_fusion.files import write_atomically
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
-from posterior_fusion.predictive import last_layer_moments, logit_moments, probit
+from posterior_fusion.predictive import LOGIT_MOMENTS, probit
 
 
 def ensemble_probabilities(spec: ModelSpec, members: list[torch.Tensor] | torch.Tensor,
@@ -182,9 +182,8 @@ def choose_scale(global_artifact, val: SiloData, predictive: str, samples: int =
     x, y = val.tensors()
     g = global_artifact
     moments = None
-    if predictive in ("glm", "glm-last-layer") and link == "probit":  # the moments scale linearly: compute once
-        moments_of = logit_moments if predictive == "glm" else last_layer_moments
-        moments = [moments_of(g.model_spec, w, g.precision(k), x) for k, w in enumerate(g.members)]
+    if predictive in LOGIT_MOMENTS and link == "probit":  # the covariance scales linearly: compute once
+        moments = [LOGIT_MOMENTS[predictive](g.model_spec, w, g.precision(k), x) for k, w in enumerate(g.members)]
     table = []
     for s in grid:
         if moments is not None:

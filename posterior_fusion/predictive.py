@@ -115,10 +115,12 @@ def restricted(precision: Precision, start: int, stop: int) -> BlockDiag:
 
 
 def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,
-                       batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                       batch_size: int | None = None,
+                       max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logit mean ``(n, C)`` and covariance ``scale · J Λ_ll⁻¹ Jᵀ`` ``(n, C, C)`` with only the last
     ``nn.Linear`` uncertain: ``J = [e_c ⊗ φ, e_c]`` (weight row-major, then bias) and ``Λ_ll`` the
-    blocks of ``precision`` over that layer."""
+    blocks of ``precision`` over that layer. Batches are sized from the memory budget (as
+    :func:`logit_moments`, for the last layer's Jacobians) unless ``batch_size`` is given."""
     model = spec.build()
     torch.nn.utils.vector_to_parameters(w.detach().clone().to(torch.float32), model.parameters())
     model.eval()
@@ -138,6 +140,8 @@ def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
     if last.bias is not None and offsets[prefix + "bias"][0] != start + C * F:
         raise ConfigError("the last layer's weight and bias are not adjacent in the parameter vector")
     prec = restricted(precision, start, start + size)
+    if batch_size is None:
+        batch_size = glm_batch_size(C, size, max_memory, largest=512)
     feats: list[torch.Tensor] = []
     handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
     eye = torch.eye(C, dtype=torch.float64)
@@ -157,6 +161,10 @@ def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
     finally:
         handle.remove()
     return torch.cat(means), torch.cat(covs)
+
+
+LOGIT_MOMENTS = {"glm": logit_moments, "glm-last-layer": last_layer_moments}
+"""The linearised predictives: their logits' mean and covariance ``(spec, w, Λ, x, scale)``."""
 
 
 def probit(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
@@ -197,10 +205,7 @@ def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, p
             W = w.double() + math.sqrt(scale) * precisions[k].sample(samples, gen).double()
             p = torch.softmax(batched_logits(spec, W, x).double(), -1).mean(0)
         else:
-            if predictive == "glm":
-                mean, cov = logit_moments(spec, w, precisions[k], x, scale, max_memory=max_memory)
-            else:
-                mean, cov = last_layer_moments(spec, w, precisions[k], x, scale)
+            mean, cov = LOGIT_MOMENTS[predictive](spec, w, precisions[k], x, scale, max_memory=max_memory)
             p = probit(mean, cov) if link == "probit" else sampled_link(mean, cov, samples, gen)
         out += pi[k] * p
     return out.float()

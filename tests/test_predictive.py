@@ -124,6 +124,23 @@ def test_component_and_global_samples_have_the_right_moments(tmp_path):
     torch.testing.assert_close(g.log_prob(w), ref, rtol=1e-5, atol=1e-5)
 
 
+def flat_logits(spec, x: torch.Tensor):
+    """``f(flat) -> logits (n, C)`` of ``spec`` in float64 at the flat parameters ``flat`` (the dense
+    reference's function for autograd Jacobians)."""
+    from torch.func import functional_call
+
+    model = spec.build().double()
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    sizes = [math.prod(s) for s in shapes]
+
+    def f(flat):
+        params = {n: t.reshape(s) for n, t, s in zip(names, torch.split(flat, sizes), shapes)}
+        return functional_call(model, params, (x.double(),))
+
+    return f
+
+
 def test_glm_logit_covariance_and_mc_link_against_dense_references():
     torch.manual_seed(0)
     spec = TINY
@@ -134,18 +151,7 @@ def test_glm_logit_covariance_and_mc_link_against_dense_references():
                       Kron(random_psd(2, gen), random_psd(3, gen)), Dense(random_psd(2, gen))]).precision(0.5, 1.0)
     x = torch.randn(7, 4, generator=gen)
     mean, cov = logit_moments(spec, w, prec, x)
-    model = spec.build()
-    from torch.func import functional_call
-
-    names = [n for n, _ in model.named_parameters()]
-    shapes = [p.shape for _, p in model.named_parameters()]
-    sizes = [math.prod(s) for s in shapes]
-
-    def f(flat):
-        params = {n: t.reshape(s) for n, t, s in zip(names, torch.split(flat, sizes), shapes)}
-        return functional_call(model, params, (x.double(),))
-
-    model.double()
+    f = flat_logits(spec, x)
     J = torch.autograd.functional.jacobian(f, w.double())  # (n, C, d)
     Sigma = torch.linalg.inv(prec.to_dense())
     ref_cov = torch.einsum("ncd,de,nke->nck", J, Sigma, J)
@@ -321,17 +327,7 @@ def test_last_layer_glm_equals_the_dense_jacobian_restricted_to_the_last_layer(s
     prec = raw.precision(0.5, 1.0)
     x = torch.randn(9, 4, generator=gen)
     mean, cov = last_layer_moments(spec, w, prec, x, batch_size=4)
-    model = spec.build().double()
-    from torch.func import functional_call
-
-    names = [n for n, _ in model.named_parameters()]
-    shapes = [p.shape for _, p in model.named_parameters()]
-    sizes = [math.prod(s) for s in shapes]
-
-    def f(flat):
-        params = {n: t.reshape(s) for n, t, s in zip(names, torch.split(flat, sizes), shapes)}
-        return functional_call(model, params, (x.double(),))
-
+    f = flat_logits(spec, x)
     J = torch.autograd.functional.jacobian(f, w.double())[:, :, 15:]  # the last Linear: weight (2, 3), bias (2)
     L = prec.to_dense().double()[15:, 15:]
     ref = torch.einsum("ncd,de,nke->nck", J, torch.linalg.inv(L), J)

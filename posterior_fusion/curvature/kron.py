@@ -134,14 +134,14 @@ class Kron(Precision):
         ``⟨B_n, B_m⟩``, ``⟨A_n, A_m⟩`` (the O(N² D²) part) are computed once for all K rows, in float64
         over column chunks of the stored factors (no float64 copy of all N factors)."""
         W = torch.as_tensor(weights, dtype=torch.float64).clamp_min(0)
-        GB = _gram([b.B for b in blocks])
-        GA = _gram([b.A for b in blocks])
+        Bs, As = [b.B for b in blocks], [b.A for b in blocks]  # once: a compact block rebuilds them on access
+        GB, GA = _gram(Bs), _gram(As)
         out = []
         for w in W:
             total_sq = float(w @ (GB * GA) @ w)
             if total_sq <= 0:
-                out.append((Kron(torch.zeros_like(blocks[0].B, dtype=torch.float64),
-                                torch.zeros_like(blocks[0].A, dtype=torch.float64)), 0.0))
+                out.append((Kron(torch.zeros_like(Bs[0], dtype=torch.float64),
+                                torch.zeros_like(As[0], dtype=torch.float64)), 0.0))
                 continue
             M = (w[:, None] * GA * w[None, :]) @ GB
             alpha = torch.full((len(blocks),), 1.0 / len(blocks), dtype=torch.float64)
@@ -155,12 +155,12 @@ class Kron(Precision):
             u_norm = float(alpha @ GB @ alpha) ** 0.5
             alpha = alpha / u_norm                        # ‖B̃‖_F = 1
             beta = w * (GB @ alpha)                       # Ã = Rᵀ vec(B̃)
-            B = _combine([b.B for b in blocks], alpha)
-            A = _combine([b.A for b in blocks], beta)
+            B = _combine(Bs, alpha)
+            A = _combine(As, beta)
             cross = float((w * (GB @ alpha) * (GA @ beta)).sum())
             approx_sq = float(beta @ GA @ beta)
             err = max(total_sq - 2 * cross + approx_sq, 0.0) ** 0.5 / total_sq ** 0.5
-            dtype = blocks[0].B.dtype  # combined in float64, kept in the factors' dtype (K modes' worth)
+            dtype = Bs[0].dtype  # combined in float64, kept in the factors' dtype (K modes' worth)
             out.append((Kron((0.5 * (B + B.T)).to(dtype), (0.5 * (A + A.T)).to(dtype)), err))
         return out
 
