@@ -182,6 +182,72 @@ def test_regmean_by_hand():
     assert out[2].item() == pytest.approx(3.0)  # second weight: both A = 1 -> plain mean
 
 
+def _fedlpa_dense(clients, d: float, newton: bool = True) -> torch.Tensor:
+    """FedLPA from its equations with dense float64 matrices: per weight block the precision
+    f_c (B_c/n_c + dI) ⊗ (A_c + dI) (row-major vec), per bias f_c (1 + d)(B_c/n_c + dI); the mean of
+    the product (``newton``) or the authors' expectation approximation B̄⁻¹ Z Ā⁻¹."""
+    n = torch.tensor([float(c.n_data) for c in clients], dtype=torch.float64)
+    f = n / n.sum()
+    ref = clients[0].components[0].curvature
+    out = torch.zeros(TINY_LAYOUT.dim, dtype=torch.float64)
+    for j, (block, off) in enumerate(zip(ref.blocks, ref.offsets)):
+        maps = [c.components[0].map[off: off + block.dim].double() for c in clients]
+        bl = [c.components[0].curvature.blocks[j] for c in clients]
+        eye = torch.eye
+        if isinstance(block, Kron):
+            Bs = [b.B / nc + d * eye(b.B.shape[0], dtype=torch.float64) for b, nc in zip(bl, n)]
+            As = [b.A + d * eye(b.A.shape[0], dtype=torch.float64) for b in bl]
+            if newton:
+                Ps = [fc * torch.kron(B, A) for fc, B, A in zip(f, Bs, As)]
+                out[off: off + block.dim] = torch.linalg.solve(sum(Ps), sum(P @ w for P, w in zip(Ps, maps)))
+            else:
+                Z = sum(fc * B @ w.reshape(block.shape) @ A for fc, B, A, w in zip(f, Bs, As, maps))
+                Bbar, Abar = sum(fc * B for fc, B in zip(f, Bs)), sum(fc * A for fc, A in zip(f, As))
+                out[off: off + block.dim] = (torch.linalg.inv(Bbar) @ Z @ torch.linalg.inv(Abar)).reshape(-1)
+        else:
+            Ps = [fc * (1 + d) * (b.G / nc + d * eye(b.dim, dtype=torch.float64)) for b, fc, nc in zip(bl, f, n)]
+            out[off: off + block.dim] = torch.linalg.solve(sum(Ps), sum(P @ w for P, w in zip(Ps, maps)))
+    return out
+
+
+@pytest.mark.parametrize("damping", [0.0316, 1e-4])
+def test_fedlpa_equals_dense_solve_of_its_equations(damping):
+    from posterior_fusion.fusion.methods.fedlpa import FedLPASettings
+
+    cl = random_clients("kron", C=2, M=1, seed=3)  # two clients (n = 10, 11), two layers with biases
+    gen = torch.Generator().manual_seed(9)  # a singular GGN factor: the damping makes the system well-posed
+    first = cl[0].components[0]
+    blocks = list(first.curvature.blocks)
+    blocks[0] = Kron(random_psd(3, gen, rank=1), random_psd(4, gen, rank=2))
+    cl[0] = dataclasses.replace(cl[0], components=(dataclasses.replace(first, curvature=BlockDiag(blocks)),))
+    fedlpa = METHODS["fedlpa"]
+    got = fedlpa(FusionInputs(cl, FusionOptions()), FedLPASettings(damping=damping)).members[0].double()
+    torch.testing.assert_close(got, _fedlpa_dense(cl, damping).float().double(), rtol=1e-5, atol=1e-6)
+    res = fedlpa(FusionInputs(cl, FusionOptions()), FedLPASettings(damping=damping, estimate="expectation"))
+    torch.testing.assert_close(res.members[0].double(), _fedlpa_dense(cl, damping, newton=False).float().double(),
+                               rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(_fedlpa_dense(cl, damping), _fedlpa_dense(cl, damping, newton=False), atol=1e-3)
+    one = fedlpa(FusionInputs(cl[:1], FusionOptions())).members[0]  # one client: its own MAP
+    torch.testing.assert_close(one, cl[0].components[0].map.float())
+
+
+def test_fedlpa_conjugate_gradients_reach_the_tolerance():
+    from posterior_fusion.fusion.methods.fedlpa import solve_layer
+
+    gen = torch.Generator().manual_seed(0)
+    Bs = [random_psd(6, gen) + 0.01 * torch.eye(6, dtype=torch.float64) for _ in range(4)]
+    As = [random_psd(9, gen) + 0.01 * torch.eye(9, dtype=torch.float64) for _ in range(4)]
+    Ws = [torch.randn(6, 9, generator=gen, dtype=torch.float64) for _ in range(4)]
+    f = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    W, it, res = solve_layer(Bs, As, Ws, f, 1e-12, 500)
+    dense = sum(fc * torch.kron(B, A) for fc, B, A in zip(f, Bs, As))
+    rhs = sum(fc * torch.kron(B, A) @ w.reshape(-1) for fc, B, A, w in zip(f, Bs, As, Ws))
+    torch.testing.assert_close(W.reshape(-1), torch.linalg.solve(dense, rhs), rtol=1e-9, atol=1e-9)
+    assert 0 < it <= 54 and res <= 1e-12  # CG on a 54-dimensional system
+    _, _, res_start = solve_layer(Bs, As, Ws, f, 1e-12, 500, newton=False)
+    assert res_start > 1e-3  # the expectation approximation alone is not the solution
+
+
 def test_regmean_reference_protocol_by_hand(tmp_path, small_silo):
     """The FedBEns authors' RegMean: Linear weights (W Σ G)(Σ G)⁺ with G = q_c A_c, off-diagonals
     times α; convolutions and biases the plain mean; α from the grid by validation accuracy."""
@@ -241,7 +307,8 @@ def fitted(tmp_path_factory, small_silo):
     return folder, paths
 
 
-@pytest.mark.parametrize("method", ["fedbens", "fedfisher", "fedavg", "fisher-merge", "regmean", "fedbe", "swag", "ensemble"])
+@pytest.mark.parametrize("method", ["fedbens", "fedfisher", "fedavg", "fisher-merge", "regmean", "fedlpa", "fedbe", "swag",
+                                    "ensemble"])
 def test_every_method_runs_and_members_are_independent(tmp_path, fitted, method):
     folder, paths = fitted
     out = tmp_path / "g.h5"
@@ -287,6 +354,8 @@ def test_refusals(tmp_path, fitted):
         fuse(paths, "product")
     with pytest.raises(MethodNotApplicableError, match="regmean"):
         fuse([folder / "diag_0.h5"], "regmean")
+    with pytest.raises(MethodNotApplicableError, match="fedlpa"):
+        fuse([folder / "diag_0.h5"], "fedlpa")
     with pytest.raises(MethodNotApplicableError, match="SWAG"):
         fuse([folder / "diag_0.h5"], "swag")
     r = CliRunner().invoke(pfuse, ["fuse", str(paths[0]), str(folder / "lenet.h5"), "--out", str(tmp_path / "x.h5")])
