@@ -70,6 +70,9 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
               help="Seed of the split (separate from init and training seeds).")
 @click.option("--out-dir", required=True, type=click.Path(file_okay=False), help="Folder for client_<i>.h5, server_val.h5, test.h5.")
 @click.option("--val-size", default=500, show_default=True, type=int, help="Server validation samples, disjoint from all clients.")
+@click.option("--unlabeled-size", default=0, show_default=True, type=int,
+              help="Also hold out this many training samples, without labels, as server_unlabeled.h5 (disjoint from "
+                   "all others): the unlabeled server data of fuse --unlabeled (FedBE, FedPPD, --distill).")
 @click.option("--min-size", default=10, show_default=True, type=int, help="Redraw until every client has at least this many samples.")
 @click.option("--scheme", default="fedbens", show_default=True, type=click.Choice(SCHEMES),
               help="fedbens: client-wise Dir(α·1_K) class proportions; per-class: Dir(α·1_C) over clients per class; "
@@ -85,11 +88,12 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @old_spellings("partition")
 @handle_errors
-def partition(source, test_path, test_size, dataset, clients, alpha, partition_seed, out_dir, val_size, min_size, scheme,
-              classes_per_client, protocol, data_dir, max_train, as_json):
+def partition(source, test_path, test_size, dataset, clients, alpha, partition_seed, out_dir, val_size, unlabeled_size,
+              min_size, scheme, classes_per_client, protocol, data_dir, max_train, as_json):
     """Split a data set into non-IID client silos plus server validation and test files."""
     summary = partition_to_files(out_dir, dataset, clients, alpha, partition_seed, val_size, min_size, scheme,
-                                 data_dir, max_train, source, test_path, classes_per_client, test_size, protocol)
+                                 data_dir, max_train, source, test_path, classes_per_client, test_size, protocol,
+                                 unlabeled_size)
     if as_json:
         echo_json(summary)
         return
@@ -97,3 +101,5 @@ def partition(source, test_path, test_size, dataset, clients, alpha, partition_s
     for i, c in enumerate(summary["clients"]):
         say(f"client_{i}: n={c['n']:6d}  class counts {c['class_counts']}")
     say(f"server_val: {summary['server_val']}\ntest: {summary['test']}")
+    if summary.get("server_unlabeled"):
+        say(f"server_unlabeled: {summary['server_unlabeled']} ({unlabeled_size} samples, no labels)")

@@ -37,6 +37,18 @@ def test_partition_is_disjoint_and_complete(tmp_path):
     again = invoke("partition", "--clients", "4", "--alpha", "0.3", "--partition-seed", "1", "--out-dir", str(tmp_path / "b"),
                    "--data-dir", str(EMBEDDED_FMNIST_DIR), "--val-size", "200", "--min-size", "50", "--json")
     assert [c["class_counts"] for c in json.loads(again.stdout)["clients"]] == [c["class_counts"] for c in summary["clients"]]
+    # --unlabeled-size: a further held-out split without labels, disjoint from the clients and validation
+    third = json.loads(invoke("partition", "--clients", "4", "--alpha", "0.3", "--out-dir", str(tmp_path / "c"),
+                              "--data-dir", str(EMBEDDED_FMNIST_DIR), "--val-size", "200", "--unlabeled-size", "300",
+                              "--json").stdout)
+    unl = read_silo(third["server_unlabeled"], labels=False)
+    assert len(unl) == 300 and unl.y is None
+    held = {x.tobytes() for s in [read_silo(c["path"]) for c in third["clients"]] for x in s.x}
+    held |= {x.tobytes() for x in read_silo(third["server_val"]).x}
+    assert sum(c["n"] for c in third["clients"]) == 6000 - 200 - 300 and not any(x.tobytes() in held for x in unl.x)
+    bad = CliRunner().invoke(pfuse, ["partition", "--out-dir", str(tmp_path / "d"), "--data-dir", str(EMBEDDED_FMNIST_DIR),
+                                     "--unlabeled-size", "5900"])
+    assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "lower --unlabeled-size" in bad.stderr
 
 
 def test_full_cli_flow(tmp_path):

@@ -208,3 +208,32 @@ def test_an_interrupted_client_fit_resumes_from_its_partial_file(tmp_path):
 def test_every_shipped_grid_config_is_valid(path):
     cfg = ExperimentConfig.from_toml(path)
     assert cfg.seeds and cfg.structures and cfg.methods
+
+
+def test_unlabeled_server_data_is_held_out_and_feeds_distillation(tmp_path):
+    import numpy as np
+
+    from posterior_fusion.data.silo import read_silo
+
+    cfg = ExperimentConfig(name="unl", data="embedded", max_train=300, alphas=[1.0], clients=[2], seeds=[0],
+                           components=[1], methods=["fedavg", "fedbe", "ensemble"], distill=["ensemble"],
+                           model="mlp", epochs=1, steps=5, val_size=50, unlabeled_size=100, centralized=False)
+    cfg.validate()
+    rows = {r["method"]: r for r in run_experiment(cfg, tmp_path, log=lambda m: None)}
+    part = next((tmp_path / "partitions").iterdir())
+    unl = read_silo(part / "server_unlabeled.h5", labels=False)
+    assert len(unl) == 100 and unl.y is None
+    silos = [read_silo(part / f"client_{i}.h5") for i in range(2)]
+    assert sum(len(s) for s in silos) == 300  # max_train counts the clients' samples only
+    rows_of = lambda d: {r.tobytes() for r in d.x}  # noqa: E731
+    held = rows_of(unl)
+    assert not held & rows_of(read_silo(part / "server_val.h5")) and not any(held & rows_of(s) for s in silos)
+    # the ensemble of 2 client models and its distillation into one; fedbe distils by itself
+    assert rows["ensemble"]["members"] == 2 and rows["ensemble+distill"]["members"] == 1
+    assert rows["fedbe"]["members"] == 1
+    assert rows["ensemble+distill"]["fuse_seconds"] > rows["ensemble"]["fuse_seconds"]
+    assert np.isfinite(rows["ensemble+distill"]["nll"])
+    with pytest.raises(ConfigError, match="unlabeled_size"):
+        ExperimentConfig(distill=["fedbens"], methods=["fedbens"]).validate()
+    with pytest.raises(ConfigError, match="not among methods"):
+        ExperimentConfig(distill=["fedbe"], methods=["fedbens"], unlabeled_size=10).validate()

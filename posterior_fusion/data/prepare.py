@@ -67,15 +67,17 @@ def partition_to_files(
     partition_seed: int = 0, val_size: int = 500, min_size: int = 10, scheme: str = "fedbens",
     data_dir: str | os.PathLike | None = None, max_train: int | None = None, source: str | os.PathLike | None = None,
     test: str | os.PathLike | None = None, classes_per_client: int | None = None, test_size: int = 0,
-    protocol: str = "ours",
+    protocol: str = "ours", unlabeled_size: int = 0,
 ) -> dict:
     """Write ``client_<i>.h5``, ``server_val.h5`` and (with a test split) ``test.h5`` into ``out_dir``.
 
     The data: ``source`` (an imported, labelled data file; ``test`` its test file) or the
     built-in ``dataset`` (Fashion-MNIST from ``data_dir``). The server validation set
     (``val_size`` samples drawn with ``partition_seed``) is removed from the training pool
-    before partitioning, so it is disjoint from every client. Every file carries the source's
-    input transform. Returns a summary dict with paths and per-client class counts.
+    before partitioning, so it is disjoint from every client; so is ``server_unlabeled.h5``
+    (``unlabeled_size`` > 0: that many further samples, written without labels — the unlabeled
+    server data of FedBE, FedPPD and ``--distill``). Every file carries the source's input
+    transform. Returns a summary dict with paths and per-client class counts.
 
     ``protocol="fedbens-reference"`` reproduces the FedBEns authors' split instead
     (:func:`~posterior_fusion.data.partition.fedbens_reference_partition`: NumPy seed 3 whatever
@@ -101,13 +103,13 @@ def partition_to_files(
         test_data = SiloData(xt, yt, name, k, transform=t)
         origin = str(folder)
     if protocol == "fedbens-reference":
-        if scheme != "fedbens" or max_train is not None or test_size:
+        if scheme != "fedbens" or max_train is not None or test_size or unlabeled_size:
             raise ConfigError("`protocol` fedbens-reference fixes the scheme (fedbens) and uses all training data")
         if source is None:
             t = InputTransform.constants("mnist")
             test_data = SiloData(test_data.x, test_data.labels(), name, k, transform=t)
         parts, val_idx = fedbens_reference_partition(y, clients, alpha, k, num_val=val_size)
-        return _write_split(Path(out_dir), x, y, name, k, t, parts, np.arange(len(y)), val_idx, test_data,
+        return _write_split(Path(out_dir), x, y, name, k, t, parts, np.arange(len(y)), val_idx, None, test_data,
                             {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": 3,
                              "scheme": scheme, "protocol": protocol})
     rng = np.random.default_rng(partition_seed)
@@ -118,25 +120,33 @@ def partition_to_files(
         held, order = order[:test_size], order[test_size:]
         test_data = SiloData(x[held], y[held], name, k, transform=t)
     if max_train is not None:
-        order = order[: max_train + val_size]
+        order = order[: max_train + val_size + unlabeled_size]
     if val_size < 0 or val_size >= len(order):
         raise ConfigError(f"`val_size` {val_size} leaves nothing to train on: the data has {len(order)} samples "
                           f"(after the test split); lower `val_size` (e.g. {len(order) // 10}) or set it to 0")
     val_idx, pool = order[:val_size], order[val_size:]
+    if unlabeled_size:
+        if not 0 < unlabeled_size < len(pool):
+            raise ConfigError(f"`unlabeled_size` {unlabeled_size} leaves nothing to train on: {len(pool)} samples "
+                              f"remain after the validation split; lower `unlabeled_size` (e.g. {len(pool) // 10})")
+        unlabeled_idx, pool = pool[:unlabeled_size], pool[unlabeled_size:]
+    else:
+        unlabeled_idx = None
     parts = _split_indices(y[pool], clients, alpha, partition_seed, min_size, scheme, classes_per_client)
-    return _write_split(Path(out_dir), x, y, name, k, t, parts, pool, val_idx, test_data,
+    return _write_split(Path(out_dir), x, y, name, k, t, parts, pool, val_idx, unlabeled_idx, test_data,
                         {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": partition_seed,
                          "scheme": scheme, "protocol": protocol})
 
 
-_SPLIT_FILE = re.compile(r"^(client_[0-9]+\.h5|server_val\.h5|test\.h5|summary\.json)$")
+_SPLIT_FILE = re.compile(r"^(client_[0-9]+\.h5|server_val\.h5|server_unlabeled\.h5|test\.h5|summary\.json)$")
 
 
-def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, test_data, summary: dict) -> dict:
+def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, unlabeled_idx, test_data, summary: dict) -> dict:
     """Write the split into a private folder and rename it to ``out`` as a whole: a killed run
     never leaves a folder mixing two splits (``out`` may hold only an earlier split's files)."""
     summary = dict(summary, clients=[], server_val=str(out / "server_val.h5"),
-                   test=str(out / "test.h5") if test_data is not None else None, transform=t.to_dict())
+                   test=str(out / "test.h5") if test_data is not None else None, transform=t.to_dict(),
+                   server_unlabeled=str(out / "server_unlabeled.h5") if unlabeled_idx is not None else None)
     with atomic_folder(out, owned=lambda n: bool(_SPLIT_FILE.match(n))) as tmp:
         for c, local in enumerate(parts):
             idx = pool[local]
@@ -145,6 +155,8 @@ def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, test_data, s
             summary["clients"].append({"path": str(out / f"client_{c}.h5"), "n": len(silo),
                                        "class_counts": silo.class_counts()})
         write_silo(tmp / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t))
+        if unlabeled_idx is not None:
+            write_silo(tmp / "server_unlabeled.h5", SiloData(x[unlabeled_idx], None, name, k, transform=t))
         if test_data is not None:
             write_silo(tmp / "test.h5", SiloData(test_data.x, test_data.labels(), name, k, transform=t))
     return summary

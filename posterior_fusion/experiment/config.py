@@ -76,6 +76,8 @@ class ExperimentConfig:
     temperature: float = 0.1
     prior_var: float = 0.1
     val_size: int = 500
+    unlabeled_size: int = 0           # training samples held out, unlabeled, as the server's data (FedBE, FedPPD, distill)
+    distill: list[str] = field(default_factory=list)  # methods also distilled into one model on it ("<method>+distill")
     protocol: str = "ours"            # or "fedbens-reference" (the authors' partition; see pfuse partition --help)
     temperatures: list[float] = field(default_factory=list)  # server re-tempering sweep of the tunable methods
     tune: bool = False                # tunable methods also with T and prior chosen on validation ("<method>-tuned")
@@ -132,6 +134,12 @@ class ExperimentConfig:
         ranges.check(f"{where}: temperature", self.temperature, ranges.TEMPERATURE)
         ranges.check(f"{where}: prior_var", self.prior_var, ranges.PRIOR_VAR)
         ranges.check(f"{where}: val_size", self.val_size, (0, 1_000_000))
+        ranges.check(f"{where}: unlabeled_size", self.unlabeled_size, (0, 10_000_000))
+        if self.distill and not self.unlabeled_size:
+            raise ConfigError(f"{where}: distill needs unlabeled server data: set unlabeled_size")
+        bad = [m for m in self.distill if m not in self.methods]
+        if bad:
+            raise ConfigError(f"{where}: distill names {bad}, which are not among methods {self.methods}")
         if self.max_train is not None:
             ranges.check(f"{where}: max_train", self.max_train, (1, 10_000_000))
         own = {"structure", "temperature", "prior_var", "train_seed", "epochs"}  # set by the grid's own keys

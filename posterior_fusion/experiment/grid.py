@@ -36,7 +36,9 @@ from posterior_fusion.experiment.config import ExperimentConfig
 from posterior_fusion.experiment.report import write_tables
 from posterior_fusion.files import write_text_atomically
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, get_method, method_settings
+from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.tuning import tune_fusion
+from posterior_fusion.fusion.types import FusionResult
 from posterior_fusion.local.config import FitConfig, TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_silo_file, library_versions
 from posterior_fusion.local.init import initial_weights
@@ -106,10 +108,11 @@ class FuseJob:
     M: int
     temperature: float | None = None
     tuned: bool = False
+    distill: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.method}-tuned" if self.tuned else self.method
+        return f"{self.method}-tuned" if self.tuned else f"{self.method}+distill" if self.distill else self.method
 
 
 def client_fit_config(cfg: ExperimentConfig, structure: str, seed: int) -> FitConfig:
@@ -125,11 +128,14 @@ def partition_cell(cfg: ExperimentConfig, cell: Cell, work: Path) -> tuple[str, 
            "seed": cell.seed, "val": cfg.val_size}
     if cfg.protocol != "ours":  # older caches (protocol "ours") keep their keys
         key["protocol"] = cfg.protocol
+    if cfg.unlabeled_size:
+        key["unlabeled"] = cfg.unlabeled_size
     pkey = cache_key(key)
     pdir = work / "partitions" / pkey
     if not (pdir / "summary.json").exists():
         summary = partition_to_files(pdir, clients=cell.clients, alpha=cell.alpha, partition_seed=cell.seed,
                                      val_size=cfg.val_size, max_train=cfg.max_train, protocol=cfg.protocol,
+                                     unlabeled_size=cfg.unlabeled_size,
                                      data_dir=EMBEDDED_FMNIST_DIR if cfg.data == "embedded" else None)
         write_json(pdir / "summary.json", summary)
     return pkey, json.loads((pdir / "summary.json").read_text())
@@ -249,12 +255,16 @@ def fuse_jobs(cfg: ExperimentConfig) -> list[FuseJob]:
     tunable = [m for m in cfg.methods if get_method(m).tunable]
     jobs += [FuseJob(m, max(cfg.components), t) for m in tunable for t in cfg.temperatures]
     jobs += [FuseJob(m, max(cfg.components), tuned=True) for m in tunable] if cfg.tune else []
+    jobs += [FuseJob(m, M, distill=True) for M in cfg.components for m in cfg.distill]
     return jobs
 
 
 def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, job: FuseJob,
-                clients: list[ClientPosterior], val: SiloData, test: SiloData, work: Path, log: Log) -> dict | None:
-    """Level 3: one fusion evaluated on the test split (``None`` if the method does not apply)."""
+                clients: list[ClientPosterior], val: SiloData, test: SiloData, work: Path, log: Log,
+                unlabeled: SiloData | None = None) -> dict | None:
+    """Level 3: one fusion evaluated on the test split (``None`` if the method does not apply).
+    ``unlabeled``: the server's unlabeled data (methods that distil by themselves use it; a
+    ``distill`` job distils the fused members into one model on it, its time in ``fuse_seconds``)."""
     base = {"alpha": cell.alpha, "clients": cell.clients, "seed": cell.seed, "structure": structure, "M": job.M,
             "method": job.label, "temperature": job.temperature if job.temperature is not None else cfg.temperature}
     method = job.method
@@ -269,10 +279,16 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
             _, res, meta = tune_fusion(subset, method, opts, val, ("T", "prior"), cfg.tune_temperatures,
                                        cfg.tune_prior_vars, settings=settings)
         else:
-            _, res, meta = fuse_clients(subset, method, opts, settings, val)
+            _, res, meta = fuse_clients(subset, method, opts, settings, val, unlabeled)
     except MethodNotApplicableError as exc:
         log(f"  {job.label}: skipped ({exc})")
         return None
+    if job.distill and not get_method(method).distils:
+        t0 = time.perf_counter()
+        w, _ = distill_members(cfg.spec, res.members, unlabeled.inputs(), DistillConfig(), cell.seed,
+                                  show_progress=False)
+        res = FusionResult([w], res.info)
+        meta = {**meta, "fuse_seconds": meta["fuse_seconds"] + time.perf_counter() - t0}
     m = evaluate_members(cfg.spec, res.members, test)
     row = {**base, "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "brier": m["brier"],
            "members": len(res.members), "fuse_seconds": meta["fuse_seconds"], "tuning": meta.get("tuning", {}).get("chosen")}
@@ -316,6 +332,7 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
     for n_cell, cell in enumerate(cells, 1):
         pkey, summary = partition_cell(cfg, cell, work)
         test, val = read_silo(summary["test"]), read_silo(summary["server_val"])
+        unlabeled = read_silo(summary["server_unlabeled"], labels=False) if summary.get("server_unlabeled") else None
         log(f"[{n_cell}/{len(cells)}] alpha={cell.alpha} clients={cell.clients} seed={cell.seed}: "
             f"{[c['n'] for c in summary['clients']]} samples")
         base = None
@@ -326,7 +343,7 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
                 ckey, clients = fit_clients(cfg, cell, structure, pkey, summary, work, jobs, log)
                 base = base or ckey
             for job in fuse_jobs(cfg):
-                row = fuse_result(cfg, cell, structure, ckey, job, clients, val, test, work, log)
+                row = fuse_result(cfg, cell, structure, ckey, job, clients, val, test, work, log, unlabeled)
                 if row is not None:
                     rows.append(row)
         if cfg.centralized:
