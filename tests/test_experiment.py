@@ -216,7 +216,9 @@ def test_unlabeled_server_data_is_held_out_and_feeds_distillation(tmp_path):
     from posterior_fusion.data.silo import read_silo
 
     cfg = ExperimentConfig(name="unl", data="embedded", max_train=300, alphas=[1.0], clients=[2], seeds=[0],
-                           components=[1], methods=["fedavg", "fedbe", "ensemble"], distill=["ensemble"],
+                           components=[1], methods=["fedavg", "fedbe", "ensemble", "fedbens"],
+                           variants={"fedbens-clients": {"method": "fedbens", "starts": "clients"}},
+                           distill=["ensemble", "fedbens-clients"],
                            model="mlp", epochs=1, steps=5, val_size=50, unlabeled_size=100, centralized=False)
     cfg.validate()
     rows = {r["method"]: r for r in run_experiment(cfg, tmp_path, log=lambda m: None)}
@@ -231,9 +233,16 @@ def test_unlabeled_server_data_is_held_out_and_feeds_distillation(tmp_path):
     # the ensemble of 2 client models and its distillation into one; fedbe distils by itself
     assert rows["ensemble"]["members"] == 2 and rows["ensemble+distill"]["members"] == 1
     assert rows["fedbe"]["members"] == 1
+    # a variant is a method with its own settings, one more row: fedbens from every client start
+    assert rows["fedbens"]["members"] == 1 and rows["fedbens-clients"]["members"] == 2
+    assert rows["fedbens-clients+distill"]["members"] == 1
     assert rows["ensemble+distill"]["fuse_seconds"] > rows["ensemble"]["fuse_seconds"]
     assert np.isfinite(rows["ensemble+distill"]["nll"])
     with pytest.raises(ConfigError, match="unlabeled_size"):
         ExperimentConfig(distill=["fedbens"], methods=["fedbens"]).validate()
+    with pytest.raises(ConfigError, match="no setting 'startz'"):
+        ExperimentConfig(variants={"v": {"method": "fedbens", "startz": "clients"}}).validate()
+    with pytest.raises(ConfigError, match="not a method's"):
+        ExperimentConfig(variants={"fedavg": {"method": "fedbens"}}).validate()
     with pytest.raises(ConfigError, match="not among methods"):
         ExperimentConfig(distill=["fedbe"], methods=["fedbens"], unlabeled_size=10).validate()

@@ -15,7 +15,7 @@ from posterior_fusion import ranges
 from posterior_fusion.compat import RENAMED_TOML_KEYS, rename_keys
 from posterior_fusion.errors import ConfigError, DataError, ModelSpecError, shown
 from posterior_fusion.files import require_regular_file
-from posterior_fusion.fusion import METHODS
+from posterior_fusion.fusion import METHODS, method_settings
 from posterior_fusion.fusion.registry import COMPARED
 from posterior_fusion.local.config import STRUCTURES, fit_config_from
 
@@ -77,7 +77,8 @@ class ExperimentConfig:
     prior_var: float = 0.1
     val_size: int = 500
     unlabeled_size: int = 0           # training samples held out, unlabeled, as the server's data (FedBE, FedPPD, distill)
-    distill: list[str] = field(default_factory=list)  # methods also distilled into one model on it ("<method>+distill")
+    distill: list[str] = field(default_factory=list)  # methods/variants also distilled into one model on it ("<name>+distill")
+    variants: dict = field(default_factory=dict)  # [variants] label = {method = "fedbens", <its settings>...}: extra rows
     protocol: str = "ours"            # or "fedbens-reference" (the authors' partition; see pfuse partition --help)
     temperatures: list[float] = field(default_factory=list)  # server re-tempering sweep of the tunable methods
     tune: bool = False                # tunable methods also with T and prior chosen on validation ("<method>-tuned")
@@ -137,9 +138,17 @@ class ExperimentConfig:
         ranges.check(f"{where}: unlabeled_size", self.unlabeled_size, (0, 10_000_000))
         if self.distill and not self.unlabeled_size:
             raise ConfigError(f"{where}: distill needs unlabeled server data: set unlabeled_size")
-        bad = [m for m in self.distill if m not in self.methods]
+        for label, spec in self.variants.items():
+            if not NAME_RE.fullmatch(label) or label in METHODS:
+                raise ConfigError(f"{where}: variant {shown(label)} must be a new row name (letters, digits, '.', "
+                                  "'_', '-'), not a method's")
+            if not isinstance(spec, dict) or spec.get("method") not in METHODS:
+                raise ConfigError(f"{where}: variant {label!r} needs method = one of {list(METHODS)}")
+            method_settings(spec["method"], {k: v for k, v in spec.items() if k != "method"})  # names, types, ranges
+        bad = [m for m in self.distill if m not in self.methods and m not in self.variants]
         if bad:
-            raise ConfigError(f"{where}: distill names {bad}, which are not among methods {self.methods}")
+            raise ConfigError(f"{where}: distill names {bad}, which are not among methods {self.methods} "
+                              f"or variants {list(self.variants)}")
         if self.max_train is not None:
             ranges.check(f"{where}: max_train", self.max_train, (1, 10_000_000))
         own = {"structure", "temperature", "prior_var", "train_seed", "epochs"}  # set by the grid's own keys

@@ -109,10 +109,12 @@ class FuseJob:
     temperature: float | None = None
     tuned: bool = False
     distill: bool = False
+    variant: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.method}-tuned" if self.tuned else f"{self.method}+distill" if self.distill else self.method
+        name = self.variant or self.method
+        return f"{name}-tuned" if self.tuned else f"{name}+distill" if self.distill else name
 
 
 def client_fit_config(cfg: ExperimentConfig, structure: str, seed: int) -> FitConfig:
@@ -255,7 +257,9 @@ def fuse_jobs(cfg: ExperimentConfig) -> list[FuseJob]:
     tunable = [m for m in cfg.methods if get_method(m).tunable]
     jobs += [FuseJob(m, max(cfg.components), t) for m in tunable for t in cfg.temperatures]
     jobs += [FuseJob(m, max(cfg.components), tuned=True) for m in tunable] if cfg.tune else []
-    jobs += [FuseJob(m, M, distill=True) for M in cfg.components for m in cfg.distill]
+    jobs += [FuseJob(v["method"], M, variant=label) for M in cfg.components for label, v in cfg.variants.items()]
+    jobs += [FuseJob(cfg.variants[m]["method"] if m in cfg.variants else m, M, distill=True,
+                     variant=m if m in cfg.variants else None) for M in cfg.components for m in cfg.distill]
     return jobs
 
 
@@ -268,7 +272,8 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
     base = {"alpha": cell.alpha, "clients": cell.clients, "seed": cell.seed, "structure": structure, "M": job.M,
             "method": job.label, "temperature": job.temperature if job.temperature is not None else cfg.temperature}
     method = job.method
-    settings = applicable_settings(method, {"steps": cfg.steps})
+    own = {k: v for k, v in cfg.variants.get(job.variant, {}).items() if k != "method"}
+    settings = {**applicable_settings(method, {"steps": cfg.steps}), **own}
     rpath = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps, 'settings': asdict(method_settings(method, settings))})}.json"
     if rpath.exists():
         return json.loads(rpath.read_text())
