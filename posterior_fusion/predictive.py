@@ -5,7 +5,12 @@
 * ``glm``: the linearised model ``f(x; w) ≈ f(x; w*) + J(x)(w − w*)`` (Immer et al. 2021), whose
   logits are Gaussian with covariance ``J Λ*⁻¹ Jᵀ``; its softmax is approximated with the probit
   (``link="probit"``: ``softmax(f* / sqrt(1 + π/8 · diag(J Λ*⁻¹ Jᵀ)))``, laplace-torch's choice)
-  or integrated by sampling the logits (``link="mc"``).
+  or integrated by sampling the logits (``link="mc"``). ``J Λ*⁻¹ Jᵀ`` is built layer by layer
+  (:func:`structured_moments`): the capture's backward passes give each layer's Jacobian from its
+  inputs and output gradients, and each block of ``Λ*`` whitens its own parameters' part (a
+  Kronecker block in its factors' eigenbases, without forming a per-sample Jacobian row for a
+  linear layer); models with parameters outside Linear/Conv2d/normalisation layers fall back to
+  per-sample full Jacobians (:func:`jacobian_moments`, the same numbers).
 * ``glm-last-layer``: the same with only the last ``nn.Linear`` uncertain (laplace-torch's
   last-layer Laplace): its Jacobian is ``[e_c ⊗ φ(x), e_c]`` in closed form (φ: the layer's input),
   and ``Λ*``'s blocks over that layer are its marginal (``Λ*`` is block-diagonal), so the covariance
@@ -20,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -28,12 +34,15 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from posterior_fusion import budget, ranges
-from posterior_fusion.curvature import BlockDiag, Diag, Precision
+from posterior_fusion.curvature import BlockDiag, Diag, Kron, Precision
 from posterior_fusion.errors import ConfigError, NonFiniteOutputError
 from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.runtime import release_freed_memory
+
+if TYPE_CHECKING:
+    from posterior_fusion.local.fastcapture import FactoredJacobian
 
 PREDICTIVES = ("map", "mc", "glm", "glm-last-layer")
 LINKS = ("probit", "mc")
@@ -65,7 +74,151 @@ def glm_batch_size(num_classes: int, dim: int, max_memory: int | str | None = No
 def logit_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,
                   batch_size: int | None = None,
                   max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Linearised logits at ``w`` ``(d,)``: mean ``(n, C)`` and covariance ``scale · J Λ⁻¹ Jᵀ`` ``(n, C, C)``.
+    """Linearised logits at ``w`` ``(d,)``: mean ``(n, C)`` and covariance ``scale · J Λ⁻¹ Jᵀ`` ``(n, C, C)``,
+    layer by layer from the precision's blocks (:func:`structured_moments`) where every parameter
+    sits in a Linear/Conv2d/normalisation layer, else from per-sample full Jacobians
+    (:func:`jacobian_moments`; the same numbers, slower and larger)."""
+    from posterior_fusion.local.fastcapture import jacobian_problem
+
+    model = spec.build()
+    if jacobian_problem(model.eval(), x[:1]) is None:
+        return structured_moments(spec, w, precision, x, scale, batch_size, max_memory)
+    return jacobian_moments(spec, w, precision, x, scale, batch_size, max_memory)
+
+
+def units(precision: Precision, sizes: list[int]) -> list[tuple[int, int, BlockDiag]]:
+    """The precision cut at parameter boundaries: ``(first parameter, end parameter, blocks)`` with
+    ``blocks`` the precision over those parameters (``sizes``: each parameter's numel, in order). A
+    diagonal block is cut at every parameter; any other block (Kronecker over one weight, dense over
+    a bias or over a last layer's weight and bias) must cover whole parameters."""
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    where = {b: k for k, b in enumerate(bounds)}
+    blocks = precision.blocks if isinstance(precision, BlockDiag) else (precision,)
+    offsets = precision.offsets if isinstance(precision, BlockDiag) else (0,)
+    out = []
+    for b, off in zip(blocks, offsets):
+        if off not in where or off + b.dim not in where:
+            raise ConfigError(f"a {b.kind} block does not cover whole parameters")
+        first, end = where[off], where[off + b.dim]
+        if isinstance(b, Diag):
+            out.extend((k, k + 1, Diag(b.g[bounds[k] - off: bounds[k + 1] - off], b.scale, b.shift))
+                       for k in range(first, end))
+        else:
+            out.append((first, end, b))
+    return out
+
+
+def _kron_covariance(block: Kron, J: FactoredJacobian) -> torch.Tensor:
+    """``J Λ⁻¹ Jᵀ`` ``(M, C, C)`` (float64) of one Kronecker block ``Λ = s·B⊗A + δ`` from the factored
+    Jacobian, no ``(O·I)`` row formed for a plain linear layer: in the factors' eigenbases
+    ``ĝ = U_Bᵀ g``, ``û = U_Aᵀ u``, ``Z = Σ_s ĝ_s û_sᵀ`` and ``J_c Λ⁻¹ J_dᵀ = Σ_ij Z_c,ij Z_d,ij / λ_ij``;
+    with one position it is ``Σ_i ĝ_ci ĝ_di Σ_j û_j² / λ_ij``. Products in the Jacobian's dtype
+    (float32: batched GEMMs), the covariance summed in float64."""
+    _, UB, _, UA = block.eigen()
+    dt = J.g.dtype
+    UB, UA = UB.to(dt), UA.to(dt)
+    inv = block.eigenvalue_grid().double().reciprocal()  # (O, I)
+    M, C, O, S = J.g.shape  # noqa: E741
+    I = J.u.shape[1]  # noqa: E741
+    if S == 1:
+        g = (J.g.reshape(M * C, O) @ UB).reshape(M, C, O).double()
+        weight = (J.u[:, :, 0] @ UA).double().square() @ inv.T  # (M, O)
+        return torch.einsum("mco,mdo,mo->mcd", g, g, weight)
+    if C * O * O * S + I * I * S <= C * (O * O * I + O * I * I):  # rotate g and u, then Z = Σ_s ĝ_s û_sᵀ
+        g = (J.g.transpose(2, 3).reshape(-1, O) @ UB).reshape(M, C, S, O).transpose(2, 3).reshape(M, C * O, S)
+        u = (J.u.transpose(1, 2).reshape(-1, I) @ UA).reshape(M, S, I)
+        Z = torch.bmm(g, u).reshape(M, C, O, I) * inv.sqrt().to(dt)
+    else:  # Z0 = Σ_s g_s u_sᵀ first, then rotate it: U_Bᵀ Z0 U_A (as its transpose)
+        Z0 = torch.bmm(J.g.reshape(M, C * O, S), J.u.transpose(1, 2)).reshape(-1, I) @ UA  # (M·C·O, I)
+        Zt = Z0.reshape(M * C, O, I).transpose(1, 2).reshape(-1, O) @ UB  # (M·C·I, O)
+        Z = Zt.reshape(M, C, I, O) * inv.T.sqrt().to(dt)
+    Z = Z.reshape(M, C, -1)
+    return torch.bmm(Z, Z.transpose(1, 2)).double()
+
+
+STRUCTURED_BATCH = 64  # samples per pass at most (larger batches were slower on 2 cores: docs/results/predictive)
+
+
+def structured_batch_size(model: nn.Module, x: torch.Tensor, num_classes: int, largest_parameter: int,
+                          max_memory: int | str | None = None) -> int:
+    """Samples per pass of :func:`structured_moments`: at most :data:`STRUCTURED_BATCH`, and within a
+    quarter of the memory budget for what one sample keeps: C output gradients of every layer
+    (float32) beside the activations, and one parameter's Jacobian ``(C, numel)`` with its whitened
+    float64 copy; refuses (one line) when one sample does not fit."""
+    outputs: list[int] = []
+    handles = [m.register_forward_hook(lambda m, i, o: outputs.append(o.numel() if isinstance(o, torch.Tensor) else 0))
+               for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(x[:1])
+    finally:
+        for h in handles:
+            h.remove()
+    per_sample = 4 * (num_classes + 2) * sum(outputs) + 12 * num_classes * largest_parameter
+    limit = budget.resolve_limit(max_memory)
+    if limit is None:
+        return STRUCTURED_BATCH
+    budget.require(per_sample, "the GLM predictive (one sample's layer Jacobians)", limit // 4)
+    return max(1, min(STRUCTURED_BATCH, limit // 4 // per_sample))
+
+
+def structured_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,
+                       batch_size: int | None = None,
+                       max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logit_moments` layer by layer: for a batch, one forward and C backward passes to the
+    layer outputs give each parameter's Jacobian ``(b, C, numel)`` (``local/fastcapture.logit_jacobians``);
+    each block of ``Λ`` whitens its own parameters' Jacobians (a Kronecker block by its factors'
+    eigenbases, no dense matrix) and ``J Λ⁻¹ Jᵀ = Σ_blocks (Λ_b^{-½} J_b)(Λ_b^{-½} J_b)ᵀ``, so one
+    block's Jacobians are held at a time, never the ``(b, C, d)`` Jacobian."""
+    from posterior_fusion.local.fastcapture import FactoredJacobian, logit_jacobians
+
+    model = spec.build()
+    torch.nn.utils.vector_to_parameters(w.detach().clone().to(torch.float32), model.parameters())
+    model.eval()
+    sizes = [p.numel() for p in model.parameters()]
+    parts = units(precision, sizes)
+    C = spec.num_classes
+    if batch_size is None:
+        batch_size = structured_batch_size(model, x, C, max(sizes), max_memory)
+    means, covs = [], []
+    for i in range(0, x.shape[0], batch_size):
+        xb = x[i: i + batch_size]
+        cov = torch.zeros(len(xb), C, C, dtype=torch.float64)
+        pending: dict[int, torch.Tensor] = {}
+        todo = iter(parts)
+        lo, hi, block = next(todo)
+        for k, J in logit_jacobians(model, xb):
+            if k < 0:  # the logits come first
+                means.append(J.double())
+                continue
+            pending[k] = J
+            while hi - 1 in pending:  # this unit's parameters are all here: whiten and add
+                if isinstance(block, Kron) and hi - lo == 1 and isinstance(pending[lo], FactoredJacobian):
+                    cov += _kron_covariance(block, pending.pop(lo))
+                else:
+                    Jb = torch.cat([_dense(pending.pop(j)) for j in range(lo, hi)], dim=2)
+                    U = block.whiten(Jb.reshape(-1, Jb.shape[2]).to(block.dtype)).double().reshape(len(xb), C, -1)
+                    cov += torch.einsum("bcd,bed->bce", U, U)
+                    del Jb, U
+                lo, hi, block = next(todo, (None, 0, None))
+                if lo is None:
+                    break
+        covs.append(scale * cov)
+    release_freed_memory()
+    return torch.cat(means), torch.cat(covs)
+
+
+def _dense(J) -> torch.Tensor:
+    """A Jacobian from :func:`~posterior_fusion.local.fastcapture.logit_jacobians` as ``(M, C, numel)``."""
+    return J if isinstance(J, torch.Tensor) else J.dense()
+
+
+def jacobian_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,
+                     batch_size: int | None = None,
+                     max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logit_moments` from per-sample full Jacobians ``(b, C, d)`` (``vmap(jacrev)``): any model.
     Batches are sized from the memory budget (:func:`glm_batch_size`) unless ``batch_size`` is given."""
     model = spec.build()
     if batch_size is None:

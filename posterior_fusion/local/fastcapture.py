@@ -296,6 +296,9 @@ def _columns(logits: torch.Tensor, ggn: str, generator: torch.Generator | None) 
     columns are an orthonormal basis of that complement and ``s_i = D Y e_i`` (``i ≠ j``) satisfy
     ``Σ_i s_i s_iᵀ = H``: one back-propagated column fewer than the C columns ``√p_c (e_c − p)``."""
     p = logits.detach().softmax(-1)
+    if ggn == JACOBIAN:  # the logits themselves: e_c for every sample, C columns
+        M, C = p.shape
+        return torch.eye(C, dtype=p.dtype, device=p.device)[:, None, :].expand(C, M, C)
     if ggn == "exact":
         M, C = p.shape
         q = p.sqrt()
@@ -314,11 +317,89 @@ def _columns(logits: torch.Tensor, ggn: str, generator: torch.Generator | None) 
     return (p - F.one_hot(y, p.shape[1]).to(p.dtype)).unsqueeze(0)
 
 
+JACOBIAN = "jacobian"  # :func:`_columns` of the logit Jacobian (the linearised predictive), not a GGN
+
+
+def jacobian_problem(model: nn.Module, example: torch.Tensor) -> str | None:
+    """Why :func:`logit_jacobians` cannot serve ``model`` (None when it can): every parameter must sit
+    in a layer the capture back-propagates to (Linear/Conv2d, normalisation), each run once per pass."""
+    reason = unsupported_reason(model, example)
+    if reason is not None:
+        return reason
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)) and not _captured(module):
+            return f"{type(module).__name__} {name or '(model)'} has parameters outside Linear/Conv2d/normalisation layers"
+    return None
+
+
+class FactoredJacobian:
+    """The logit Jacobian of one Linear/Conv2d weight for a batch, kept as its factors: output
+    gradients ``g`` ``(M, C, O, S)`` and inputs ``u`` ``(M, I, S)`` (S positions the weight is shared
+    across; 1 for a plain linear layer), ``J[n, c] = Σ_s g[n, c, :, s] u[n, :, s]ᵀ`` ``(O, I)``."""
+
+    def __init__(self, g: torch.Tensor, u: torch.Tensor) -> None:
+        self.g, self.u = g, u
+
+    def dense(self) -> torch.Tensor:
+        """``J`` ``(M, C, O·I)`` (row-major, as the parameter vector)."""
+        M, C = self.g.shape[:2]
+        return torch.einsum("mcos,mis->mcoi", self.g, self.u).reshape(M, C, -1)
+
+
+def logit_jacobians(model: nn.Module, xb: torch.Tensor):
+    """The logits ``(M, C)`` of a batch ``xb`` ``(M, ...)`` first (as ``(-1, logits)``), then the
+    per-parameter Jacobians of the logits, layer by layer: yields ``(k, J)`` with ``k`` the parameter's index in ``model.parameters()`` order (increasing) and ``J``
+    ``∂f_c(x_n)/∂θ_k``: a :class:`FactoredJacobian` for a Linear/Conv2d weight, else a tensor
+    ``(M, C, numel)`` (a bias: the output gradients summed over positions; a normalisation layer's
+    weight and bias: its per-sample gradients).
+
+    One forward pass and C backward passes to the layer *outputs* (no weight gradients); a layer's
+    inputs and output gradients are let go once its Jacobians are yielded. Requires
+    :func:`jacobian_problem` to be None."""
+    layers = _layers(model)
+    kept: dict = {}
+
+    def on_column(r, inputs, grads):
+        kept.setdefault("inputs", inputs)
+        kept.setdefault("grads", []).append(grads)
+
+    with _no_param_grads(model):
+        logits = _batch_pass(model, layers, xb, JACOBIAN, None, on_column)
+    yield -1, logits
+    inputs, cols = list(kept.pop("inputs")), [list(g) for g in kept.pop("grads")]  # cols[c][i]: layer i, class c
+    starts, first = {}, 0
+    for module in model.modules():
+        starts[module] = first
+        first += len(list(module.parameters(recurse=False)))
+    M, C = xb.shape[0], len(cols)
+    for i, layer in enumerate(layers):
+        u = inputs[i]
+        if isinstance(layer, NORM_LAYERS):
+            per_class = [_norm_per_sample(layer, u, g[i]) for g in cols]  # C x [(M, k) per parameter]
+            parts = [torch.stack([pc[j] for pc in per_class], 1) for j in range(len(per_class[0]))]
+        else:
+            if isinstance(layer, nn.Conv2d):
+                X = _input_columns(layer, u)
+                patches = X.view(X.shape[0], M, -1).transpose(0, 1)  # (M, I, S)
+                g = torch.stack([c[i] for c in cols], 1).reshape(M, C, layer.out_channels, -1)  # (M, C, O, S)
+            else:  # (M, ..., I): positions in the middle dimensions
+                patches = u.reshape(M, -1, u.shape[-1]).transpose(1, 2)
+                g = torch.stack([c[i] for c in cols], 1).reshape(M, C, -1, layer.out_features).transpose(2, 3)
+            parts = [FactoredJacobian(g, patches)]
+            if layer.bias is not None:
+                parts.append(g.sum(3))
+        inputs[i] = None  # this layer's input and output gradients are no longer needed here
+        for c in cols:
+            c[i] = None
+        for j, J in enumerate(parts):
+            yield starts[layer] + j, J
+
+
 def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn: str,
-                generator: torch.Generator | None, on_column) -> None:
+                generator: torch.Generator | None, on_column) -> torch.Tensor:
     """One forward pass, then one backward pass per column to the layer *outputs* only (the
     graph is kept between them); calls ``on_column(r, inputs, grads)`` with the column index, the
-    layers' inputs and their output gradients for that column. (A single vmapped backward over the C columns,
+    layers' inputs and their output gradients for that column; returns the logits (detached). (A single vmapped backward over the C columns,
     ``is_grads_batched``, is slower on the CPU: ``docs/benchmarks.md``, "Capture".)"""
     ins: dict[nn.Module, torch.Tensor] = {}
     outs: dict[nn.Module, torch.Tensor] = {}
@@ -343,6 +424,7 @@ def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn
     for r in range(len(cols)):
         grads = torch.autograd.grad(logits, targets, cols[r], retain_graph=r < len(cols) - 1)
         on_column(r, inputs, grads)
+    return logits.detach()
 
 
 def _no_param_grads(model: nn.Module):
