@@ -213,6 +213,17 @@ def test_every_table_entry_round_trips_and_matches_dense(kind):
     torch.testing.assert_close(p.solve(W), torch.linalg.solve(p.to_dense(), W.T).T)
     u = p.whiten(W)  # u uᵀ = W Λ⁻¹ Wᵀ
     torch.testing.assert_close(u @ u.T, W @ torch.linalg.solve(p.to_dense(), W.T))
+    # Tikhonov damping at per-sample scale: a Kronecker block's factors each get d (B sums over n
+    # samples: n·d), any other block n·d on its diagonal; the kind (and compactness) is kept
+    n, dmp = 7.0, 0.3
+    damped = blocks[0].damped(n, dmp)
+    assert type(damped) is cls
+    if kind in ("kron", "kron_lowrank"):
+        B, A = blocks[0].B.double(), blocks[0].A.double()
+        ref_damped = torch.kron(B + n * dmp * torch.eye(3, dtype=B.dtype), A + dmp * torch.eye(4, dtype=A.dtype))
+    else:
+        ref_damped = blocks[0].to_dense() + n * dmp * torch.eye(12, dtype=torch.float64)
+    torch.testing.assert_close(damped.to_dense().double(), ref_damped)
     if kind in ("kron", "kron_lowrank"):
         with pytest.raises(posterior_fusion.errors.MethodNotApplicableError):
             cls.sum_of(blocks)

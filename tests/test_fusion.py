@@ -455,3 +455,91 @@ def test_fuse_memory_estimate_follows_the_fedbens_chunks():
     # C·M = 200 modes: a component's working set (3·200·d floats, 106 MB) exceeds a chunk, so one client is
     assert estimate(40, starts="clients") == 5 * 3 * 200 * d * 4 + 6 * 200 * d * 4 + 2 * 200 * d * 4
     assert estimate(40, "fedfisher") - estimate(5, "fedfisher") == 4 * 175 * d * 4
+
+
+def diag_full_random_clients(C: int, M: int, seed: int):
+    """Random diag+full clients on TINY: a diagonal block over W1, b1 and a dense block over W2, b2."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for c in range(C):
+        comps = [Component(m, torch.randn(TINY_LAYOUT.dim, generator=gen, dtype=torch.float64),
+                           BlockDiag([Diag(torch.rand(15, generator=gen, dtype=torch.float64)),
+                                      Dense(random_psd(TINY_LAYOUT.dim - 15, gen))]), {}, 0.5, 2.0)
+                 for m in range(M)]
+        out.append(client(comps, "diag+full", n=10 + c, name=f"c{c}"))
+    return out
+
+
+def _clients(structure: str, C: int, M: int, seed: int):
+    return diag_full_random_clients(C, M, seed) if structure == "diag+full" else random_clients(structure, C, M, seed)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
+def test_em_modes_are_the_dense_minimiser_and_stationary(structure):
+    """fedbens `solver=em`: with one component per client the objective is a quadratic and one EM step
+    is its dense float64 minimiser (Σ_c Λ_c − (Σ λ_c − λ0) I)⁻¹ Σ_c Λ_c ŵ_c; with mixtures the EM
+    modes are stationary points of the dense objective (autograd gradient ≈ 0) reached with the
+    objective non-increasing at every iteration."""
+    from posterior_fusion.fusion.em import MixtureProduct, em_modes
+
+    T, lams, lam0 = 0.5, [2.0, 2.0, 2.0], 2.0
+    one = _clients(structure, C=3, M=1, seed=5)
+    prod = MixtureProduct(one, [T] * 3, lams, lam0)
+    start = one[0].components[0].map.float()[None]
+    modes, hist = em_modes(prod, start, iterations=5, show_progress=False)
+    d = TINY_LAYOUT.dim
+    Ls = [torch.block_diag(*[b.to_dense() for b in c.components[0].curvature.blocks]) / T + 2.0 * torch.eye(d, dtype=torch.float64)
+          for c in one]
+    H = sum(Ls) - (sum(lams) - lam0) * torch.eye(d, dtype=torch.float64)
+    ref = torch.linalg.solve(H, sum(L @ c.components[0].map for L, c in zip(Ls, one)))
+    torch.testing.assert_close(modes[0].double(), ref, rtol=1e-5, atol=1e-5)
+    assert len(hist[0]) <= 3  # one solve, then a step that does not move
+    mix = _clients(structure, C=3, M=2, seed=6)
+    # second components near the first (MAP and curvature): responsibilities are soft (π, log-determinants
+    # and quadratic forms all count)
+    mix = [dataclasses.replace(c, components=(c.components[0], dataclasses.replace(
+        c.components[1], map=c.components[0].map + 0.05 * c.components[1].map,
+        curvature=c.components[0].curvature.damped(1.0, 0.02)))) for c in mix]
+    prod = MixtureProduct(mix, [T] * 3, lams, lam0)
+    rs, _ = prod.responsibilities(torch.stack([c.components[0].map for c in mix]).median(0).values)
+    assert any(0.05 < float(r[0]) < 0.95 for r in rs)
+    starts = torch.stack([torch.stack([c.components[m].map for c in mix]).median(0).values for m in range(2)]).float()
+    modes, hist = em_modes(prod, starts, iterations=200, tolerance=1e-10, show_progress=False)
+    for k in range(2):
+        values = [h["objective"] for h in hist[k]]
+        assert all(b <= a + 1e-9 * abs(a) for a, b in zip(values, values[1:]))  # EM never goes up
+        w = modes[k].double().requires_grad_(True)
+        dense_neg_log_posterior(mix, w, T, lams, lam0).backward()
+        w0 = starts[k].double().requires_grad_(True)
+        dense_neg_log_posterior(mix, w0, T, lams, lam0).backward()
+        assert w.grad.norm() <= 1e-5 * w0.grad.norm()
+
+
+def test_damping_is_tikhonov_on_the_factors_and_bounds_the_modes():
+    """fedbens `damping=d` fuses the curvature (B + n·d·I) ⊗ (A + d·I) (n: the client's samples): its EM
+    mode equals the dense minimiser with those blocks; d → 0 gives the undamped mode and a large d
+    the n-weighted mean of the client MAPs (FedAvg: the damped Gaussians are all but isotropic)."""
+    from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings
+
+    fedbens_ = METHODS["fedbens"]
+    cl = random_clients("kron", C=3, M=1, seed=8)
+    run = lambda d: fedbens_(FusionInputs(cl, FusionOptions(progress=False)),  # noqa: E731
+                             FedBEnsSettings(solver="em", damping=d, laplace=False)).members[0].double()
+    d_, dim = 0.7, TINY_LAYOUT.dim
+    Ls = []
+    for c in cl:
+        blocks = []
+        for b in c.components[0].curvature.blocks:
+            if isinstance(b, Kron):
+                blocks.append(torch.kron(b.B + c.n_data * d_ * torch.eye(b.B.shape[0], dtype=torch.float64),
+                                         b.A + d_ * torch.eye(b.A.shape[0], dtype=torch.float64)))
+            else:
+                blocks.append(b.to_dense() + c.n_data * d_ * torch.eye(b.dim, dtype=torch.float64))
+        Ls.append(torch.block_diag(*blocks) / c.temperature + c.prior_precision * torch.eye(dim, dtype=torch.float64))
+    H = sum(Ls) - 2 * cl[0].prior_precision * torch.eye(dim, dtype=torch.float64)
+    ref = torch.linalg.solve(H, sum(L @ c.components[0].map for L, c in zip(Ls, cl)))
+    torch.testing.assert_close(run(d_), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(1e-9), run(0.0), rtol=1e-4, atol=1e-4)
+    n = torch.tensor([float(c.n_data) for c in cl], dtype=torch.float64)
+    fedavg_ = (n[:, None] * torch.stack([c.components[0].map for c in cl])).sum(0) / n.sum()
+    torch.testing.assert_close(run(1e5), fedavg_, rtol=1e-3, atol=1e-3)

@@ -75,6 +75,12 @@ class Precision(ABC):
     def with_scale_shift(self, scale: float, shift: float) -> Precision:
         """The same curvature with a new ``scale`` and ``shift`` (shares the raw tensors)."""
 
+    def damped(self, n: float, d: float) -> Precision:
+        """This raw curvature with Tikhonov damping ``d`` at per-sample scale (``n`` samples): a
+        Kronecker block's factors each get ``d`` (``(B + n·d·I) ⊗ (A + d·I)``: B sums over the samples,
+        A averages: K-FAC's factored damping, FedLPA's), any other block ``n·d`` on its diagonal."""
+        raise NotImplementedError(f"{type(self).__name__} has no damped")
+
     def precision(self, temperature: float, prior_precision: float) -> Precision:
         """Posterior precision ``G / temperature + prior_precision · I``."""
         if not temperature > 0:

@@ -30,6 +30,12 @@ class BlockDiag(Precision):
     def with_scale_shift(self, scale: float, shift: float) -> BlockDiag:
         return BlockDiag(list(self.blocks), scale, shift)
 
+    def astype(self, dtype: torch.dtype) -> BlockDiag:
+        return BlockDiag([b.astype(dtype) for b in self.blocks], self.scale, self.shift)
+
+    def damped(self, n: float, d: float) -> BlockDiag:
+        return BlockDiag([b.damped(n, d) for b in self.blocks], self.scale, self.shift)
+
     def _slices(self, v: torch.Tensor):
         for block, off in zip(self.blocks, self.offsets):
             yield block, v[..., off : off + block.dim]

@@ -23,6 +23,10 @@ class Dense(Precision):
     def with_scale_shift(self, scale: float, shift: float) -> Dense:
         return self._share_cache(Dense(self.G, scale, shift))
 
+    def damped(self, n: float, d: float) -> Dense:
+        return Dense(self.G + n * d * torch.eye(self.G.shape[0], dtype=self.G.dtype, device=self.G.device),
+                     self.scale, self.shift)
+
     def astype(self, dtype: torch.dtype) -> Dense:
         out = Dense(self.G.to(dtype), self.scale, self.shift)
         if self._eig is not None:

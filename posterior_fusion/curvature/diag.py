@@ -23,6 +23,9 @@ class Diag(Precision):
     def with_scale_shift(self, scale: float, shift: float) -> Diag:
         return Diag(self.g, scale, shift)
 
+    def damped(self, n: float, d: float) -> Diag:
+        return Diag(self.g + n * d, self.scale, self.shift)
+
     def astype(self, dtype: torch.dtype) -> Diag:
         return Diag(self.g.to(dtype), self.scale, self.shift)
 

@@ -38,6 +38,10 @@ class Kron(Precision):
     def with_scale_shift(self, scale: float, shift: float) -> Kron:
         return self._share_cache(Kron(self.B, self.A, scale, shift))
 
+    def damped(self, n: float, d: float) -> Kron:
+        eye = lambda F: torch.eye(F.shape[0], dtype=F.dtype, device=F.device)  # noqa: E731
+        return Kron(self.B + n * d * eye(self.B), self.A + d * eye(self.A), self.scale, self.shift)
+
     def astype(self, dtype: torch.dtype) -> Kron:
         out = Kron(self.B.to(dtype), self.A.to(dtype), self.scale, self.shift)
         for key, value in self._raw_cache.items():

@@ -11,6 +11,7 @@ which is the same as M independent Adam runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from torch.autograd.function import once_differentiable
 from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
+from posterior_fusion.fusion.em import MixtureProduct, em_modes
 from posterior_fusion.fusion.mode_laplace import laplace_mode_weights, mode_precisions, uniform_weights
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
@@ -44,6 +46,13 @@ class FedBEnsSettings(OptimiserSettings):
                                       "(relative objective error < tol); 0 = exact.", bounds=(0, 1))
     starts: str = setting("median", "Where the global modes start: 'median' (per component index, the paper), "
                                     "'clients' (every client component's MAP: C·M modes) or 'median+clients'.")
+    solver: str = setting("adam", "adam: the paper's Adam, best validation iterate (else the best objective); em: "
+                                  "EM with exact per-layer solves to a stationary point (steps = iterations at most; "
+                                  "no step size, no early stopping, no use of validation data).")
+    damping: float = setting(0.0, "Tikhonov damping d of every client's curvature at per-sample scale: a Kronecker "
+                                  "block (B + n·d·I) ⊗ (A + d·I), any other block + n·d on its diagonal (K-FAC's "
+                                  "factored damping; FedLPA's d = 0.0316); 0 = the curvature as captured.",
+                             bounds=(0, 1e6))
 
     def validate(self) -> None:
         super().validate()
@@ -57,6 +66,8 @@ class FedBEnsSettings(OptimiserSettings):
             raise ConfigError("setting mode_weights=laplace needs laplace=true")
         if self.starts not in STARTS:
             raise ConfigError(f"setting starts must be one of {STARTS}")
+        if self.solver not in SOLVERS:
+            raise ConfigError(f"setting solver must be one of {SOLVERS}")
 
 
 class GlobalLogPosterior:
@@ -199,6 +210,14 @@ def require_shared_inits(inputs: FusionInputs) -> None:
 
 
 STARTS = ("median", "clients", "median+clients")
+SOLVERS = ("adam", "em")
+
+
+def damped_clients(clients: list[ClientPosterior], d: float) -> list[ClientPosterior]:
+    """The clients with every component's curvature damped by ``d`` at per-sample scale
+    (:meth:`~posterior_fusion.curvature.base.Precision.damped`, ``n`` = the client's sample count)."""
+    return [dataclasses.replace(c, components=tuple(dataclasses.replace(comp, curvature=comp.curvature.damped(c.n_data, d))
+                                                    for comp in c.components)) for c in clients]
 
 
 def client_starts(inputs: FusionInputs) -> torch.Tensor:
@@ -219,20 +238,23 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     modes = settings.modes or m
     if modes > m:
         raise ConfigError(f"setting modes={modes} exceeds the clients' number of components {m}")
-    objective = GlobalLogPosterior(
-        inputs.clients, [inputs.temperature(c) for c in inputs.clients],
-        [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision(),
-        lowrank_tol=settings.lowrank_tol, kernel=inputs.options.kernel, device=inputs.options.device)
-    starts = {"median": lambda: median_starts(inputs, modes), "clients": lambda: client_starts(inputs),
-              "median+clients": lambda: torch.cat([median_starts(inputs, modes), client_starts(inputs)])}
-    best, history = optimise_modes(objective, starts[settings.starts](), inputs, settings, "fedbens")
-    info = {"history": history, "kron_ranks": objective.stack.ranks}
-    if not settings.laplace:
-        return FusionResult([w.clone() for w in best], info)
+    clients = damped_clients(inputs.clients, settings.damping) if settings.damping else inputs.clients
     temps = [inputs.temperature(c) for c in inputs.clients]
     lams = [inputs.prior_precision(c) for c in inputs.clients]
     lam0 = inputs.server_prior_precision()
-    curvatures, errors = mode_precisions(inputs.clients, temps, lams, lam0, best)
+    objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
+                                   kernel=inputs.options.kernel, device=inputs.options.device)
+    starts = {"median": lambda: median_starts(inputs, modes), "clients": lambda: client_starts(inputs),
+              "median+clients": lambda: torch.cat([median_starts(inputs, modes), client_starts(inputs)])}
+    if settings.solver == "em":
+        best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), starts[settings.starts](), settings.steps,
+                                 show_progress=inputs.options.progress)
+    else:
+        best, history = optimise_modes(objective, starts[settings.starts](), inputs, settings, "fedbens")
+    info = {"history": history, "kron_ranks": objective.stack.ranks}
+    if not settings.laplace:
+        return FusionResult([w.clone() for w in best], info)
+    curvatures, errors = mode_precisions(clients, temps, lams, lam0, best)
     with torch.no_grad():
         values = objective(best.to(inputs.options.device)).cpu()
     precisions = [c.precision(1.0, lam0) for c in curvatures]

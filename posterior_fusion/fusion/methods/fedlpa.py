@@ -42,6 +42,7 @@ import torch
 
 from posterior_fusion.curvature import Dense, Kron
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.layer_solve import solve_kron_sum
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_structures
 
@@ -68,46 +69,15 @@ def _damped(F: torch.Tensor, d: float) -> torch.Tensor:
     return F + d * torch.eye(F.shape[0], dtype=F.dtype)
 
 
-def _inverse(F: torch.Tensor) -> torch.Tensor:
-    """Inverse of an SPD matrix through its Cholesky factor ``(k, k)``."""
-    return torch.cholesky_inverse(torch.linalg.cholesky(F))
-
-
 def solve_layer(Bs: list[torch.Tensor], As: list[torch.Tensor], Ws: list[torch.Tensor], f: torch.Tensor,
                 tolerance: float, max_iterations: int, newton: bool = True) -> tuple[torch.Tensor, int, float]:
     """One layer's aggregate ``W (out, in)`` from damped factors ``Bs[c] (out, out)``, ``As[c] (in, in)``,
-    MAPs ``Ws[c] (out, in)`` and weights ``f (C,)``; returns ``(W, iterations, relative residual)``.
-
-    Solves ``Σ_c f_c B_c W A_c = Σ_c f_c B_c W_c A_c`` by preconditioned conjugate gradients,
-    starting from (and preconditioned by) ``B̄⁻¹ · Ā⁻¹``; ``newton=False`` returns that start."""
-    def op(X: torch.Tensor) -> torch.Tensor:
-        return sum(fc * (B @ X @ A) for fc, B, A in zip(f, Bs, As))
-
+    MAPs ``Ws[c] (out, in)`` and weights ``f (C,)``; returns ``(W, iterations, relative residual)``:
+    ``Σ_c f_c B_c W A_c = Σ_c f_c B_c W_c A_c`` by preconditioned conjugate gradients
+    (:func:`~posterior_fusion.fusion.layer_solve.solve_kron_sum`) from the authors' expectation
+    approximation ``B̄⁻¹ Z Ā⁻¹``; ``newton=False`` returns that start."""
     Z = sum(fc * (B @ W @ A) for fc, B, A, W in zip(f, Bs, As, Ws))
-    iB, iA = _inverse(sum(fc * B for fc, B in zip(f, Bs))), _inverse(sum(fc * A for fc, A in zip(f, As)))
-
-    def precondition(R: torch.Tensor) -> torch.Tensor:
-        return iB @ R @ iA
-
-    X = precondition(Z)
-    norm_z = Z.norm().clamp_min(1e-300)
-    R = Z - op(X)
-    residual = float(R.norm() / norm_z)
-    if not newton:
-        return X, 0, residual
-    P = Y = precondition(R)
-    ry = (R * Y).sum()
-    it = 0
-    while residual > tolerance and it < max_iterations:
-        Q = op(P)
-        step = ry / (P * Q).sum()
-        X, R = X + step * P, R - step * Q
-        residual = float(R.norm() / norm_z)
-        it += 1
-        Y = precondition(R)
-        ry, ry_old = (R * Y).sum(), ry
-        P = Y + (ry / ry_old) * P
-    return X, it, residual
+    return solve_kron_sum(Bs, As, f, Z, tolerance=tolerance, max_iterations=max_iterations if newton else 0)
 
 
 def aggregate(inputs: FusionInputs, settings: FedLPASettings, newton: bool) -> tuple[torch.Tensor, dict]:
