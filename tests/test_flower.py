@@ -88,6 +88,8 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
         files.append(tmp_path / f"file_{c}.h5")
         fit_to_artifact(SETTINGS, silos / f"client_{c}.h5", files[-1])
     flower_file = {c["reported_partition_id"]: out / c["file"] for c in clients}
+    assert all((out / f"silo_{p}.h5").samefile(flower_file[p]) for p in range(3))  # named after the silo too
+    assert sorted(c["silo_file"] for c in clients) == ["silo_0.h5", "silo_1.h5", "silo_2.h5"]
     for a, b in zip(files, [flower_file[p] for p in range(3)]):
         ca, cb = posterior_fusion.load(a).components, posterior_fusion.load(b).components
         for u, v in zip(ca, cb, strict=True):

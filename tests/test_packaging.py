@@ -25,8 +25,9 @@ def test_wheel_in_a_fresh_environment_runs_the_demo(tmp_path):
     wheel = glob.glob(str(wheel_dir / "posterior_fusion-*.whl"))[0]
     fresh = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True, timeout=120)
-    # --ignore-installed: never uninstall the project's own (editable) install from this environment
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--prefix",
+    # offline (--no-index: the local wheel only); --ignore-installed: never uninstall the project's own
+    # (editable) install from this environment
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--ignore-installed", "--prefix",
                     str(fresh), wheel], check=True, capture_output=True, timeout=300)
     # Dependencies (torch, h5py, ...) come from the project environment's site-packages; a path added
     # through a .pth file is not a site dir, so the project's own editable install stays inactive.

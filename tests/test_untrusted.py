@@ -303,6 +303,17 @@ def test_flower_replies_are_typed_and_named_by_the_server(tmp_path, kron_artifac
     assert any("client 4: reply rejected (reply has no valid 'artifact' record" in m for m in logs)
     with pytest.raises(FederationError, match="distinct"):
         collect_replies([Reply(0, good), Reply(0, good)], tmp_path / "dup", "skip", logs.append)
+    # second names after the reported partition: only an id claimed by exactly one accepted node
+    from posterior_fusion.flower.federation import name_by_silo
+
+    out = tmp_path / "out"
+    (out / "silo_7.h5").symlink_to(tmp_path / "elsewhere.h5")  # an earlier round's name: replaced, not followed
+    replies[3].reported_partition_id = 7
+    named = name_by_silo(replies, paths, out, logs.append)
+    assert named == {"client_3.h5": "silo_7.h5"} and not (out / "silo_0.h5").exists()
+    assert any("all report partition id 0: no silo_0.h5" in m for m in logs)
+    assert not (out / "silo_7.h5").is_symlink() and (out / "silo_7.h5").samefile(out / "client_3.h5")
+    assert not (tmp_path / "elsewhere.h5").exists()
 
 
 def test_flower_reply_over_the_memory_budget_is_skipped(tmp_path, kron_artifact):

@@ -235,6 +235,32 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
     return accepted
 
 
+def name_by_silo(replies: list[Reply], accepted: list[Path], out_dir: Path,
+                 log: Callable[[str], None] = print) -> dict[str, str]:
+    """Give each accepted file a second name after the partition its node reported: a hard link
+    ``out_dir/silo_<id>.h5`` to the server's ``client_<key>.h5`` (which stays the name of record), for
+    every id reported by exactly one accepted node (ids are integers checked on receipt, so the
+    name is always a plain file name in ``out_dir``). Links of an earlier round are replaced, never
+    followed. Returns ``{client file: silo file}``."""
+    names = {p.name for p in accepted}
+    ok = [r for r in replies if f"client_{r.key}.h5" in names and r.reported_partition_id is not None]
+    claims: dict[int, list[Reply]] = {}
+    for r in ok:
+        claims.setdefault(r.reported_partition_id, []).append(r)
+    out = {}
+    for pid, rs in sorted(claims.items()):
+        if len(rs) > 1:
+            log(f"clients {', '.join(str(r.key) for r in rs)} all report partition id {pid}: no silo_{pid}.h5")
+            continue
+        target, link = out_dir / f"client_{rs[0].key}.h5", out_dir / f"silo_{pid}.h5"
+        tmp = out_dir / f".silo_{pid}.h5.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)
+        os.link(target, tmp)
+        os.replace(tmp, link)  # replaces an earlier link (or a symlink) itself
+        out[target.name] = link.name
+    return out
+
+
 def exchange(grid: Grid, messages: list[Message], keys: list[int], timeout_s: float = 0.0,
              log: Callable[[str], None] = print, poll_s: float = 1.0) -> tuple[dict[int, Message], dict[int, str]]:
     """Send ``messages`` (the k-th for server key ``keys[k]``) and collect the replies.
@@ -280,7 +306,8 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
 
     Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
-    node-id order), never from reply content. ``round_timeout``: seconds to wait for replies
+    node-id order), never from reply content; a file whose node reported a partition id no other
+    node reported also gets the name ``silo_<id>.h5`` (a hard link: :func:`name_by_silo`). ``round_timeout``: seconds to wait for replies
     (0 = until every node answered or Flower reported it unavailable). The global artifact's
     metadata ``federation.left_out`` records every node left out and why."""
     if on_bad_reply not in BAD_REPLY_POLICIES:
@@ -307,6 +334,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
         log(f"{len(missing)} node(s) did not reply; continuing without them")
     replies = [reply_from_message(k, m) for k, m in sorted(answers.items())]
     paths = collect_replies(replies, out, on_bad_reply, log, max_memory)
+    silo_files = name_by_silo(replies, paths, out, log)
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
                                 val_path, log=log, max_memory=max_memory, robust=robust)
     by_name = {f"client_{r.key}.h5": r for r in replies}
@@ -315,7 +343,8 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
                  for r in replies if f"client_{r.key}.h5" not in {p.name for p in paths}]
     meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],
                           "clients": [{"file": p.name, "node_id": by_name[p.name].node_id,
-                                       "reported_partition_id": by_name[p.name].reported_partition_id}
+                                       "reported_partition_id": by_name[p.name].reported_partition_id,
+                                       "silo_file": silo_files.get(p.name)}
                                       for p in paths],
                           "left_out": sorted(left_out, key=lambda d: d["key"]),
                           "settings": json.loads(settings.to_json())}
