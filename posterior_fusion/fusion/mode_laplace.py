@@ -48,7 +48,8 @@ def responsibilities(clients: list[ClientPosterior], temperatures: list[float], 
 
 
 def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
-                    server_prior_precision: float, W: torch.Tensor) -> tuple[list[BlockDiag], list[list[float]]]:
+                    server_prior_precision: float, W: torch.Tensor,
+                    show_progress: bool = True) -> tuple[list[BlockDiag], list[list[float]]]:
     """Raw curvature ``Σ_c Σ_m r_cm s_c G_cm`` at each row of ``W`` (a BlockDiag;
     ``.precision(1, λ0)`` is ``Λ*``), and per mode the relative Frobenius error of each block's
     representation (0 = exact)."""
@@ -58,7 +59,7 @@ def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], p
     weights = torch.cat([r.double() / t for r, t in zip(resp, temperatures)], dim=1)
     blocks_per_comp = [comp.curvature.blocks for c in clients for comp in c.components]
     per_block = []  # per block position, K (block, error) pairs: one call shares the work of the K modes
-    for j, proto in enumerate(progress(ref.blocks, "Laplace at the modes", len(ref.blocks))):
+    for j, proto in enumerate(progress(ref.blocks, "Laplace at the modes", len(ref.blocks), show=show_progress)):
         per_block.append(BLOCK_TYPES[proto.kind].weighted_sums([bs[j] for bs in blocks_per_comp], weights))
     precisions = [BlockDiag([pb[k][0] for pb in per_block]) for k in range(W.shape[0])]
     errors = [[pb[k][1] for pb in per_block] for k in range(W.shape[0])]

@@ -36,7 +36,8 @@ class StackedGaussians:
     """
 
     def __init__(self, components: list[Component], scale: float | list[float], shift: float | list[float],
-                 dtype: torch.dtype = torch.float32, lowrank_tol: float = 0.0, kernel: str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, lowrank_tol: float = 0.0, kernel: str | None = None,
+                 show_progress: bool = True) -> None:
         if not components:
             raise IncompatibleArtifactsError("no components to stack")
         ref = components[0].curvature
@@ -51,7 +52,8 @@ class StackedGaussians:
         self.dtype = dtype
         mus = torch.stack([c.map.to(dtype) for c in components])  # (N, d)
         self.blocks = []
-        blocks = progress(list(zip(ref.blocks, ref.offsets)), f"stacking {self.num} components", len(ref.blocks))
+        blocks = progress(list(zip(ref.blocks, ref.offsets)), f"stacking {self.num} components", len(ref.blocks),
+                          show=show_progress)
         for j, (proto, off) in enumerate(blocks):
             if proto.kind not in STACKERS:
                 raise IncompatibleArtifactsError(f"block kind {proto.kind!r} has no batched evaluation "

@@ -85,7 +85,7 @@ class GlobalLogPosterior:
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                  server_prior_precision: float, dtype: torch.dtype = torch.float32, lowrank_tol: float = 0.0,
                  kernel: str | None = None, device: str = "cpu", chunk_bytes: int | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, show_progress: bool = True) -> None:
         comps, scales, shifts, self.groups = [], [], [], []
         for c, t, lam in zip(clients, temperatures, prior_precisions):
             start = len(comps)
@@ -93,7 +93,7 @@ class GlobalLogPosterior:
             scales.extend([1.0 / t] * c.num_components)
             shifts.extend([lam] * c.num_components)
             self.groups.append((start, len(comps)))
-        self.stack = StackedGaussians(comps, scales, shifts, dtype, lowrank_tol, kernel).to(device)
+        self.stack = StackedGaussians(comps, scales, shifts, dtype, lowrank_tol, kernel, show_progress).to(device)
         d = self.stack.dim
         self.d = d
         log_pi = torch.cat([torch.log(c.weights).to(dtype) for c in clients])
@@ -243,7 +243,8 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     lams = [inputs.prior_precision(c) for c in inputs.clients]
     lam0 = inputs.server_prior_precision()
     objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
-                                   kernel=inputs.options.kernel, device=inputs.options.device)
+                                   kernel=inputs.options.kernel, device=inputs.options.device,
+                                   show_progress=inputs.options.progress)
     starts = {"median": lambda: median_starts(inputs, modes), "clients": lambda: client_starts(inputs),
               "median+clients": lambda: torch.cat([median_starts(inputs, modes), client_starts(inputs)])}
     if settings.solver == "em":
@@ -254,7 +255,7 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     info = {"history": history, "kron_ranks": objective.stack.ranks}
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
-    curvatures, errors = mode_precisions(clients, temps, lams, lam0, best)
+    curvatures, errors = mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)
     with torch.no_grad():
         values = objective(best.to(inputs.options.device)).cpu()
     precisions = [c.precision(1.0, lam0) for c in curvatures]

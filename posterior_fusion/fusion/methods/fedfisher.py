@@ -16,7 +16,7 @@ def fedfisher(inputs: FusionInputs, settings: OptimiserSettings) -> FusionResult
     m = inputs.options.component
     opts = inputs.options
     stack = StackedGaussians([c.components[m] for c in inputs.clients], scale=1.0, shift=0.0,
-                             kernel=opts.kernel).to(opts.device)
+                             kernel=opts.kernel, show_progress=opts.progress).to(opts.device)
 
     def objective(W):
         return 0.5 * stack.quadratic_forms(W).sum(-1)

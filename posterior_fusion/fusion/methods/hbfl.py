@@ -103,7 +103,7 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
     if inputs.clients[0].structure == "kron":
         opts = inputs.options
         stack = StackedGaussians(comps, scale=[float(qk) / t for qk, t in zip(q, temps)], shift=0.0,
-                                 kernel=opts.kernel).to(opts.device)
+                                 kernel=opts.kernel, show_progress=opts.progress).to(opts.device)
 
         linear = extra.float().to(opts.device)
 
