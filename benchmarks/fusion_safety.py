@@ -41,9 +41,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", required=True)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip", default="", help="comma-separated substrings of variant labels to leave out")
+    ap.add_argument("--skip", default="", help="semicolon-separated substrings of variant labels to leave out")
     args = ap.parse_args()
-    skip = [t for t in args.skip.split(",") if t]
+    skip = [t for t in args.skip.split(";") if t]
     folder = Path(args.clients)
     paths = sorted(folder.glob("post_*.h5"))
     test = read_silo(folder / "test.h5")
