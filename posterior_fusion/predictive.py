@@ -63,11 +63,17 @@ GLM_BYTES_PER_JACOBIAN_ENTRY = 48  # J (float32), its whitened float64 copy, the
 def glm_batch_size(num_classes: int, dim: int, max_memory: int | str | None = None, largest: int = 32) -> int:
     """Samples per batch of the GLM predictive so one batch's Jacobians fit in a quarter of the
     budget; refuses (one line) when even one sample does not fit."""
-    per_sample = num_classes * dim * GLM_BYTES_PER_JACOBIAN_ENTRY
+    return batch_within_budget(num_classes * dim * GLM_BYTES_PER_JACOBIAN_ENTRY, largest,
+                               "the GLM predictive (the Jacobians of one sample)", max_memory)
+
+
+def batch_within_budget(per_sample: int, largest: int, what: str, max_memory: int | str | None) -> int:
+    """Samples per batch: ``largest``, or fewer so a batch of ``per_sample`` bytes each fits in a
+    quarter of the memory budget; refuses (one line, naming ``what``) when one sample does not."""
     limit = budget.resolve_limit(max_memory)
     if limit is None:
         return largest
-    budget.require(per_sample, "the GLM predictive (the Jacobians of one sample)", limit // 4)
+    budget.require(per_sample, what, limit // 4)
     return max(1, min(largest, limit // 4 // per_sample))
 
 
@@ -147,21 +153,11 @@ def structured_batch_size(model: nn.Module, x: torch.Tensor, num_classes: int, l
     quarter of the memory budget for what one sample keeps: C output gradients of every layer
     (float32) beside the activations, and one parameter's Jacobian ``(C, numel)`` with its whitened
     float64 copy; refuses (one line) when one sample does not fit."""
-    outputs: list[int] = []
-    handles = [m.register_forward_hook(lambda m, i, o: outputs.append(o.numel() if isinstance(o, torch.Tensor) else 0))
-               for m in model.modules() if not list(m.children())]
-    try:
-        with torch.no_grad():
-            model(x[:1])
-    finally:
-        for h in handles:
-            h.remove()
-    per_sample = 4 * (num_classes + 2) * sum(outputs) + 12 * num_classes * largest_parameter
-    limit = budget.resolve_limit(max_memory)
-    if limit is None:
-        return STRUCTURED_BATCH
-    budget.require(per_sample, "the GLM predictive (one sample's layer Jacobians)", limit // 4)
-    return max(1, min(STRUCTURED_BATCH, limit // 4 // per_sample))
+    from posterior_fusion.local.fastcapture import output_bytes
+
+    per_sample = (num_classes + 2) * sum(output_bytes(model, x[:1])) + 12 * num_classes * largest_parameter
+    return batch_within_budget(per_sample, STRUCTURED_BATCH, "the GLM predictive (one sample's layer Jacobians)",
+                               max_memory)
 
 
 def structured_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,

@@ -452,18 +452,23 @@ def _pass_size(model: nn.Module, x: torch.Tensor, batch_size: int) -> int:
     saved tensors and the output gradients) would exceed :data:`PASS_BYTES`. The captured sums do
     not depend on how the samples are grouped (MC labels are drawn row by row from the same
     generator), so this bounds the peak memory of large models without changing the result."""
+    per_sample = max(1, 2 * sum(output_bytes(model, x[:1])))
+    return max(1, min(batch_size, PASS_BYTES // per_sample))
+
+
+def output_bytes(model: nn.Module, x: torch.Tensor) -> list[int]:
+    """Bytes of every leaf module's output for the input ``x`` (one forward pass without gradients)."""
     sizes: list[int] = []
     handles = [m.register_forward_hook(lambda m, i, o: sizes.append(o.numel() * o.element_size()
                                                                    if isinstance(o, torch.Tensor) else 0))
                for m in model.modules() if not list(m.children())]
     try:
         with torch.no_grad():
-            model(x[:1])
+            model(x)
     finally:
         for h in handles:
             h.remove()
-    per_sample = max(1, 2 * sum(sizes))
-    return max(1, min(batch_size, PASS_BYTES // per_sample))
+    return sizes
 
 
 def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str):
