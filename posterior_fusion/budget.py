@@ -58,5 +58,13 @@ def require(need: int, what: str, max_memory: int | str | None = None) -> None:
                                  "(`max_memory`, default 80% of available memory)")
 
 
+def require_device(need: int, what: str, free: int) -> None:
+    """Refuse ``what`` when its estimated GPU working set ``need`` (bytes) exceeds 90% of the GPU
+    memory that is ``free`` now (``torch.cuda.mem_get_info``)."""
+    if need > 0.9 * free:
+        raise ResourceLimitError(f"{what} needs about {_size(need)} of GPU memory, over 90% of the "
+                                 f"{_size(free)} free on the GPU now (`device` cpu runs it in host memory)")
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**30:.3g} GiB"  # 0.00781 GiB, never "0.01 over 0.01"

@@ -457,6 +457,29 @@ def test_fuse_memory_estimate_follows_the_fedbens_chunks():
     assert estimate(40, "fedfisher") - estimate(5, "fedfisher") == 4 * 175 * d * 4
 
 
+def test_fuse_on_the_gpu_is_refused_when_its_working_set_exceeds_the_free_gpu_memory(fitted, monkeypatch):
+    """`device` cuda checks the GPU's own working set (stacked curvature, the method's work, members)
+    against the memory free on the GPU before anything is loaded; one line naming the GPU."""
+    from posterior_fusion.artifact.reader import declared_bytes
+    from posterior_fusion.errors import ResourceLimitError
+    from posterior_fusion.fusion.resources import estimate_device_bytes
+
+    folder, paths = fitted
+    headers = [declared_bytes(p) for p in paths]
+    settings = get_method("fedbens").settings()
+    need = estimate_device_bytes(headers, "fedbens", settings)
+    d, K = headers[0]["num_params"], headers[0]["num_components"]
+    assert need == 2 * sum(h["data_bytes"] for h in headers) + get_method("fedbens").work_bytes(
+        settings, posterior_fusion.fusion.types.FuseSize(d, len(headers), K)) + K * d * 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (need, 80 * 2**30))  # 90 % of it is too little
+    loaded = []
+    monkeypatch.setattr(posterior_fusion.fusion.from_files, "load_client", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ResourceLimitError, match="of GPU memory, over 90% of the .* free on the GPU"):
+        fuse(paths, "fedbens", FusionOptions(device="cuda", progress=False))
+    assert not loaded  # refused before any artifact is loaded
+
+
 def diag_full_random_clients(C: int, M: int, seed: int):
     """Random diag+full clients on TINY: a diagonal block over W1, b1 and a dense block over W2, b2."""
     gen = torch.Generator().manual_seed(seed)

@@ -15,7 +15,7 @@ from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, Sch
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.from_posteriors import fuse_clients, method_settings
 from posterior_fusion.fusion.registry import get_method
-from posterior_fusion.fusion.resources import estimate_fuse_bytes
+from posterior_fusion.fusion.resources import estimate_device_bytes, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.fusion.tuning import tune_fusion
@@ -55,6 +55,12 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     data = [silo_header(p) for p in (val_path, unlabeled_path) if p]
     need = estimate_fuse_bytes(headers, method, chosen, sum(h.load_bytes for h in data), sum(h.n for h in data))
     budget.require(need, f"fusing these {len(headers)} artifacts with {method}", max_memory)
+    if options.device == "cuda":  # the GPU's own working set, against what is free on it now
+        import torch
+
+        budget.require_device(estimate_device_bytes(headers, method, chosen),
+                              f"fusing these {len(headers)} artifacts with {method} on the GPU",
+                              torch.cuda.mem_get_info()[0])
     clients = [load_client(p, max_memory) for p in client_paths]
     k = clients[0].model_spec.num_classes
     val = read_silo(val_path, num_classes=k, max_memory=max_memory) if val_path else None

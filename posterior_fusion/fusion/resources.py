@@ -27,3 +27,13 @@ def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettin
     total += 2 * members * size.d * 4
     total += 4 * data_bytes + members * data_rows * num_classes * 4
     return int(total)
+
+
+def estimate_device_bytes(headers: list[dict], method: str, settings: MethodSettings) -> int:
+    """The GPU's working set of a fusion on ``device="cuda"``: the stacked float32 copies of every
+    client's curvature and MAPs and their eigendecompositions (2x the artifacts' tensors), the
+    method's own working set and its members (the data and the results stay on the CPU)."""
+    entry = get_method(method)
+    size = FuseSize(headers[0]["num_params"], len(headers), max(h["num_components"] for h in headers))
+    return int(2 * sum(h["data_bytes"] for h in headers) + entry.work_bytes(settings, size)
+               + entry.members(settings, size) * size.d * 4)
