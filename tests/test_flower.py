@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -193,3 +195,19 @@ def test_ppd_settings_and_a_node_s_private_model():
 
     with pytest.raises(ConfigError, match="private-model-kwargs"):
         node_private_model(SimpleNamespace(node_config={"private-model": "mlp", "private-model-kwargs": "{bad"}))
+
+
+def test_importing_the_flower_integration_silences_rays_notice_only():
+    """Ray's "Tip: In future versions of Ray …" FutureWarning (printed by every simulation's ray.init)
+    is filtered once the integration is imported; other FutureWarnings still show."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, posterior_fusion.flower\n"
+            "warnings.warn('Tip: In future versions of Ray, Ray will no longer override accelerator visible "
+            "devices env var', FutureWarning)\n"
+            "warnings.warn('another future change', FutureWarning)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"})
+    assert out.returncode == 0, out.stderr
+    assert "Tip: In future versions of Ray" not in out.stderr and "another future change" in out.stderr
