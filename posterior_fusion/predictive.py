@@ -109,8 +109,7 @@ def units(precision: Precision, sizes: list[int]) -> list[tuple[int, int, BlockD
             raise ConfigError(f"a {b.kind} block does not cover whole parameters")
         first, end = where[off], where[off + b.dim]
         if isinstance(b, Diag):
-            out.extend((k, k + 1, Diag(b.g[bounds[k] - off: bounds[k + 1] - off], b.scale, b.shift))
-                       for k in range(first, end))
+            out.extend((k, k + 1, restricted(precision, bounds[k], bounds[k + 1])) for k in range(first, end))
         else:
             out.append((first, end, b))
     return out

@@ -23,6 +23,7 @@ import torch
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.curvature import Diag, Kron
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
+from posterior_fusion.fusion.mode_laplace import component_log_densities
 from posterior_fusion.progress import progress
 
 
@@ -31,22 +32,19 @@ class MixtureProduct:
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                  server_prior_precision: float) -> None:
+        self.clients, self.temperatures, self.prior_precisions = clients, temperatures, prior_precisions
         self.precisions = [[comp.curvature.astype(torch.float64).precision(t, lam) for comp in c.components]
                            for c, t, lam in zip(clients, temperatures, prior_precisions)]
         self.maps = [[comp.map.double() for comp in c.components] for c in clients]
-        self.log_norm = [torch.tensor([math.log(float(p)) + 0.5 * float(P.logdet()) for p, P in zip(c.weights, row)],
-                                      dtype=torch.float64) for c, row in zip(clients, self.precisions)]
         self.excess = math.fsum(prior_precisions) - float(server_prior_precision)  # over-counted prior
         self.lam0 = float(server_prior_precision)
 
     def responsibilities(self, w: torch.Tensor) -> tuple[list[torch.Tensor], float]:
         """``r_c`` ``(M_c,)`` per client at ``w`` ``(d,)`` and ``E(w)`` (up to the constant)."""
-        rs, value = [], -0.5 * self.excess * float(w.square().sum())
-        for row, maps, norm in zip(self.precisions, self.maps, self.log_norm):
-            logits = norm - 0.5 * torch.stack([P.quadratic_form(w - mu) for P, mu in zip(row, maps)])
-            value -= float(torch.logsumexp(logits, 0))
-            rs.append(torch.softmax(logits, 0))
-        return rs, value
+        logits = [row[0] for row in component_log_densities(self.clients, self.temperatures, self.prior_precisions,
+                                                             w[None])]
+        value = -0.5 * self.excess * float(w.square().sum()) - sum(float(torch.logsumexp(g, 0)) for g in logits)
+        return [torch.softmax(g, 0) for g in logits], value
 
     def solve(self, rs: list[torch.Tensor], start: torch.Tensor, tolerance: float = 1e-10) -> torch.Tensor:
         """The bound's minimiser ``(d,)`` for responsibilities ``rs``, block by block."""

@@ -27,8 +27,17 @@ from posterior_fusion.progress import progress
 
 def responsibilities(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                      W: torch.Tensor) -> list[torch.Tensor]:
-    """Per client, ``(K, M_c)`` component responsibilities at the K points ``W`` ``(K, d)``, in float64
-    one block at a time (from the blocks' cached decompositions: no float64 copy of every factor)."""
+    """Per client, ``(K, M_c)`` component responsibilities at the K points ``W`` ``(K, d)``: the softmax of
+    :func:`component_log_densities`."""
+    return [torch.softmax(log_comp, dim=-1)
+            for log_comp in component_log_densities(clients, temperatures, prior_precisions, W)]
+
+
+def component_log_densities(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
+                            W: torch.Tensor) -> list[torch.Tensor]:
+    """Per client, ``(K, M_c)``: ``log π_cm + ½ log|Λ_cm| − ½ (w − ŵ_cm)ᵀ Λ_cm (w − ŵ_cm)`` at the K points
+    ``W`` ``(K, d)`` (the component log-densities up to −d/2 log 2π), in float64 one block at a time
+    (from the blocks' cached decompositions: no float64 copy of every factor)."""
     out = []
     W = W.detach().double()
     for c, t, lam in zip(clients, temperatures, prior_precisions):
@@ -42,8 +51,7 @@ def responsibilities(clients: list[ClientPosterior], temperatures: list[float], 
                 logdet = logdet + prec.logdet()
                 q = q + prec.quadratic_form(V[:, off : off + block.dim])
             cols.append(0.5 * logdet - 0.5 * q)
-        log_comp = torch.log(c.weights.double())[None] + torch.stack(cols, dim=1)
-        out.append(torch.softmax(log_comp, dim=-1))
+        out.append(torch.log(c.weights.double())[None] + torch.stack(cols, dim=1))
     return out
 
 
