@@ -18,6 +18,7 @@ from posterior_fusion.local.capture import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.recapture import REFRESH_DAMPING
 from posterior_fusion.models import ModelSpec
 
 FIT = FitConfig()
@@ -146,8 +147,17 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
               help="Client artifact (from fit-local) whose trained components are reused.")
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
               help="The silo the artifact was fitted on (its SHA-256 is checked against the artifact's).")
-@click.option("--structure", required=True, type=click.Choice(STRUCTURES),
-              help="Curvature structure to capture at every component MAP.")
+@click.option("--structure", default=None, type=click.Choice(STRUCTURES),
+              help="Curvature structure to capture at every component MAP [default: the source artifact's].")
+@click.option("--at", "at_path", default=None, type=click.Path(dir_okay=False),
+              help="Refresh round: a fused global artifact (from fuse) of the same model; the curvature is taken "
+                   "at each of its members instead of the local MAPs, each component becoming the Gauss-Newton "
+                   "Gaussian of the silo's posterior there (one gradient pass and one capture per member, no "
+                   "training); fuse the refreshed artifacts again [default: no refresh, the local MAPs].")
+@click.option("--damping", default=None, type=float,
+              help="Refresh round only (--at): per-sample damping d of the step from each member to the component's "
+                   "centre (Levenberg-Marquardt; Kronecker blocks (B + n d I) x (A + d I)); 0: the plain "
+                   f"Gauss-Newton centre, which overshoots [default: {REFRESH_DAMPING}].")
 @click.option("--ggn", default=None, type=click.Choice(GGN_TYPES),
               help="exact or mc GGN [default: the source artifact's].")
 @click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
@@ -158,18 +168,25 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 @lambda fn: fit_options(fn, only=("kfac", "device", "compress"))
 @max_memory_option
 @handle_errors
-def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_batch_size, out, as_json, kfac, device,
-                  compress, max_memory):
+def recapture_cmd(source_path, data_path, structure, at_path, damping, ggn, capture, curvature_batch_size, out, as_json,
+                  kfac, device, compress, max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
-    and --structure would have written, for the cost of the capture alone.
+    and --structure would have written, for the cost of the capture alone. With --at GLOBAL it is
+    the silo's half of a refresh round: curvature and gradient at the fused modes.
     """
     from posterior_fusion.local.recapture import recapture_to_file
 
+    if damping is not None and at_path is None:
+        raise ConfigError("--damping applies to a refresh round only (--at GLOBAL)")
+    damping = REFRESH_DAMPING if damping is None else damping
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
-                             max_memory, log=log_to_stderr, kfac=kfac, device=device, compress=compress)
+                             max_memory, log=log_to_stderr, kfac=kfac, device=device, compress=compress,
+                             at_path=at_path, damping=damping)
     if as_json:
-        echo_json({"out": out, "structure": structure, "n_data": meta["n_data"], "recaptured_from": meta["recaptured_from"]})
+        echo_json({"out": out, "structure": meta["structure"], "n_data": meta["n_data"],
+                   "recaptured_from": meta["recaptured_from"], "refreshed_at": meta.get("refreshed_at")})
     else:
-        say(f"wrote {out}: structure {structure}, n={meta['n_data']} (recaptured from {source_path})")
+        where = f", refreshed at the {meta['refreshed_at']['members']} members of {at_path}" if at_path else ""
+        say(f"wrote {out}: structure {meta['structure']}, n={meta['n_data']} (recaptured from {source_path}{where})")

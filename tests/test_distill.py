@@ -92,3 +92,59 @@ def test_fedbe_dirichlet_samples_are_convex_combinations(clients):
         torch.testing.assert_close(W.T @ gamma, s.double(), rtol=1e-4, atol=1e-5)
         assert (gamma > -1e-4).all() and gamma.sum().item() == pytest.approx(1.0, abs=1e-4)
     assert res.info["distribution"] == "dirichlet"
+
+
+def test_distill_members_starts_from_the_candidate_that_fits_the_soft_labels(clients, monkeypatch):
+    """``--distill`` starts from the best of {mean, each member}: most top-1 agreement with the
+    teachers, ties broken by cross-entropy to the sharpened soft labels — computed here model by
+    model with ``torch.nn`` (independent of batched_logits); identical members pick the mean
+    (FedBE's start)."""
+    from torch.nn.utils import vector_to_parameters
+
+    from posterior_fusion.fusion import distill as mod
+
+    _, _, loaded = clients
+    spec = loaded[0].model_spec
+    members = [c.components[0].map for c in loaded]
+    x = torch.rand(50, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    seen = {}
+
+    def fake(spec_, teachers, start, x_, cfg, generator, show):
+        seen["start"] = start.clone()
+        return start.clone(), {}
+
+    monkeypatch.setattr(mod, "distill", fake)
+    targets = soft_labels(spec, torch.stack(members), x, 2.0)
+    candidates = [torch.stack(members).mean(0), *members]
+    keys = []
+    for w in candidates:
+        net = spec.build()
+        vector_to_parameters(w.float(), net.parameters())
+        with torch.no_grad():
+            logp = torch.log_softmax(net(x), -1)
+        keys.append((-(logp.argmax(-1) == targets.argmax(-1)).float().mean().item(),
+                     -(targets * logp).sum(-1).mean().item()))
+    _, record = mod.distill_members(spec, members, x, show_progress=False)
+    best = min(range(len(keys)), key=lambda i: (round(keys[i][0], 6), keys[i][1]))
+    torch.testing.assert_close(seen["start"], candidates[best].float())
+    assert record["start"] == ("mean" if best == 0 else f"member {best - 1}")
+    assert record["start_agreement"] == pytest.approx(-keys[best][0])
+    _, record = mod.distill_members(spec, [members[1]] * 3, x, show_progress=False)
+    assert record["start"] == "mean"
+    torch.testing.assert_close(seen["start"], members[1].float())
+
+
+def test_agreement_prefers_a_member_to_a_near_uniform_mean(clients):
+    """Two members that disagree everywhere average to a network that predicts near-uniformly:
+    cross-entropy to the soft labels can prefer it, top-1 agreement does not."""
+    from posterior_fusion.fusion.distill import fit_to_soft_labels
+
+    _, _, loaded = clients
+    spec = loaded[0].model_spec
+    w = loaded[0].components[0].map
+    x = torch.rand(64, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+    targets = soft_labels(spec, w[None], x, 2.0)
+    uniform = torch.zeros_like(w)  # every logit 0: the uniform prediction, cross-entropy log 10
+    agree, ce = fit_to_soft_labels(spec, torch.stack([uniform, w]), x, targets)
+    assert agree[1] == 1.0 and agree[0] < 1.0
+    assert ce[0] == pytest.approx(float(torch.log(torch.tensor(10.0))), rel=1e-5)

@@ -566,3 +566,52 @@ def test_damping_is_tikhonov_on_the_factors_and_bounds_the_modes():
     n = torch.tensor([float(c.n_data) for c in cl], dtype=torch.float64)
     fedavg_ = (n[:, None] * torch.stack([c.components[0].map for c in cl])).sum(0) / n.sum()
     torch.testing.assert_close(run(1e5), fedavg_, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
+def test_trust_region_stays_in_its_region_and_is_plain_em_inside(structure):
+    """fedbens `solver=em, trust_radius=ρ`: with a weak server prior the over-counted client priors
+    send the unconstrained minimiser far beyond every client MAP. With ρ below its distance, the mode
+    lies on the region's boundary ½(w−s)ᵀΛ̄(w−s)/N = ρ (Λ̄ = Σ_c Λ_c, dense float64) and satisfies the
+    trust-region optimality condition H w − b = −ν Λ̄ (w − s) with ν ≥ 0; with ρ above it, the mode
+    is plain EM's. With mixtures every iterate stays inside and the objective never rises."""
+    from posterior_fusion.fusion.em import MixtureProduct, em_modes
+
+    T, lams, lam0 = 50.0, [2.0, 2.0, 2.0], 0.02  # flat likelihoods: the over-counted priors dominate
+    one = _clients(structure, C=3, M=1, seed=11)
+    prod = MixtureProduct(one, [T] * 3, lams, lam0)
+    d = TINY_LAYOUT.dim
+    Ls = [torch.block_diag(*[b.to_dense() for b in c.components[0].curvature.blocks]) / T + 2.0 * torch.eye(d, dtype=torch.float64)
+          for c in one]
+    H = sum(Ls) - (sum(lams) - lam0) * torch.eye(d, dtype=torch.float64)
+    b = sum(L @ c.components[0].map for L, c in zip(Ls, one))
+    free = torch.linalg.solve(H, b)
+    assert free.norm() > 3 * max(float(c.components[0].map.norm()) for c in one)  # far from every MAP
+    s = torch.stack([c.components[0].map for c in one]).median(0).values
+    Lbar, N = sum(Ls), float(sum(c.n_data for c in one))
+    dist = lambda w: float(0.5 * (w - s) @ Lbar @ (w - s) / N)  # noqa: E731
+    rho = 0.2 * dist(free)
+    modes, hist = em_modes(prod, s.float()[None], iterations=50, tolerance=1e-9, show_progress=False, trust_radius=rho)
+    w = modes[0].double()
+    assert rho * (1 - 5e-3) <= dist(w) <= rho * (1 + 1e-5)
+    g, v = H @ w - b, Lbar @ (w - s)
+    nu = float(-(g @ v) / (v @ v))
+    assert nu > 0 and float((g + nu * v).norm()) <= 2e-3 * float(g.norm())
+    assert all(h.get("distance", 0.0) <= rho * (1 + 1e-5) for h in hist[0])
+    inside, _ = em_modes(prod, s.float()[None], iterations=50, tolerance=1e-9, show_progress=False,
+                         trust_radius=1.5 * dist(free))
+    plain, _ = em_modes(prod, s.float()[None], iterations=50, tolerance=1e-9, show_progress=False)
+    torch.testing.assert_close(inside, plain)
+    torch.testing.assert_close(plain[0].double(), free, rtol=1e-4, atol=1e-4)
+
+    mix = _clients(structure, C=3, M=2, seed=12)
+    prod = MixtureProduct(mix, [T] * 3, lams, lam0)
+    starts = torch.stack([torch.stack([c.components[m].map for c in mix]).median(0).values for m in range(2)]).float()
+    _, free_hist = em_modes(prod, starts, iterations=100, tolerance=1e-9, show_progress=False)
+    _, hist = em_modes(prod, starts, iterations=100, tolerance=1e-9, show_progress=False, trust_radius=0.5)
+    for k in range(2):
+        values = [h["objective"] for h in hist[k]]
+        assert all(b_ <= a + 1e-9 * abs(a) for a, b_ in zip(values, values[1:]))
+        assert all(h["distance"] <= 0.5 * (1 + 1e-5) for h in hist[k][1:])
+    with pytest.raises(posterior_fusion.errors.ConfigError, match="trust_radius needs solver=em"):
+        FedBEnsSettings(trust_radius=1.0).validate()

@@ -97,7 +97,7 @@ def test_fit_local_ppd_stores_students_and_fedppd_averages_them(tmp_path, fmnist
                                    "--set", "distill_epochs=2", "--out", str(tmp_path / "h.h5")])
     assert r.exit_code == 0, r.output
     meta = posterior_fusion.load(tmp_path / "h.h5").metadata
-    assert meta["distill"]["teachers"] == 1 + 4 + 10  # Algorithm 3: w̄, the 4 students, 10 Gaussian draws
+    assert meta["distill"]["teachers"] == 1 + 2 + 10  # Algorithm 3: w̄, the 2 clients' students, 10 Gaussian draws
     # a client without students is refused with the file named
     plain = tmp_path / "plain.h5"
     r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "silo0.h5"), "--model", "mlp", "--model-kwargs",
@@ -138,16 +138,18 @@ def test_fedppd_distill_ensemble_is_algorithm_3s(tmp_path, small_silo, monkeypat
 
     monkeypatch.setattr(mod, "distill", fake_distill)
     unlabeled = SiloData(small_silo.x[:20], None, "fmnist", 10)
-    inputs = FusionInputs(clients, FusionOptions(progress=False, sampling_seed=4), unlabeled=unlabeled)
+    inputs = FusionInputs(clients, FusionOptions(progress=False, sampling_seed=4, component=1), unlabeled=unlabeled)
     result = fedppd_distill(inputs, FedPPDDistillSettings(num_samples=3))
     T = seen["teachers"].double()
-    assert T.shape[0] == 1 + 2 * 2 + 3 and result.info["ensemble"][:2] == ["average", "client 0 student 0"]
-    students = torch.stack([k.student.double() for c in clients for k in c.components])  # (C·M, d)
-    weights = torch.tensor([40 / 160 / 2] * 2 + [120 / 160 / 2] * 2, dtype=torch.float64)[:, None]
+    # one student per client, of component 1 (one shared start); component 0's never enter
+    assert T.shape[0] == 1 + 2 + 3 and result.info["ensemble"][:3] == ["average", "client 0 student 1",
+                                                                         "client 1 student 1"]
+    students = torch.stack([c.components[1].student.double() for c in clients])  # (C, d)
+    weights = torch.tensor([40 / 160, 120 / 160], dtype=torch.float64)[:, None]
     w_bar = (weights * students).sum(0)
     torch.testing.assert_close(T[0], w_bar, rtol=1e-5, atol=1e-6)                  # the averaged student w̄
-    torch.testing.assert_close(T[1:5], students, rtol=0, atol=0)                    # every client student
+    torch.testing.assert_close(T[1:3], students, rtol=0, atol=0)                    # every client student
     var = (weights * (students - w_bar).square()).sum(0)
     draws = w_bar + var.sqrt() * torch.randn(3, w_bar.numel(), generator=torch.Generator().manual_seed(4)).double()
-    torch.testing.assert_close(T[5:], draws, rtol=1e-5, atol=1e-5)                  # S draws from N(w̄, diag var)
+    torch.testing.assert_close(T[3:], draws, rtol=1e-5, atol=1e-5)                  # S draws from N(w̄, diag var)
     torch.testing.assert_close(seen["start"].double(), w_bar, rtol=1e-5, atol=1e-6)  # distilled into w̄

@@ -65,3 +65,103 @@ def test_cli_recapture_and_a_foreign_silo(tmp_path, small_silo, kron_artifact):
     same = CliRunner().invoke(pfuse, ["recapture", "--from", str(out), "--data", str(tmp_path / "silo.h5"),
                                       "--structure", "kron", "--out", str(out)])
     assert same.exit_code == 2 and "must differ" in same.stderr
+
+
+def _dense_ggn_and_gradient(spec, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
+    """Float64 references at ``w``: the GGN Σ_i J_iᵀ (diag p_i − p_i p_iᵀ) J_i ``(d, d)`` from
+    per-sample Jacobians, and ∇ Σ_i CE ``(d,)`` — through torch.func, not the capture code."""
+    from torch.func import functional_call, jacrev, vmap
+
+    model = spec.build().double()
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+
+    def logits(flat, xi):
+        params, i = {}, 0
+        for n, s in zip(names, shapes):
+            params[n] = flat[i : i + s.numel()].reshape(s)
+            i += s.numel()
+        return functional_call(model, params, (xi[None],))[0]
+
+    w = w.double()
+    J = vmap(jacrev(logits), in_dims=(None, 0))(w, x.double())                        # (n, classes, d)
+    p = torch.softmax(vmap(logits, in_dims=(None, 0))(w, x.double()), -1)            # (n, classes)
+    H = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    G = torch.einsum("nkd,nkl,nle->de", J, H, J)
+    g = torch.func.grad(lambda v: torch.nn.functional.cross_entropy(vmap(logits, in_dims=(None, 0))(v, x.double()),
+                                                                     y, reduction="sum"))(w)
+    return G, g
+
+
+def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small_silo):
+    """``recapture --at``: at each global member w*, the diag+full curvature equals a dense float64
+    GGN taken at w* (not at the local MAP), and each component is the Gauss–Newton Gaussian
+    N(ŵ, Λ⁻¹): Λ (w* − ŵ) equals the tempered posterior's gradient g/T + λ w* there."""
+    from posterior_fusion.posterior import GlobalEnsemble
+
+    silo = SiloData(small_silo.x[:120], small_silo.y[:120], "fmnist", 10)
+    _, comps = fit_artifact(tmp_path / "c.h5", silo, "diag+full", kwargs={"hidden": 4}, mixtures=2, epochs=1)
+    source = load_client(tmp_path / "c.h5")
+    gen = torch.Generator().manual_seed(5)
+    members = tuple(c.map + 0.05 * torch.randn(c.map.numel(), generator=gen) for c in source.components)
+    at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"}, members)
+    meta, refreshed = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=0.0)
+    _, damped = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=0.5)
+    assert len(refreshed) == 2 and meta["refreshed_at"] == {"file_sha256": "0" * 64, "method": "fedavg", "members": 2,
+                                                            "damping": 0.0}
+    assert meta["fit_fingerprint"] != source.metadata["fit_fingerprint"]
+    last = 4 * 10 + 10  # the last Linear (hidden 4 → 10 classes): weight and bias
+    for k, (comp, w) in enumerate(zip(refreshed, members)):
+        G, g = _dense_ggn_and_gradient(source.model_spec, w, *silo.tensors())
+        blocks = comp.curvature.blocks
+        torch.testing.assert_close(blocks[0].to_dense().double().diagonal(), G.diagonal()[:-last], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(blocks[1].to_dense().double(), G[-last:, -last:], rtol=1e-4, atol=1e-6)
+        # not the curvature at the local MAP
+        assert not torch.allclose(blocks[1].to_dense(), source.components[k].curvature.blocks[1].to_dense(), rtol=1e-3)
+        T, lam = comp.temperature, comp.prior_precision
+        Lam = comp.curvature.to_dense().double() / T + lam * torch.eye(w.numel(), dtype=torch.float64)
+        want_grad = g / T + lam * w.double()
+        torch.testing.assert_close(Lam @ (w.double() - comp.map.double()), want_grad, rtol=1e-3, atol=1e-3)
+        # Levenberg–Marquardt: the damped precision (G + n·d·I)/T + λI maps the step to the same gradient,
+        # and the component keeps the undamped curvature
+        n = silo.y.shape[0]
+        Lam_d = Lam + n * 0.5 / T * torch.eye(w.numel(), dtype=torch.float64)
+        torch.testing.assert_close(Lam_d @ (w.double() - damped[k].map.double()), want_grad, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(damped[k].curvature.to_dense(), comp.curvature.to_dense())
+        assert (w - damped[k].map).norm() < (w - comp.map).norm()
+        assert comp.training["gradient_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
+        assert comp.swag is None and comp.student is None and comp.training["refreshed_at_member"] == k
+
+
+def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
+    """fuse → recapture --at (structure defaults to the source's) → fuse again; a global artifact of
+    another model and a client artifact as --at are refused with one line naming the file."""
+    from conftest import fit_split
+
+    paths = fit_split(tmp_path, small_silo, 2, 150, "kron", mixtures=1)
+    write_silo(tmp_path / "silo0.h5", SiloData(small_silo.x[:150], small_silo.y[:150], "fmnist", 10))
+    runner = CliRunner()
+    glob = tmp_path / "g.h5"
+    r = runner.invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedavg", "--out", str(glob)])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "refreshed.h5"
+    r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
+                              "--at", str(glob), "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    art = load_client(out)
+    assert art.structure == "kron" and art.num_components == 1 and art.metadata["refreshed_at"]["members"] == 1
+    r = runner.invoke(pfuse, ["fuse", str(out), str(paths[1]), "--method", "fedbens", "--set", "steps=2",
+                              "--out", str(tmp_path / "g2.h5")])
+    assert r.exit_code == 0, r.output
+    others = fit_split(tmp_path, small_silo, 2, 150, "kron", name="other", kwargs={"hidden": 3}, mixtures=1)
+    r = runner.invoke(pfuse, ["fuse", *map(str, others), "--method", "fedavg", "--out", str(tmp_path / "og.h5")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
+                              "--damping", "0.5", "--out", str(tmp_path / "x.h5")])
+    assert r.exit_code == 2 and "--at" in r.stderr and not (tmp_path / "x.h5").exists()
+    for bad, words in ((tmp_path / "og.h5", "different model"), (paths[1], "expected a global artifact")):
+        r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
+                                  "--at", str(bad), "--out", str(tmp_path / "x.h5")])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and bad.name in lines[0] and words in lines[0], r.output
+        assert not (tmp_path / "x.h5").exists()

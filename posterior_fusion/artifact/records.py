@@ -88,6 +88,7 @@ TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "seed": (int,), "epochs": (int,), "final_loss": (int, float), "final_accuracy": (int, float),
     "train_seconds": (int, float), "curvature_seconds": (int, float),
     "ppd_samples": (int,), "ppd_seconds": (int, float),
+    "refreshed_at_member": (int,), "gradient_norm": (int, float), "newton_step_norm": (int, float),
 }
 TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace"), "device": ("cpu", "cuda")}  # string fields: allowed values
 

@@ -100,8 +100,38 @@ def distill(spec: ModelSpec, teachers: torch.Tensor, start: torch.Tensor, x: tor
     return out, {"steps": step, "swa_models": count, "teachers": int(teachers.shape[0]), "config": cfg.to_json()}
 
 
+def fit_to_soft_labels(spec: ModelSpec, candidates: torch.Tensor, x: torch.Tensor, targets: torch.Tensor,
+                       chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """How well each candidate ``(K, d)`` fits the soft labels ``targets`` ``(n, classes)`` on ``x``
+    ``(n, ...)``: ``(agreement (K,), cross-entropy (K,))`` — the share of inputs whose top class is
+    the targets' top class, and the mean cross-entropy to the targets (float64)."""
+    agree = torch.zeros(candidates.shape[0], dtype=torch.float64)
+    ce = torch.zeros(candidates.shape[0], dtype=torch.float64)
+    for i in range(0, x.shape[0], chunk):
+        logp = torch.log_softmax(batched_logits(spec, candidates, x[i : i + chunk]), -1)   # (K, b, classes)
+        t = targets[i : i + chunk]
+        ce -= (t * logp).sum((1, 2)).double()
+        agree += (logp.argmax(-1) == t.argmax(-1)).sum(1).double()
+    return agree / x.shape[0], ce / x.shape[0]
+
+
 def distill_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor, cfg: DistillConfig | None = None,
                     seed: int = 0, show_progress: bool = True) -> tuple[torch.Tensor, dict]:
-    """Any ensemble (``pfuse fuse --distill``): its members ``(d,)`` as teachers, started from their mean."""
+    """Any ensemble (``pfuse fuse --distill``): its members ``(d,)`` as teachers.
+
+    The student starts from whichever of {the members' mean, each member} agrees most often with
+    the teachers' top class on ``x`` (ties: the lower cross-entropy to their sharpened soft
+    labels). FedBE starts from the mean, which is right when the members share a starting point;
+    the members of a mixture or of a client ensemble come from different starts, where the mean of
+    their weights predicts near-uniformly — which cross-entropy alone prefers to a confident member
+    that is wrong on other clients' classes — and the small distillation step size never leaves it.
+    The choice is recorded as ``start`` (``"mean"`` or ``"member i"``) with its ``start_agreement``."""
+    cfg = cfg or DistillConfig()
+    cfg.validate()
     teachers = torch.stack([m.float() for m in members])
-    return distill(spec, teachers, teachers.mean(0), x, cfg, torch.Generator().manual_seed(seed), show_progress)
+    candidates = torch.cat([teachers.mean(0, keepdim=True), teachers])
+    agree, ce = fit_to_soft_labels(spec, candidates, x, soft_labels(spec, teachers, x, cfg.sharpen))
+    best = min(range(candidates.shape[0]), key=lambda i: (-float(agree[i]), float(ce[i])))
+    w, record = distill(spec, teachers, candidates[best], x, cfg, torch.Generator().manual_seed(seed), show_progress)
+    record.update(start="mean" if best == 0 else f"member {best - 1}", start_agreement=float(agree[best]))
+    return w, record

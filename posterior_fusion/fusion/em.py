@@ -12,6 +12,20 @@ curvature: a Kronecker weight by conjugate gradients (``fusion/layer_solve.py``)
 Cholesky solve, a diagonal one element-wise. Each iteration lowers ``E``; the iterates stop at a
 stationary point (where ``r`` no longer changes the solution), whatever the validation data — no
 step size, no early stopping. ``starts`` are the same as Adam's.
+
+**Trust region** (``trust_radius`` ρ > 0): each mode stays in the ellipsoid
+
+    ½ (w − s)ᵀ Λ̄ (w − s) / N ≤ ρ ,   Λ̄ = Σ_cm r⁰_cm Λ_cm ,   N = Σ_c n_c ,
+
+around its start s, in the clients' own metric (r⁰: the responsibilities at s): the clients'
+quadratic models predict that no point of it raises their summed tempered loss by more than ρ
+nats per sample. Each EM step minimises the bound inside the region: if the bound's minimiser lies
+outside, the step solves ``(Σ r Λ + ν Λ̄ − (Σλ − λ0) I) w = Σ r Λ ŵ + ν Λ̄ s`` with the multiplier
+ν ≥ 0 found by bisection so that the boundary is met from inside (the same block solves, with the
+client terms reweighted). The start is inside, so each step still lowers the objective; where the
+unconstrained iterate never leaves the region, the result is the plain EM's. (The boundary point
+is found to a relative 1e-4 of the radius; a step that would raise the objective by that slack
+ends the iterations instead.)
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ class MixtureProduct:
         self.maps = [[comp.map.double() for comp in c.components] for c in clients]
         self.excess = math.fsum(prior_precisions) - float(server_prior_precision)  # over-counted prior
         self.lam0 = float(server_prior_precision)
+        self.n_total = float(sum(c.n_data for c in clients))
 
     def responsibilities(self, w: torch.Tensor) -> tuple[list[torch.Tensor], float]:
         """``r_c`` ``(M_c,)`` per client at ``w`` ``(d,)`` and ``E(w)`` (up to the constant)."""
@@ -46,10 +61,22 @@ class MixtureProduct:
         value = -0.5 * self.excess * float(w.square().sum()) - sum(float(torch.logsumexp(g, 0)) for g in logits)
         return [torch.softmax(g, 0) for g in logits], value
 
-    def solve(self, rs: list[torch.Tensor], start: torch.Tensor, tolerance: float = 1e-10) -> torch.Tensor:
-        """The bound's minimiser ``(d,)`` for responsibilities ``rs``, block by block."""
+    def metric(self, rs: list[torch.Tensor], v: torch.Tensor) -> float:
+        """``½ vᵀ (Σ_cm r_cm Λ_cm) v / N`` for ``v`` ``(d,)``: per-sample nats in the clients' metric."""
+        total = sum(float(r) * float(P.quadratic_form(v)) for r_c, row in zip(rs, self.precisions)
+                    for r, P in zip(r_c, row) if float(r) > 0)
+        return 0.5 * total / self.n_total
+
+    def solve(self, rs: list[torch.Tensor], start: torch.Tensor, tolerance: float = 1e-10,
+              pull: tuple[float, list[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The bound's minimiser ``(d,)`` for responsibilities ``rs``, block by block; ``pull`` =
+        ``(ν, r⁰, s)`` adds the trust region's term ``ν/2 (w − s)ᵀ (Σ r⁰ Λ) (w − s)``."""
         terms = [(float(r), P, mu) for r_c, row, maps in zip(rs, self.precisions, self.maps)
                  for r, P, mu in zip(r_c, row, maps) if float(r) > 0]
+        if pull is not None and pull[0] > 0:
+            nu, r0, centre = pull
+            terms += [(nu * float(r), P, centre) for r_c, row in zip(r0, self.precisions) for r, P in zip(r_c, row)
+                      if float(r) > 0]
         ref = terms[0][1]
         out = torch.empty_like(start)
         for j, off in enumerate(ref.offsets):
@@ -59,8 +86,9 @@ class MixtureProduct:
             if all(isinstance(b, Kron) for _, b, _ in blocks):
                 shape = blocks[0][1].shape
                 w = torch.tensor([r * b.scale for r, b, _ in blocks], dtype=torch.float64)
+                shift = sum(r * b.shift for r, b, _ in blocks) - self.excess  # λ0 when Σ_m r_cm = 1, no pull
                 X, _, _ = solve_kron_sum([b.B.double() for _, b, _ in blocks], [b.A.double() for _, b, _ in blocks], w,
-                                         rhs.reshape(shape), shift=self.lam0, start=start[off: off + dim].reshape(shape),
+                                         rhs.reshape(shape), shift=shift, start=start[off: off + dim].reshape(shape),
                                          tolerance=tolerance)
                 out[off: off + dim] = X.reshape(-1)
             elif all(isinstance(b, Diag) for _, b, _ in blocks):
@@ -72,22 +100,77 @@ class MixtureProduct:
         return out
 
 
+def trust_region_solve(product: MixtureProduct, rs: list[torch.Tensor], w: torch.Tensor, start: torch.Tensor,
+                       r0: list[torch.Tensor], radius: float, nu: float = 1.0, rel_tol: float = 1e-4,
+                       max_evals: int = 60) -> tuple[torch.Tensor, float]:
+    """The bound's minimiser inside the trust region (module docstring) and its multiplier ν.
+
+    The distance to ``start`` falls as ν grows; ν is bracketed by doubling/halving from ``nu`` (the
+    previous step's) and bisected in log space until the distance is within ``rel_tol`` of the
+    radius. The returned point is always the feasible end of the bracket."""
+    free = product.solve(rs, w)
+    if product.metric(r0, free - start) <= radius:
+        return free, 0.0
+
+    def at(v: float) -> tuple[torch.Tensor, float]:
+        x = product.solve(rs, w, pull=(v, r0, start))
+        return x, product.metric(r0, x - start)
+
+    lo, hi, evals = 0.0, max(nu, 1e-12), 0
+    x_hi, d_hi = at(hi)
+    while d_hi > radius and evals < max_evals:  # grow until feasible
+        lo, hi = hi, hi * 4
+        x_hi, d_hi = at(hi)
+        evals += 1
+    if lo == 0.0:  # shrink while still feasible, to bracket from below
+        while evals < max_evals:
+            x, dist = at(hi / 4)
+            evals += 1
+            if dist > radius:
+                lo = hi / 4
+                break
+            hi, x_hi, d_hi = hi / 4, x, dist
+    if d_hi > radius:  # never reached in practice (ν = 4^max_evals pins w to the start)
+        return start.clone(), hi
+    while evals < max_evals and lo > 0 and d_hi < radius * (1 - rel_tol):
+        mid = math.sqrt(lo * hi)
+        x, dist = at(mid)
+        evals += 1
+        if dist > radius:
+            lo = mid
+        else:
+            hi, x_hi, d_hi = mid, x, dist
+    return x_hi, hi
+
+
 def em_modes(product: MixtureProduct, starts: torch.Tensor, iterations: int, tolerance: float = 1e-6,
-             show_progress: bool = True) -> tuple[torch.Tensor, list[list[dict]]]:
+             show_progress: bool = True, trust_radius: float = 0.0) -> tuple[torch.Tensor, list[list[dict]]]:
     """EM from each row of ``starts`` ``(K, d)``: at most ``iterations`` solves per mode, stopping when
-    an iteration moves ``w`` by less than ``tolerance`` relative to its norm. Returns the modes
-    ``(K, d)`` (float32) and per mode its history ``[{step, objective, moved}]``."""
+    an iteration moves ``w`` by less than ``tolerance`` relative to its norm; ``trust_radius`` > 0
+    keeps each mode in its trust region (module docstring). Returns the modes ``(K, d)`` (float32)
+    and per mode its history ``[{step, objective, moved}]`` (with the trust region also
+    ``distance``, in per-sample nats, and the multiplier ``nu``)."""
     modes, history = [], []
     for k in progress(range(len(starts)), "em modes", len(starts), show=show_progress):
-        w = starts[k].double()
+        s = starts[k].double()
+        w = s.clone()
         rs, value = product.responsibilities(w)
+        r0, nu = rs, 1.0
         hist = [{"step": 0, "objective": value}]
         for step in range(1, iterations + 1):
-            new = product.solve(rs, w)
+            if trust_radius > 0:
+                new, nu_used = trust_region_solve(product, rs, w, s, r0, trust_radius, nu)
+                nu = nu_used or nu
+            else:
+                new = product.solve(rs, w)
             moved = float((new - w).norm()) / max(float(w.norm()), 1e-12)
-            w = new
-            rs, value = product.responsibilities(w)
+            new_rs, new_value = product.responsibilities(new)
+            if trust_radius > 0 and new_value > value:  # the bisection's boundary point is approximate: at
+                break                                    # the boundary it can lose what the step gained
+            w, rs, value = new, new_rs, new_value
             hist.append({"step": step, "objective": value, "moved": moved})
+            if trust_radius > 0:
+                hist[-1].update(distance=product.metric(r0, w - s), nu=nu_used)
             if moved <= tolerance:
                 break
         modes.append(w.float())

@@ -6,12 +6,31 @@ after training. Recapturing the stored MAPs on the same silo therefore gives the
 other fit would have written (same MAPs, same capture, the MC capture drawing from the same
 per-component generator), at the cost of the capture alone (≈ 3–6 training epochs per component
 instead of ``epochs``). The silo must be the one the artifact was fitted on (its SHA-256 is checked).
+
+**Refresh round** (``at``, ``pfuse recapture --at GLOBAL``; issue 29's "1.5-shot" mode): the
+client's Laplace approximations hold near its own MAPs, while the fused modes w*_k lie where they
+may not. Re-expanding the client's tempered log-posterior at each global mode,
+
+    −log p_c(w) ≈ const + g_kᵀ (w − w*_k) + ½ (w − w*_k)ᵀ Λ_k (w − w*_k),
+    g_k = ∇_w [L_c(w) / T + ½ λ_c ‖w‖²] at w*_k,   Λ_k = G(w*_k) / T + λ_c I,
+
+(L_c the summed cross-entropy, G its GGN) is the Gaussian N(ŵ_k, Λ_k⁻¹) with the Gauss–Newton
+centre ŵ_k = w*_k − Λ_k⁻¹ g_k. That undamped step extrapolates the quadratic model far beyond where
+it holds (measured on LeNet: ‖ŵ − w*‖ ≈ 250 for weights of norm ≈ 10, and the refit predicts at
+chance), so the centre takes a Levenberg–Marquardt step instead, damped at per-sample scale as
+``fedbens``' ``damping`` is: ŵ_k = w*_k − Λ_{k,d}⁻¹ g_k with Λ_{k,d} the precision of the damped
+curvature (``Precision.damped(n, d)``: a Kronecker block (B + n·d·I) ⊗ (A + d·I), any other block
++ n·d on its diagonal); the component keeps the undamped curvature G(w*_k). The refreshed artifact
+has one component per global mode, so the server refits from curvature taken where the fused
+posterior lives. Cost for the silo: one gradient pass and one capture per mode, no training; the
+message back is one client artifact (the same size as the first).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -19,29 +38,74 @@ from collections.abc import Callable
 import torch
 
 from posterior_fusion import ranges
-from posterior_fusion.artifact.reader import load_client
+from posterior_fusion.artifact.reader import load_client, load_global
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
-from posterior_fusion.errors import IncompatibleArtifactsError, shown
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, shown
 from posterior_fusion.files import output_lock
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.fastcapture import block_policy
 from posterior_fusion.local.fit import library_versions
-from posterior_fusion.posterior import ClientPosterior, Component, build_model, frozen_mapping
+from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, build_model, frozen_mapping
 from posterior_fusion.runtime import resolve_device
+
+REFRESH_DAMPING = 1.0  # per-sample damping of the refresh round's centre step (docs/results/fusion_safety/)
+
+
+def loss_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """∇_w Σ_i CE(f(x_i; w), y_i) over the whole silo, ``(d,)`` float64 (summed batch by batch)."""
+    params = [p for p in model.parameters()]
+    total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64, device=x.device)
+    model.eval()
+    for i in range(0, x.shape[0], batch_size):
+        loss = torch.nn.functional.cross_entropy(model(x[i : i + batch_size]), y[i : i + batch_size], reduction="sum")
+        grads = torch.autograd.grad(loss, params)
+        total += torch.cat([g.reshape(-1) for g in grads]).double()
+    return total
+
+
+def newton_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, temperature: float,
+                  prior_precision: float, n_data: int = 1, damping: float = 0.0) -> torch.Tensor:
+    """ŵ = w* − Λ_d⁻¹ (g/T + λ w*) with Λ_d = damped(G, n, d)/T + λ I (module docstring), float64
+    ``(d,)``; ``point`` ``(d,)`` is w*, ``gradient`` ``(d,)`` the summed cross-entropy's g at w*.
+    ``damping`` 0: the plain Gauss–Newton centre."""
+    w = point.double().cpu()
+    curv = curvature.astype(torch.float64)
+    if damping > 0:
+        curv = curv.damped(n_data, damping)
+    return w - curv.precision(temperature, prior_precision).solve(gradient.cpu() / temperature + prior_precision * w)
+
+
+def _expansion_points(source: ClientPosterior, at: GlobalEnsemble | None) -> list[tuple[int, torch.Tensor, dict, Component]]:
+    """``(index, w, training record, source component)`` per point the curvature is taken at."""
+    if at is None:
+        return [(c.index, c.map, dict(c.training), c) for c in source.components]
+    if at.model_spec != source.model_spec or at.layout != source.layout:
+        raise IncompatibleArtifactsError(f"{at.path}: holds a different model than {source.path} "
+                                         f"({at.model_spec.to_json()} vs {source.model_spec.to_json()})")
+    ref = source.components[0]
+    return [(k, w, {"seed": int(ref.training.get("seed", 0)) + k, "refreshed_at_member": k}, ref)
+            for k, w in enumerate(at.members)]
 
 
 def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str | None = None,
               curvature_batch_size: int | None = None, method: str = "fast",
               log: Callable[[str], None] = print, kfac: str = "expand",
-              device: str = "auto") -> tuple[dict, list[Component]]:
+              device: str = "auto", at: GlobalEnsemble | None = None,
+              damping: float = REFRESH_DAMPING) -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn`` and ``curvature_batch_size`` default to the source's. Everything else (MAPs, SWAG
     moments, FedPPD students, training records, temperature, prior) is kept; the metadata records
-    what the artifact was recaptured from.
+    what the artifact was recaptured from. With ``at`` (a fused global artifact of the same model)
+    the curvature is taken at each of its members instead, and each component is the Gaussian of
+    the refresh round (module docstring): centre ŵ_k (the Levenberg–Marquardt step with
+    ``damping``), curvature G(w*_k); SWAG moments and FedPPD students (which belong to the local
+    MAPs) are dropped.
     """
+    if not (damping >= 0 and math.isfinite(damping)):
+        raise ConfigError(f"`damping` must be a finite number >= 0, got {damping}")
     meta = dict(source.metadata)
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
@@ -65,25 +129,39 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     x, y = (t.to(where) for t in data.tensors())
     comps = []
     policy = None
-    for c in source.components:
-        model = build_model(source.model_spec, c.map).to(where)
-        seed = int(c.training.get("seed", c.index))
+    points = _expansion_points(source, at)
+    for index, point, training, ref in points:
+        model = build_model(source.model_spec, point).to(where)
+        seed = int(training.get("seed", index))
         t0 = time.perf_counter()
         curv, captured_by = capture(structure, model, x, y, batch, ggn, method, torch.Generator().manual_seed(seed), log,
                                     kfac)
         if captured_by == "fast":
             policy = dict(block_policy(model, structure))
         seconds = time.perf_counter() - t0
-        log(f"component {c.index + 1}/{len(source.components)}: {structure} curvature {seconds:.1f}s")
-        training = dict(c.training, curvature_seconds=round(seconds, 3), capture=captured_by, device=where.type)
-        comps.append(Component(c.index, c.map, curv, frozen_mapping(training), c.temperature, c.prior_precision,
-                               c.swag, c.student))
+        training.update(curvature_seconds=round(seconds, 3), capture=captured_by, device=where.type)
+        if at is None:
+            comps.append(Component(index, ref.map, curv, frozen_mapping(training), ref.temperature,
+                                   ref.prior_precision, ref.swag, ref.student))
+            log(f"component {index + 1}/{len(points)}: {structure} curvature {seconds:.1f}s")
+            continue
+        g = loss_gradient(model, x, y, batch)
+        centre = newton_centre(point, curv, g, ref.temperature, ref.prior_precision, int(meta["n_data"]), damping)
+        training.update(gradient_norm=float(g.norm()), newton_step_norm=float((centre - point.double().cpu()).norm()))
+        comps.append(Component(index, centre.to(ref.map.dtype), curv, frozen_mapping(training), ref.temperature,
+                               ref.prior_precision))
+        log(f"global mode {index + 1}/{len(points)}: {structure} curvature {seconds:.1f}s, gradient norm "
+            f"{training['gradient_norm']:.3g}, Gauss-Newton step {training['newton_step_norm']:.3g}")
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
     for key in ("kfac", "curvature_blocks", "compress"):
         meta.pop(key, None)
     recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}
+    if at is not None:
+        meta["refreshed_at"] = {"file_sha256": at.sha256, "method": at.method, "members": len(at.members),
+                                "damping": damping}
+        recipe.update(at=at.sha256, damping=damping)
     if structure == "kron":
         meta["kfac"] = kfac
         if kfac != "expand":  # expand keeps the key recaptures had before `kfac` existed
@@ -97,16 +175,22 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
 
 
 def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike, out: str | os.PathLike,
-                      structure: str, ggn: str | None = None, curvature_batch_size: int | None = None,
+                      structure: str | None, ggn: str | None = None, curvature_batch_size: int | None = None,
                       method: str = "fast", max_memory: int | str | None = None,
                       log: Callable[[str], None] = print, kfac: str = "expand", device: str = "auto",
-                      compress: float = 0.0) -> dict:
-    """What ``pfuse recapture`` does: validate the source artifact and the silo, recapture, write
-    ``out`` atomically. Returns the new metadata."""
-    with output_lock(out, inputs=[source_path, silo_path]):  # checked before anything is loaded
+                      compress: float = 0.0, at_path: str | os.PathLike | None = None,
+                      damping: float = REFRESH_DAMPING) -> dict:
+    """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
+    global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
+    the source's. Returns the new metadata."""
+    inputs = [source_path, silo_path] + ([at_path] if at_path is not None else [])
+    with output_lock(out, inputs=inputs):  # checked before anything is loaded
         source = load_client(source_path, max_memory)
+        at = load_global(at_path, max_memory) if at_path is not None else None
+        structure = source.structure if structure is None else structure
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
-        meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device)
+        meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
+                                damping)
         if compress > 0:
             meta["compress"] = compress
         write_client_artifact(out, source.model_spec, source.layout, meta, comps, compress)

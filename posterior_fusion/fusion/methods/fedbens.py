@@ -53,9 +53,15 @@ class FedBEnsSettings(OptimiserSettings):
                                   "block (B + n·d·I) ⊗ (A + d·I), any other block + n·d on its diagonal (K-FAC's "
                                   "factored damping; FedLPA's d = 0.0316); 0 = the curvature as captured.",
                              bounds=(0, 1e6))
+    trust_radius: float = setting(0.0, "solver=em only: keep each mode within ½(w−s)ᵀΛ̄(w−s)/N ≤ trust_radius of its "
+                                       "start s, in the clients' own metric Λ̄ (their precisions, weighted by the "
+                                       "responsibilities at s): the clients' quadratics predict at most this many nats "
+                                       "per sample of extra loss anywhere inside; 0 = no region.", bounds=(0, 1e6))
 
     def validate(self) -> None:
         super().validate()
+        if self.trust_radius > 0 and self.solver != "em":
+            raise ConfigError("setting trust_radius needs solver=em")
         if self.modes is not None and self.modes < 1:
             raise ConfigError("setting modes must be >= 1")
         if not 0 <= self.lowrank_tol < 1:
@@ -249,7 +255,7 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
               "median+clients": lambda: torch.cat([median_starts(inputs, modes), client_starts(inputs)])}
     if settings.solver == "em":
         best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), starts[settings.starts](), settings.steps,
-                                 show_progress=inputs.options.progress)
+                                 show_progress=inputs.options.progress, trust_radius=settings.trust_radius)
     else:
         best, history = optimise_modes(objective, starts[settings.starts](), inputs, settings, "fedbens")
     info = {"history": history, "kron_ranks": objective.stack.ranks}
