@@ -31,6 +31,10 @@ VARIANTS = [  # (label, method, settings, uses validation data)
     ("fedbens em, damping 0.0316", "fedbens", {"solver": "em", "damping": 0.0316}, False),
     ("fedbens em, damping 0.1", "fedbens", {"solver": "em", "damping": 0.1}, False),
     ("fedbens adam, damping 0.0316, best validation iterate", "fedbens", {"damping": 0.0316}, True),
+    ("fedbens em, trust radius 0.01", "fedbens", {"solver": "em", "trust_radius": 0.01}, False),
+    ("fedbens em, trust radius 0.1", "fedbens", {"solver": "em", "trust_radius": 0.1}, False),
+    ("fedbens em, trust radius 1", "fedbens", {"solver": "em", "trust_radius": 1.0}, False),
+    ("fedbens em, trust radius 10", "fedbens", {"solver": "em", "trust_radius": 10.0}, False),
     ("fedlpa (damping 0.0316)", "fedlpa", {}, False),
     ("fedfisher adam, best validation iterate", "fedfisher", {}, True),
     ("client ensemble", "ensemble", {}, False),
@@ -42,14 +46,16 @@ def main() -> None:
     ap.add_argument("--clients", required=True)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="semicolon-separated substrings of variant labels to leave out")
+    ap.add_argument("--only", default="", help="semicolon-separated substrings: run only the variants with one")
     args = ap.parse_args()
     skip = [t for t in args.skip.split(";") if t]
+    only = [t for t in args.only.split(";") if t]
     folder = Path(args.clients)
     paths = sorted(folder.glob("post_*.h5"))
     test = read_silo(folder / "test.h5")
     rows = []
     for label, method, settings, use_val in VARIANTS:
-        if any(t in label for t in skip):
+        if any(t in label for t in skip) or (only and not any(t in label for t in only)):
             continue
         t0 = time.time()
         inputs, result, _ = fuse(paths, method, FusionOptions(progress=False), settings,

@@ -39,6 +39,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", required=True)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dampings", default=",".join(map(str, DAMPINGS)),
+                    help="comma-separated dampings of the refresh at the paper's modes")
+    ap.add_argument("--no-em-pipeline", action="store_true",
+                    help="leave out the refresh rounds at the EM modes (the validation-free pipeline)")
     args = ap.parse_args()
     folder = Path(args.clients)
     work = folder / "refresh"
@@ -77,10 +81,13 @@ def main() -> None:
     base = {"silo_seconds_total": 0.0, "bytes_up_per_client": sum(p.stat().st_size for p in paths) // len(paths)}
     paper = run("one-shot", paths, PAPER, base)
     em = run("one-shot", paths, EM, base)
-    for d in DAMPINGS:
+    for d in [float(t) for t in args.dampings.split(",")]:
         at_paper, cost = refresh(f"at_paper_d{d}", paper, d)
         for variant in AFTER if d == REFRESH_DAMPING else AFTER[:2]:
             run("refreshed at the paper's modes", at_paper, variant, cost)
+    if args.no_em_pipeline:
+        save_rows(args.json, {"clients": [str(p) for p in paths], "rows": rows})
+        return
     at_em, cost = refresh("at_em", em)
     em2 = run("refreshed at the EM modes (no validation anywhere)", at_em, EM, cost)
     at_em2, cost = refresh("at_em2", em2)

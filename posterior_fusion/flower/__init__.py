@@ -13,6 +13,7 @@ warnings.filterwarnings("ignore", message=r"Tip: In future versions of Ray", cat
 from posterior_fusion.flower.federation import (  # noqa: E402 - after the filter
     FederatedSettings,
     Reply,
+    client_refresh,
     client_train,
     collect_replies,
     fit_to_artifact,
@@ -21,5 +22,5 @@ from posterior_fusion.flower.federation import (  # noqa: E402 - after the filte
     run_round,
 )
 
-__all__ = ["FederatedSettings", "Reply", "client_train", "collect_replies", "fit_to_artifact", "make_client_app",
+__all__ = ["FederatedSettings", "Reply", "client_refresh", "client_train", "collect_replies", "fit_to_artifact", "make_client_app",
            "make_server_app", "run_round"]

@@ -4,6 +4,8 @@ Run config keys (names as on the CLI):
 - fit settings sent to every node: model, model-kwargs, components, init-seed, structure,
   temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed;
 - the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
+- the refresh round (``pfuse recapture --at`` on every node, then fuse again): refresh (bool),
+  refresh-damping (``recapture --damping``);
 - the fusion: method, robust, fuse-temperature, fuse-prior-var, and every setting of the method
   as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300``.
 """
@@ -18,6 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 from posterior_fusion.flower.federation import FederatedSettings, make_client_app, run_round
 from posterior_fusion.fusion import FusionOptions
 from posterior_fusion.fusion.registry import DEFAULT_METHOD
+from posterior_fusion.local.recapture import REFRESH_DAMPING
 
 clientapp = make_client_app()
 serverapp = ServerApp()
@@ -38,4 +41,5 @@ def main(grid: Grid, context: Context) -> None:
               method=method, options=options, val_path=str(cfg["val"]) if cfg.get("val") else None,
               on_bad_reply=str(cfg.get("on-bad-reply", "skip")), min_nodes=int(cfg.get("min-nodes", 1)),
               method_settings=settings, max_memory=cfg.get("max-memory"), robust=robust,
-              round_timeout=cfg.get("round-timeout", 0.0))
+              round_timeout=cfg.get("round-timeout", 0.0), refresh=bool(cfg.get("refresh", False)),
+              refresh_damping=cfg.get("refresh-damping", REFRESH_DAMPING))

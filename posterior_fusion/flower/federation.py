@@ -7,6 +7,13 @@ reader as files (a bad or missing reply is logged and left out, or stops the run
 ``on_bad_reply``), runs :func:`~posterior_fusion.fusion.registry.fuse` and saves the global
 artifact plus the client artifacts it used.
 
+Refresh round (``refresh``, issue 29's "1.5-shot"): the server then sends each accepted node a
+training-free ``query`` message with the global artifact and the node's own first artifact; the
+node runs ``pfuse recapture --at`` on its silo (:mod:`posterior_fusion.local.recapture`: GGN and
+gradient at the fused modes, ``refresh_damping``) and replies with the refreshed artifact, which
+the server validates like the first and fuses again into ``global_refreshed.h5`` (the one-shot
+``global.h5`` stays). A node that fails the second message is left out of the refreshed fusion.
+
 Which silo a node trains on: ``node_config["silo"]`` (deployment: ``flower-supernode
 --node-config 'silo="/data/client_0.h5"'``), else ``<silo-dir>/client_<partition-id>.h5`` in
 simulation (Flower sets ``partition-id``), with ``silo-dir`` from ``make_client_app(silo_dir)``
@@ -38,6 +45,7 @@ from posterior_fusion.fusion.registry import DEFAULT_METHOD
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, PrivateModelConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.recapture import REFRESH_DAMPING, recapture_to_file
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
@@ -152,14 +160,41 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
     return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
 
 
+def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
+    """ClientApp query handler, the refresh round: recapture the node's own artifact at the global
+    artifact's members on its silo, reply with the refreshed artifact's bytes (as ``train`` does)."""
+    rec = msg.content["refresh"]
+    own, at, damping = rec["artifact"], rec["global"], rec["damping"]
+    if not isinstance(own, bytes) or not isinstance(at, bytes):
+        raise FederationError("a refresh message needs the bytes of 'artifact' and 'global'")
+    if isinstance(damping, bool) or not isinstance(damping, (int, float)):
+        raise FederationError(f"a refresh message's 'damping' must be a number, got {type(damping).__name__}")
+    silo = node_silo(context, silo_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        first, glob, out = Path(tmp) / "client.h5", Path(tmp) / "global.h5", Path(tmp) / "refreshed.h5"
+        first.write_bytes(own)
+        glob.write_bytes(at)
+        recapture_to_file(first, silo, out, None, at_path=glob, damping=float(damping), log=lambda m: None)
+        blob = out.read_bytes()
+    reply = {"artifact": blob, "silo": str(silo)}
+    if "partition-id" in context.node_config:
+        reply["partition-id"] = int(context.node_config["partition-id"])
+    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
+
+
 def make_client_app(silo_dir: str | os.PathLike | None = None) -> ClientApp:
-    """ClientApp whose train handler is :func:`client_train` (``silo_dir``: simulation default)."""
+    """ClientApp whose train handler is :func:`client_train` and query handler (the refresh round)
+    :func:`client_refresh` (``silo_dir``: simulation default)."""
     app = ClientApp()
 
     def train(msg: Message, context: Context) -> Message:
         return client_train(msg, context, silo_dir)
 
+    def query(msg: Message, context: Context) -> Message:
+        return client_refresh(msg, context, silo_dir)
+
     app.train()(train)
+    app.query()(query)
     return app
 
 
@@ -302,20 +337,27 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
               log: Callable[[str], None] = print,
               method_settings: MethodSettings | Mapping[str, Any] | None = None,
-              max_memory: int | str | None = None, robust: bool = False, round_timeout: float = 0.0) -> dict:
+              max_memory: int | str | None = None, robust: bool = False, round_timeout: float = 0.0,
+              refresh: bool = False, refresh_damping: float = REFRESH_DAMPING) -> dict:
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
 
     Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
     node-id order), never from reply content; a file whose node reported a partition id no other
     node reported also gets the name ``silo_<id>.h5`` (a hard link: :func:`name_by_silo`). ``round_timeout``: seconds to wait for replies
     (0 = until every node answered or Flower reported it unavailable). The global artifact's
-    metadata ``federation.left_out`` records every node left out and why."""
+    metadata ``federation.left_out`` records every node left out and why. ``refresh``: a second,
+    training-free exchange (module docstring) and ``global_refreshed.h5``; its metadata
+    ``federation.refresh`` records the nodes, bytes moved and who was left out."""
     if on_bad_reply not in BAD_REPLY_POLICIES:
         raise ConfigError(f"on-bad-reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
         raise ConfigError(f"round-timeout must be a number of seconds >= 0, got {round_timeout!r}")
+    if isinstance(refresh_damping, bool) or not (isinstance(refresh_damping, (int, float)) and refresh_damping >= 0):
+        raise ConfigError(f"refresh-damping must be a number >= 0, got {refresh_damping!r}")
     out = Path(out_dir)
     check_output(out / "global.h5")
+    if refresh:
+        check_output(out / "global_refreshed.h5")
     t0 = time.time()
     ids = sorted(grid.get_node_ids())
     while len(ids) < min_nodes and time.time() - t0 < wait_s:
@@ -351,21 +393,60 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     write_fused(out / "global.h5", inputs, result, meta)
     gone = ", ".join(f"node {d['node_id']}" for d in meta["federation"]["left_out"])
     log(f"wrote {out / 'global.h5'} from {len(paths)} client artifacts" + (f"; left out: {gone}" if gone else ""))
+    if refresh:
+        return refresh_round(grid, ids, paths, out, method, options, val_path, on_bad_reply, log, method_settings,
+                             max_memory, float(round_timeout), float(refresh_damping), meta)
+    return meta
+
+
+def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, method: str,
+                  options: FusionOptions | None, val_path, on_bad_reply: str, log: Callable[[str], None],
+                  method_settings, max_memory, round_timeout: float, damping: float, first_meta: dict) -> dict:
+    """The refresh round's server side: ``global.h5`` and each accepted node's own artifact out in a
+    ``query`` message, the refreshed artifacts back (validated as in the first round, written to
+    ``out/refresh/``), fused again into ``global_refreshed.h5``. Returns its metadata."""
+    at = (out / "global.h5").read_bytes()
+    keys = [int(p.stem.split("_")[1]) for p in paths]  # client_<key>.h5, the server's own names
+    messages = [Message(RecordDict({"refresh": ConfigRecord({"global": at, "artifact": p.read_bytes(),
+                                                             "damping": damping})}),
+                        dst_node_id=ids[k], message_type="query") for k, p in zip(keys, paths)]
+    log(f"refresh round: sent the global artifact to {len(messages)} nodes")
+    answers, missing = exchange(grid, messages, keys, round_timeout, log)
+    if missing and on_bad_reply == "fail":
+        raise FederationError(f"{len(missing)} node(s) did not answer the refresh round: "
+                              + "; ".join(f"node {ids[k]}: {why}" for k, why in sorted(missing.items())))
+    replies = [reply_from_message(k, m) for k, m in sorted(answers.items())]
+    refreshed = collect_replies(replies, out / "refresh", on_bad_reply, log, max_memory)
+    inputs, result, meta = fuse(refreshed, method, options or FusionOptions(progress=False), method_settings,
+                                val_path, log=log, max_memory=max_memory)
+    done = {p.name for p in refreshed}
+    left_out = [{"node_id": ids[k], "key": k, "reason": why} for k, why in missing.items()]
+    left_out += [{"node_id": ids[r.key], "key": r.key, "reason": r.error or "rejected"}
+                 for r in replies if f"client_{r.key}.h5" not in done]
+    meta["federation"] = dict(first_meta["federation"])
+    meta["federation"]["refresh"] = {"damping": damping, "accepted": [f"refresh/{p.name}" for p in refreshed],
+                                     "bytes_down_per_node": len(at) + max(p.stat().st_size for p in paths),
+                                     "bytes_up": sum(p.stat().st_size for p in refreshed),
+                                     "left_out": sorted(left_out, key=lambda d: d["key"])}
+    write_fused(out / "global_refreshed.h5", inputs, result, meta)
+    log(f"wrote {out / 'global_refreshed.h5'} from {len(refreshed)} refreshed client artifacts")
     return meta
 
 
 def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, method: str = DEFAULT_METHOD,
                     options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
                     on_bad_reply: str = "skip", min_nodes: int = 1,
-                    method_settings: MethodSettings | Mapping[str, Any] | None = None) -> ServerApp:
-    """A ServerApp running :func:`run_round` (``method_settings``: the fusion method's settings)."""
+                    method_settings: MethodSettings | Mapping[str, Any] | None = None,
+                    refresh: bool = False) -> ServerApp:
+    """A ServerApp running :func:`run_round` (``method_settings``: the fusion method's settings;
+    ``refresh``: add the refresh round)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
             run_round(grid, settings, out_dir, method, options, val_path, on_bad_reply, min_nodes,
-                      method_settings=method_settings)
+                      method_settings=method_settings, refresh=refresh)
         except PfuseError as exc:
             print(f"error: {exc}")
             raise
