@@ -246,3 +246,31 @@ def test_unlabeled_server_data_is_held_out_and_feeds_distillation(tmp_path):
         ExperimentConfig(variants={"fedavg": {"method": "fedbens"}}).validate()
     with pytest.raises(ConfigError, match="not among methods"):
         ExperimentConfig(distill=["fedbe"], methods=["fedbens"], unlabeled_size=10).validate()
+
+
+def test_result_keys_ignore_settings_at_their_defaults(monkeypatch):
+    """A fusion result's cache key holds only the settings that differ from their defaults: naming a
+    default explicitly, or a method gaining a setting later (at its default), keeps the key; a
+    changed value changes it; the legacy key (the whole record) is what earlier versions wrote."""
+    import dataclasses
+
+    from posterior_fusion.experiment import grid
+    from posterior_fusion.fusion import method_settings
+
+    base = {"alpha": 0.1, "clients": 5, "seed": 0, "structure": "kron", "M": 5, "method": "fedbens", "temperature": 0.1}
+    key, legacy = grid.result_keys("c", base, 300, "fedbens", {})
+    assert grid.result_keys("c", base, 300, "fedbens", {"clip": 1.0}) == (key, legacy)
+    assert grid.result_keys("c", base, 300, "fedbens", {"clip": 2.0})[0] != key
+    assert legacy == grid.cache_key({"c": "c", **base, "steps": 300,
+                                     "settings": dataclasses.asdict(method_settings("fedbens", {}))})
+    real = grid.method_settings
+
+    def with_a_new_setting(method, settings):
+        record = real(method, settings)
+        grown = dataclasses.make_dataclass("Grown", [("brand_new", float, dataclasses.field(default=0.0))],
+                                           bases=(type(record),), frozen=True)
+        return grown(**dataclasses.asdict(record))
+
+    monkeypatch.setattr(grid, "method_settings", with_a_new_setting)
+    new_key, new_legacy = grid.result_keys("c", base, 300, "fedbens", {})
+    assert new_key == key and new_legacy != legacy

@@ -263,6 +263,17 @@ def fuse_jobs(cfg: ExperimentConfig) -> list[FuseJob]:
     return jobs
 
 
+def result_keys(ckey: str, base: dict, steps: int, method: str, settings: dict) -> tuple[str, str]:
+    """The cache key of one fusion result and the key earlier versions used. The key holds only the
+    method's settings that differ from their defaults, so a setting added to a method later (at its
+    default, the old behaviour) leaves cached results valid; the legacy key held the whole record."""
+    chosen = asdict(method_settings(method, settings))
+    defaults = asdict(method_settings(method, {}))
+    own = {k: v for k, v in chosen.items() if k not in defaults or defaults[k] != v}
+    return (cache_key({"c": ckey, **base, "steps": steps, "non_default_settings": own}),
+            cache_key({"c": ckey, **base, "steps": steps, "settings": chosen}))
+
+
 def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, job: FuseJob,
                 clients: list[ClientPosterior], val: SiloData, test: SiloData, work: Path, log: Log,
                 unlabeled: SiloData | None = None) -> dict | None:
@@ -274,9 +285,12 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
     method = job.method
     own = {k: v for k, v in cfg.variants.get(job.variant, {}).items() if k != "method"}
     settings = {**applicable_settings(method, {"steps": cfg.steps}), **own}
-    rpath = work / "results" / f"{cache_key({'c': ckey, **base, 'steps': cfg.steps, 'settings': asdict(method_settings(method, settings))})}.json"
+    key, legacy = result_keys(ckey, base, cfg.steps, method, settings)
+    rpath = work / "results" / f"{key}.json"
     if rpath.exists():
         return json.loads(rpath.read_text())
+    if (work / "results" / f"{legacy}.json").exists():  # cached before the key left out default settings
+        return json.loads((work / "results" / f"{legacy}.json").read_text())
     subset = [replace(c, components=c.components[: job.M]) for c in clients]
     opts = FusionOptions(sampling_seed=cell.seed, progress=False, temperature=job.temperature)
     try:
