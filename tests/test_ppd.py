@@ -3,6 +3,7 @@ and the distilled student matches the SGLD samples' predictive better than its s
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -55,6 +56,32 @@ def test_ppd_student_moves_towards_the_samples_predictive(fmnist_train):
 
     acc = lambda w: (batched_logits(spec, w[None], xs)[0].argmax(-1) == ys).float().mean().item()  # noqa: E731
     assert acc(student) > acc(start) + 0.2
+
+
+def test_a_diverging_sgld_chain_is_refused_naming_its_step_size(tmp_path, fmnist_train):
+    """A step size far too large for n / T sends the chain to inf/NaN: the library says which setting
+    to lower and to what scale; the CLI says it in one line as a flag, exit 2, and writes nothing."""
+    from click.testing import CliRunner
+
+    from posterior_fusion.cli.main import pfuse
+    from posterior_fusion.data.silo import SiloData, write_silo
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.models import ModelSpec
+
+    x, y = fmnist_train
+    xs, ys = torch.as_tensor(x[:200]).float() / 255.0, torch.as_tensor(y[:200]).long()
+    spec = ModelSpec("mlp", {"hidden": 16})
+    start = torch.nn.utils.parameters_to_vector(spec.build().parameters()).detach()
+    cfg = PPDConfig(steps=200, burn_in=10, thin=2, step_size=10.0, batch_size=32)
+    with pytest.raises(ConfigError, match=r"`ppd_step_size` 10 is too large .* n / T = 2e\+03"):
+        distil_ppd(spec.build, start, xs, ys, cfg, prior_precision=1.0, temperature=0.1, seed=0, show_progress=False)
+    write_silo(tmp_path / "s.h5", SiloData(x[:200], y[:200], "fmnist", 10))
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "mlp", "--model-kwargs",
+                                   '{"hidden": 8}', "-M", "1", "--epochs", "1", "--ppd", "--ppd-steps", "200",
+                                   "--ppd-burn-in", "10", "--ppd-step-size", "10", "--out", str(tmp_path / "p.h5")])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and "--ppd-step-size" in lines[-1] and "diverged" in lines[-1], r.output
+    assert lines[-1].startswith("error:") and not (tmp_path / "p.h5").exists()
 
 
 def test_fit_local_ppd_stores_students_and_fedppd_averages_them(tmp_path, fmnist_train):

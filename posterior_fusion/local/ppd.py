@@ -67,6 +67,8 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
         U = neg_log_lik(model, xb, yb) * (n / len(idx)) / temperature
         U = U + 0.5 * prior_precision * sum(p.square().sum() for p in params)
         U.backward()
+        if (step % 100 == 99 or step == steps - 1) and not bool(torch.isfinite(U)):
+            _diverged(step, step_size, n, temperature)
         with torch.no_grad():
             for p in params:
                 noise = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device) * step_size**0.5
@@ -75,7 +77,15 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
             if on_sample is not None:
                 on_sample(kept, model, xb, yb)
             kept += 1
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        _diverged(steps - 1, step_size, n, temperature)
     return kept
+
+
+def _diverged(step: int, step_size: float, n: int, temperature: float) -> None:
+    raise ConfigError(f"the SGLD chain diverged by step {step + 1}: `ppd_step_size` {step_size:g} is too large for "
+                      f"this silo (the drift scales with n / T = {n / temperature:.3g}); try a step size near "
+                      f"{0.01 * temperature / n:.1g} (0.01·T/n)")
 
 
 def _cross_entropy_sum(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
