@@ -105,7 +105,7 @@ def trust_region_solve(product: MixtureProduct, rs: list[torch.Tensor], w: torch
                        max_evals: int = 60) -> tuple[torch.Tensor, float]:
     """The bound's minimiser inside the trust region (module docstring) and its multiplier ν.
 
-    The distance to ``start`` falls as ν grows; ν is bracketed by doubling/halving from ``nu`` (the
+    The distance to ``start`` falls as ν grows; ν is bracketed by factors of 4 from ``nu`` (the
     previous step's) and bisected in log space until the distance is within ``rel_tol`` of the
     radius. The returned point is always the feasible end of the bracket."""
     free = product.solve(rs, w)
