@@ -292,6 +292,7 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
     if (work / "results" / f"{legacy}.json").exists():  # cached before the key left out default settings
         return json.loads((work / "results" / f"{legacy}.json").read_text())
     subset = [replace(c, components=c.components[: job.M]) for c in clients]
+    log(f"  {structure} M={job.M} {job.label}: fusing{' and distilling' if job.distill else ''}…")
     opts = FusionOptions(sampling_seed=cell.seed, progress=False, temperature=job.temperature)
     try:
         if job.tuned:
