@@ -109,7 +109,7 @@ def test_distill_members_starts_from_the_candidate_that_fits_the_soft_labels(cli
     x = torch.rand(50, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     seen = {}
 
-    def fake(spec_, teachers, start, x_, cfg, generator, show):
+    def fake(spec_, teachers, start, x_, cfg, generator, show, targets=None):
         seen["start"] = start.clone()
         return start.clone(), {}
 

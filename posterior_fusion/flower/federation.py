@@ -332,6 +332,15 @@ def exchange(grid: Grid, messages: list[Message], keys: list[int], timeout_s: fl
     return replies, missing
 
 
+def nodes_left_out(ids: list[int], missing: dict[int, str], replies: list[Reply], accepted: list[Path]) -> list[dict]:
+    """``{node_id, key, reason}`` of every node of a round that sent nothing or whose reply was refused."""
+    names = {p.name for p in accepted}
+    out = [{"node_id": ids[k], "key": k, "reason": why} for k, why in missing.items()]
+    out += [{"node_id": ids[r.key], "key": r.key, "reason": r.error or "rejected"}
+            for r in replies if f"client_{r.key}.h5" not in names]
+    return out
+
+
 def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str = DEFAULT_METHOD,
               options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
@@ -380,9 +389,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
                                 val_path, log=log, max_memory=max_memory, robust=robust)
     by_name = {f"client_{r.key}.h5": r for r in replies}
-    left_out = [{"node_id": ids[k], "key": k, "reason": why} for k, why in missing.items()]
-    left_out += [{"node_id": ids[r.key], "key": r.key, "reason": r.error or "rejected"}
-                 for r in replies if f"client_{r.key}.h5" not in {p.name for p in paths}]
+    left_out = nodes_left_out(ids, missing, replies, paths)
     meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],
                           "clients": [{"file": p.name, "node_id": by_name[p.name].node_id,
                                        "reported_partition_id": by_name[p.name].reported_partition_id,
@@ -419,10 +426,7 @@ def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, meth
     refreshed = collect_replies(replies, out / "refresh", on_bad_reply, log, max_memory)
     inputs, result, meta = fuse(refreshed, method, options or FusionOptions(progress=False), method_settings,
                                 val_path, log=log, max_memory=max_memory)
-    done = {p.name for p in refreshed}
-    left_out = [{"node_id": ids[k], "key": k, "reason": why} for k, why in missing.items()]
-    left_out += [{"node_id": ids[r.key], "key": r.key, "reason": r.error or "rejected"}
-                 for r in replies if f"client_{r.key}.h5" not in done]
+    left_out = nodes_left_out(ids, missing, replies, refreshed)
     meta["federation"] = dict(first_meta["federation"])
     meta["federation"]["refresh"] = {"damping": damping, "accepted": [f"refresh/{p.name}" for p in refreshed],
                                      "bytes_down_per_node": len(at) + max(p.stat().st_size for p in paths),

@@ -71,12 +71,14 @@ def soft_labels(spec: ModelSpec, teachers: torch.Tensor, x: torch.Tensor, sharpe
 
 def distill(spec: ModelSpec, teachers: torch.Tensor, start: torch.Tensor, x: torch.Tensor,
             cfg: DistillConfig | None = None, generator: torch.Generator | None = None,
-            show_progress: bool = True) -> tuple[torch.Tensor, dict]:
+            show_progress: bool = True, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """One model ``(d,)`` distilled from the teachers ``(K, d)`` on unlabeled inputs ``x``, and a
-    record (steps, models averaged, the config)."""
+    record (steps, models averaged, the config). ``targets``: the teachers' :func:`soft_labels` on
+    ``x`` when the caller has them already."""
     cfg = cfg or DistillConfig()
     cfg.validate()
-    targets = soft_labels(spec, teachers, x, cfg.sharpen)
+    if targets is None:
+        targets = soft_labels(spec, teachers, x, cfg.sharpen)
     model = spec.build()
     vector_to_parameters(start.detach().clone().float(), model.parameters())
     model.train()
@@ -130,8 +132,10 @@ def distill_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tenso
     cfg.validate()
     teachers = torch.stack([m.float() for m in members])
     candidates = torch.cat([teachers.mean(0, keepdim=True), teachers])
-    agree, ce = fit_to_soft_labels(spec, candidates, x, soft_labels(spec, teachers, x, cfg.sharpen))
+    targets = soft_labels(spec, teachers, x, cfg.sharpen)
+    agree, ce = fit_to_soft_labels(spec, candidates, x, targets)
     best = min(range(candidates.shape[0]), key=lambda i: (-float(agree[i]), float(ce[i])))
-    w, record = distill(spec, teachers, candidates[best], x, cfg, torch.Generator().manual_seed(seed), show_progress)
+    w, record = distill(spec, teachers, candidates[best], x, cfg, torch.Generator().manual_seed(seed), show_progress,
+                        targets)
     record.update(start="mean" if best == 0 else f"member {best - 1}", start_agreement=float(agree[best]))
     return w, record
