@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def main() -> None:
         for p, s in zip(paths, silos):
             source = load_client(p)
             meta, comps = recapture(source, read_silo(s, num_classes=source.model_spec.num_classes), source.structure,
-                                    at=at, log=lambda *_: None, damping=damping)
+                                    at=at, log=lambda m, name=p.name: print(f"  {name}: {m}", file=sys.stderr, flush=True),
+                                    damping=damping)
             out.append(work / f"{tag}_{p.name}")
             write_client_artifact(out[-1], source.model_spec, source.layout, meta, comps)
             sent += out[-1].stat().st_size

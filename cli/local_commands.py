@@ -15,7 +15,7 @@ from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import CAPTURE_METHODS
-from posterior_fusion.local.config import GGN_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
+from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.recapture import REFRESH_DAMPING
@@ -165,7 +165,10 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 @click.option("--curvature-batch-size", default=None, type=int, help="Batch size of the curvature pass [default: the source's].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-@lambda fn: fit_options(fn, only=("kfac", "device", "compress"))
+@click.option("--kfac", default=None, type=click.Choice(KFAC_TYPES),
+              help="K-FAC for weight-shared layers (structure kron): expand or reduce [default: the source artifact's, "
+                   "expand where it records none].")
+@lambda fn: fit_options(fn, only=("device", "compress"))
 @max_memory_option
 @handle_errors
 def recapture_cmd(source_path, data_path, structure, at_path, damping, ggn, capture, curvature_batch_size, out, as_json,

@@ -37,7 +37,7 @@ def small_silo(fmnist_train) -> SiloData:
 
 def fit_artifact(path, silo: SiloData, structure: str = "kron", model: str = "mlp", kwargs: dict | None = None,
                  mixtures: int = 2, epochs: int = 1, seed: int = 0, init_seed: int = 0, swag: bool = False,
-                 ggn: str = "exact"):
+                 ggn: str = "exact", kfac: str = "expand"):
     """Run fit_components in-process and write the artifact; returns ``(metadata, components)``."""
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.layout import ParameterLayout
@@ -47,7 +47,7 @@ def fit_artifact(path, silo: SiloData, structure: str = "kron", model: str = "ml
     from posterior_fusion.models import ModelSpec
 
     spec = ModelSpec(model, kwargs if kwargs is not None else ({"hidden": 16} if model == "mlp" else {}))
-    cfg = FitConfig(structure=structure, train_seed=seed, ggn=ggn,
+    cfg = FitConfig(structure=structure, train_seed=seed, ggn=ggn, kfac=kfac,
                     train=TrainConfig(epochs=epochs, batch_size=32, swag=swag, swag_rank=5))
     meta, comps = fit_components(spec, silo, initial_weights(spec, mixtures, init_seed), cfg, log=lambda *_: None)
     write_client_artifact(path, spec, ParameterLayout.from_model(spec.build()), meta, comps)

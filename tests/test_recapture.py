@@ -44,6 +44,32 @@ def test_mc_recapture_draws_the_fresh_fits_labels(tmp_path, small_silo, kron_art
     _same_components(comps, fresh)
 
 
+def _same_factors(a, b) -> bool:
+    """Components with equal MAPs and equal curvature block by block (Kronecker blocks by their factors,
+    as a LeNet's dense precision would not fit in memory)."""
+    same = len(a) == len(b)
+    for ca, cb in zip(a, b):
+        same &= torch.equal(ca.map, cb.map) and len(ca.curvature.blocks) == len(cb.curvature.blocks)
+        for x, y in zip(ca.curvature.blocks, cb.curvature.blocks):
+            parts = [(x.B, y.B), (x.A, y.A)] if x.kind == "kron" else [(x.to_dense(), y.to_dense())]
+            same &= x.kind == y.kind and all(p.shape == q.shape and torch.allclose(p.double(), q.double(), rtol=1e-6,
+                                                                                   atol=1e-9) for p, q in parts)
+    return bool(same)
+
+
+def test_recapture_keeps_the_sources_kfac(tmp_path, small_silo):
+    """A K-FAC-reduce artifact recaptures (and refreshes) as reduce unless told otherwise: expand on
+    a ResNet costs 2-4x reduce's capture."""
+    small = SiloData(small_silo.x[:96], small_silo.y[:96], "fmnist", 10)
+    _, fresh = fit_artifact(tmp_path / "reduce.h5", small, "kron", model="lenet", kwargs={}, kfac="reduce")
+    _, expand = fit_artifact(tmp_path / "expand.h5", small, "kron", model="lenet", kwargs={})
+    source = load_client(tmp_path / "reduce.h5")
+    meta, comps = recapture(source, small, "kron", log=lambda *_: None)
+    assert meta["kfac"] == "reduce" and _same_factors(comps, fresh)
+    meta, comps = recapture(source, small, "kron", kfac="expand", log=lambda *_: None)
+    assert meta["kfac"] == "expand" and _same_factors(comps, expand) and not _same_factors(comps, fresh)
+
+
 def test_cli_recapture_and_a_foreign_silo(tmp_path, small_silo, kron_artifact):
     write_silo(tmp_path / "silo.h5", small_silo)
     out = tmp_path / "diag.h5"

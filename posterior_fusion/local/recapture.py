@@ -91,12 +91,13 @@ def _expansion_points(source: ClientPosterior, at: GlobalEnsemble | None) -> lis
 
 def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str | None = None,
               curvature_batch_size: int | None = None, method: str = "fast",
-              log: Callable[[str], None] = print, kfac: str = "expand",
+              log: Callable[[str], None] = print, kfac: str | None = None,
               device: str = "auto", at: GlobalEnsemble | None = None,
               damping: float = REFRESH_DAMPING) -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
-    ``ggn`` and ``curvature_batch_size`` default to the source's. Everything else (MAPs, SWAG
+    ``ggn``, ``curvature_batch_size`` and ``kfac`` default to the source's (``kfac``: "expand" where
+    the source records none). Everything else (MAPs, SWAG
     moments, FedPPD students, training records, temperature, prior) is kept; the metadata records
     what the artifact was recaptured from. With ``at`` (a fused global artifact of the same model)
     the curvature is taken at each of its members instead, and each component is the Gaussian of
@@ -111,6 +112,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
                                          "finish it with fit-local `resume` first")
     ggn = meta.get("ggn", "exact") if ggn is None else ggn  # structure, method and ggn: checked by capture()
+    kfac = (meta.get("kfac") or "expand") if kfac is None else kfac  # checked by capture()
     recorded = meta.get("curvature_batch_size", 256)
     if curvature_batch_size is None and (not isinstance(recorded, int) or isinstance(recorded, bool)):
         raise IncompatibleArtifactsError(f"{source.path} [/]: metadata curvature_batch_size must be an integer, "
@@ -177,7 +179,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
 def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike, out: str | os.PathLike,
                       structure: str | None, ggn: str | None = None, curvature_batch_size: int | None = None,
                       method: str = "fast", max_memory: int | str | None = None,
-                      log: Callable[[str], None] = print, kfac: str = "expand", device: str = "auto",
+                      log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
                       compress: float = 0.0, at_path: str | os.PathLike | None = None,
                       damping: float = REFRESH_DAMPING) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
