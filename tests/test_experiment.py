@@ -184,6 +184,21 @@ def test_further_structures_recapture_the_first_structures_training(tmp_path):
     assert acc[("kron", "fedavg")] == acc[("diag", "fedavg")]
 
 
+def test_a_recaptured_kron_structure_uses_the_grids_kfac(tmp_path):
+    """[fit] kfac applies to a kron structure recaptured from the first structure's training (the
+    diag source records no K-FAC type)."""
+    from posterior_fusion.artifact import load_client
+
+    cfg = replace(ExperimentConfig.from_toml(SMOKE), alphas=[0.5], seeds=[0], components=[1], methods=["fedavg"],
+                  structures=["diag", "kron"], temperatures=[], tune=False, centralized=False, fit={"kfac": "reduce"})
+    run_experiment(cfg, tmp_path, jobs=1, log=lambda m: None)
+    kinds = {}
+    for cdir in (tmp_path / "clients").iterdir():
+        meta = load_client(cdir / "post_0.h5").metadata
+        kinds[meta["structure"]] = (meta.get("kfac"), "recaptured_from" in meta)
+    assert kinds == {"diag": (None, False), "kron": ("reduce", True)}
+
+
 def test_an_interrupted_client_fit_resumes_from_its_partial_file(tmp_path):
     from posterior_fusion.artifact import load_client, write_client_artifact
     from posterior_fusion.local.resume import partial_path

@@ -192,12 +192,16 @@ def drop_stale_fits(cdir: Path, log: Log) -> None:
             path.unlink()
 
 
-def recapture_clients(cell: Cell, structure: str, base_key: str, summary: dict, work: Path,
+def recapture_clients(cfg: ExperimentConfig, cell: Cell, structure: str, base_key: str, summary: dict, work: Path,
                       log: Log) -> tuple[str, list[ClientPosterior]]:
     """Level 2, a further structure: the clients of ``base_key`` recaptured with ``structure`` at
     their trained MAPs (``pfuse recapture``; equal to fitting with that structure, for the cost of
-    the capture alone). Runs in this process whatever ``jobs`` says."""
-    ckey = cache_key({"recapture": base_key, "structure": structure})
+    the capture alone), with the grid's ``[fit] kfac``. Runs in this process whatever ``jobs`` says."""
+    kfac = client_fit_config(cfg, structure, cell.seed).kfac
+    key = {"recapture": base_key, "structure": structure}
+    if structure == "kron" and kfac != "expand":  # expand keeps the keys of grids from before `kfac`
+        key["kfac"] = kfac
+    ckey = cache_key(key)
     cdir = work / "clients" / ckey
     cdir.mkdir(parents=True, exist_ok=True)
     drop_stale_fits(cdir, log)
@@ -206,7 +210,7 @@ def recapture_clients(cell: Cell, structure: str, base_key: str, summary: dict, 
     for k, i in enumerate(todo):
         log(f"  recapturing client {k + 1}/{len(todo)} ({structure} at the trained components of {base_key})")
         recapture_to_file(work / "clients" / base_key / f"post_{i}.h5", summary["clients"][i]["path"],
-                          cdir / f"post_{i}.h5", structure, log=lambda m: log("    " + m))
+                          cdir / f"post_{i}.h5", structure, log=lambda m: log("    " + m), kfac=kfac)
     if todo:
         log(f"  recapture {structure}: {len(todo)} clients in {time.perf_counter() - t0:.0f}s")
     return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]
@@ -358,7 +362,7 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
         base = None
         for structure in cfg.structures:
             if base is not None and cfg.share_training:
-                ckey, clients = recapture_clients(cell, structure, base, summary, work, log)
+                ckey, clients = recapture_clients(cfg, cell, structure, base, summary, work, log)
             else:
                 ckey, clients = fit_clients(cfg, cell, structure, pkey, summary, work, jobs, log)
                 base = base or ckey

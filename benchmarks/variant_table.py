@@ -1,0 +1,113 @@
+"""Issue 29's "Measure and record" table: every fusion variant of item 2 (today's default, the
+validation-free candidates, with and without the refresh round) with every predictive of items 3-4,
+on one client set: accuracy, NLL, ECE, OOD AUROC (scikit-learn's digits resized, as
+``predictive_fmnist.py``), server seconds, and each predictive's evaluation seconds and peak memory
+(``pfuse evaluate`` in a fresh process: its wall seconds include the start-up, its peak is VmHWM).
+
+    nice -n 5 .venv/bin/python benchmarks/variant_table.py --clients DIR --out OUTDIR
+
+DIR as for ``refresh_round.py`` (client_*.h5, post_*.h5, server_val.h5, test.h5). Refreshed client
+artifacts already in DIR/refresh (written by ``refresh_round.py`` with the same code) are reused:
+``at_paper_d1.0_post_*.h5`` (one round at the paper's modes) and ``at_em_post_*.h5`` (at the EM
+modes); missing ones are computed here (``recapture --at``, damping 1). Writes OUTDIR/rows.json.
+The trust region is left out: 20-35x EM's time and below plain EM at every radius
+(``docs/results/fusion_safety/trust_lenet_*.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from measured import run_measured, save_rows
+from predictive_fmnist import digits_ood
+
+from posterior_fusion.artifact import write_client_artifact
+from posterior_fusion.artifact.reader import load_client, load_global
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.fusion import FusionOptions, fuse, write_fused
+from posterior_fusion.local.recapture import REFRESH_DAMPING, recapture
+
+# (label, client set, method, settings, the fusion uses the validation split)
+VARIANTS = [
+    ("one-shot, adam, best validation iterate (today's default)", "one-shot", "fedbens", {}, True),
+    ("one-shot, adam, best objective", "one-shot", "fedbens", {}, False),
+    ("one-shot, em (stationary)", "one-shot", "fedbens", {"solver": "em"}, False),
+    ("one-shot, em, damping 0.0316", "one-shot", "fedbens", {"solver": "em", "damping": 0.0316}, False),
+    ("refreshed at the paper's modes, em", "at_paper_d1.0", "fedbens", {"solver": "em"}, False),
+    ("refreshed at the paper's modes, adam, best validation iterate", "at_paper_d1.0", "fedbens", {}, True),
+    ("em -> refresh -> em (no validation anywhere)", "at_em", "fedbens", {"solver": "em"}, False),
+    ("client ensemble", "one-shot", "ensemble", {}, False),
+]
+# (label, evaluate options, needs a Laplace posterior at the modes, only where the fusion used validation)
+PREDICTIVES = [
+    ("map", ["--predictive", "map"], False, False),
+    ("mc, scale 1", ["--predictive", "mc", "--samples", "30"], True, False),
+    ("glm (probit), scale 1", ["--predictive", "glm"], True, False),
+    ("mc, scale chosen on validation NLL", ["--predictive", "mc", "--samples", "30", "--scale-from", None], True, True),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    folder, out = Path(args.clients), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    posts = sorted(folder.glob("post_*.h5"))
+    silos = [folder / f"client_{p.stem.split('_')[1]}.h5" for p in posts]
+    val, test = folder / "server_val.h5", folder / "test.h5"
+    ood = out / "digits_ood.h5"
+    if not ood.exists():
+        digits_ood(ood)
+    rows = []
+
+    def client_set(name: str) -> list[Path]:
+        if name == "one-shot":
+            return posts
+        found = [folder / "refresh" / f"{name}_{p.name}" for p in posts]
+        if all(p.exists() for p in found):
+            return found
+        at = {"at_paper_d1.0": "paper", "at_em": "em"}[name]  # the one-shot global it refreshes at
+        glob_path = out / f"one-shot_{at}.h5"
+        found = [out / f"{name}_{p.name}" for p in posts]
+        t0 = time.time()
+        for p, s, o in zip(posts, silos, found):
+            source = load_client(p)
+            meta, comps = recapture(source, read_silo(s, num_classes=source.model_spec.num_classes), source.structure,
+                                    at=load_global(glob_path), log=lambda *_: None, damping=REFRESH_DAMPING)
+            write_client_artifact(o, source.model_spec, source.layout, meta, comps)
+        print(f"refreshed {name} in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+        return found
+
+    for label, group, method, settings, use_val in VARIANTS:
+        t0 = time.time()
+        inputs, result, meta = fuse(client_set(group), method, FusionOptions(progress=False), settings,
+                                    val_path=val if use_val else None)
+        server_seconds = round(time.time() - t0, 1)
+        short = {"one-shot, adam, best validation iterate (today's default)": "paper",
+                 "one-shot, em (stationary)": "em"}.get(label, f"v{len(rows)}")
+        glob_path = out / f"one-shot_{short}.h5" if short in ("paper", "em") else out / f"{short}.h5"
+        write_fused(glob_path, inputs, result, meta)
+        for name, opts, laplace, val_only in PREDICTIVES:
+            if (laplace and method != "fedbens") or (val_only and not use_val):
+                continue
+            opts = [str(val) if o is None else o for o in opts]
+            m = run_measured("evaluate", glob_path, "--data", test, "--ood", ood, "--json", *opts)
+            if m["exit"] != 0:
+                raise SystemExit(f"{label} / {name}: {m['error']}")
+            metrics = json.loads(m["stdout"])
+            metrics = metrics[0] if isinstance(metrics, list) else metrics
+            rows.append({"variant": label, "validation": use_val, "predictive": name, "members": len(result.members),
+                         "server_seconds": server_seconds, "eval_seconds": m["seconds"], "eval_peak_mib": m["peak_mib"],
+                         **{k: metrics.get(k) for k in ("accuracy", "nll", "ece", "ood_auroc", "scale")}})
+            print(json.dumps(rows[-1]), flush=True)
+            save_rows(str(out / "rows.json"), {"clients": str(folder), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
