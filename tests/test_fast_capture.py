@@ -101,6 +101,38 @@ def test_output_gram_equals_float64_product(monkeypatch, layer, shape, chunk):
     torch.testing.assert_close(fastcapture._output_gram(layer, g), ref, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel,padding,dilation,size", [
+    (3, 1, 1, (9, 9)), (3, 0, 1, (8, 11)), (3, 3, 1, (6, 7)), (5, 2, 1, (10, 9)), (3, 1, 2, (9, 12)),
+    ((3, 5), (1, 0), (2, 1), (12, 13)), ((1, 3), (0, 1), 1, (5, 6)), (4, 1, 1, (9, 8))])
+@pytest.mark.parametrize("chunk", [CHUNK_COLUMNS, 7])
+def test_shifted_conv_input_gram_equals_the_patches(monkeypatch, kernel, padding, dilation, size, chunk):
+    """The stride-1 input factor from one product per displacement (plus boundary strips) equals the
+    Gram of the unfolded patches, in float64 to rounding and in float32 to float32 accuracy: same,
+    valid and over-padding, dilation, non-square and even kernels, chunked sums."""
+    monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
+    conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation)
+    x = torch.randn(5, 3, *size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    X = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(0, 1).reshape(
+        3 * conv.kernel_size[0] * conv.kernel_size[1], -1)
+    gram, positions = fastcapture._conv_input_gram_shifted(conv, x)
+    assert positions * 5 == X.shape[1]
+    torch.testing.assert_close(gram, X @ X.T, rtol=1e-12, atol=1e-10)
+    gram32, _ = fastcapture._conv_input_gram_shifted(conv, x.float())
+    torch.testing.assert_close(gram32, X @ X.T, rtol=1e-5, atol=1e-4)
+
+
+def test_the_shifted_gram_is_chosen_only_where_it_pays():
+    """The rule's choices where the measured winner is clear (``docs/benchmarks.md``); a curvature batch of 256."""
+    x = torch.zeros(256, 16, 28, 28)
+    assert fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1), x)
+    assert not fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1, stride=2), x)
+    assert not fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 1), x)
+    # one channel, a 5x5 kernel without padding (hundreds of boundary strips) or a batch of 4: patches are cheaper
+    assert not fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1), x[:4])
+    assert not fastcapture._shift_gram_pays(nn.Conv2d(1, 16, 3, padding=1), x[:, :1])
+    assert not fastcapture._shift_gram_pays(nn.Conv2d(6, 16, 5), x[:, :6, :12, :12])
+
+
 @pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
 @pytest.mark.parametrize("name,kwargs", MODELS)
 def test_fast_equals_laplace_float32(fmnist_train, name, kwargs, structure):

@@ -208,10 +208,105 @@ def _conv_input_gram(module: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, 
     return both.sum(-1, dtype=torch.float64).reshape(C * kh * kw, C * kh * kw), Ho * Wo
 
 
+PRODUCT_OVERHEAD = 250_000  # a small product's fixed cost in multiply-adds (~25 µs; measured, docs/benchmarks.md)
+
+
+def _shift_gram_pays(module: nn.Conv2d, x: torch.Tensor) -> bool:
+    """Whether :func:`_conv_input_gram_shifted` is cheaper than the unfolded patches' ``M·(C·kh·kw)²·Ho·Wo``
+    multiply-adds: stride 1, a kernel of more than one tap, and its own count — one product per
+    displacement over the padded image, at most a row strip, a column strip and their corners per
+    pair of kernel offsets, each product charged :data:`PRODUCT_OVERHEAD` (many channels, 3×3 kernels
+    and "same" padding pay; one channel, or 5×5 kernels without padding, do not)."""
+    if module.stride != (1, 1) or module.kernel_size == (1, 1):
+        return False
+    (kh, kw), (Ho, Wo), (M, C, H, W) = module.kernel_size, _conv_output_size(module, x), x.shape
+    (qh, qw), (ph, pw), (dh, dw) = _shift_padding(module), module.padding, module.dilation
+    Hz, Wz = H + 2 * qh, W + 2 * qw
+    out_rows = max(sum(not qh - ph + a * dh <= i < qh - ph + a * dh + Ho for i in range(qh, qh + H)) for a in range(kh))
+    out_cols = max(sum(not qw - pw + b * dw <= j < qw - pw + b * dw + Wo for j in range(qw, qw + W)) for b in range(kw))
+    shifts = (2 * kh - 1) * (2 * kw - 1) // 2 + 1
+    pairs = (kh * kw) ** 2
+    products = shifts + pairs * (out_rows + out_cols + out_rows * out_cols)
+    work = M * C * C * (shifts * Hz * Wz + pairs * (out_rows * W + out_cols * H)) + products * PRODUCT_OVERHEAD
+    return work < M * (C * kh * kw) ** 2 * Ho * Wo
+
+
+def _shift_padding(module: nn.Conv2d) -> tuple[int, int]:
+    """Zero padding per side of :func:`_conv_input_gram_shifted`: the convolution's own, raised so that
+    two samples' (or rows') real pixels are at least the kernel's reach apart in the flattened image."""
+    return tuple(max(p, -(-d * (k - 1) // 2))
+                 for p, d, k in zip(module.padding, module.dilation, module.kernel_size))
+
+
+def _conv_input_gram_shifted(module: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(Σ u uᵀ (I, I) float64, Ho·Wo)`` for a stride-1 convolution's input ``x`` ``(M, C, H, W)``, ``u`` its
+    patches in ``F.unfold``'s row order (channel, kh, kw), without unfolding. The entry of kernel offsets
+    ``(a, b), (a', b')`` sums ``x_c[y, x] · x_c'[y + Δy, x + Δx]`` (``Δ = ((a'−a)·dh, (b'−b)·dw)``) over the
+    positions ``(y, x)`` offset ``(a, b)`` meets — the window ``Wab``. Its sum over the whole image, ``P(Δ)``, is
+    one ``(C, C)`` product of the flattened, zero-padded input with itself shifted by ``Δy·Wz + Δx`` (the
+    padding of :func:`_shift_padding` puts every wrapped or cross-sample pair on a zero), one per
+    displacement (``P(−Δ) = P(Δ)ᵀ``): ``(2kh−1)(2kw−1)/2`` products where the patches take ``(kh·kw)²``.
+    The window's sum is ``P(Δ)`` less the real rows and columns outside ``Wab`` (inclusion–exclusion over
+    at most ``dh(kh−1)`` rows and ``dw(kw−1)`` columns, each a small product, cached by position and Δ)."""
+    (dh, dw), (kh, kw) = module.dilation, module.kernel_size
+    (ph, pw), (qh, qw) = module.padding, _shift_padding(module)
+    M, C, H, W = x.shape
+    Ho, Wo = _conv_output_size(module, x)
+    Z = F.pad(x, (qw, qw, qh, qh)).transpose(0, 1).contiguous()  # (C, M, Hz, Wz)
+    Hz, Wz = Z.shape[2:]
+    flat = Z.view(C, -1)
+    L = flat.shape[1]
+    rows, cols = range(qh, qh + H), range(qw, qw + W)  # the real pixels
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def whole(dy: int, dx: int) -> torch.Tensor:
+        """``P(Δ)`` ``(C, C)``: every pair of real pixels at displacement Δ."""
+        if (dy, dx) not in cache:
+            s = dy * Wz + dx
+            cache[dy, dx] = _gram(flat[:, : L - s], flat[:, s:]) if s >= 0 else whole(-dy, -dx).T
+        return cache[dy, dx]
+
+    def part(ys: range, xs: range, dy: int, dx: int) -> torch.Tensor:
+        """The pairs whose first pixel lies in rows ``ys`` × columns ``xs`` (one of them a single row
+        or column), the second inside the padded image."""
+        key = (ys.start, ys.stop, xs.start, xs.stop, dy, dx)
+        if key not in cache:
+            ys = range(max(ys.start, -dy), min(ys.stop, Hz - dy))
+            xs = range(max(xs.start, -dx), min(xs.stop, Wz - dx))
+            src = Z[:, :, ys.start : ys.stop, xs.start : xs.stop].reshape(C, -1)
+            dst = Z[:, :, ys.start + dy : ys.stop + dy, xs.start + dx : xs.stop + dx].reshape(C, -1)
+            cache[key] = _gram(src, dst) if len(ys) and len(xs) else Z.new_zeros(C, C, dtype=torch.float64)
+        return cache[key]
+
+    def outside(real: range, start: int, size: int) -> list[range]:
+        """The real rows (columns) outside the window ``[start, start + size)``, one range each."""
+        return [range(i, i + 1) for i in real if not start <= i < start + size]
+
+    out = torch.empty(C, kh, kw, C, kh, kw, dtype=torch.float64, device=x.device)
+    for a in range(kh):
+        rows_out = outside(rows, qh - ph + a * dh, Ho)
+        for b in range(kw):
+            cols_out = outside(cols, qw - pw + b * dw, Wo)
+            for a2 in range(kh):
+                for b2 in range(kw):
+                    dy, dx = (a2 - a) * dh, (b2 - b) * dw
+                    block = whole(dy, dx).clone()
+                    for ys in rows_out:
+                        block -= part(ys, cols, dy, dx)
+                    for xs in cols_out:
+                        block -= part(rows, xs, dy, dx)
+                        for ys in rows_out:
+                            block += part(ys, xs, dy, dx)
+                    out[:, a, b, :, a2, b2] = block
+    return out.reshape(C * kh * kw, C * kh * kw), Ho * Wo
+
+
 def _input_gram(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """K-FAC's input factor before scaling: ``(Σ u uᵀ (I, I) float64, positions per sample)``."""
     if isinstance(module, nn.Conv2d) and _pixel_gram_pays(module, x):
         return _conv_input_gram(module, x)
+    if isinstance(module, nn.Conv2d) and _shift_gram_pays(module, x):
+        return _conv_input_gram_shifted(module, x)
     X = _input_columns(module, x)
     return _gram(X), X.shape[1] // x.shape[0]
 
@@ -268,21 +363,23 @@ def _output_gram(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
 GRAM_GROUP_BYTES = 16 * 2**20  # bound of the float32 partial products held at once by :func:`_gram`
 
 
-def _gram(X: torch.Tensor) -> torch.Tensor:
-    """``X Xᵀ`` ``(D, D)`` in float64 for ``X`` ``(D, K)``, K up to ~10^6: float32 products over chunks
-    of :data:`CHUNK_COLUMNS` columns (error ~√chunk·ε; laplace-torch's float32 sums over whole batches
-    are up to 1.4e-5 off), taken as batched GEMMs of several chunks at once and summed in float64."""
-    D, K = X.shape
-    out = torch.zeros(D, D, dtype=torch.float64, device=X.device)
+def _gram(X: torch.Tensor, Y: torch.Tensor | None = None) -> torch.Tensor:
+    """``X Yᵀ`` ``(D, E)`` in float64 (``Y`` None: ``X Xᵀ``) for ``X`` ``(D, K)``, ``Y`` ``(E, K)``, K up to
+    ~10^6 (either may be a strided view whose last dimension is contiguous): float32 products over
+    chunks of :data:`CHUNK_COLUMNS` columns (error ~√chunk·ε; laplace-torch's float32 sums over whole
+    batches are up to 1.4e-5 off), taken as batched GEMMs of several chunks at once and summed in float64."""
+    Y = X if Y is None else Y
+    (D, K), E = X.shape, Y.shape[0]
+    out = torch.zeros(D, E, dtype=torch.float64, device=X.device)
     full = K - K % CHUNK_COLUMNS
-    group = max(1, GRAM_GROUP_BYTES // (4 * D * D)) * CHUNK_COLUMNS  # columns per batched GEMM
+    group = max(1, GRAM_GROUP_BYTES // (4 * D * E)) * CHUNK_COLUMNS  # columns per batched GEMM
     for start in range(0, full, group):
         stop = min(start + group, full)
-        chunks = X[:, start:stop].reshape(D, -1, CHUNK_COLUMNS).transpose(0, 1)  # (chunks, D, CHUNK_COLUMNS)
-        out += torch.bmm(chunks, chunks.transpose(1, 2)).sum(0, dtype=torch.float64)
+        xs = X[:, start:stop].reshape(D, -1, CHUNK_COLUMNS).transpose(0, 1)  # (chunks, D, CHUNK_COLUMNS)
+        ys = xs if Y is X else Y[:, start:stop].reshape(E, -1, CHUNK_COLUMNS).transpose(0, 1)
+        out += torch.bmm(xs, ys.transpose(1, 2)).sum(0, dtype=torch.float64)
     if full < K:
-        tail = X[:, full:]
-        out += (tail @ tail.T).double()
+        out += (X[:, full:] @ Y[:, full:].T).double()
     return out
 
 
