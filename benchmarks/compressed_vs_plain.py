@@ -51,11 +51,14 @@ def main() -> None:
     ap.add_argument("--val", default=None, help="server validation file passed to fuse (best-iterate selection)")
     ap.add_argument("--budgets", default="0.05,0.1")
     ap.add_argument("--methods", default="fedbens,fedfisher,regmean,fedavg")
+    ap.add_argument("--metric", default="frobenius", choices=["frobenius", "precision"],
+                    help="the error the budgets bound (fit-local --compress-metric; default frobenius)")
+    ap.add_argument("--skip-plain", action="store_true", help="leave out the plain artifacts' rows (run before)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     plain = sorted(Path(args.clients).glob("post_*.h5"))
     work = Path(tempfile.mkdtemp(prefix="compress_"))
-    sets = {0.0: plain}
+    sets = {} if args.skip_plain else {0.0: plain}
     sizes = {0.0: sum(p.stat().st_size for p in plain)}
     errs: dict[float, list[float]] = {}
     for budget in map(float, args.budgets.split(",")):
@@ -63,8 +66,9 @@ def main() -> None:
         for p in plain:
             art = posterior_fusion.load(p)
             out = work / f"{p.stem}_{budget}.h5"
-            write_client_artifact(out, art.model_spec, art.layout, dict(art.metadata, compress=budget),
-                                  list(art.components), budget)
+            meta = dict(art.metadata, compress=budget, **({"compress_metric": args.metric}
+                                                           if args.metric != "frobenius" else {}))
+            write_client_artifact(out, art.model_spec, art.layout, meta, list(art.components), budget, args.metric)
             sets[budget].append(out)
         sizes[budget] = sum(p.stat().st_size for p in sets[budget])
         errs[budget] = [e for p in sets[budget] for e in errors(p)]
@@ -76,7 +80,7 @@ def main() -> None:
             run("fuse", *paths, "--method", method, *(["--val", args.val] if args.val else []), "--out", g)
             metrics = json.loads(run("evaluate", g, "--data", args.test, "--json"))
             m = metrics[0] if isinstance(metrics, list) else metrics
-            row = {"method": method, "compress": budget, "accuracy": m.get("accuracy"), "nll": m.get("nll"),
+            row = {"method": method, "compress": budget, "metric": args.metric, "accuracy": m.get("accuracy"), "nll": m.get("nll"),
                    "ece": m.get("ece"), "fuse_evaluate_s": round(time.time() - t0, 1),
                    "mb_per_component": round(sizes[budget] / 1e6 / sum(posterior_fusion.load(p).num_components
                                                                        for p in plain), 2)}

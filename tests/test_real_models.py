@@ -252,6 +252,49 @@ def test_lowrank_truncation_error_is_the_true_error_and_the_rank_is_minimal(budg
         assert ((tail - tail.mean()).square().sum().sqrt() / F.norm()).item() > budget
 
 
+@pytest.mark.parametrize("budget", [0.02, 0.2])
+def test_precision_metric_bounds_every_eigenvalue_of_the_precision(budget):
+    """``compress_metric = precision``: every eigenvalue of the rebuilt precision ``(s/T) B̃ ⊗ Ã + λ0 I`` is
+    within the budget (per factor, so 2·budget + budget² for both) of the plain one's — a dense float64
+    eigen-decomposition, matched through the shared eigenvectors; the recorded error is the worst
+    per-factor ratio; one rank less misses the budget at any isotropic level."""
+    from posterior_fusion.curvature.kron import Kron
+    from posterior_fusion.curvature.lowrank import LowRankKron, rebuild
+
+    B, A = _spectrum_psd(6, 0.3, 1), _spectrum_psd(9, 0.5, 2)
+    scale, T, lam0 = 3.0, 0.1, 2.0
+    prior = lam0 * T
+    block = Kron(B, A, scale=scale)
+
+    def spectrum(Bf, Af):
+        return torch.linalg.eigvalsh(torch.kron(Bf, Af) * scale / T + lam0 * torch.eye(54, dtype=torch.float64))
+
+    exact = spectrum(B, A)
+    c = LowRankKron.from_kron(block, budget, prior)
+    Bt, At = rebuild(c.UB, c.lB, c.sB, torch.float64), rebuild(c.UA, c.lA, c.sA, torch.float64)
+    # the rebuilt factors share F's eigenvectors: compare eigenvalue by eigenvalue in that basis
+    lb, QB = torch.linalg.eigh(B)
+    la, QA = torch.linalg.eigh(A)
+    approx_b, approx_a = torch.diagonal(QB.T @ Bt @ QB), torch.diagonal(QA.T @ At @ QA)
+    true = torch.outer(lb, la).flatten() * scale / T + lam0
+    rebuilt = torch.outer(approx_b, approx_a).flatten() * scale / T + lam0
+    worst = ((rebuilt - true).abs() / true).max().item()
+    assert worst <= 2 * budget + budget**2 + 1e-9
+    assert torch.allclose(torch.sort(true).values, exact, rtol=1e-10)
+    sigmas = (c.sB, c.sA)
+    for k, (F, other_top) in enumerate(((B, la.max()), (A, lb.max()))):
+        r, err, floor = (c.lB, c.lA)[k].numel(), c.errors[k], prior / (scale * other_top.item())
+        vals = torch.linalg.eigvalsh(F).flip(0)
+        tail = vals[r:]
+        recorded_is_true = ((tail - sigmas[k]).abs() / (tail + floor)).max().item() if len(tail) else 0.0
+        assert abs(err - recorded_is_true) < 1e-9 and err <= budget
+        if r > 0:  # keeping one eigenvalue fewer breaks the budget, whatever the isotropic level
+            tail = vals[r - 1 :]
+            levels = torch.linspace(tail.min().item(), tail.max().item(), 4001, dtype=torch.float64)
+            best = ((tail[None] - levels[:, None]).abs() / (tail[None] + floor)).max(1).values.min().item()
+            assert best > budget
+
+
 def test_compressed_artifacts_record_their_error_fuse_and_shrink(tmp_path, small_silo):
     """The same components written plain and compressed: the header's per-factor error equals the
     true relative Frobenius error of the rebuilt factor against the plain one, quadratic forms of the

@@ -48,7 +48,7 @@ class BlockEncoding:
     shapes: Callable[[int, Mapping[str, Any]], dict[str, tuple[int, ...]]]
     decode: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any]], Precision]
     header: Callable[[Precision], dict[str, Any]] = lambda block: {}
-    compress: Callable[[Precision, float], tuple[str, dict[str, Any], dict[str, torch.Tensor]]] | None = None
+    compress: Callable[[Precision, float, float | None], tuple[str, dict[str, Any], dict[str, torch.Tensor]]] | None = None
 
 
 def _decode_diag(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Diag:
@@ -85,11 +85,13 @@ def _lowrank_header(block: Precision) -> dict[str, Any]:
             "isotropic": [block.sB, block.sA], "error": list(block.errors)}
 
 
-def _compress_kron(block: Precision, budget: float) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
-    """A Kronecker block's factors as top-r eigenpairs plus a trace-keeping isotropic remainder
-    (:meth:`LowRankKron.from_kron`), each within ``budget``; the header records the ranks, the
-    isotropic levels and each factor's relative Frobenius error."""
-    compact = LowRankKron.from_kron(block, budget)
+def _compress_kron(block: Precision, budget: float,
+                   prior: float | None = None) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """A Kronecker block's factors as top-r eigenpairs plus an isotropic remainder
+    (:meth:`LowRankKron.from_kron`), each within ``budget`` — relative Frobenius error, or with
+    ``prior = λ0·T`` in the precision metric; the header records the ranks, the isotropic levels and
+    each factor's error."""
+    compact = LowRankKron.from_kron(block, budget, prior)
     return compact.kind, _lowrank_header(compact), compact.to_tensors()
 
 

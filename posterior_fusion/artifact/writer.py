@@ -70,15 +70,16 @@ def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, met
 
 
 def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype | None = None,
-                    step: str = "the curvature capture", compress: float = 0.0) -> None:
+                    step: str = "the curvature capture", compress: float = 0.0, prior: float | None = None) -> None:
     """``group/curvature``: one subgroup per block (its class's datasets) and the ``blocks`` header;
-    with ``compress`` > 0 the kinds that have a compact encoding use it within that relative error."""
+    with ``compress`` > 0 the kinds that have a compact encoding use it within that relative error
+    (``prior = λ0·T``: in the precision metric, :mod:`posterior_fusion.curvature.lowrank`)."""
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
     for i, (block, off) in enumerate(zip(curvature.blocks, curvature.offsets)):
         encoding = ENCODINGS[block.kind]
         if compress > 0 and encoding.compress is not None:
-            kind, header, tensors = encoding.compress(block, compress)
+            kind, header, tensors = encoding.compress(block, compress, prior)
         else:
             kind, header, tensors = block.kind, encoding.header(block), block.to_tensors()
         descr.append({"kind": kind, "offset": off, "size": block.dim, **header})
@@ -90,13 +91,15 @@ def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype 
     curv.attrs["blocks"] = text_attr(json.dumps(descr))
 
 
-def write_component(group: h5py.Group, comp: Component, compress: float = 0.0) -> None:
+def write_component(group: h5py.Group, comp: Component, compress: float = 0.0,
+                    compress_metric: str = "frobenius") -> None:
     """Write one component (MAP, raw curvature blocks, training info, SWAG) into ``group``."""
     path = group.file.filename
     group.attrs["training"] = text_attr(metadata_json(path, dict(comp.training)))
     require_finite(path, f"{group.name}/map", comp.map, "training")
     group.create_dataset("map", data=_np(comp.map))
-    write_curvature(group, comp.curvature, compress=compress)
+    prior = comp.prior_precision * comp.temperature if compress_metric == "precision" else None
+    write_curvature(group, comp.curvature, compress=compress, prior=prior)
     if comp.swag is not None:
         s = group.create_group("swag")
         for name in ("mean", "sq_mean", "deviations"):
@@ -110,18 +113,20 @@ def write_component(group: h5py.Group, comp: Component, compress: float = 0.0) -
 def write_client_artifact(
     path: str | os.PathLike, spec: ModelSpec, layout: ParameterLayout,
     metadata: dict[str, Any], components: Sequence[Component], compress: float = 0.0,
+    compress_metric: str = "frobenius",
 ) -> None:
     """Write a client artifact atomically. ``metadata`` must hold at least ``n_data``,
     ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``. ``compress`` > 0:
     Kronecker factors stored as top-r eigenpairs plus an isotropic remainder within that relative
-    Frobenius error per factor (recorded per block; readers rebuild the factors)."""
+    error per factor, in ``compress_metric`` (``frobenius`` or ``precision``,
+    :mod:`posterior_fusion.curvature.lowrank`; recorded per block; readers use the compact form)."""
     meta = dict(metadata, num_components=len(components))
 
     def fill(f: h5py.File) -> None:
         _root(f, KIND_CLIENT, spec, layout, meta)
         comps = f.create_group("components")
         for comp in components:
-            write_component(comps.create_group(str(comp.index)), comp, compress)
+            write_component(comps.create_group(str(comp.index)), comp, compress, compress_metric)
 
     atomic_h5_write(path, fill)
 

@@ -5,6 +5,13 @@
 ``U`` ``(D, r)`` holds the r leading eigenvectors, ``λ`` ``(r,)`` their eigenvalues. F̃ shares F's
 eigenvectors, so its relative Frobenius error is ``√(Σ_{i>r} (λ_i − σ)²) / ‖F‖_F`` from the
 eigenvalues alone; :func:`truncate` takes the smallest r that meets a relative-error budget.
+
+The ``precision`` metric (``COMPRESS_METRICS``) measures what a fusion method sees instead: the factor
+enters a precision ``Λ = (s/T)·B ⊗ A + λ0 I`` whose eigenvalues are ``(s/T)·b_i·a_j + λ0``; replacing the
+tail ``a_j`` by σ changes each by at most the relative amount ``|a_j − σ| / (a_j + f)`` with the floor
+``f = λ0·T / (s·b_max)``. :func:`truncate` with ``floor`` keeps the smallest r whose worst such ratio is
+within the budget, σ the level that minimises it (not the trace-keeping one): every eigenvalue of
+the precision, hence every quadratic form, within that relative error per factor.
 :class:`LowRankKron` is a Kronecker block held in that form (an artifact's ``kron_lowrank`` blocks,
 written with ``--compress``).
 """
@@ -16,21 +23,30 @@ import torch
 from posterior_fusion.curvature.base import Precision, eigh_psd
 from posterior_fusion.curvature.kron import Kron
 
+COMPRESS_METRICS = ("frobenius", "precision")
 
-def truncate(F: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """``(U (D, r), λ (r,), σ, relative error)`` of the smallest r whose low-rank-plus-isotropic
-    approximation of the PSD ``F`` ``(D, D)`` has a relative Frobenius error ≤ ``budget``
-    (r = D, σ = 0 and error 0 when no smaller rank does; all of F is then kept)."""
+
+def truncate(F: torch.Tensor, budget: float,
+             floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """``(U (D, r), λ (r,), σ, error)`` of the smallest r whose low-rank-plus-isotropic approximation of
+    the PSD ``F`` ``(D, D)`` has an error ≤ ``budget`` (r = D, σ = 0 and error 0 when no smaller rank
+    does; all of F is then kept). ``floor`` None: the relative Frobenius error, σ keeping the trace;
+    a floor ``f`` ≥ 0: the precision metric (module docstring), ``max_{i>r} |λ_i − σ| / (λ_i + f)``."""
     D = F.shape[0]
     lam, U = eigh_psd(F.double())
-    lam, U = lam.flip(0), U.flip(1)  # descending
+    lam, U = lam.flip(0).clamp(min=0), U.flip(1)  # descending
     total = float(lam.square().sum())
-    if total == 0.0:
-        return U[:, :0].to(F.dtype), lam[:0].to(F.dtype), 0.0, 0.0
+    if total == 0.0 or floor == float("inf"):  # a zero factor, or one whose block the other factor zeroes
+        return U[:, :0].to(F.dtype), lam[:0].to(F.dtype), float(lam.mean()), 0.0
     tails = lam.flip(0).cumsum(0).flip(0)  # tails[r] = Σ_{i>=r} λ_i
     for r in range(0, D):
-        sigma = float(tails[r]) / (D - r)
-        err = float((lam[r:] - sigma).square().sum()) ** 0.5 / total**0.5
+        if floor is None:
+            sigma = float(tails[r]) / (D - r)
+            err = float((lam[r:] - sigma).square().sum()) ** 0.5 / total**0.5
+        else:  # the level equalising the relative errors at the tail's two ends
+            hi, lo = float(lam[r]), float(lam[-1])
+            sigma = (2 * hi * lo + floor * (hi + lo)) / (hi + lo + 2 * floor) if hi + floor > 0 else 0.0
+            err = (hi - sigma) / (hi + floor) if hi + floor > 0 else 0.0
         if err <= budget:
             return U[:, :r].to(F.dtype).contiguous(), lam[:r].to(F.dtype), sigma, err
     return U.to(F.dtype).contiguous(), lam.to(F.dtype), 0.0, 0.0
@@ -134,8 +150,16 @@ class LowRankKron(Kron):
                 "lowrank_A_vectors": self.UA, "lowrank_A_values": self.lA}
 
     @classmethod
-    def from_kron(cls, block: Kron, budget: float) -> LowRankKron:
-        """The compact form of a plain Kronecker block within a relative error ``budget`` per factor."""
-        UB, lB, sB, eB = truncate(block.B, budget)
-        UA, lA, sA, eA = truncate(block.A, budget)
+    def from_kron(cls, block: Kron, budget: float, prior: float | None = None) -> LowRankKron:
+        """The compact form of a plain Kronecker block within a relative error ``budget`` per factor:
+        Frobenius (``prior`` None) or in the precision metric for the precision ``(s/T)·B ⊗ A + λ0 I``
+        with ``prior = λ0·T`` (module docstring; each factor's floor from the other's largest eigenvalue)."""
+        floors = (None, None)
+        if prior is not None:
+            top_B, top_A = (float(torch.linalg.eigvalsh(f.double())[-1].clamp(min=0)) for f in (block.B, block.A))
+            scale = float(block.scale)
+            floors = (prior / (scale * top_A) if top_A > 0 else float("inf"),
+                      prior / (scale * top_B) if top_B > 0 else float("inf"))
+        UB, lB, sB, eB = truncate(block.B, budget, floors[0])
+        UA, lA, sA, eA = truncate(block.A, budget, floors[1])
         return cls(UB, lB, sB, UA, lA, sA, block.scale, block.shift, (eB, eA))

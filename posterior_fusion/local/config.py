@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from posterior_fusion import ranges
+from posterior_fusion.curvature.lowrank import COMPRESS_METRICS
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
 from posterior_fusion.local.fastcapture import KFAC_TYPES
@@ -101,10 +102,15 @@ class FitConfig:
     device: str = fit_field("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
                                     "where a GPU is visible). The artifact is the same whatever the device.",
                             choices=DEVICES)
-    compress: float = fit_field(0.0, "Store each K-FAC factor as its top eigenpairs plus an isotropic remainder "
-                                     "that keeps the trace, the rank chosen per factor so the relative Frobenius "
-                                     "error stays within this budget (e.g. 0.05; the error is recorded per block); "
-                                     "0: plain factors, exact.")
+    compress: float = fit_field(0.0, "Store each K-FAC factor as its top eigenpairs plus an isotropic remainder, "
+                                     "the rank chosen per factor so its relative error (`compress_metric`) stays "
+                                     "within this budget (e.g. 0.05; the error is recorded per block); 0: plain "
+                                     "factors, exact.")
+    compress_metric: str = fit_field("frobenius", "The error `compress` bounds: frobenius (each factor's relative "
+                                                  "Frobenius error; the remainder keeps the trace) or precision (every "
+                                                  "eigenvalue of the component's precision G/T + λ0 I within that "
+                                                  "relative error per factor: what fusion sees; higher ranks).",
+                                     choices=COMPRESS_METRICS)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -121,6 +127,9 @@ class FitConfig:
             raise ConfigError(f"unknown `kfac` {self.kfac!r}; use one of {', '.join(KFAC_TYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"unknown `device` {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.compress_metric not in COMPRESS_METRICS:
+            raise ConfigError(f"unknown `compress_metric` {self.compress_metric!r}; use one of "
+                              f"{', '.join(COMPRESS_METRICS)}")
         if not 0 <= self.compress < 1:
             raise ConfigError(f"`compress` must be in [0, 1) (a relative error budget; 0: plain), got {self.compress}")
         if self.capture not in CAPTURE_METHODS:
@@ -147,6 +156,8 @@ class FitConfig:
             out.pop("kfac")
         if out["compress"] == 0:
             out.pop("compress")
+        if out["compress_metric"] == "frobenius" or "compress" not in out:
+            out.pop("compress_metric")
         for optional in ("ppd", "private"):
             if out[optional] is None:
                 out.pop(optional)

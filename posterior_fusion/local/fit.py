@@ -68,6 +68,7 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         "train_seed": cfg.train_seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,
         **({"kfac": cfg.kfac} if cfg.structure == "kron" else {}),
         **({"compress": cfg.compress} if cfg.compress > 0 else {}),
+        **({"compress_metric": cfg.compress_metric} if cfg.compress > 0 and cfg.compress_metric != "frobenius" else {}),
         "train": asdict(cfg.train), "library_versions": library_versions(), "fit_fingerprint": h.hexdigest(),
         **({"ppd": asdict(cfg.ppd)} if cfg.ppd is not None else {}),
         # HBFL: the private architecture stays in the silo; only how it was used is recorded
@@ -171,7 +172,8 @@ def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cf
         partial = partial_path(out)
 
         def save_partial(meta: dict, comps: list[Component]) -> None:
-            write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps, cfg.compress)
+            write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps, cfg.compress,
+                                  cfg.compress_metric)
 
         try:
             meta, comps = fit_components(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
@@ -180,7 +182,7 @@ def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cf
             raise ResumeError(f"interrupted; {kept}rerun the same command with `resume` to continue") from None
         meta["init"] = init_info
         try:
-            write_client_artifact(out, spec, layout, meta, comps, cfg.compress)
+            write_client_artifact(out, spec, layout, meta, comps, cfg.compress, cfg.compress_metric)
         except OutputError as exc:
             raise OutputError(f"{exc}; the finished components are kept in {partial} (rerun with `resume`)") from None
         partial.unlink(missing_ok=True)

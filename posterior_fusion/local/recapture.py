@@ -157,7 +157,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
-    for key in ("kfac", "curvature_blocks", "compress"):
+    for key in ("kfac", "curvature_blocks", "compress", "compress_metric"):
         meta.pop(key, None)
     recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}
     if at is not None:
@@ -181,7 +181,7 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       method: str = "fast", max_memory: int | str | None = None,
                       log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
                       compress: float = 0.0, at_path: str | os.PathLike | None = None,
-                      damping: float = REFRESH_DAMPING) -> dict:
+                      damping: float = REFRESH_DAMPING, compress_metric: str = "frobenius") -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
     the source's. Returns the new metadata."""
@@ -195,5 +195,7 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                                 damping)
         if compress > 0:
             meta["compress"] = compress
-        write_client_artifact(out, source.model_spec, source.layout, meta, comps, compress)
+            if compress_metric != "frobenius":
+                meta["compress_metric"] = compress_metric
+        write_client_artifact(out, source.model_spec, source.layout, meta, comps, compress, compress_metric)
     return meta
