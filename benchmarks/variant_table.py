@@ -91,8 +91,9 @@ def main() -> None:
         if not todo and label not in ("one-shot, adam, best validation iterate (today's default)",
                                       "one-shot, em (stationary)"):
             continue
+        client_paths = client_set(group)  # a refresh computed here is silo time, not server time
         t0 = time.time()
-        inputs, result, meta = fuse(client_set(group), method, FusionOptions(progress=False), settings,
+        inputs, result, meta = fuse(client_paths, method, FusionOptions(progress=False), settings,
                                     val_path=val if use_val else None)
         server_seconds = round(time.time() - t0, 1)
         short = {"one-shot, adam, best validation iterate (today's default)": "paper",
