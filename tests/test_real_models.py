@@ -259,7 +259,7 @@ def test_precision_metric_bounds_every_eigenvalue_of_the_precision(budget):
     eigen-decomposition, matched through the shared eigenvectors; the recorded error is the worst
     per-factor ratio; one rank less misses the budget at any isotropic level."""
     from posterior_fusion.curvature.kron import Kron
-    from posterior_fusion.curvature.lowrank import LowRankKron, rebuild
+    from posterior_fusion.curvature.lowrank import LowRankKron, rebuild, truncate
 
     B, A = _spectrum_psd(6, 0.3, 1), _spectrum_psd(9, 0.5, 2)
     scale, T, lam0 = 3.0, 0.1, 2.0
@@ -281,6 +281,8 @@ def test_precision_metric_bounds_every_eigenvalue_of_the_precision(budget):
     worst = ((rebuilt - true).abs() / true).max().item()
     assert worst <= 2 * budget + budget**2 + 1e-9
     assert torch.allclose(torch.sort(true).values, exact, rtol=1e-10)
+    one_left = truncate(torch.diag(torch.tensor([3.0, 2.0, 1.0 + 1e-12], dtype=torch.float64)), 1e-20, 0.7)
+    assert one_left[3] >= 0.0  # rounding never records a negative error (the reader refuses one)
     sigmas = (c.sB, c.sA)
     for k, (F, other_top) in enumerate(((B, la.max()), (A, lb.max()))):
         r, err, floor = (c.lB, c.lA)[k].numel(), c.errors[k], prior / (scale * other_top.item())

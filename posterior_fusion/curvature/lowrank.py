@@ -46,7 +46,7 @@ def truncate(F: torch.Tensor, budget: float,
         else:  # the level equalising the relative errors at the tail's two ends
             hi, lo = float(lam[r]), float(lam[-1])
             sigma = (2 * hi * lo + floor * (hi + lo)) / (hi + lo + 2 * floor) if hi + floor > 0 else 0.0
-            err = (hi - sigma) / (hi + floor) if hi + floor > 0 else 0.0
+            err = max(0.0, (hi - sigma) / (hi + floor)) if hi + floor > 0 else 0.0  # ≥ 0 through rounding
         if err <= budget:
             return U[:, :r].to(F.dtype).contiguous(), lam[:r].to(F.dtype), sigma, err
     return U.to(F.dtype).contiguous(), lam.to(F.dtype), 0.0, 0.0
