@@ -1,4 +1,4 @@
-"""The markdown table of ``variant_table.py``'s rows over seeds: mean ± std (population, over the
+"""The markdown table of ``variant_table.py``'s rows over seeds: mean ± sample std (over the
 seeds present) of accuracy, NLL, ECE, OOD AUROC, server seconds, evaluation seconds and peak MiB per
 (variant, predictive), one table per α.
 
@@ -23,7 +23,7 @@ def cell(values: list[float], digits: int, scale: float = 1.0) -> str:
         return "–"
     if len(vals) == 1:
         return f"{vals[0]:.{digits}f}"
-    return f"{statistics.mean(vals):.{digits}f} ± {statistics.pstdev(vals):.{digits}f}"
+    return f"{statistics.mean(vals):.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
 
 
 def main() -> None:
