@@ -158,8 +158,8 @@ class LowRankKron(Kron):
         if prior is not None:
             top_B, top_A = (float(torch.linalg.eigvalsh(f.double())[-1].clamp(min=0)) for f in (block.B, block.A))
             scale = float(block.scale)
-            floors = (prior / (scale * top_A) if top_A > 0 else float("inf"),
-                      prior / (scale * top_B) if top_B > 0 else float("inf"))
+            floors = (prior / (scale * top_A) if scale * top_A > 0 else float("inf"),
+                      prior / (scale * top_B) if scale * top_B > 0 else float("inf"))
         UB, lB, sB, eB = truncate(block.B, budget, floors[0])
         UA, lA, sA, eA = truncate(block.A, budget, floors[1])
         return cls(UB, lB, sB, UA, lA, sA, block.scale, block.shift, (eB, eA))
