@@ -1,0 +1,92 @@
+"""The refresh round's damping d swept without recapturing (issue 29). A refreshed component holds the
+curvature G at the global member w* and the centre ŵ_1 = w* − Λ_1⁻¹ r of damping 1, with
+r = g/T + λ w* and Λ_d = damped(G, n, d)/T + λ I (``local/recapture.py``). Neither G nor r depends on d,
+so r = Λ_1 (w* − ŵ_1) and every other centre is ŵ_d = w* − Λ_d⁻¹ r: a damping sweep costs solves, not
+captures. w* is recomputed by fusing the one-shot clients as the refresh did (the paper's protocol,
+deterministic); the recovered centres for d = 1 are checked against the stored ones.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/refresh_damping_sweep.py --clients DIR \
+        --refreshed 'DIR/refresh/at_paper_d1.0_post_*.h5' --dampings 0.3,3,10,30 --json OUT.json
+
+DIR as for ``refresh_round.py``. Each d: fedbens EM at stationarity (no validation) on the re-centred
+artifacts; test accuracy, NLL, ECE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from measured import save_rows
+
+from posterior_fusion.artifact import write_client_artifact
+from posterior_fusion.artifact.reader import load_client
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.metrics import evaluate_members
+
+
+def precision(comp, n: int, d: float):
+    """Λ_d of a refreshed component, float64."""
+    return comp.curvature.astype(torch.float64).damped(n, d).precision(comp.temperature, comp.prior_precision)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", required=True)
+    ap.add_argument("--refreshed", required=True, help="glob of the d = 1 refreshed artifacts")
+    ap.add_argument("--dampings", default="0.3,3,10,30")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    folder = Path(args.clients)
+    posts = sorted(folder.glob("post_*.h5"))
+    refreshed = sorted(glob.glob(args.refreshed))
+    test, val = read_silo(folder / "test.h5"), folder / "server_val.h5"
+    t0 = time.time()
+    _, paper, _ = fuse(posts, "fedbens", FusionOptions(progress=False), {}, val_path=val)
+    print(f"paper's modes recomputed in {time.time() - t0:.0f}s", flush=True)
+    members = [w.double() for w in paper.members]
+    arts = [load_client(p) for p in refreshed]
+    residuals, worst = [], 0.0
+    for art in arts:
+        n = int(art.metadata["n_data"])
+        rs = []
+        for comp in art.components:
+            w = members[int(comp.training["refreshed_at_member"])]
+            rs.append(precision(comp, n, 1.0).matvec(w - comp.map.double()))
+            again = w - precision(comp, n, 1.0).solve(rs[-1])
+            worst = max(worst, float((again - comp.map.double()).norm() / comp.map.double().norm()))
+        residuals.append(rs)
+    print(f"d = 1 centres recovered to {worst:.1e} (relative)", flush=True)
+    rows, work = [], Path(refreshed[0]).parent
+    for d in [1.0] + [float(t) for t in args.dampings.split(",")]:
+        paths = []
+        for art, rs, src in zip(arts, residuals, refreshed):
+            n = int(art.metadata["n_data"])
+            comps = []
+            for comp, r in zip(art.components, rs):
+                w = members[int(comp.training["refreshed_at_member"])]
+                centre = w - precision(comp, n, d).solve(r)
+                comps.append(replace(comp, map=centre.to(comp.map.dtype)))
+            meta = dict(art.metadata, refreshed_at=dict(art.metadata["refreshed_at"], damping=d))
+            paths.append(work / f"sweep_d{d}_{Path(src).name}")
+            write_client_artifact(paths[-1], art.model_spec, art.layout, meta, comps)
+        t0 = time.time()
+        inputs, result, _ = fuse(paths, "fedbens", FusionOptions(progress=False), {"solver": "em"})
+        m = evaluate_members(inputs.spec, result.members, test)
+        rows.append({"damping": d, "fusion": "em (stationary), no validation", "accuracy": m["accuracy"],
+                     "nll": m["nll"], "ece": m["ece"], "server_seconds": round(time.time() - t0, 1),
+                     "centre_step_norm": max(float((c.map.double() - members[int(c.training["refreshed_at_member"])])
+                                                   .norm()) for a in [load_client(p) for p in paths]
+                                             for c in a.components)})
+        print(json.dumps(rows[-1]), flush=True)
+    save_rows(args.json, {"clients": str(folder), "refreshed": refreshed, "d1_recovery": worst, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
