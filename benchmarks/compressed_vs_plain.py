@@ -66,9 +66,8 @@ def main() -> None:
         for p in plain:
             art = posterior_fusion.load(p)
             out = work / f"{p.stem}_{budget}.h5"
-            meta = dict(art.metadata, compress=budget, **({"compress_metric": args.metric}
-                                                           if args.metric != "frobenius" else {}))
-            write_client_artifact(out, art.model_spec, art.layout, meta, list(art.components), budget, args.metric)
+            write_client_artifact(out, art.model_spec, art.layout, dict(art.metadata), list(art.components), budget,
+                                  args.metric)
             sets[budget].append(out)
         sizes[budget] = sum(p.stat().st_size for p in sets[budget])
         errs[budget] = [e for p in sets[budget] for e in errors(p)]

@@ -31,17 +31,20 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.local.recapture import REFRESH_DAMPING, recapture
 
-# (label, client set, method, settings, the fusion uses the validation split)
+# (file name, label, client set, method, settings, the fusion uses the validation split); "paper" and
+# "em" are the one-shot globals the refreshed client sets are taken at
 VARIANTS = [
-    ("one-shot, adam, best validation iterate (today's default)", "one-shot", "fedbens", {}, True),
-    ("one-shot, adam, best objective", "one-shot", "fedbens", {}, False),
-    ("one-shot, em (stationary)", "one-shot", "fedbens", {"solver": "em"}, False),
-    ("one-shot, em, damping 0.0316", "one-shot", "fedbens", {"solver": "em", "damping": 0.0316}, False),
-    ("refreshed at the paper's modes, em", "at_paper_d1.0", "fedbens", {"solver": "em"}, False),
-    ("refreshed at the paper's modes, adam, best validation iterate", "at_paper_d1.0", "fedbens", {}, True),
-    ("em -> refresh -> em (no validation anywhere)", "at_em", "fedbens", {"solver": "em"}, False),
-    ("client ensemble", "one-shot", "ensemble", {}, False),
+    ("paper", "one-shot, adam, best validation iterate (today's default)", "one-shot", "fedbens", {}, True),
+    ("adam", "one-shot, adam, best objective", "one-shot", "fedbens", {}, False),
+    ("em", "one-shot, em (stationary)", "one-shot", "fedbens", {"solver": "em"}, False),
+    ("em_damped", "one-shot, em, damping 0.0316", "one-shot", "fedbens", {"solver": "em", "damping": 0.0316}, False),
+    ("refreshed_em", "refreshed at the paper's modes, em", "at_paper_d1.0", "fedbens", {"solver": "em"}, False),
+    ("refreshed_paper", "refreshed at the paper's modes, adam, best validation iterate", "at_paper_d1.0", "fedbens",
+     {}, True),
+    ("em_refresh_em", "em -> refresh -> em (no validation anywhere)", "at_em", "fedbens", {"solver": "em"}, False),
+    ("ensemble", "client ensemble", "one-shot", "ensemble", {}, False),
 ]
+REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em"}  # refreshed client set -> the global it is taken at
 # (label, evaluate options, needs a Laplace posterior at the modes, only where the fusion used validation)
 PREDICTIVES = [
     ("map", ["--predictive", "map"], False, False),
@@ -73,8 +76,7 @@ def main() -> None:
         found = [folder / "refresh" / f"{name}_{p.name}" for p in posts]
         if all(p.exists() for p in found):
             return found
-        at = {"at_paper_d1.0": "paper", "at_em": "em"}[name]  # the one-shot global it refreshes at
-        glob_path = out / f"one-shot_{at}.h5"
+        glob_path = out / f"{REFRESH_SOURCES[name]}.h5"
         found = [out / f"{name}_{p.name}" for p in posts]
         t0 = time.time()
         for p, s, o in zip(posts, silos, found):
@@ -85,20 +87,17 @@ def main() -> None:
         print(f"refreshed {name} in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
         return found
 
-    for label, group, method, settings, use_val in VARIANTS:
+    for short, label, group, method, settings, use_val in VARIANTS:
         todo = [p for p in PREDICTIVES if not ((p[2] and method != "fedbens") or (p[3] and not use_val))
                 and not any(r["variant"] == label and r["predictive"] == p[0] for r in done)]
-        if not todo and label not in ("one-shot, adam, best validation iterate (today's default)",
-                                      "one-shot, em (stationary)"):
+        if not todo and (short not in REFRESH_SOURCES.values() or (out / f"{short}.h5").exists()):
             continue
         client_paths = client_set(group)  # a refresh computed here is silo time, not server time
         t0 = time.time()
         inputs, result, meta = fuse(client_paths, method, FusionOptions(progress=False), settings,
                                     val_path=val if use_val else None)
         server_seconds = round(time.time() - t0, 1)
-        short = {"one-shot, adam, best validation iterate (today's default)": "paper",
-                 "one-shot, em (stationary)": "em"}.get(label, f"v{len(rows)}")
-        glob_path = out / f"one-shot_{short}.h5" if short in ("paper", "em") else out / f"{short}.h5"
+        glob_path = out / f"{short}.h5"
         write_fused(glob_path, inputs, result, meta)
         for name, opts, _, _ in todo:
             opts = [str(val) if o is None else o for o in opts]

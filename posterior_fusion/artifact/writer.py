@@ -119,8 +119,15 @@ def write_client_artifact(
     ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``. ``compress`` > 0:
     Kronecker factors stored as top-r eigenpairs plus an isotropic remainder within that relative
     error per factor, in ``compress_metric`` (``frobenius`` or ``precision``,
-    :mod:`posterior_fusion.curvature.lowrank`; recorded per block; readers use the compact form)."""
+    :mod:`posterior_fusion.curvature.lowrank`; recorded per block and as metadata ``compress`` /
+    ``compress_metric``, whatever ``metadata`` said; readers use the compact form)."""
     meta = dict(metadata, num_components=len(components))
+    for key in ("compress", "compress_metric"):  # recorded here, from what is written, and only here
+        meta.pop(key, None)
+    if compress > 0:
+        meta["compress"] = compress
+        if compress_metric != "frobenius":
+            meta["compress_metric"] = compress_metric
 
     def fill(f: h5py.File) -> None:
         _root(f, KIND_CLIENT, spec, layout, meta)

@@ -197,11 +197,10 @@ def recapture_clients(cfg: ExperimentConfig, cell: Cell, structure: str, base_ke
     """Level 2, a further structure: the clients of ``base_key`` recaptured with ``structure`` at
     their trained MAPs (``pfuse recapture``; equal to fitting with that structure, for the cost of
     the capture alone), with the grid's ``[fit] kfac``. Runs in this process whatever ``jobs`` says."""
-    kfac = client_fit_config(cfg, structure, cell.seed).kfac
-    key = {"recapture": base_key, "structure": structure}
-    if structure == "kron" and kfac != "expand":  # expand keeps the keys of grids from before `kfac`
-        key["kfac"] = kfac
-    ckey = cache_key(key)
+    fit = client_fit_config(cfg, structure, cell.seed)
+    kfac = fit.kfac  # in the key as in the fit fingerprint (only where not the default)
+    ckey = cache_key({"recapture": base_key, "structure": structure,
+                      **{k: v for k, v in fit.fingerprint_dict().items() if k == "kfac"}})
     cdir = work / "clients" / ckey
     cdir.mkdir(parents=True, exist_ok=True)
     drop_stale_fits(cdir, log)

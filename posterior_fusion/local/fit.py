@@ -67,8 +67,7 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         "temperature": cfg.temperature, "prior_precision": cfg.prior_precision, "structure": cfg.structure,
         "train_seed": cfg.train_seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,
         **({"kfac": cfg.kfac} if cfg.structure == "kron" else {}),
-        **({"compress": cfg.compress} if cfg.compress > 0 else {}),
-        **({"compress_metric": cfg.compress_metric} if cfg.compress > 0 and cfg.compress_metric != "frobenius" else {}),
+        **({"compress": cfg.compress} if cfg.compress > 0 else {}),  # the file's own: write_client_artifact
         "train": asdict(cfg.train), "library_versions": library_versions(), "fit_fingerprint": h.hexdigest(),
         **({"ppd": asdict(cfg.ppd)} if cfg.ppd is not None else {}),
         # HBFL: the private architecture stays in the silo; only how it was used is recorded

@@ -157,7 +157,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
-    for key in ("kfac", "curvature_blocks", "compress", "compress_metric"):
+    for key in ("kfac", "curvature_blocks"):
         meta.pop(key, None)
     recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}
     if at is not None:
@@ -193,9 +193,5 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
                                 damping)
-        if compress > 0:
-            meta["compress"] = compress
-            if compress_metric != "frobenius":
-                meta["compress_metric"] = compress_metric
         write_client_artifact(out, source.model_spec, source.layout, meta, comps, compress, compress_metric)
     return meta
