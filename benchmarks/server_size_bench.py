@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--steps", default="10,30", help="S1,S2")
     ap.add_argument("--compress", type=float, default=0.0)
+    ap.add_argument("--compress-metric", default="frobenius", choices=["frobenius", "precision"])
     ap.add_argument("--max-memory", default="20G")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -70,9 +71,11 @@ def main() -> None:
             comps.append(Component(m, w, BlockDiag(blocks), frozen_mapping({"seed": m}), 0.1, 10.0))
         paths.append(work / f"client_{c}.h5")
         write_client_artifact(paths[-1], spec, layout, {"n_data": 1000, "class_counts": [100] * 10, "temperature": 0.1,
-                                                       "prior_precision": 10.0, "structure": "kron"}, comps, args.compress)
+                                                       "prior_precision": 10.0, "structure": "kron"}, comps, args.compress,
+                             args.compress_metric)
     row = {"width": args.width, "parameters": layout.dim, "clients": args.clients, "components": args.components,
-           "compress": args.compress, "artifact_mb": round(sum(p.stat().st_size for p in paths) / 1e6 / args.clients, 1)}
+           "compress": args.compress,
+           "compress_metric": args.compress_metric, "artifact_mb": round(sum(p.stat().st_size for p in paths) / 1e6 / args.clients, 1)}
     runs = [fuse(paths, work / "g1.h5", [f"steps={s1}", "laplace=false"], args.max_memory),
             fuse(paths, work / "g2.h5", [f"steps={s2}", "laplace=false"], args.max_memory),
             fuse(paths, work / "g3.h5", [f"steps={s1}"], args.max_memory)]

@@ -60,10 +60,12 @@ def random_clients(structure: str, C: int, M: int, seed: int, T: float = 0.5, la
     return out
 
 
-def dense_neg_log_posterior(clients, w, T, lams, lam0):
-    """Independent float64 reference built from dense matrices and torch.distributions."""
+def dense_neg_log_posterior(clients, w, T, lams, lam0, centre=None):
+    """Independent float64 reference built from dense matrices and torch.distributions; ``centre``:
+    the mean of every prior (the global one and each client's divided-out one; default zero)."""
     d = w.shape[-1]
-    total = torch.distributions.MultivariateNormal(torch.zeros(d, dtype=torch.float64),
+    mu0 = torch.zeros(d, dtype=torch.float64) if centre is None else centre.double()
+    total = torch.distributions.MultivariateNormal(mu0,
                                                    precision_matrix=lam0 * torch.eye(d, dtype=torch.float64)).log_prob(w)
     for c, lam in zip(clients, lams):
         logs = []
@@ -71,8 +73,7 @@ def dense_neg_log_posterior(clients, w, T, lams, lam0):
             G = torch.block_diag(*[b.to_dense() for b in comp.curvature.blocks])
             P = G / T + lam * torch.eye(d, dtype=torch.float64)
             logs.append(torch.distributions.MultivariateNormal(comp.map, precision_matrix=P).log_prob(w) - math.log(len(c.components)))
-        p0c = torch.distributions.MultivariateNormal(torch.zeros(d, dtype=torch.float64),
-                                                     precision_matrix=lam * torch.eye(d, dtype=torch.float64))
+        p0c = torch.distributions.MultivariateNormal(mu0, precision_matrix=lam * torch.eye(d, dtype=torch.float64))
         total = total + torch.logsumexp(torch.stack(logs), 0) - p0c.log_prob(w)
     return -total
 
@@ -615,3 +616,80 @@ def test_trust_region_stays_in_its_region_and_is_plain_em_inside(structure):
         assert all(h["distance"] <= 0.5 * (1 + 1e-5) for h in hist[k][1:])
     with pytest.raises(posterior_fusion.errors.ConfigError, match="trust_radius needs solver=em"):
         FedBEnsSettings(trust_radius=1.0).validate()
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
+def test_prior_centre_clients_objective_and_em_vs_dense_float64(structure):
+    """fedbens `prior_centre=clients`: the objective and its gradient equal the dense float64 posterior
+    whose priors (global and divided-out) are centred at each row's centre; with one component per
+    client the EM mode is the dense minimiser (Σ Λ_c − e I)⁻¹ (Σ Λ_c ŵ_c − e μ), e = Σ λ_c − λ0."""
+    from posterior_fusion.fusion.em import MixtureProduct, em_modes
+
+    T, lams, lam0 = 0.5, [2.0, 3.0, 1.5], 2.5
+    mix = _clients(structure, C=3, M=2, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    centres = torch.randn(2, TINY_LAYOUT.dim, generator=gen, dtype=torch.float64)
+    W = (centres + 0.3 * torch.randn(2, TINY_LAYOUT.dim, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    obj = GlobalLogPosterior(mix, [T] * 3, lams, lam0, dtype=torch.float64, prior_centres=centres)
+    ours = obj(W)
+    g_ours = torch.autograd.grad(ours.sum(), W)[0]
+    Wr = W.detach().clone().requires_grad_(True)
+    ref = torch.stack([dense_neg_log_posterior(mix, w, T, lams, lam0, centre=mu) for w, mu in zip(Wr, centres)])
+    g_ref = torch.autograd.grad(ref.sum(), Wr)[0]
+    torch.testing.assert_close(ours, ref.detach(), rtol=1e-10, atol=1e-8)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-8, atol=1e-8)
+    with pytest.raises(ValueError, match="prior centres"):
+        obj(W.detach()[:1])
+
+    one = [dataclasses.replace(c, components=c.components[:1]) for c in mix]
+    mu = centres[0]
+    modes, _ = em_modes(MixtureProduct(one, [T] * 3, lams, lam0), one[0].components[0].map.float()[None], 5,
+                        show_progress=False, prior_centres=mu.float()[None])
+    d = TINY_LAYOUT.dim
+    eye = torch.eye(d, dtype=torch.float64)
+    Ls = [torch.block_diag(*[b.to_dense() for b in c.components[0].curvature.blocks]) / T + lam * eye
+          for c, lam in zip(one, lams)]
+    e = sum(lams) - lam0
+    ref_mode = torch.linalg.solve(sum(Ls) - e * eye, sum(L @ c.components[0].map for L, c in zip(Ls, one)) - e * mu)
+    torch.testing.assert_close(modes[0].double(), ref_mode, rtol=1e-5, atol=1e-5)
+    inside, _ = em_modes(MixtureProduct(one, [T] * 3, lams, lam0), one[0].components[0].map.float()[None], 5,
+                         show_progress=False, prior_centres=mu.float()[None], trust_radius=1e6)
+    torch.testing.assert_close(inside[0].double(), ref_mode, rtol=1e-5, atol=1e-5)  # a region it never leaves
+    # on the region's boundary: H w − b' = −ν Λ̄ (w − s), ν ≥ 0, with b' = Σ Λ_c ŵ_c − e μ
+    s = one[0].components[0].map
+    Lbar, N = sum(Ls), float(sum(c.n_data for c in one))
+    dist = lambda w: float(0.5 * (w - s) @ Lbar @ (w - s) / N)  # noqa: E731
+    rho = 0.2 * dist(ref_mode)
+    edge, _ = em_modes(MixtureProduct(one, [T] * 3, lams, lam0), s.float()[None], 50, tolerance=1e-9,
+                       show_progress=False, prior_centres=mu.float()[None], trust_radius=rho)
+    w = edge[0].double()
+    assert rho * (1 - 5e-3) <= dist(w) <= rho * (1 + 1e-5)
+    g = (sum(Ls) - e * eye) @ w - (sum(L @ c.components[0].map for L, c in zip(Ls, one)) - e * mu)
+    v = Lbar @ (w - s)
+    nu = float(-(g @ v) / (v @ v))
+    assert nu > 0 and float((g + nu * v).norm()) <= 2e-3 * float(g.norm())
+
+
+@pytest.mark.parametrize("solver", ["em", "adam"])
+def test_prior_centre_clients_keeps_the_clients_average_where_no_curvature_is(solver):
+    """Diagonal clients whose curvature is zero on the first six coordinates: with the paper's zero
+    centre fedbens' mode there is Σ_c λ_c ŵ_c / λ0 (≈ C times the clients' weights); with
+    `prior_centre=clients` it is the clients' λ-weighted average; where the curvature is large both
+    agree with the curvature-weighted mean to O(λ / G)."""
+    gen = torch.Generator().manual_seed(3)
+    d, lams = TINY_LAYOUT.dim, [2.0, 2.0, 2.0]
+    g = torch.full((d,), 1e4, dtype=torch.float64)
+    g[:6] = 0.0
+    one = [client([Component(0, 1.0 + 0.2 * torch.randn(d, generator=gen, dtype=torch.float64), BlockDiag([Diag(g)]), {},
+                             0.5, lam)], "diag", lam=lam, name=f"c{i}") for i, lam in enumerate(lams)]
+    maps = torch.stack([c.components[0].map for c in one])
+    inputs = FusionInputs(one, FusionOptions(progress=False))
+    opts = dict(solver=solver, laplace=False, steps=100 if solver == "em" else 4000, adam_lr=0.01, clip=100.0)
+    zero = fedbens(inputs, FedBEnsSettings(**opts)).members[0].double()
+    centred = fedbens(inputs, FedBEnsSettings(**opts, prior_centre="clients")).members[0].double()
+    torch.testing.assert_close(zero[:6], maps[:, :6].sum(0), rtol=1e-3, atol=1e-3)  # C · the average
+    torch.testing.assert_close(centred[:6], maps[:, :6].mean(0), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(centred[6:], maps[:, 6:].mean(0), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(zero[6:], maps[:, 6:].mean(0), rtol=1e-3, atol=1e-3)
+    with pytest.raises(posterior_fusion.errors.ConfigError, match="prior_centre"):
+        FedBEnsSettings(prior_centre="median").validate()

@@ -26,6 +26,10 @@ client terms reweighted). The start is inside, so each step still lowers the obj
 unconstrained iterate never leaves the region, the result is the plain EM's. (The boundary point
 is found to a relative 1e-4 of the radius; a step that would raise the objective by that slack
 ends the iterations instead.)
+
+**Prior centre** (fedbens' ``prior_centre = "clients"``): with the over-counted prior divided out at
+μ instead of zero (``−½ (Σ λ_c − λ0) ‖w − μ‖²``), the system's right-hand side gains
+``− (Σ_c λ_c − λ0) μ``; its matrix is unchanged.
 """
 
 from __future__ import annotations
@@ -54,11 +58,13 @@ class MixtureProduct:
         self.lam0 = float(server_prior_precision)
         self.n_total = float(sum(c.n_data for c in clients))
 
-    def responsibilities(self, w: torch.Tensor) -> tuple[list[torch.Tensor], float]:
-        """``r_c`` ``(M_c,)`` per client at ``w`` ``(d,)`` and ``E(w)`` (up to the constant)."""
+    def responsibilities(self, w: torch.Tensor, centre: torch.Tensor | None = None) -> tuple[list[torch.Tensor], float]:
+        """``r_c`` ``(M_c,)`` per client at ``w`` ``(d,)`` and ``E(w)`` (up to the constant), the
+        over-counted prior divided out at ``centre`` ``(d,)`` (default zero)."""
         logits = [row[0] for row in component_log_densities(self.clients, self.temperatures, self.prior_precisions,
                                                              w[None])]
-        value = -0.5 * self.excess * float(w.square().sum()) - sum(float(torch.logsumexp(g, 0)) for g in logits)
+        off = w if centre is None else w - centre
+        value = -0.5 * self.excess * float(off.square().sum()) - sum(float(torch.logsumexp(g, 0)) for g in logits)
         return [torch.softmax(g, 0) for g in logits], value
 
     def metric(self, rs: list[torch.Tensor], v: torch.Tensor) -> float:
@@ -68,14 +74,16 @@ class MixtureProduct:
         return 0.5 * total / self.n_total
 
     def solve(self, rs: list[torch.Tensor], start: torch.Tensor, tolerance: float = 1e-10,
-              pull: tuple[float, list[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              pull: tuple[float, list[torch.Tensor], torch.Tensor] | None = None,
+              centre: torch.Tensor | None = None) -> torch.Tensor:
         """The bound's minimiser ``(d,)`` for responsibilities ``rs``, block by block; ``pull`` =
-        ``(ν, r⁰, s)`` adds the trust region's term ``ν/2 (w − s)ᵀ (Σ r⁰ Λ) (w − s)``."""
+        ``(ν, r⁰, s)`` adds the trust region's term ``ν/2 (w − s)ᵀ (Σ r⁰ Λ) (w − s)``; ``centre``
+        ``(d,)``: the over-counted prior divided out there (default zero)."""
         terms = [(float(r), P, mu) for r_c, row, maps in zip(rs, self.precisions, self.maps)
                  for r, P, mu in zip(r_c, row, maps) if float(r) > 0]
         if pull is not None and pull[0] > 0:
-            nu, r0, centre = pull
-            terms += [(nu * float(r), P, centre) for r_c, row in zip(r0, self.precisions) for r, P in zip(r_c, row)
+            nu, r0, pull_start = pull
+            terms += [(nu * float(r), P, pull_start) for r_c, row in zip(r0, self.precisions) for r, P in zip(r_c, row)
                       if float(r) > 0]
         ref = terms[0][1]
         out = torch.empty_like(start)
@@ -83,6 +91,8 @@ class MixtureProduct:
             blocks = [(r, P.blocks[j], mu[off: off + P.blocks[j].dim]) for r, P, mu in terms]
             dim = blocks[0][1].dim
             rhs = sum(r * b.matvec(m) for r, b, m in blocks)
+            if centre is not None:
+                rhs = rhs - self.excess * centre[off: off + dim].double()
             if all(isinstance(b, Kron) for _, b, _ in blocks):
                 shape = blocks[0][1].shape
                 w = torch.tensor([r * b.scale for r, b, _ in blocks], dtype=torch.float64)
@@ -102,18 +112,18 @@ class MixtureProduct:
 
 def trust_region_solve(product: MixtureProduct, rs: list[torch.Tensor], w: torch.Tensor, start: torch.Tensor,
                        r0: list[torch.Tensor], radius: float, nu: float = 1.0, rel_tol: float = 1e-4,
-                       max_evals: int = 60) -> tuple[torch.Tensor, float]:
+                       max_evals: int = 60, centre: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """The bound's minimiser inside the trust region (module docstring) and its multiplier ν.
 
     The distance to ``start`` falls as ν grows; ν is bracketed by factors of 4 from ``nu`` (the
     previous step's) and bisected in log space until the distance is within ``rel_tol`` of the
     radius. The returned point is always the feasible end of the bracket."""
-    free = product.solve(rs, w)
+    free = product.solve(rs, w, centre=centre)
     if product.metric(r0, free - start) <= radius:
         return free, 0.0
 
     def at(v: float) -> tuple[torch.Tensor, float]:
-        x = product.solve(rs, w, pull=(v, r0, start))
+        x = product.solve(rs, w, pull=(v, r0, start), centre=centre)
         return x, product.metric(r0, x - start)
 
     lo, hi, evals = 0.0, max(nu, 1e-12), 0
@@ -144,27 +154,30 @@ def trust_region_solve(product: MixtureProduct, rs: list[torch.Tensor], w: torch
 
 
 def em_modes(product: MixtureProduct, starts: torch.Tensor, iterations: int, tolerance: float = 1e-6,
-             show_progress: bool = True, trust_radius: float = 0.0) -> tuple[torch.Tensor, list[list[dict]]]:
+             show_progress: bool = True, trust_radius: float = 0.0,
+             prior_centres: torch.Tensor | None = None) -> tuple[torch.Tensor, list[list[dict]]]:
     """EM from each row of ``starts`` ``(K, d)``: at most ``iterations`` solves per mode, stopping when
     an iteration moves ``w`` by less than ``tolerance`` relative to its norm; ``trust_radius`` > 0
-    keeps each mode in its trust region (module docstring). Returns the modes ``(K, d)`` (float32)
+    keeps each mode in its trust region; ``prior_centres`` ``(K, d)``: row k's over-counted prior is
+    divided out at its row (module docstring). Returns the modes ``(K, d)`` (float32)
     and per mode its history ``[{step, objective, moved}]`` (with the trust region also
     ``distance``, in per-sample nats, and the multiplier ``nu``)."""
     modes, history = [], []
     for k in progress(range(len(starts)), "em modes", len(starts), show=show_progress):
         s = starts[k].double()
+        centre = None if prior_centres is None else prior_centres[k].double()
         w = s.clone()
-        rs, value = product.responsibilities(w)
+        rs, value = product.responsibilities(w, centre)
         r0, nu = rs, 1.0
         hist = [{"step": 0, "objective": value}]
         for step in range(1, iterations + 1):
             if trust_radius > 0:
-                new, nu_used = trust_region_solve(product, rs, w, s, r0, trust_radius, nu)
+                new, nu_used = trust_region_solve(product, rs, w, s, r0, trust_radius, nu, centre=centre)
                 nu = nu_used or nu
             else:
-                new = product.solve(rs, w)
+                new = product.solve(rs, w, centre=centre)
             moved = float((new - w).norm()) / max(float(w.norm()), 1e-12)
-            new_rs, new_value = product.responsibilities(new)
+            new_rs, new_value = product.responsibilities(new, centre)
             if trust_radius > 0 and new_value > value:  # the bisection's boundary point is approximate: at
                 break                                    # the boundary it can lose what the step gained
             w, rs, value = new, new_rs, new_value

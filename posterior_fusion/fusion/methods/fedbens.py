@@ -3,6 +3,14 @@
     log p(w | D) = Σ_c [ log q_c(w) − log p0_c(w) ] + log p0(w) + const
     q_c(w) = Σ_m π_cm N(w; ŵ_cm, Λ_cm⁻¹),   Λ_cm = G_cm / T_c + λ0_c I
 
+Dividing the prior N(0, λ⁻¹ I) out C − 1 times is exact for exact client posteriors, but a Laplace
+component says N(ŵ_cm, λ_c⁻¹) along directions its curvature does not see, where the true posterior
+is the prior N(0, λ_c⁻¹): there the product's mean is Σ_c λ_c ŵ_cm / λ0 ≈ C times the clients'
+weights (``docs/results/fusion_safety/README.md``). ``prior_centre = "clients"`` divides the
+over-counted prior out at μ_m = Σ_c λ_c ŵ_cm / Σ_c λ_c instead (per mode, from the component index
+it starts from): the quadratic term, the precision and the Laplace step are unchanged, and along a
+direction no client's curvature sees the mode is μ_m, the clients' average.
+
 The server runs one Adam optimisation per mode index m, started at the element-wise median
 over clients of ŵ_cm, and keeps the best validation iterate (else the best objective). The
 M runs are batched: the parameters are a ``(M, d)`` tensor with per-row gradient clipping,
@@ -58,8 +66,15 @@ class FedBEnsSettings(OptimiserSettings):
                                        "responsibilities at s): the clients' quadratics predict at most this many nats "
                                        "per sample of extra loss anywhere inside; 0 = no region.", bounds=(0, 1e6))
 
+    prior_centre: str = setting("zero", "Where the over-counted prior is divided out: 'zero' (the paper: N(0, λ⁻¹) "
+                                        "C − 1 times, which multiplies the weights by C along directions no client's "
+                                        "curvature sees) or 'clients' (at each mode's λ-weighted client average of the "
+                                        "MAPs of its component index: those directions keep the clients' average).")
+
     def validate(self) -> None:
         super().validate()
+        if self.prior_centre not in PRIOR_CENTRES:
+            raise ConfigError(f"setting prior_centre must be one of {PRIOR_CENTRES}")
         if self.trust_radius > 0 and self.solver != "em":
             raise ConfigError("setting trust_radius needs solver=em")
         if self.modes is not None and self.modes < 1:
@@ -86,12 +101,17 @@ class GlobalLogPosterior:
     only the ``(K, d)`` gradient is kept for the backward pass, so peak memory does not grow with the
     number of clients and no product is computed twice (autograd through the whole sum would keep
     every component's ``B V A`` until the backward pass). On CUDA, ``cuda_graphs`` (default on)
-    replays each step with a gradient from a captured CUDA graph."""
+    replays each step with a gradient from a captured CUDA graph.
+
+    ``prior_centres`` ``(K, d)``: the over-counted prior is divided out at row k's centre
+    (``−½ (Σ λ_c − λ0) ‖w_k − μ_k‖²``) instead of at zero; the objective is then evaluated on
+    exactly K rows, row k against μ_k."""
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                  server_prior_precision: float, dtype: torch.dtype = torch.float32, lowrank_tol: float = 0.0,
                  kernel: str | None = None, device: str = "cpu", chunk_bytes: int | None = None,
-                 cuda_graphs: bool = True, show_progress: bool = True) -> None:
+                 cuda_graphs: bool = True, show_progress: bool = True,
+                 prior_centres: torch.Tensor | None = None) -> None:
         comps, scales, shifts, self.groups = [], [], [], []
         for c, t, lam in zip(clients, temperatures, prior_precisions):
             start = len(comps)
@@ -109,7 +129,8 @@ class GlobalLogPosterior:
         lam_sum, lam0 = math.fsum(prior_precisions), float(server_prior_precision)
         self.prior_const = 0.5 * d * (sum(math.log(lam) for lam in prior_precisions) - math.log(lam0)
                                       - (len(prior_precisions) - 1) * LOG_2PI)
-        self.prior_slope = lam_sum - lam0  # the correction's gradient is −(Σ λ_c − λ0) w
+        self.prior_slope = lam_sum - lam0  # the correction's gradient is −(Σ λ_c − λ0) (w − μ)
+        self.prior_centres = None if prior_centres is None else prior_centres.to(device=device, dtype=dtype)
         self.chunk_bytes = default_chunk_bytes(device) if chunk_bytes is None else chunk_bytes
         self._chunks: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
         # each component's client (index into the clients): the per-client softmax of ragged clients
@@ -155,7 +176,12 @@ class GlobalLogPosterior:
     def _value_and_gradient(self, W: torch.Tensor, gradient: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`value_and_gradient`, eagerly (no host synchronisation: it may be captured as a CUDA graph)."""
         K = W.shape[0]
-        values = W.square().sum(-1).mul_(-0.5 * self.prior_slope).add_(self.prior_const)  # the prior correction
+        D = W
+        if self.prior_centres is not None:
+            if self.prior_centres.shape != W.shape:  # a caller's bug, not a user's input
+                raise ValueError(f"{tuple(W.shape)} points against {tuple(self.prior_centres.shape)} prior centres")
+            D = W - self.prior_centres
+        values = D.square().sum(-1).mul_(-0.5 * self.prior_slope).add_(self.prior_const)  # the prior correction
         grad = None
         for chunk in self.chunks(K, W.element_size()):
             first, last = chunk[0][0], chunk[-1][1]
@@ -175,8 +201,8 @@ class GlobalLogPosterior:
             if gradient:  # ∂/∂W Σ_c lse_c = Σ_n r_n · (−½ ∂q_n/∂W), r = each client's softmax
                 part = vjp(r)
                 grad = part if grad is None else grad.add_(part)
-        if grad is not None:  # ½ Σ r ∂q/∂W, then the prior correction's −(Σ λ_c − λ0) w
-            grad.mul_(0.5).add_(W, alpha=-self.prior_slope)
+        if grad is not None:  # ½ Σ r ∂q/∂W, then the prior correction's −(Σ λ_c − λ0) (w − μ)
+            grad.mul_(0.5).add_(D, alpha=-self.prior_slope)
         return values, grad
 
     def __call__(self, W: torch.Tensor) -> torch.Tensor:
@@ -217,6 +243,7 @@ def require_shared_inits(inputs: FusionInputs) -> None:
 
 STARTS = ("median", "clients", "median+clients")
 SOLVERS = ("adam", "em")
+PRIOR_CENTRES = ("zero", "clients")
 
 
 def damped_clients(clients: list[ClientPosterior], d: float) -> list[ClientPosterior]:
@@ -236,6 +263,21 @@ def median_starts(inputs: FusionInputs, modes: int) -> torch.Tensor:
     return torch.stack([inputs.mode_maps(m).median(dim=0).values for m in range(modes)])
 
 
+def start_components(inputs: FusionInputs, starts: str, modes: int) -> list[int]:
+    """The component index each start row comes from (the rows of :func:`median_starts` /
+    :func:`client_starts` in the order ``starts`` stacks them)."""
+    m = inputs.clients[0].num_components
+    clients = [k for _ in inputs.clients for k in range(m)]
+    return {"median": list(range(modes)), "clients": clients, "median+clients": list(range(modes)) + clients}[starts]
+
+
+def client_centres(inputs: FusionInputs, components: list[int]) -> torch.Tensor:
+    """``(K, d)``: for each start row's component index m, ``Σ_c λ_c ŵ_cm / Σ_c λ_c``."""
+    lams = torch.tensor([inputs.prior_precision(c) for c in inputs.clients], dtype=torch.float64)
+    means = {m: (lams[:, None] * inputs.mode_maps(m).double()).sum(0) / lams.sum() for m in set(components)}
+    return torch.stack([means[m] for m in components]).float()
+
+
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     """FedBEns on any curvature structure (kron, diag, diag+full)."""
     m = require_equal_components(inputs, "fedbens")
@@ -248,14 +290,17 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     temps = [inputs.temperature(c) for c in inputs.clients]
     lams = [inputs.prior_precision(c) for c in inputs.clients]
     lam0 = inputs.server_prior_precision()
+    centres = (client_centres(inputs, start_components(inputs, settings.starts, modes))
+               if settings.prior_centre == "clients" else None)
     objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
                                    kernel=inputs.options.kernel, device=inputs.options.device,
-                                   show_progress=inputs.options.progress)
+                                   show_progress=inputs.options.progress, prior_centres=centres)
     starts = {"median": lambda: median_starts(inputs, modes), "clients": lambda: client_starts(inputs),
               "median+clients": lambda: torch.cat([median_starts(inputs, modes), client_starts(inputs)])}
     if settings.solver == "em":
         best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), starts[settings.starts](), settings.steps,
-                                 show_progress=inputs.options.progress, trust_radius=settings.trust_radius)
+                                 show_progress=inputs.options.progress, trust_radius=settings.trust_radius,
+                                 prior_centres=centres)
     else:
         best, history = optimise_modes(objective, starts[settings.starts](), inputs, settings, "fedbens")
     info = {"history": history, "kron_ranks": objective.stack.ranks}
