@@ -9,7 +9,8 @@ deterministic); the recovered centres for d = 1 are checked against the stored o
         --refreshed 'DIR/refresh/at_paper_d1.0_post_*.h5' --dampings 0.3,3,10,30 --json OUT.json
 
 DIR as for ``refresh_round.py``. Each d: fedbens EM at stationarity (no validation) on the re-centred
-artifacts; test accuracy, NLL, ECE.
+artifacts; test accuracy, NLL, ECE. ``--set KEY=VALUE`` (repeatable) adds fedbens settings to that
+fusion, e.g. ``--set prior_centre=clients``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def main() -> None:
     ap.add_argument("--refreshed", required=True, help="glob of the d = 1 refreshed artifacts")
     ap.add_argument("--dampings", default="0.3,3,10,30")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE: a fedbens setting of the swept fusion")
     args = ap.parse_args()
+    extra = dict(kv.split("=", 1) for kv in args.set)
     folder = Path(args.clients)
     posts = sorted(folder.glob("post_*.h5"))
     refreshed = sorted(glob.glob(args.refreshed))
@@ -78,9 +81,9 @@ def main() -> None:
             paths.append(work / f"sweep_d{d}_{Path(src).name}")
             write_client_artifact(paths[-1], art.model_spec, art.layout, meta, comps)
         t0 = time.time()
-        inputs, result, _ = fuse(paths, "fedbens", FusionOptions(progress=False), {"solver": "em"})
+        inputs, result, _ = fuse(paths, "fedbens", FusionOptions(progress=False), {"solver": "em", **extra})
         m = evaluate_members(inputs.spec, result.members, test)
-        rows.append({"damping": d, "fusion": "em (stationary), no validation", "accuracy": m["accuracy"],
+        rows.append({"damping": d, "fusion": "em (stationary), no validation", "settings": extra, "accuracy": m["accuracy"],
                      "nll": m["nll"], "ece": m["ece"], "server_seconds": round(time.time() - t0, 1),
                      "centre_step_norm": max(steps)})
         print(json.dumps(rows[-1]), flush=True)

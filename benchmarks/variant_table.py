@@ -42,9 +42,18 @@ VARIANTS = [
     ("refreshed_paper", "refreshed at the paper's modes, adam, best validation iterate", "at_paper_d1.0", "fedbens",
      {}, True),
     ("em_refresh_em", "em -> refresh -> em (no validation anywhere)", "at_em", "fedbens", {"solver": "em"}, False),
+    # the over-counted prior divided out at each mode's client average (fedbens prior_centre=clients)
+    ("centred_paper", "one-shot, adam, prior centre clients, best validation iterate", "one-shot", "fedbens",
+     {"prior_centre": "clients"}, True),
+    ("centred_adam", "one-shot, adam, prior centre clients, best objective", "one-shot", "fedbens",
+     {"prior_centre": "clients"}, False),
+    ("centred_em", "one-shot, em, prior centre clients (stationary)", "one-shot", "fedbens",
+     {"solver": "em", "prior_centre": "clients"}, False),
+    ("centred_em_refresh_em", "em -> refresh -> em, prior centre clients (no validation anywhere)", "at_centred_em",
+     "fedbens", {"solver": "em", "prior_centre": "clients"}, False),
     ("ensemble", "client ensemble", "one-shot", "ensemble", {}, False),
 ]
-REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em"}  # refreshed client set -> the global it is taken at
+REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em", "at_centred_em": "centred_em"}  # refreshed client set -> the global it is taken at
 # (label, evaluate options, needs a Laplace posterior at the modes, only where the fusion used validation)
 PREDICTIVES = [
     ("map", ["--predictive", "map"], False, False),
