@@ -693,3 +693,21 @@ def test_prior_centre_clients_keeps_the_clients_average_where_no_curvature_is(so
     torch.testing.assert_close(zero[6:], maps[:, 6:].mean(0), rtol=1e-3, atol=1e-3)
     with pytest.raises(posterior_fusion.errors.ConfigError, match="prior_centre"):
         FedBEnsSettings(prior_centre="median").validate()
+
+
+def test_prior_centre_follows_each_start_component():
+    """`starts=clients` with M = 2 and unequal λ_c: in the flat coordinates each of the C·M modes is the
+    λ-weighted client average of the component index it starts from (rows client-major)."""
+    gen = torch.Generator().manual_seed(4)
+    d, lams = TINY_LAYOUT.dim, [1.0, 2.0, 4.0]
+    g = torch.full((d,), 1e4, dtype=torch.float64)
+    g[:6] = 0.0
+    cl = [client([Component(m, 3.0 * m + torch.randn(d, generator=gen, dtype=torch.float64), BlockDiag([Diag(g)]), {},
+                            0.5, lam) for m in range(2)], "diag", lam=lam, name=f"c{i}") for i, lam in enumerate(lams)]
+    res = fedbens(FusionInputs(cl, FusionOptions(progress=False)),
+                  FedBEnsSettings(solver="em", laplace=False, steps=100, starts="clients", prior_centre="clients"))
+    lam = torch.tensor(lams, dtype=torch.float64)
+    for row, w in enumerate(res.members):
+        m = row % 2
+        want = (lam[:, None] * torch.stack([c.components[m].map[:6] for c in cl])).sum(0) / lam.sum()
+        torch.testing.assert_close(w[:6].double(), want, rtol=1e-4, atol=1e-4)
