@@ -169,16 +169,24 @@ class Kron(Precision):
         return out
 
 
-GRAM_CHUNK = 1 << 20  # entries of each factor converted to float64 at a time by :func:`_gram`
+GRAM_BYTES = 64 * 2**20  # the float64 working block of :func:`_gram`, whatever the number of factors
 
 
-def _gram(factors: list[torch.Tensor]) -> torch.Tensor:
-    """``⟨F_n, F_m⟩`` ``(N, N)`` in float64 for N equal-shape matrices, over chunks of their entries."""
+def _gram(factors: list[torch.Tensor], max_bytes: int = GRAM_BYTES) -> torch.Tensor:
+    """``⟨F_n, F_m⟩`` ``(N, N)`` in float64 for N equal-shape matrices, over column chunks of their
+    entries: one ``(N, chunk)`` float64 block of at most ``max_bytes`` is filled in place per chunk (a
+    stack of converted slices held every slice twice, and its chunk did not shrink with N: at N = 100
+    components of a 576 × 576 factor the Laplace step at the modes peaked 0.8 GB above the optimisation)."""
     flat = [f.reshape(-1) for f in factors]
-    G = torch.zeros(len(flat), len(flat), dtype=torch.float64)
-    for start in range(0, flat[0].numel(), GRAM_CHUNK):
-        X = torch.stack([f[start : start + GRAM_CHUNK].double() for f in flat])
-        G += X @ X.T
+    n, size = len(flat), flat[0].numel()
+    chunk = max(1, min(size, max_bytes // (8 * n)))
+    G = torch.zeros(n, n, dtype=torch.float64)
+    X = torch.empty(n, chunk, dtype=torch.float64)
+    for start in range(0, size, chunk):
+        part = X[:, : min(chunk, size - start)]
+        for row, f in zip(part, flat):
+            row.copy_(f[start : start + part.shape[1]])
+        G += part @ part.T
     return G
 
 
