@@ -263,12 +263,16 @@ def median_starts(inputs: FusionInputs, modes: int) -> torch.Tensor:
     return torch.stack([inputs.mode_maps(m).median(dim=0).values for m in range(modes)])
 
 
-def start_components(inputs: FusionInputs, starts: str, modes: int) -> list[int]:
-    """The component index each start row comes from (the rows of :func:`median_starts` /
-    :func:`client_starts` in the order ``starts`` stacks them)."""
-    m = inputs.clients[0].num_components
-    clients = [k for _ in inputs.clients for k in range(m)]
-    return {"median": list(range(modes)), "clients": clients, "median+clients": list(range(modes)) + clients}[starts]
+def start_rows(inputs: FusionInputs, starts: str, modes: int) -> tuple[torch.Tensor, list[int]]:
+    """The starts ``(K, d)`` of ``starts`` (:data:`STARTS`) and the component index each row comes from
+    (what its prior centre averages): the ``modes`` median starts, then, with ``clients``, every client
+    component's MAP (client-major)."""
+    rows = []
+    if starts in ("median", "median+clients"):
+        rows.append((median_starts(inputs, modes), list(range(modes))))
+    if starts in ("clients", "median+clients"):
+        rows.append((client_starts(inputs), [m for c in inputs.clients for m in range(c.num_components)]))
+    return torch.cat([w for w, _ in rows]), [m for _, ms in rows for m in ms]
 
 
 def client_centres(inputs: FusionInputs, components: list[int]) -> torch.Tensor:
@@ -290,19 +294,17 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     temps = [inputs.temperature(c) for c in inputs.clients]
     lams = [inputs.prior_precision(c) for c in inputs.clients]
     lam0 = inputs.server_prior_precision()
-    centres = (client_centres(inputs, start_components(inputs, settings.starts, modes))
-               if settings.prior_centre == "clients" else None)
+    W0, components = start_rows(inputs, settings.starts, modes)
+    centres = client_centres(inputs, components) if settings.prior_centre == "clients" else None
     objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
                                    kernel=inputs.options.kernel, device=inputs.options.device,
                                    show_progress=inputs.options.progress, prior_centres=centres)
-    starts = {"median": lambda: median_starts(inputs, modes), "clients": lambda: client_starts(inputs),
-              "median+clients": lambda: torch.cat([median_starts(inputs, modes), client_starts(inputs)])}
     if settings.solver == "em":
-        best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), starts[settings.starts](), settings.steps,
+        best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), W0, settings.steps,
                                  show_progress=inputs.options.progress, trust_radius=settings.trust_radius,
                                  prior_centres=centres)
     else:
-        best, history = optimise_modes(objective, starts[settings.starts](), inputs, settings, "fedbens")
+        best, history = optimise_modes(objective, W0, inputs, settings, "fedbens")
     info = {"history": history, "kron_ranks": objective.stack.ranks}
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
