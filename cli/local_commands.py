@@ -18,7 +18,7 @@ from posterior_fusion.local.capture import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import initial_weights
-from posterior_fusion.local.recapture import REFRESH_DAMPING
+from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, check_damping
 from posterior_fusion.models import ModelSpec
 
 FIT = FitConfig()
@@ -154,10 +154,12 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                    "at each of its members instead of the local MAPs, each component becoming the Gauss-Newton "
                    "Gaussian of the silo's posterior there (one gradient pass and one capture per member, no "
                    "training); fuse the refreshed artifacts again [default: no refresh, the local MAPs].")
-@click.option("--damping", default=None, type=float,
+@click.option("--damping", default=None, type=str,
               help="Refresh round only (--at): per-sample damping d of the step from each member to the component's "
                    "centre (Levenberg-Marquardt; Kronecker blocks (B + n d I) x (A + d I)); 0: the plain "
-                   f"Gauss-Newton centre, which overshoots [default: {REFRESH_DAMPING}].")
+                   "Gauss-Newton centre, which overshoots; auto: per member, the smallest d of "
+                   f"{', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss confirms (gain ratio "
+                   f">= {RATIO_FLOOR}; one forward pass per d tried) [default: {REFRESH_DAMPING}].")
 @click.option("--ggn", default=None, type=click.Choice(GGN_TYPES),
               help="exact or mc GGN [default: the source artifact's].")
 @click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
@@ -183,7 +185,7 @@ def recapture_cmd(source_path, data_path, structure, at_path, damping, ggn, capt
 
     if damping is not None and at_path is None:
         raise ConfigError("--damping applies to a refresh round only (--at GLOBAL)")
-    damping = REFRESH_DAMPING if damping is None else damping
+    damping = REFRESH_DAMPING if damping is None else check_damping(damping, "--damping")
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
                              max_memory, log=log_to_stderr, kfac=kfac, device=device, compress=compress,
                              at_path=at_path, damping=damping, compress_metric=compress_metric)

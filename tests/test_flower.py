@@ -77,7 +77,7 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
     client.query()(lambda msg, context: client_refresh(msg, context, silo_dir=silos))
     out = tmp_path / "flower"
     server = make_server_app(SETTINGS, out, "fedbens", OPTIONS, tmp_path / "val.h5", "skip", min_nodes=4,
-                             method_settings=FUSE_SETTINGS, refresh=True)
+                             method_settings=FUSE_SETTINGS, refresh=True, refresh_damping="auto")
     monkeypatch.chdir(tmp_path)
     run_simulation(server, client, num_supernodes=4,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
@@ -108,16 +108,17 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
 
     g2 = posterior_fusion.load(out / "global_refreshed.h5")
     info = g2.metadata["federation"]["refresh"]
-    assert len(info["accepted"]) == 3 and info["left_out"] == [] and info["damping"] == 1.0
+    assert len(info["accepted"]) == 3 and info["left_out"] == [] and info["damping"] == "auto"
     refreshed = []
     for c in clients:
         mine = tmp_path / f"refreshed_{c['file']}"
         recapture_to_file(out / c["file"], silos / f"client_{c['reported_partition_id']}.h5", mine, None,
-                          at_path=out / "global.h5", log=lambda m: None)
+                          at_path=out / "global.h5", log=lambda m: None, damping="auto")
         theirs = posterior_fusion.load(out / "refresh" / c["file"])
         assert theirs.metadata["refreshed_at"]["file_sha256"] == g.sha256
         for u, v in zip(posterior_fusion.load(mine).components, theirs.components, strict=True):
             torch.testing.assert_close(v.map, u.map, rtol=1e-5, atol=1e-6)
+            assert v.training["damping"] == u.training["damping"] and "step_ratio" in v.training
         refreshed.append(mine)
     _, ref2, _ = fuse(refreshed, "fedbens", OPTIONS, FUSE_SETTINGS, val_path=tmp_path / "val.h5")
     for u, v in zip(ref2.members, g2.members, strict=True):
@@ -130,7 +131,8 @@ def test_a_refresh_message_with_wrong_fields_is_refused(tmp_path):
     ctx = Context(run_id=1, node_id=1, node_config={"silo": str(tmp_path / "s.h5")}, state=RecordDict(),
                   run_config={})
     for fields, words in (({"global": b"x", "artifact": "text", "damping": 1.0}, "bytes"),
-                          ({"global": b"x", "artifact": b"y", "damping": True}, "'damping' must be a number")):
+                          ({"global": b"x", "artifact": b"y", "damping": True}, "'damping' must be 'auto' or a number"),
+                          ({"global": b"x", "artifact": b"y", "damping": "often"}, "'damping' must be 'auto' or a number")):
         msg = Message(RecordDict({"refresh": ConfigRecord(fields)}), dst_node_id=1, message_type="query")
         with pytest.raises(FederationError, match=words):
             client_refresh(msg, ctx)

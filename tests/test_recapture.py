@@ -191,3 +191,109 @@ def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and bad.name in lines[0] and words in lines[0], r.output
         assert not (tmp_path / "x.h5").exists()
+
+
+def _quartic_problem(seed: int = 3, d: int = 6, quartic: float = 0.0):
+    """A silo loss L(w) = T·[½ (w−a)ᵀ G (w−a) + c Σ w⁴] with its Hessian-of-the-quadratic H = T·G (the
+    'GGN' the capture would store) and its gradient at w*: float64 dense references."""
+    from posterior_fusion.curvature.dense import Dense
+
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    G = m @ m.T + 0.5 * torch.eye(d, dtype=torch.float64)
+    a = torch.randn(d, generator=gen, dtype=torch.float64)
+    w = torch.randn(d, generator=gen, dtype=torch.float64)
+    T, lam = 0.7, 0.3
+
+    def loss(v: torch.Tensor) -> float:
+        v = v.double()
+        return float(T * (0.5 * (v - a) @ G @ (v - a) + quartic * (v ** 4).sum()))
+
+    g = T * (G @ (w - a) + 4 * quartic * w ** 3)
+    return Dense(T * G), T * G, g, w, T, lam, loss
+
+
+def test_step_ratio_is_one_where_the_silo_posterior_is_quadratic():
+    """On a loss that is exactly quadratic with Hessian H (stored as the curvature), the quadratic model
+    is the posterior: every damped step's gain ratio is 1 (to float rounding)."""
+    from posterior_fusion.local.recapture import newton_centre, step_ratio
+
+    curv, _, g, w, T, lam, loss = _quartic_problem()
+    for d in (0.0, 0.1, 3.0):
+        c = newton_centre(w, curv, g, T, lam, 10, d)
+        assert (c - w).norm() > 1e-3
+        assert step_ratio(w, c, curv, g, T, lam, loss(w), loss(c)) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_auto_damping_keeps_the_first_step_the_loss_confirms():
+    """``damping="auto"`` against a dense float64 reference on a non-quadratic loss: for each d of the
+    grid, Λ_d = (H + n d I)/T + λI, ŵ_d = w* − Λ_d⁻¹ r, ρ_d = [f(w*) − f(ŵ_d)] / −(rᵀs + ½ sᵀ Λ_0 s);
+    the chosen d is the first whose ρ reaches the floor, with that centre and ratio; a fixed damping
+    returns its own centre and ratio."""
+    from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, refresh_centre
+
+    curv, H, g, w, T, lam, loss = _quartic_problem(quartic=10.0)
+    n = 10
+    eye = torch.eye(w.numel(), dtype=torch.float64)
+    r = g / T + lam * w
+
+    def f(v):
+        return loss(v) / T + 0.5 * lam * float(v @ v)
+
+    ref = []
+    for d in AUTO_DAMPINGS:
+        c = w - torch.linalg.solve((H + n * d * eye) / T + lam * eye, r)
+        s = c - w
+        ref.append((d, c, (f(w) - f(c)) / -(float(r @ s) + 0.5 * float(s @ ((H / T + lam * eye) @ s)))))
+    first = next(k for k, (_, _, rho) in enumerate(ref) if rho >= RATIO_FLOOR)
+    assert first > 0, "the problem should reject the smallest damping, or the test shows nothing"
+    centre, used, ratio = refresh_centre(w, curv, g, T, lam, n, "auto", loss)
+    assert used == ref[first][0] and ratio == pytest.approx(ref[first][2], rel=1e-9)
+    torch.testing.assert_close(centre, ref[first][1], rtol=1e-10, atol=1e-12)
+    centre, used, ratio = refresh_centre(w, curv, g, T, lam, n, AUTO_DAMPINGS[0], loss)
+    assert used == AUTO_DAMPINGS[0] and ratio == pytest.approx(ref[0][2], rel=1e-9) and ratio < RATIO_FLOOR
+
+
+def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
+    """``recapture --at --damping auto`` on a real model: each component records the damping it kept and
+    its gain ratio, recomputed here from the silo's summed loss at w* and at the centre and from a dense
+    float64 GGN and gradient at w*; every smaller damping of the grid falls below the floor.
+    The CLI refuses a damping that is neither a number >= 0 nor auto in one line, exit 2."""
+    from posterior_fusion.curvature.dense import Dense
+    from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, newton_centre, step_ratio
+    from posterior_fusion.posterior import GlobalEnsemble, build_model
+
+    silo = SiloData(small_silo.x[:120], small_silo.y[:120], "fmnist", 10)
+    fit_artifact(tmp_path / "c.h5", silo, "diag+full", kwargs={"hidden": 4}, mixtures=2, epochs=1)
+    source = load_client(tmp_path / "c.h5")
+    gen = torch.Generator().manual_seed(5)
+    members = tuple(c.map + 0.3 * torch.randn(c.map.numel(), generator=gen) for c in source.components)
+    at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"}, members)
+    meta, comps = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping="auto")
+    assert meta["refreshed_at"]["damping"] == "auto"
+    x, y = silo.tensors()
+
+    def loss(v):
+        model = build_model(source.model_spec, v.float()).double()
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(model(x.double()), y, reduction="sum"))
+
+    for comp, w in zip(comps, members):
+        used, rho = comp.training["damping"], comp.training["step_ratio"]
+        assert used in AUTO_DAMPINGS and rho >= RATIO_FLOOR or used == AUTO_DAMPINGS[-1]
+        _, g = _dense_ggn_and_gradient(source.model_spec, w, x, y)
+        # the stored curvature (diag+full, tested against the dense GGN above) as a dense float64 matrix
+        G = Dense(comp.curvature.to_dense().double())
+        T, lam, n = comp.temperature, comp.prior_precision, silo.y.shape[0]
+        assert step_ratio(w, comp.map, G, g, T, lam, loss(w), loss(comp.map)) == pytest.approx(rho, abs=2e-3)
+        for d in AUTO_DAMPINGS[: AUTO_DAMPINGS.index(used)]:
+            c = newton_centre(w, G, g, T, lam, n, d)
+            assert step_ratio(w, c, G, g, T, lam, loss(w), loss(c)) < RATIO_FLOOR + 2e-3
+    runner = CliRunner()
+    write_silo(tmp_path / "silo.h5", silo)
+    for bad in ("often", "-1", "nan"):
+        r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "silo.h5"),
+                                  "--at", str(tmp_path / "c.h5"), "--damping", bad, "--out", str(tmp_path / "x.h5")])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and "--damping" in lines[0] and bad in lines[0], r.output
+        assert not (tmp_path / "x.h5").exists()

@@ -89,6 +89,7 @@ TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "train_seconds": (int, float), "curvature_seconds": (int, float),
     "ppd_samples": (int,), "ppd_seconds": (int, float),
     "refreshed_at_member": (int,), "gradient_norm": (int, float), "newton_step_norm": (int, float),
+    "damping": (int, float), "step_ratio": (int, float),
 }
 TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace"), "device": ("cpu", "cuda")}  # string fields: allowed values
 

@@ -45,7 +45,7 @@ from posterior_fusion.fusion.registry import DEFAULT_METHOD
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, PrivateModelConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_silo_file
-from posterior_fusion.local.recapture import REFRESH_DAMPING, recapture_to_file
+from posterior_fusion.local.recapture import REFRESH_DAMPING, check_damping, recapture_to_file
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
@@ -167,14 +167,14 @@ def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike |
     own, at, damping = rec["artifact"], rec["global"], rec["damping"]
     if not isinstance(own, bytes) or not isinstance(at, bytes):
         raise FederationError("a refresh message needs the bytes of 'artifact' and 'global'")
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)):
-        raise FederationError(f"a refresh message's 'damping' must be a number, got {type(damping).__name__}")
+    if damping != "auto" and (isinstance(damping, bool) or not isinstance(damping, (int, float))):
+        raise FederationError(f"a refresh message's 'damping' must be 'auto' or a number, got {type(damping).__name__}")
     silo = node_silo(context, silo_dir)
     with tempfile.TemporaryDirectory() as tmp:
         first, glob, out = Path(tmp) / "client.h5", Path(tmp) / "global.h5", Path(tmp) / "refreshed.h5"
         first.write_bytes(own)
         glob.write_bytes(at)
-        recapture_to_file(first, silo, out, None, at_path=glob, damping=float(damping), log=lambda m: None)
+        recapture_to_file(first, silo, out, None, at_path=glob, damping=damping, log=lambda m: None)
         blob = out.read_bytes()
     reply = {"artifact": blob, "silo": str(silo)}
     if "partition-id" in context.node_config:
@@ -347,7 +347,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
               log: Callable[[str], None] = print,
               method_settings: MethodSettings | Mapping[str, Any] | None = None,
               max_memory: int | str | None = None, robust: bool = False, round_timeout: float = 0.0,
-              refresh: bool = False, refresh_damping: float = REFRESH_DAMPING) -> dict:
+              refresh: bool = False, refresh_damping: float | str = REFRESH_DAMPING) -> dict:
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
 
     Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
@@ -361,8 +361,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
         raise ConfigError(f"on-bad-reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
         raise ConfigError(f"round-timeout must be a number of seconds >= 0, got {round_timeout!r}")
-    if isinstance(refresh_damping, bool) or not (isinstance(refresh_damping, (int, float)) and refresh_damping >= 0):
-        raise ConfigError(f"refresh-damping must be a number >= 0, got {refresh_damping!r}")
+    refresh_damping = check_damping(refresh_damping, "refresh-damping")
     out = Path(out_dir)
     check_output(out / "global.h5")
     if refresh:
@@ -402,13 +401,13 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     log(f"wrote {out / 'global.h5'} from {len(paths)} client artifacts" + (f"; left out: {gone}" if gone else ""))
     if refresh:
         return refresh_round(grid, ids, paths, out, method, options, val_path, on_bad_reply, log, method_settings,
-                             max_memory, float(round_timeout), float(refresh_damping), meta)
+                             max_memory, float(round_timeout), refresh_damping, meta)
     return meta
 
 
 def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, method: str,
                   options: FusionOptions | None, val_path, on_bad_reply: str, log: Callable[[str], None],
-                  method_settings, max_memory, round_timeout: float, damping: float, first_meta: dict) -> dict:
+                  method_settings, max_memory, round_timeout: float, damping: float | str, first_meta: dict) -> dict:
     """The refresh round's server side: ``global.h5`` and each accepted node's own artifact out in a
     ``query`` message, the refreshed artifacts back (validated as in the first round, written to
     ``out/refresh/``), fused again into ``global_refreshed.h5``. Returns its metadata."""
@@ -441,16 +440,16 @@ def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, met
                     options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
                     on_bad_reply: str = "skip", min_nodes: int = 1,
                     method_settings: MethodSettings | Mapping[str, Any] | None = None,
-                    refresh: bool = False) -> ServerApp:
+                    refresh: bool = False, refresh_damping: float | str = REFRESH_DAMPING) -> ServerApp:
     """A ServerApp running :func:`run_round` (``method_settings``: the fusion method's settings;
-    ``refresh``: add the refresh round)."""
+    ``refresh``: add the refresh round, its centre step damped by ``refresh_damping``)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
             run_round(grid, settings, out_dir, method, options, val_path, on_bad_reply, min_nodes,
-                      method_settings=method_settings, refresh=refresh)
+                      method_settings=method_settings, refresh=refresh, refresh_damping=refresh_damping)
         except PfuseError as exc:
             print(f"error: {exc}")
             raise

@@ -20,7 +20,12 @@ it holds (measured on LeNet: ‖ŵ − w*‖ ≈ 250 for weights of norm ≈ 10,
 chance), so the centre takes a Levenberg–Marquardt step instead, damped at per-sample scale as
 ``fedbens``' ``damping`` is: ŵ_k = w*_k − Λ_{k,d}⁻¹ g_k with Λ_{k,d} the precision of the damped
 curvature (``Precision.damped(n, d)``: a Kronecker block (B + n·d·I) ⊗ (A + d·I), any other block
-+ n·d on its diagonal); the component keeps the undamped curvature G(w*_k). The refreshed artifact
++ n·d on its diagonal); the component keeps the undamped curvature G(w*_k). ``damping="auto"``
+chooses d per mode on the silo, without the server's data: the Levenberg–Marquardt gain ratio
+ρ = [f(w*_k) − f(ŵ_k)] / [m(0) − m(ŵ_k − w*_k)] (f the silo's tempered negative log-posterior, m its
+quadratic model at w*_k) measures whether the silo's own loss confirms the step the Gaussian
+encodes; the smallest d of ``AUTO_DAMPINGS`` with ρ ≥ ``RATIO_FLOOR`` (¼, the textbook trust-region
+threshold) is kept, at one forward pass over the silo per d tried. The refreshed artifact
 has one component per global mode, so the server refits from curvature taken where the fused
 posterior lives. Cost for the silo: one gradient pass and one capture per mode, no training; the
 message back is one client artifact (the same size as the first).
@@ -51,6 +56,23 @@ from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsembl
 from posterior_fusion.runtime import resolve_device
 
 REFRESH_DAMPING = 1.0  # per-sample damping of the refresh round's centre step (docs/results/fusion_safety/)
+AUTO_DAMPINGS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # ``damping="auto"`` tries these, smallest first
+RATIO_FLOOR = 0.25  # ... and keeps the first whose step the silo's loss confirms this well (module docstring)
+
+
+def check_damping(value: object, name: str = "damping") -> float | str:
+    """The refresh round's damping as given (CLI text, TOML, a Flower message): ``"auto"`` or a finite
+    number >= 0 (returned as float); anything else raises ConfigError naming ``name``."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be 'auto' or a finite number >= 0, got {shown(value, 40)}")
+    return float(value)
 
 
 def loss_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -63,6 +85,62 @@ def loss_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batc
         grads = torch.autograd.grad(loss, params)
         total += torch.cat([g.reshape(-1) for g in grads]).double()
     return total
+
+
+def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
+    """Σ_i CE(f(x_i; w), y_i) over the whole silo, summed in float64 (no gradient)."""
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, x.shape[0], batch_size):
+            total += float(torch.nn.functional.cross_entropy(model(x[i : i + batch_size]), y[i : i + batch_size],
+                                                             reduction="sum").double())
+    return total
+
+
+def silo_loss(source: ClientPosterior, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+              dtype: torch.dtype) -> Callable[[torch.Tensor], float]:
+    """``w (d,) ↦`` the silo's summed cross-entropy at weights w of ``source``'s model (on x's device)."""
+    def loss(w: torch.Tensor) -> float:
+        return summed_loss(build_model(source.model_spec, w.to(dtype)).to(x.device), x, y, batch_size)
+    return loss
+
+
+def step_ratio(point: torch.Tensor, centre: torch.Tensor, curvature, gradient: torch.Tensor, temperature: float,
+               prior_precision: float, loss_at_point: float, loss_at_centre: float) -> float:
+    """Levenberg–Marquardt gain ratio ρ of the step s = ŵ − w* (``point`` w*, ``centre`` ŵ, ``(d,)``):
+    the decrease of the silo's tempered negative log-posterior f(w) = L(w)/T + ½λ‖w‖² (L the summed
+    cross-entropy, given at both points) over the decrease its quadratic model predicts,
+    −(rᵀs + ½ sᵀ Λ s) with r = g/T + λ w* and Λ = G/T + λ I (undamped). ρ ≈ 1: the Gaussian of the
+    refresh round describes the silo's posterior along the step; ρ ≤ 0: the step left that region."""
+    w, c = point.double().cpu(), centre.double().cpu()
+    s = c - w
+    r = gradient.double().cpu() / temperature + prior_precision * w
+    quad = curvature.astype(torch.float64).precision(temperature, prior_precision).quadratic_form(s)
+    predicted = -(float(r @ s) + 0.5 * float(quad))
+    actual = (loss_at_point - loss_at_centre) / temperature + 0.5 * prior_precision * (float(w @ w) - float(c @ c))
+    if predicted <= 0:  # no decrease predicted (a zero step): nothing to confirm
+        return 1.0 if actual >= 0 else 0.0
+    ratio = actual / predicted
+    return ratio if math.isfinite(ratio) else -1e30  # a loss that overflowed at the centre: rejected
+
+
+def refresh_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, temperature: float,
+                   prior_precision: float, n_data: int, damping: float | str,
+                   loss: Callable[[torch.Tensor], float]) -> tuple[torch.Tensor, float, float]:
+    """The refresh round's centre at w* = ``point``: ``(ŵ (d,) float64, the damping used, its ratio ρ)``.
+    ``damping`` a number: that Levenberg–Marquardt step; ``"auto"``: the smallest of ``AUTO_DAMPINGS``
+    whose ρ (:func:`step_ratio`) reaches ``RATIO_FLOOR`` — the largest step the silo's own loss
+    confirms, chosen without the server's data (the largest damping if none does). ``loss`` maps a
+    ``(d,)`` point to the silo's summed cross-entropy (one forward pass per call)."""
+    at_point = loss(point)
+    tried = AUTO_DAMPINGS if damping == "auto" else (float(damping),)
+    for d in tried:
+        centre = newton_centre(point, curvature, gradient, temperature, prior_precision, n_data, d)
+        ratio = step_ratio(point, centre, curvature, gradient, temperature, prior_precision, at_point, loss(centre))
+        if ratio >= RATIO_FLOOR:
+            break
+    return centre, d, ratio
 
 
 def newton_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, temperature: float,
@@ -93,7 +171,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
               curvature_batch_size: int | None = None, method: str = "fast",
               log: Callable[[str], None] = print, kfac: str | None = None,
               device: str = "auto", at: GlobalEnsemble | None = None,
-              damping: float = REFRESH_DAMPING) -> tuple[dict, list[Component]]:
+              damping: float | str = REFRESH_DAMPING) -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn``, ``curvature_batch_size`` and ``kfac`` default to the source's (``kfac``: "expand" where
@@ -105,8 +183,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     ``damping``), curvature G(w*_k); SWAG moments and FedPPD students (which belong to the local
     MAPs) are dropped.
     """
-    if not (damping >= 0 and math.isfinite(damping)):
-        raise ConfigError(f"`damping` must be a finite number >= 0, got {damping}")
+    damping = check_damping(damping)
     meta = dict(source.metadata)
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
@@ -148,12 +225,15 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
             log(f"component {index + 1}/{len(points)}: {structure} curvature {seconds:.1f}s")
             continue
         g = loss_gradient(model, x, y, batch)
-        centre = newton_centre(point, curv, g, ref.temperature, ref.prior_precision, int(meta["n_data"]), damping)
-        training.update(gradient_norm=float(g.norm()), newton_step_norm=float((centre - point.double().cpu()).norm()))
+        centre, used, ratio = refresh_centre(point, curv, g, ref.temperature, ref.prior_precision,
+                                             int(meta["n_data"]), damping, silo_loss(source, x, y, batch, point.dtype))
+        training.update(gradient_norm=float(g.norm()), newton_step_norm=float((centre - point.double().cpu()).norm()),
+                        damping=used, step_ratio=ratio)
         comps.append(Component(index, centre.to(ref.map.dtype), curv, frozen_mapping(training), ref.temperature,
                                ref.prior_precision))
         log(f"global mode {index + 1}/{len(points)}: {structure} curvature {seconds:.1f}s, gradient norm "
-            f"{training['gradient_norm']:.3g}, Gauss-Newton step {training['newton_step_norm']:.3g}")
+            f"{training['gradient_norm']:.3g}, Gauss-Newton step {training['newton_step_norm']:.3g} "
+            f"(damping {used:g}, gain ratio {ratio:.2f})")
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
@@ -181,7 +261,7 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       method: str = "fast", max_memory: int | str | None = None,
                       log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
                       compress: float = 0.0, at_path: str | os.PathLike | None = None,
-                      damping: float = REFRESH_DAMPING, compress_metric: str = "frobenius") -> dict:
+                      damping: float | str = REFRESH_DAMPING, compress_metric: str = "frobenius") -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
     the source's. Returns the new metadata."""
