@@ -9,7 +9,8 @@ on one client set: accuracy, NLL, ECE, OOD AUROC (scikit-learn's digits resized,
 DIR as for ``refresh_round.py`` (client_*.h5, post_*.h5, server_val.h5, test.h5). Refreshed client
 artifacts already in DIR/refresh (written by ``refresh_round.py`` with the same code) are reused:
 ``at_paper_d1.0_post_*.h5`` (one round at the paper's modes) and ``at_em_post_*.h5`` (at the EM
-modes); missing ones are computed here (``recapture --at``, damping 1). Writes OUTDIR/rows.json.
+modes); missing ones are computed here (``recapture --at``, damping 1, or auto for the variant that says
+so). Writes OUTDIR/rows.json.
 The trust region is left out: 20-35x EM's time and below plain EM at every radius
 (``docs/results/fusion_safety/trust_lenet_*.json``).
 """
@@ -51,9 +52,14 @@ VARIANTS = [
      {"solver": "em", "prior_centre": "clients"}, False),
     ("centred_em_refresh_em", "em -> refresh -> em, prior centre clients (no validation anywhere)", "at_centred_em",
      "fedbens", {"solver": "em", "prior_centre": "clients"}, False),
+    # the same, each silo choosing the centre step's damping by its gain ratio (recapture --damping auto)
+    ("centred_em_refresh_auto_em", "em -> refresh (damping auto) -> em, prior centre clients (no validation anywhere)",
+     "at_centred_em_auto", "fedbens", {"solver": "em", "prior_centre": "clients"}, False),
     ("ensemble", "client ensemble", "one-shot", "ensemble", {}, False),
 ]
-REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em", "at_centred_em": "centred_em"}  # refreshed client set -> the global it is taken at
+# refreshed client set -> the global it is taken at, and the recapture's damping
+REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em", "at_centred_em": "centred_em", "at_centred_em_auto": "centred_em"}
+REFRESH_DAMPINGS = {"at_centred_em_auto": "auto"}  # the others: REFRESH_DAMPING
 # (label, evaluate options, needs a Laplace posterior at the modes, only where the fusion used validation)
 PREDICTIVES = [
     ("map", ["--predictive", "map"], False, False),
@@ -89,9 +95,12 @@ def main() -> None:
         found = [out / f"{name}_{p.name}" for p in posts]
         t0 = time.time()
         for p, s, o in zip(posts, silos, found):
+            if o.exists():  # computed by an earlier run of this script
+                continue
             source = load_client(p)
             meta, comps = recapture(source, read_silo(s, num_classes=source.model_spec.num_classes), source.structure,
-                                    at=load_global(glob_path), log=lambda *_: None, damping=REFRESH_DAMPING)
+                                    at=load_global(glob_path), log=lambda *_: None,
+                                    damping=REFRESH_DAMPINGS.get(name, REFRESH_DAMPING))
             write_client_artifact(o, source.model_spec, source.layout, meta, comps)
         print(f"refreshed {name} in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
         return found
