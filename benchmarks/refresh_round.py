@@ -26,7 +26,7 @@ from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
-from posterior_fusion.local.recapture import REFRESH_DAMPING, recapture
+from posterior_fusion.local.recapture import recapture
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.posterior import GlobalEnsemble
 
@@ -67,7 +67,7 @@ def main() -> None:
         return GlobalEnsemble(label, f"{len(rows):064d}", first.model_spec, first.layout, {"method": "fedbens"},
                               tuple(result.members))
 
-    def refresh(tag: str, at: GlobalEnsemble, damping: float = REFRESH_DAMPING) -> tuple[list[Path], dict]:
+    def refresh(tag: str, at: GlobalEnsemble, damping: float = 1.0) -> tuple[list[Path], dict]:
         out, t0, sent = [], time.time(), 0
         for p, s in zip(paths, silos):
             source = load_client(p)
@@ -85,7 +85,7 @@ def main() -> None:
     em = run("one-shot", paths, EM, base)
     for d in [float(t) for t in args.dampings.split(",")]:
         at_paper, cost = refresh(f"at_paper_d{d}", paper, d)
-        for variant in AFTER if d == REFRESH_DAMPING else AFTER[:2]:
+        for variant in AFTER if d == 1.0 else AFTER[:2]:
             run("refreshed at the paper's modes", at_paper, variant, cost)
     if args.no_em_pipeline:
         save_rows(args.json, {"clients": [str(p) for p in paths], "rows": rows})

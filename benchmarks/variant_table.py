@@ -30,7 +30,7 @@ from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.reader import load_client, load_global
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
-from posterior_fusion.local.recapture import REFRESH_DAMPING, recapture
+from posterior_fusion.local.recapture import recapture
 
 # (file name, label, client set, method, settings, the fusion uses the validation split); "paper" and
 # "em" are the one-shot globals the refreshed client sets are taken at
@@ -59,7 +59,7 @@ VARIANTS = [
 ]
 # refreshed client set -> the global it is taken at, and the recapture's damping
 REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em", "at_centred_em": "centred_em", "at_centred_em_auto": "centred_em"}
-REFRESH_DAMPINGS = {"at_centred_em_auto": "auto"}  # the others: REFRESH_DAMPING
+REFRESH_DAMPINGS = {"at_centred_em_auto": "auto"}  # the others: 1 (the default before "auto")
 # (label, evaluate options, needs a Laplace posterior at the modes, only where the fusion used validation)
 PREDICTIVES = [
     ("map", ["--predictive", "map"], False, False),
@@ -100,7 +100,7 @@ def main() -> None:
             source = load_client(p)
             meta, comps = recapture(source, read_silo(s, num_classes=source.model_spec.num_classes), source.structure,
                                     at=load_global(glob_path), log=lambda *_: None,
-                                    damping=REFRESH_DAMPINGS.get(name, REFRESH_DAMPING))
+                                    damping=REFRESH_DAMPINGS.get(name, 1.0))
             write_client_artifact(o, source.model_spec, source.layout, meta, comps)
         print(f"refreshed {name} in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
         return found

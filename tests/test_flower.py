@@ -26,6 +26,18 @@ from posterior_fusion.flower import (  # noqa: E402
     make_server_app,
 )
 
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    """Messages built outside a Flower run need a run and node id (flwr sets them inside a run; without this the
+    tests building messages by hand passed only after a simulation test had run in the same process)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for field in ("_run_id", "_node_id", "_task_id"):
+        if getattr(TaskIdentity, field) is None:
+            monkeypatch.setattr(TaskIdentity, field, 1)
+
+
 SETTINGS = FederatedSettings(model="mlp", model_kwargs={"hidden": 16}, components=2, init_seed=3, structure="kron",
                              epochs=1, batch_size=32, train_seed=1)
 OPTIONS = FusionOptions(progress=False)
@@ -125,7 +137,7 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)
 
 
-def test_a_refresh_message_with_wrong_fields_is_refused(tmp_path):
+def test_a_refresh_message_with_wrong_fields_is_refused(tmp_path, task_identity):
     from flwr.app import ConfigRecord, Context
 
     ctx = Context(run_id=1, node_id=1, node_config={"silo": str(tmp_path / "s.h5")}, state=RecordDict(),
@@ -154,6 +166,21 @@ def test_example_run_config_carries_fit_and_fusion_settings():
     assert (method, chosen.steps, chosen.val_every, robust) == ("fedbens", 300, 30, False)
     fit = FederatedSettings.from_run_config(flat)
     assert fit.components == 3 and fit.swag_rank == 20 and fit.fit_config().train.swag_rank == 20
+    from posterior_fusion.local.recapture import check_damping
+    assert check_damping(flat["refresh-damping"], "refresh-damping") == "auto"
+
+
+def test_a_bad_refresh_damping_is_refused_before_the_round(tmp_path):
+    """``refresh-damping`` is checked before any message is sent: a word other than auto, a negative or
+    a non-finite number, a boolean — one ConfigError naming the key."""
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.flower.federation import run_round
+
+    grid = FakeGrid([])
+    for bad in ("often", -1.0, float("inf"), True):
+        with pytest.raises(ConfigError, match="refresh-damping must be 'auto' or a finite number"):
+            run_round(grid, SETTINGS, tmp_path / "out", refresh=True, refresh_damping=bad)
+    assert grid.pushed == []
 
 
 def test_example_is_a_current_flower_app_without_legacy_connection_tables():
@@ -198,7 +225,7 @@ class FakeGrid:
         return out
 
 
-def test_exchange_matches_replies_by_message_and_times_out():
+def test_exchange_matches_replies_by_message_and_times_out(task_identity):
     from posterior_fusion.flower.federation import exchange
 
     def messages(n):

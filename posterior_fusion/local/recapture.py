@@ -55,7 +55,9 @@ from posterior_fusion.local.fit import library_versions
 from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, build_model, frozen_mapping
 from posterior_fusion.runtime import resolve_device
 
-REFRESH_DAMPING = 1.0  # per-sample damping of the refresh round's centre step (docs/results/fusion_safety/)
+# the refresh round's centre step: its damping chosen per mode by the silo's gain ratio (module docstring;
+# measured against fixed dampings in docs/results/fusion_safety/, "A damping each silo chooses")
+REFRESH_DAMPING: float | str = "auto"
 AUTO_DAMPINGS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # ``damping="auto"`` tries these, smallest first
 RATIO_FLOOR = 0.25  # ... and keeps the first whose step the silo's loss confirms this well (module docstring)
 
