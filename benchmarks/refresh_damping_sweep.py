@@ -37,7 +37,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.local.recapture import refresh_centre, step_ratio, summed_loss
 from posterior_fusion.metrics import evaluate_members
-from posterior_fusion.posterior import build_model
+from posterior_fusion.posterior import build_model, frozen_mapping
 
 
 def precision(comp, n: int, d: float):
@@ -126,7 +126,11 @@ def main() -> None:
                     rho = step_ratio(w, centre, comp.curvature, g, T, lam, loss(w), loss(centre)) if loss else None
                 ratios.append(rho)
                 steps.append(float((centre - w).norm()))
-                comps.append(replace(comp, map=centre.to(comp.map.dtype)))
+                record = {k: v for k, v in comp.training.items() if k != "step_ratio"}
+                record["damping"] = used if d == "auto" else d  # the record says how this centre was taken
+                if rho is not None:
+                    record["step_ratio"] = rho
+                comps.append(replace(comp, map=centre.to(comp.map.dtype), training=frozen_mapping(record)))
             meta = dict(art.metadata, refreshed_at=dict(art.metadata["refreshed_at"], damping=d))
             paths.append(work / f"sweep_d{d}_{Path(src).name}")
             write_client_artifact(paths[-1], art.model_spec, art.layout, meta, comps)
