@@ -35,9 +35,9 @@ from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.reader import load_client, load_global
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
-from posterior_fusion.local.recapture import refresh_centre, step_ratio, summed_loss
+from posterior_fusion.local.recapture import refresh_centre, silo_loss, step_ratio
 from posterior_fusion.metrics import evaluate_members
-from posterior_fusion.posterior import build_model, frozen_mapping
+from posterior_fusion.posterior import frozen_mapping
 
 
 def precision(comp, n: int, d: float):
@@ -51,13 +51,13 @@ def silo_losses(art, silo_path: Path):
     if data.sha256() != art.metadata.get("data_sha256"):
         raise SystemExit(f"{silo_path}: is not the silo {art.path} was captured on")
     x, y = data.tensors()
-    batch = int(art.metadata.get("curvature_batch_size", 256))
+    uncached = silo_loss(art, x, y, int(art.metadata.get("curvature_batch_size", 256)), torch.float32)
     cache: dict[bytes, float] = {}
 
     def loss(w: torch.Tensor) -> float:
         key = w.float().numpy().tobytes()  # the model is built in float32: equal keys, equal losses
         if key not in cache:
-            cache[key] = summed_loss(build_model(art.model_spec, w.float()), x, y, batch)
+            cache[key] = uncached(w)
         return cache[key]
     return loss
 

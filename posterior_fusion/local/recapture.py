@@ -136,6 +136,7 @@ def refresh_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, tempe
     confirms, chosen without the server's data (the largest damping if none does). ``loss`` maps a
     ``(d,)`` point to the silo's summed cross-entropy (one forward pass per call)."""
     at_point = loss(point)
+    curvature = curvature.astype(torch.float64)  # once: the conversions inside are then no-ops for every d
     tried = AUTO_DAMPINGS if damping == "auto" else (float(damping),)
     for d in tried:
         centre = newton_centre(point, curvature, gradient, temperature, prior_precision, n_data, d)
