@@ -56,6 +56,13 @@ VARIANTS = [
     ("centred_em_refresh_auto_em", "em -> refresh (damping auto) -> em, prior centre clients (no validation anywhere)",
      "at_centred_em_auto", "fedbens", {"solver": "em", "prior_centre": "clients"}, False),
     ("ensemble", "client ensemble", "one-shot", "ensemble", {}, False),
+    # the Laplace approximation's prior precision from the modes' evidence (fedbens laplace_prior=evidence):
+    # the same modes as the rows above, another covariance for mc / glm
+    ("paper_evidence", "one-shot, adam, best validation iterate, Laplace prior from the evidence", "one-shot",
+     "fedbens", {"laplace_prior": "evidence"}, True),
+    ("centred_em_refresh_auto_em_evidence", "em -> refresh (damping auto) -> em, prior centre clients, Laplace prior "
+     "from the evidence (no validation anywhere)", "at_centred_em_auto", "fedbens",
+     {"solver": "em", "prior_centre": "clients", "laplace_prior": "evidence"}, False),
 ]
 # refreshed client set -> the global it is taken at, and the recapture's damping
 REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em", "at_centred_em": "centred_em", "at_centred_em_auto": "centred_em"}

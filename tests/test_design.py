@@ -45,7 +45,7 @@ def test_settings_records_parse_validate_and_describe():
     with pytest.raises(ConfigError, match="must be float"):
         FedBEnsSettings.from_mapping({"adam_lr": "inf"}, "fedbens")
     names = [r["name"] for r in FedBEnsSettings.describe()]
-    assert names == ["steps", "adam_lr", "clip", "val_every", "modes", "laplace", "mode_weights",
+    assert names == ["steps", "adam_lr", "clip", "val_every", "modes", "laplace", "laplace_prior", "mode_weights",
                      "allow_different_inits", "lowrank_tol", "starts", "solver", "damping", "trust_radius",
                      "prior_centre"]
     assert all(r["help"] for r in FedBEnsSettings.describe())

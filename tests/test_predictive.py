@@ -17,7 +17,16 @@ from posterior_fusion.artifact import write_global_artifact
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.fusion.mode_laplace import laplace_mode_weights, mode_precisions, responsibilities
+from posterior_fusion.fusion import FusionOptions
+from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings
+from posterior_fusion.fusion.mode_laplace import (
+    evidence_prior_precision,
+    laplace_mode_weights,
+    mode_precisions,
+    responsibilities,
+)
+from posterior_fusion.fusion.registry import METHODS
+from posterior_fusion.fusion.types import FusionInputs
 from posterior_fusion.metrics import (
     accuracy_coverage,
     auroc,
@@ -231,6 +240,79 @@ def test_mode_weights_from_the_laplace_evidence():
     w = laplace_mode_weights(torch.tensor([2.0, 1.0]), prec)
     logits = torch.tensor([-2.0 - 0.5 * 3 * math.log(1.0), -1.0 - 0.5 * 3 * math.log(4.0)], dtype=torch.float64)
     torch.testing.assert_close(w, torch.softmax(logits, 0))
+
+
+def test_evidence_prior_precision_is_the_conjugate_models_evidence_maximiser():
+    """Bayesian linear regression (unit noise, prior N(0, δ⁻¹ I)): the exact log evidence
+    log N(y; 0, I + X Xᵀ / δ) is maximised over δ by scipy on the dense covariance; at that δ̂ the
+    posterior mode is w* = (XᵀX + δ̂ I)⁻¹ Xᵀ y, and the Laplace evidence with w* held fixed is
+    maximised at the same δ̂ (MacKay's fixed point γ(δ̂) = δ̂ ‖w*‖² is the exact optimum's condition)."""
+    from scipy.optimize import minimize_scalar
+
+    gen = torch.Generator().manual_seed(5)
+    n, d = 40, 7
+    X = torch.randn(n, d, generator=gen, dtype=torch.float64) * torch.linspace(0.05, 2.0, d, dtype=torch.float64)
+    y = X @ (0.7 * torch.randn(d, generator=gen, dtype=torch.float64)) + torch.randn(n, generator=gen, dtype=torch.float64)
+
+    def neg_log_evidence(t: float) -> float:
+        cov = torch.eye(n, dtype=torch.float64) + X @ X.T / math.exp(t)
+        return -torch.distributions.MultivariateNormal(torch.zeros(n, dtype=torch.float64), cov).log_prob(y).item()
+
+    t_hat = minimize_scalar(neg_log_evidence, bounds=(-10.0, 10.0), method="bounded", options={"xatol": 1e-10}).x
+    delta_hat = math.exp(t_hat)
+    G = X.T @ X
+    w_star = torch.linalg.solve(G + delta_hat * torch.eye(d, dtype=torch.float64), X.T @ y)
+    delta, _ = evidence_prior_precision([w_star], [BlockDiag([Dense(G)])])
+    assert delta == pytest.approx(delta_hat, rel=1e-5)
+
+
+def test_evidence_prior_precision_against_dense_eigenvalues():
+    """Two modes whose curvatures mix Kronecker, diagonal (with zero entries) and dense blocks: the
+    returned δ solves Σ_k γ_k(δ) = δ Σ_k ‖w*_k‖², γ from the dense float64 eigenvalues (scipy's brentq),
+    and the returned maximum is the dense Σ_k [−½ δ ‖w*_k‖² + ½ d log δ − ½ log|G_k + δ I|]."""
+    from scipy.optimize import brentq
+
+    gen = torch.Generator().manual_seed(9)
+    members, curvatures = [], []
+    for k in range(2):
+        g = torch.rand(5, generator=gen, dtype=torch.float64) * 30
+        g[:2] = 0.0
+        blocks = [Kron(random_psd(3, gen) * 10, random_psd(4, gen)), Diag(g), Dense(random_psd(6, gen) * (k + 1))]
+        curvatures.append(BlockDiag([b.astype(torch.float32) for b in blocks]))
+        members.append(torch.randn(12 + 5 + 6, generator=gen) * (0.5 + k))
+    dense = [torch.linalg.eigvalsh(c.astype(torch.float64).to_dense()) for c in curvatures]
+    sq = sum(float(w.double().square().sum()) for w in members)
+
+    def condition(t: float) -> float:
+        delta = math.exp(t)
+        return sum(float((lam / (lam + delta)).sum()) for lam in dense) - delta * sq
+
+    delta_ref = math.exp(brentq(condition, -15, 15, xtol=1e-12))
+    delta, value = evidence_prior_precision(members, curvatures)
+    assert delta == pytest.approx(delta_ref, rel=1e-5)
+    ref = sum(-0.5 * delta * float(w.double().square().sum()) + 0.5 * w.numel() * math.log(delta)
+              - 0.5 * float(torch.log(lam + delta).sum()) for w, lam in zip(members, dense))
+    assert value == pytest.approx(ref, rel=1e-9)
+
+
+def test_fedbens_records_the_evidence_prior_and_predicts_with_it():
+    """`laplace_prior=evidence`: the artifact's Λ*_k = curvature_k + δ I with δ the evidence maximiser of
+    its own modes and curvatures, the server's λ0 kept beside it; `server` keeps λ0; bad values refused."""
+    clients = random_clients("kron", C=3, M=2, seed=4)
+    inputs = FusionInputs(clients, FusionOptions(progress=False))
+    res = METHODS["fedbens"](inputs, FedBEnsSettings(steps=20, laplace_prior="evidence"))
+    lap = res.info["laplace"]
+    delta, value = evidence_prior_precision(list(res.members), list(res.curvatures))
+    assert lap["prior_rule"] == "evidence" and lap["prior_precision"] == pytest.approx(delta, rel=1e-12)
+    assert lap["log_evidence_terms"] == pytest.approx(value) and lap["server_prior_precision"] == inputs.server_prior_precision()
+    assert lap["prior_precision"] != pytest.approx(lap["server_prior_precision"], rel=1e-3)
+    plain = METHODS["fedbens"](inputs, FedBEnsSettings(steps=20))
+    assert plain.info["laplace"]["prior_rule"] == "server"
+    assert plain.info["laplace"]["prior_precision"] == inputs.server_prior_precision()
+    for bad, match in (({"laplace_prior": "often"}, "laplace_prior"),
+                       ({"laplace_prior": "evidence", "laplace": False}, "laplace=true")):
+        with pytest.raises(posterior_fusion.errors.ConfigError, match=match):
+            FedBEnsSettings(**bad).validate()
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,12 @@ from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.fusion.em import MixtureProduct, em_modes
-from posterior_fusion.fusion.mode_laplace import laplace_mode_weights, mode_precisions, uniform_weights
+from posterior_fusion.fusion.mode_laplace import (
+    evidence_prior_precision,
+    laplace_mode_weights,
+    mode_precisions,
+    uniform_weights,
+)
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
@@ -47,6 +52,10 @@ class FedBEnsSettings(OptimiserSettings):
     modes: int | None = setting(None, "Number of global modes; None = the clients' M.", bounds=ranges.COMPONENTS)
     laplace: bool = setting(True, "Store a Laplace approximation of the global posterior at each mode "
                                   "(enables evaluate --predictive mc|glm).")
+    laplace_prior: str = setting("server", "Prior precision of the Laplace approximation at the modes (what mc/glm "
+                                           "predict with): 'server' (λ0 = 1/prior_var, the objective's) or 'evidence' "
+                                           "(the δ maximising the modes' Laplace evidence with the modes held fixed, "
+                                           "MacKay's empirical Bayes: no data needed; recorded in the artifact).")
     mode_weights: str = setting("equal", "Mixture weights of the modes: 'equal', or 'laplace' (∝ p(w*|D) |Λ*|^-1/2).")
     allow_different_inits: bool = setting(False, "Fuse clients whose starting points differ (their m-th components "
                                                  "then need not be near each other; the per-mode median start is then meaningless).")
@@ -81,6 +90,10 @@ class FedBEnsSettings(OptimiserSettings):
             raise ConfigError("setting modes must be >= 1")
         if not 0 <= self.lowrank_tol < 1:
             raise ConfigError("setting lowrank_tol must be in [0, 1)")
+        if self.laplace_prior not in LAPLACE_PRIORS:
+            raise ConfigError(f"setting laplace_prior must be one of {LAPLACE_PRIORS}")
+        if self.laplace_prior != "server" and not self.laplace:
+            raise ConfigError("setting laplace_prior=evidence needs laplace=true")
         if self.mode_weights not in ("equal", "laplace"):
             raise ConfigError("setting mode_weights must be 'equal' or 'laplace'")
         if self.mode_weights == "laplace" and not self.laplace:
@@ -244,6 +257,7 @@ def require_shared_inits(inputs: FusionInputs) -> None:
 STARTS = ("median", "clients", "median+clients")
 SOLVERS = ("adam", "em")
 PRIOR_CENTRES = ("zero", "clients")
+LAPLACE_PRIORS = ("server", "evidence")
 
 
 def damped_clients(clients: list[ClientPosterior], d: float) -> list[ClientPosterior]:
@@ -311,11 +325,14 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     curvatures, errors = mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)
     with torch.no_grad():
         values = objective(best.to(inputs.options.device)).cpu()
-    precisions = [c.precision(1.0, lam0) for c in curvatures]
+    laplace = {"prior_precision": lam0, "prior_rule": settings.laplace_prior, "server_prior_precision": lam0}
+    if settings.laplace_prior == "evidence":
+        delta, evidence = evidence_prior_precision(list(best), curvatures)
+        laplace.update({"prior_precision": delta, "log_evidence_terms": evidence})
+    precisions = [c.precision(1.0, laplace["prior_precision"]) for c in curvatures]
     weights = (laplace_mode_weights(values, precisions) if settings.mode_weights == "laplace"
                else uniform_weights(len(precisions)))
-    info.update({"laplace": {"prior_precision": lam0, "block_relative_errors": errors,
-                             "objective_at_modes": values.tolist()},
+    info.update({"laplace": {**laplace, "block_relative_errors": errors, "objective_at_modes": values.tolist()},
                  "mode_weights": weights.tolist()})
     return FusionResult([w.clone() for w in best], info, curvatures)
 
