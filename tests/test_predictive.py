@@ -292,7 +292,7 @@ def test_evidence_prior_precision_against_dense_eigenvalues():
     assert delta == pytest.approx(delta_ref, rel=1e-5)
     ref = sum(-0.5 * delta * float(w.double().square().sum()) + 0.5 * w.numel() * math.log(delta)
               - 0.5 * float(torch.log(lam + delta).sum()) for w, lam in zip(members, dense))
-    assert value == pytest.approx(ref, rel=1e-9)
+    assert value == pytest.approx(ref, rel=1e-7)  # the blocks are float32: their eigenvalues carry ~1e-7
 
 
 def test_fedbens_records_the_evidence_prior_and_predicts_with_it():

@@ -23,7 +23,7 @@ import math
 import torch
 
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag
+from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron
 from posterior_fusion.progress import progress
 
 
@@ -94,33 +94,54 @@ EVIDENCE_RANGE = (1e-8, 1e8)  # the prior precisions the evidence is maximised o
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
-def log_evidence_terms(members: list[torch.Tensor], curvatures: list[BlockDiag], delta: float) -> float:
-    """``Σ_k [−½ δ ‖w*_k‖² + ½ d log δ − ½ log|G_k + δ I|]``: the part of the modes' Laplace log evidences
-    ``log p(D | δ) ≈ log p(D | w*_k) − ½ δ ‖w*_k‖² − ½ log(|G_k + δ I| / δ^d) + const`` that depends on the
-    prior precision δ of a prior ``N(0, δ⁻¹ I)`` (``members`` ``(d,)`` each, ``curvatures`` the raw
-    ``G_k``; the data fit is fixed with the modes, as laplace-torch's post-hoc prior tuning holds it)."""
+def _spectrum(curvature: BlockDiag) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per block of a raw curvature, what its eigenvalues are made of (float64): ``(b, a)`` for a
+    Kronecker block (eigenvalues ``scale · b aᵀ``, factors' eigenvalues only: ``out + in`` numbers), else
+    ``(λ, None)`` with the block's ``dim`` eigenvalues."""
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for block in curvature.blocks:
+        raw = block.with_scale_shift(block.scale, 0.0)
+        if isinstance(raw, Kron):
+            b, a = raw.eigenvalues()
+            out.append((raw.scale * b.double(), a.double()))
+        elif isinstance(raw, Dense):
+            out.append((raw.eigenvalues().double(), None))
+        elif isinstance(raw, Diag):
+            out.append((raw.diagonal().double(), None))
+        else:
+            raise TypeError(f"no spectrum for a {raw.kind} block")
+    return out
+
+
+def _log_evidence_terms(sq_norms: list[float], spectra: list, dims: list[int], delta: float) -> float:
+    """``Σ_k [−½ δ ‖w*_k‖² + ½ d log δ − ½ Σ_i log(λ_ki + δ)]`` from the modes' squared norms and spectra."""
     total = 0.0
-    for w, g in zip(members, curvatures):
-        d = w.numel()
-        sq = float(w.double().square().sum())
-        total += -0.5 * delta * sq + 0.5 * d * math.log(delta) - 0.5 * float(g.precision(1.0, delta).logdet())
+    for sq, spectrum, d in zip(sq_norms, spectra, dims):
+        logdet = sum(float(torch.log((torch.outer(b, a) if a is not None else b) + delta).sum()) for b, a in spectrum)
+        total += -0.5 * delta * sq + 0.5 * d * math.log(delta) - 0.5 * logdet
     return total
 
 
 def evidence_prior_precision(members: list[torch.Tensor], curvatures: list[BlockDiag],
                              tol: float = 1e-7) -> tuple[float, float]:
-    """The prior precision δ that maximises the modes' summed Laplace evidence
-    (:func:`log_evidence_terms`; MacKay's empirical Bayes with the modes held fixed), and that maximum.
+    """The prior precision δ of a prior ``N(0, δ⁻¹ I)`` that maximises the modes' summed Laplace evidence,
+    and that maximum of its δ-dependent part ``Σ_k [−½ δ ‖w*_k‖² + ½ d log δ − ½ log|G_k + δ I|]``
+    (``log p(D | δ) ≈ log p(D | w*_k) − ½ δ ‖w*_k‖² − ½ log(|G_k + δ I| / δ^d) + const``: MacKay's empirical
+    Bayes with the modes — and so the data fit — held fixed, as laplace-torch's post-hoc prior tuning
+    holds them). ``members`` ``(d,)`` each; ``curvatures`` the raw ``G_k``.
 
     Each term is strictly concave in δ (its derivative ``½ (γ(δ)/δ − ‖w*‖²)``, ``γ = Σ_i λ_i / (λ_i + δ)``
     over G's eigenvalues, decreases), so a golden-section search over ``log δ`` in
     :data:`EVIDENCE_RANGE` finds the one maximum to a relative ``tol``; at the optimum
     ``δ = Σ_k γ_k / Σ_k ‖w*_k‖²`` (the effective number of parameters over the modes' squared norm).
-    One decomposition per block in float64 (cached); each evaluation costs one pass over the eigenvalues."""
-    curvatures = [c.astype(torch.float64) for c in curvatures]
+    Only eigenvalues are kept (a Kronecker block's factors' ones, from the blocks' caches); each
+    evaluation is one float64 pass over them."""
+    spectra = [_spectrum(c) for c in curvatures]
+    sq_norms = [float(w.double().square().sum()) for w in members]
+    dims = [w.numel() for w in members]
 
     def f(t: float) -> float:
-        return log_evidence_terms(members, curvatures, math.exp(t))
+        return _log_evidence_terms(sq_norms, spectra, dims, math.exp(t))
 
     lo, hi = math.log(EVIDENCE_RANGE[0]), math.log(EVIDENCE_RANGE[1])
     a, b = hi - _GOLDEN * (hi - lo), lo + _GOLDEN * (hi - lo)
