@@ -9,7 +9,8 @@ The C·M components share one real K-FAC-reduce capture (random CIFAR-shaped ima
 with per-component scales and MAP perturbations: the server's cost depends on the sizes, not on the
 values. Three runs: ``steps=S1`` and ``steps=S2`` without the Laplace step (their difference over
 S2 − S1 is the seconds per step, the rest the set-up) and ``steps=S1`` with it (its difference to
-the first is the Laplace step at the modes).
+the first is the Laplace step at the modes). ``--whole K=V,…`` instead: one run of the whole fusion with
+those fedbens settings, Laplace step included (e.g. ``solver=em``: exact per-layer solves, no Adam steps).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--compress-metric", default="frobenius", choices=["frobenius", "precision"])
     ap.add_argument("--max-memory", default="20G")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--whole", default=None, help="K=V,...: one whole fedbens run with these settings")
     args = ap.parse_args()
     s1, s2 = map(int, args.steps.split(","))
     spec = ModelSpec("resnet20", {"width": args.width})
@@ -76,6 +78,12 @@ def main() -> None:
     row = {"width": args.width, "parameters": layout.dim, "clients": args.clients, "components": args.components,
            "compress": args.compress,
            "compress_metric": args.compress_metric, "artifact_mb": round(sum(p.stat().st_size for p in paths) / 1e6 / args.clients, 1)}
+    if args.whole is not None:
+        run = fuse(paths, work / "g.h5", args.whole.split(","), args.max_memory)
+        row.update(whole=run, seconds=run["seconds"], peak_mib=run["peak_mib"])
+        print(json.dumps(row), flush=True)
+        save_rows(args.json, row)
+        return
     runs = [fuse(paths, work / "g1.h5", [f"steps={s1}", "laplace=false"], args.max_memory),
             fuse(paths, work / "g2.h5", [f"steps={s2}", "laplace=false"], args.max_memory),
             fuse(paths, work / "g3.h5", [f"steps={s1}"], args.max_memory)]

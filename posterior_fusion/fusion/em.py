@@ -39,21 +39,23 @@ import math
 import torch
 
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.curvature import Diag, Kron
+from posterior_fusion.curvature import BlockDiag, Diag, Kron
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
 from posterior_fusion.fusion.mode_laplace import component_log_densities
 from posterior_fusion.progress import progress
 
 
 class MixtureProduct:
-    """The clients' mixtures for EM: per component its precision ``Λ_cm`` (float64) and MAP."""
+    """The clients' mixtures for EM: per component its precision ``Λ_cm`` and MAP, in the artifacts' dtype
+    (each block is converted to float64 where it is used, one layer at a time: no float64 copy of every
+    client's curvature is held)."""
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                  server_prior_precision: float) -> None:
         self.clients, self.temperatures, self.prior_precisions = clients, temperatures, prior_precisions
-        self.precisions = [[comp.curvature.astype(torch.float64).precision(t, lam) for comp in c.components]
+        self.precisions = [[comp.curvature.precision(t, lam) for comp in c.components]
                            for c, t, lam in zip(clients, temperatures, prior_precisions)]
-        self.maps = [[comp.map.double() for comp in c.components] for c in clients]
+        self.maps = [[comp.map for comp in c.components] for c in clients]
         self.excess = math.fsum(prior_precisions) - float(server_prior_precision)  # over-counted prior
         self.lam0 = float(server_prior_precision)
         self.n_total = float(sum(c.n_data for c in clients))
@@ -69,7 +71,7 @@ class MixtureProduct:
 
     def metric(self, rs: list[torch.Tensor], v: torch.Tensor) -> float:
         """``½ vᵀ (Σ_cm r_cm Λ_cm) v / N`` for ``v`` ``(d,)``: per-sample nats in the clients' metric."""
-        total = sum(float(r) * float(P.quadratic_form(v)) for r_c, row in zip(rs, self.precisions)
+        total = sum(float(r) * _quadratic_form64(P, v) for r_c, row in zip(rs, self.precisions)
                     for r, P in zip(r_c, row) if float(r) > 0)
         return 0.5 * total / self.n_total
 
@@ -88,7 +90,7 @@ class MixtureProduct:
         ref = terms[0][1]
         out = torch.empty_like(start)
         for j, off in enumerate(ref.offsets):
-            blocks = [(r, P.blocks[j], mu[off: off + P.blocks[j].dim]) for r, P, mu in terms]
+            blocks = [(r, P.blocks[j].astype(torch.float64), mu[off: off + P.blocks[j].dim].double()) for r, P, mu in terms]
             dim = blocks[0][1].dim
             rhs = sum(r * b.matvec(m) for r, b, m in blocks)
             if centre is not None:
@@ -108,6 +110,11 @@ class MixtureProduct:
                 H = H - self.excess * torch.eye(dim, dtype=torch.float64)
                 out[off: off + dim] = torch.cholesky_solve(rhs[:, None], torch.linalg.cholesky(H))[:, 0]
         return out
+
+
+def _quadratic_form64(P: BlockDiag, v: torch.Tensor) -> float:
+    """``vᵀ P v`` in float64, one block at a time (``v`` ``(d,)`` float64)."""
+    return sum(float(b.astype(torch.float64).quadratic_form(v[off: off + b.dim])) for b, off in zip(P.blocks, P.offsets))
 
 
 def trust_region_solve(product: MixtureProduct, rs: list[torch.Tensor], w: torch.Tensor, start: torch.Tensor,
