@@ -1,0 +1,39 @@
+"""Markdown table of ``no_validation_pipeline.sh`` evaluations: per client set (TAG), test accuracy / NLL /
+ECE of the client ensemble, the paper's fedbens (best validation iterate), EM centred (no validation) and
+the whole no-validation pipeline with `map` and `glm` (Laplace prior from the evidence).
+
+    .venv/bin/python benchmarks/no_validation_report.py docs/results/fusion_safety/no_validation
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+COLUMNS = (("ens_map", "client ensemble (15)"), ("paper_map", "paper: Adam, best validation iterate"),
+           ("cem_map", "EM centred (one-shot, no validation)"),
+           ("cem_refresh_em_map", "EM → refresh (auto) → EM, map"),
+           ("cem_refresh_em_glm", "the same, glm (evidence δ)"))
+
+
+def main() -> None:
+    folder = Path(sys.argv[1])
+    tags = sorted({f.name[len("eval_"):].split("_" + c)[0] for f in folder.glob("eval_*.json") for c, _ in COLUMNS
+                   if f.name.endswith(f"_{c}.json")})
+    print("| client set | " + " | ".join(label for _, label in COLUMNS) + " |")
+    print("|---|" + "---|" * len(COLUMNS))
+    for tag in tags:
+        cells = []
+        for c, _ in COLUMNS:
+            f = folder / f"eval_{tag}_{c}.json"
+            if not f.exists() or not f.stat().st_size:
+                cells.append("–")
+                continue
+            m = json.loads(f.read_text())
+            cells.append(f"{100 * m['accuracy']:.2f} / {m['nll']:.3f} / {m['ece']:.3f}")
+        print(f"| {tag} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
