@@ -19,8 +19,9 @@ COLUMNS = (("ens_map", "client ensemble (15)"), ("paper_map", "paper: Adam, best
 
 def main() -> None:
     folder = Path(sys.argv[1])
-    tags = sorted({f.name[len("eval_"):].split("_" + c)[0] for f in folder.glob("eval_*.json") for c, _ in COLUMNS
-                   if f.name.endswith(f"_{c}.json")})
+    suffixes = [f"_{c}.json" for c, _ in COLUMNS]
+    tags = sorted({f.name[len("eval_"):-len(end)] for f in folder.glob("eval_*.json") for end in suffixes
+                   if f.name.endswith(end)})
     print("| client set | " + " | ".join(label for _, label in COLUMNS) + " |")
     print("|---|" + "---|" * len(COLUMNS))
     for tag in tags:
