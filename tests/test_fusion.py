@@ -18,6 +18,7 @@ from posterior_fusion.errors import IncompatibleArtifactsError, MethodNotApplica
 from posterior_fusion.fusion import METHODS, FusionInputs, FusionOptions, fuse
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior
 from posterior_fusion.fusion.methods.regmean import RegMeanSettings
+from posterior_fusion.fusion.mode_laplace import negative_log_posterior
 from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.resources import estimate_fuse_bytes
 from posterior_fusion.layout import ParameterLayout
@@ -94,6 +95,8 @@ def test_fedbens_objective_and_gradient_vs_dense_float64(structure, chunk_bytes,
     ref = torch.stack([dense_neg_log_posterior(clients, w, 0.5, lams, 2.5) for w in W])
     # Objectives agree up to one constant (normalisers of the global posterior are dropped nowhere here).
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-8)
+    # the value the fedbens records at its modes, from the clients' blocks (no stack; what EM reports)
+    torch.testing.assert_close(negative_log_posterior(clients, [0.5] * 3, lams, 2.5, W), ref.detach(), rtol=1e-10, atol=1e-8)
     g_ours = torch.autograd.grad(ours.sum(), W, retain_graph=True)[0]
     weights = torch.tensor([0.5, -2.0, 0.0, 3.0], dtype=torch.float64)  # rows are independent: a weighted sum scales them
     torch.testing.assert_close(torch.autograd.grad((weights * ours).sum(), W)[0], weights[:, None] * g_ours)
@@ -637,6 +640,8 @@ def test_prior_centre_clients_objective_and_em_vs_dense_float64(structure):
     ref = torch.stack([dense_neg_log_posterior(mix, w, T, lams, lam0, centre=mu) for w, mu in zip(Wr, centres)])
     g_ref = torch.autograd.grad(ref.sum(), Wr)[0]
     torch.testing.assert_close(ours, ref.detach(), rtol=1e-10, atol=1e-8)
+    torch.testing.assert_close(negative_log_posterior(mix, [T] * 3, lams, lam0, W, centres), ref.detach(),
+                               rtol=1e-10, atol=1e-8)
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-8, atol=1e-8)
     with pytest.raises(ValueError, match="prior centres"):
         obj(W.detach()[:1])
@@ -711,3 +716,35 @@ def test_prior_centre_follows_each_start_component():
         m = row % 2
         want = (lam[:, None] * torch.stack([c.components[m].map[:6] for c in cl])).sum(0) / lam.sum()
         torch.testing.assert_close(w[:6].double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag+full"])
+def test_component_densities_of_float32_clients_decompose_each_block_once(structure, monkeypatch):
+    """EM's responsibilities, the objective at the modes and the Laplace step evaluate every client component
+    at every iteration: on float32 artifacts (what a silo writes) the log-determinants come in float64 from
+    the client blocks' own cached eigenvalues — one decomposition per factor over all calls, not one per call
+    on a float64 copy (at width 64 that was minutes per EM mode) — and equal the float64 clients' densities."""
+    from posterior_fusion.fusion.mode_laplace import component_log_densities
+
+    clients = _clients(structure, C=2, M=2, seed=3)
+    as32 = [dataclasses.replace(c, components=tuple(dataclasses.replace(comp, map=comp.map.float(),
+                                                                        curvature=comp.curvature.astype(torch.float32))
+                                                    for comp in c.components)) for c in clients]
+    W = torch.randn(3, TINY_LAYOUT.dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref = component_log_densities(clients, [0.5, 0.5], [2.0, 2.0], W)
+    calls = {"n": 0}
+    for name in ("eigvalsh", "eigh"):
+        real = getattr(torch.linalg, name)
+
+        def counted(*a, _real=real, **k):
+            calls["n"] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(torch.linalg, name, counted)
+    first = component_log_densities(as32, [0.5, 0.5], [2.0, 2.0], W)
+    after_first = calls["n"]
+    again = component_log_densities(as32, [0.5, 0.5], [2.0, 2.0], W)
+    assert after_first > 0 and calls["n"] == after_first  # the second call decomposes nothing
+    for a, b, r in zip(first, again, ref):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-3)  # float32 factors, float64 arithmetic

@@ -54,3 +54,38 @@ def test_training_steps_do_not_fault_buffers_in_again():
 def test_opt_out_leaves_the_allocator_alone():
     took, _ = _run({"PFUSE_MALLOC": "default"})
     assert not took
+
+
+STACK_SCRIPT = """
+import torch
+from posterior_fusion.runtime import keep_freed_memory
+from posterior_fusion.curvature import BlockDiag, Kron
+from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.posterior import Component
+keep_freed_memory()  # what pfuse does at start-up: freed buffers would otherwise stay with the process
+def rss():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) * 1024
+g = torch.Generator().manual_seed(0)
+# 12 components x 8 layers of 400 x 400 input factors, allocated component by component as the reader does
+comps = [Component(m, torch.zeros(8 * 16 * 400), BlockDiag([Kron(torch.eye(16), torch.rand(400, 400, generator=g))
+                                                            for _ in range(8)]), {}, 1.0, 1.0) for m in range(12)]
+factors = 12 * 8 * 400 * 400 * 4
+before = rss()
+stack = StackedGaussians(comps, 1.0, 1.0, show_progress=False)
+print(factors, rss() - before, stack.blocks[0].direct[1].data_ptr() == comps[3].curvature.blocks[0].A.data_ptr() - 3 * 400 * 400 * 4)
+"""
+
+
+@pytest.mark.skipif(not _glibc(), reason="the release acts on glibc's allocator only")
+def test_stacking_holds_the_factors_once():
+    """The server's stack adopts the loaded Kronecker factors (each block's factor becomes a view of the
+    stack) and gives the originals' pages back as it goes: after stacking, the process holds the factors
+    once, not twice (width-64 ResNet-20, C = M = 5: 3.5 GB less). Measured in a fresh interpreter with
+    pfuse's allocator setting, under which the freed originals would otherwise stay resident."""
+    env = {k: v for k, v in os.environ.items() if k != "PFUSE_MALLOC"} | {"PFUSE_PROGRESS": "0"}
+    out = subprocess.run([sys.executable, "-c", STACK_SCRIPT], capture_output=True, text=True, env=env, check=True)
+    factors, grown, adopted = out.stdout.split()
+    assert adopted == "True"
+    # the stack itself replaces the originals: what grows is the stacked MAPs, B·μ and the spectra (0.25× the
+    # factors here); without the release the stack came on top of the freed originals (1.2×)
+    assert int(grown) < 0.5 * int(factors), (grown, factors)

@@ -67,7 +67,8 @@ class Dense(Precision):
         return (v @ U) * self.eigenvalues().rsqrt()
 
     def logdet(self) -> torch.Tensor:
-        return self.eigenvalues().log().sum(dtype=torch.float64)
+        """In float64 from the (cached) eigenvalues of ``G``, whatever its dtype."""
+        return (self.scale * self.eigen()[0].double() + self.shift).log().sum()
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         _, U = self.eigen()

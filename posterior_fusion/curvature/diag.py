@@ -49,7 +49,7 @@ class Diag(Precision):
         return v * self.diagonal().rsqrt()
 
     def logdet(self) -> torch.Tensor:
-        return self.diagonal().log().sum(dtype=torch.float64)  # float64 sum of d logs
+        return (self.scale * self.g.double() + self.shift).log().sum()  # float64 whatever g's dtype
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         eps = torch.randn(n, self.dim, generator=generator, dtype=self.g.dtype)

@@ -43,12 +43,13 @@ from posterior_fusion.curvature import BlockDiag, Diag, Kron
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
 from posterior_fusion.fusion.mode_laplace import component_log_densities
 from posterior_fusion.progress import progress
+from posterior_fusion.runtime import release_freed_memory
 
 
 class MixtureProduct:
     """The clients' mixtures for EM: per component its precision ``Λ_cm`` and MAP, in the artifacts' dtype
-    (each block is converted to float64 where it is used, one layer at a time: no float64 copy of every
-    client's curvature is held)."""
+    (each block is converted to float64 where it is used, one block at a time: no float64 copy of every
+    client's curvature, nor of one layer's, is held)."""
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
                  server_prior_precision: float) -> None:
@@ -90,25 +91,27 @@ class MixtureProduct:
         ref = terms[0][1]
         out = torch.empty_like(start)
         for j, off in enumerate(ref.offsets):
-            blocks = [(r, P.blocks[j].astype(torch.float64), mu[off: off + P.blocks[j].dim].double()) for r, P, mu in terms]
+            blocks = [(r, P.blocks[j], mu[off: off + P.blocks[j].dim].double()) for r, P, mu in terms]  # stored dtype
             dim = blocks[0][1].dim
-            rhs = sum(r * b.matvec(m) for r, b, m in blocks)
+            rhs = sum(r * b.astype(torch.float64).matvec(m) for r, b, m in blocks)  # one float64 block at a time
             if centre is not None:
                 rhs = rhs - self.excess * centre[off: off + dim].double()
             if all(isinstance(b, Kron) for _, b, _ in blocks):
                 shape = blocks[0][1].shape
                 w = torch.tensor([r * b.scale for r, b, _ in blocks], dtype=torch.float64)
                 shift = sum(r * b.shift for r, b, _ in blocks) - self.excess  # λ0 when Σ_m r_cm = 1, no pull
-                X, _, _ = solve_kron_sum([b.B.double() for _, b, _ in blocks], [b.A.double() for _, b, _ in blocks], w,
+                X, _, _ = solve_kron_sum([b.B for _, b, _ in blocks], [b.A for _, b, _ in blocks], w,  # used in float64
                                          rhs.reshape(shape), shift=shift, start=start[off: off + dim].reshape(shape),
                                          tolerance=tolerance)
                 out[off: off + dim] = X.reshape(-1)
             elif all(isinstance(b, Diag) for _, b, _ in blocks):
-                out[off: off + dim] = rhs / (sum(r * b.diagonal() for r, b, _ in blocks) - self.excess)
+                out[off: off + dim] = rhs / (sum(r * b.astype(torch.float64).diagonal() for r, b, _ in blocks) - self.excess)
             else:
-                H = sum(r * b.to_dense().double() for r, b, _ in blocks)
+                H = sum(r * b.astype(torch.float64).to_dense() for r, b, _ in blocks)
                 H = H - self.excess * torch.eye(dim, dtype=torch.float64)
                 out[off: off + dim] = torch.cholesky_solve(rhs[:, None], torch.linalg.cholesky(H))[:, 0]
+            del blocks
+            release_freed_memory()  # each layer's float64 copies differ in size: kept, they piled up to GBs
         return out
 
 

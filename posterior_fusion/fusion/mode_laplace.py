@@ -24,7 +24,9 @@ import torch
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron
+from posterior_fusion.mixture import LOG_2PI
 from posterior_fusion.progress import progress
+from posterior_fusion.runtime import release_freed_memory
 
 
 def responsibilities(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
@@ -49,12 +51,32 @@ def component_log_densities(clients: list[ClientPosterior], temperatures: list[f
             logdet = torch.zeros((), dtype=torch.float64)
             q = torch.zeros(W.shape[0], dtype=torch.float64)
             for block, off in zip(comp.curvature.blocks, comp.curvature.offsets):
-                prec = block.precision(t, lam).astype(torch.float64)
-                logdet = logdet + prec.logdet()
-                q = q + prec.quadratic_form(V[:, off : off + block.dim])
+                prec = block.precision(t, lam)  # shares the client block's cached decomposition
+                logdet = logdet + prec.logdet()  # float64, from that decomposition (computed once per block)
+                q = q + prec.astype(torch.float64).quadratic_form(V[:, off : off + block.dim])
             cols.append(0.5 * logdet - 0.5 * q)
         out.append(torch.log(c.weights.double())[None] + torch.stack(cols, dim=1))
+        release_freed_memory()  # the blocks' float64 copies (of every size): not kept between clients
     return out
+
+
+def negative_log_posterior(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
+                           server_prior_precision: float, W: torch.Tensor,
+                           centres: torch.Tensor | None = None) -> torch.Tensor:
+    """``(K,)`` float64: fedbens' objective ``−log p(w | D)`` at the K points ``W`` ``(K, d)``, with the
+    same constant as :class:`~posterior_fusion.fusion.methods.fedbens.GlobalLogPosterior` (normalised
+    components, the prior correction's ``½ d [Σ_c log λ_c − log λ0 − (C − 1) log 2π]``), the over-counted
+    prior divided out at row k of ``centres`` ``(K, d)`` (default zero). From the blocks one at a time
+    (:func:`component_log_densities`): no stacked copy of the clients' curvature, so a solver that never
+    built one (EM) does not build it to report the objective at its modes."""
+    W = W.detach().double()
+    d = W.shape[1]
+    lse = sum(torch.logsumexp(g, dim=1) for g in component_log_densities(clients, temperatures, prior_precisions, W))
+    lse = lse - len(clients) * 0.5 * d * LOG_2PI  # each client's normalised mixture
+    lam0 = float(server_prior_precision)
+    const = 0.5 * d * (sum(math.log(lam) for lam in prior_precisions) - math.log(lam0) - (len(clients) - 1) * LOG_2PI)
+    off = W if centres is None else W - centres.double()
+    return -0.5 * (math.fsum(prior_precisions) - lam0) * off.square().sum(1) + const - lse
 
 
 def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],

@@ -34,6 +34,7 @@ from posterior_fusion.fusion.mode_laplace import (
     evidence_prior_precision,
     laplace_mode_weights,
     mode_precisions,
+    negative_log_posterior,
     uniform_weights,
 )
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
@@ -310,21 +311,22 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     lam0 = inputs.server_prior_precision()
     W0, components = start_rows(inputs, settings.starts, modes)
     centres = client_centres(inputs, components) if settings.prior_centre == "clients" else None
-    objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
-                                   kernel=inputs.options.kernel, device=inputs.options.device,
-                                   show_progress=inputs.options.progress, prior_centres=centres)
-    if settings.solver == "em":
+    if settings.solver == "em":  # per-layer solves on the clients' own blocks: no stacked copy of them
         best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), W0, settings.steps,
                                  show_progress=inputs.options.progress, trust_radius=settings.trust_radius,
                                  prior_centres=centres)
+        info = {"history": history}
     else:
+        objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
+                                       kernel=inputs.options.kernel, device=inputs.options.device,
+                                       show_progress=inputs.options.progress, prior_centres=centres)
         best, history = optimise_modes(objective, W0, inputs, settings, "fedbens")
-    info = {"history": history, "kron_ranks": objective.stack.ranks}
+        info = {"history": history, "kron_ranks": objective.stack.ranks}
+        del objective  # the stacks: the Laplace step below works from the clients' blocks
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
     curvatures, errors = mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)
-    with torch.no_grad():
-        values = objective(best.to(inputs.options.device)).cpu()
+    values = negative_log_posterior(clients, temps, lams, lam0, best, centres)
     laplace = {"prior_precision": lam0, "prior_rule": settings.laplace_prior, "server_prior_precision": lam0}
     if settings.laplace_prior == "evidence":
         delta, evidence = evidence_prior_precision(list(best), curvatures)
