@@ -26,14 +26,13 @@ import torch
 
 from posterior_fusion.artifact.reader import load_global
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.metrics import classification_metrics
-from posterior_fusion.predictive import predict
+from posterior_fusion.metrics import classification_metrics, ensemble_probabilities
 
 
 def member_probs(path: Path, x: torch.Tensor) -> torch.Tensor:
     """``(K, n, C)``: each member's MAP softmax on ``x``."""
     g = load_global(path)
-    return torch.stack([predict(g.model_spec, [w], x, "map").double() for w in g.members])
+    return ensemble_probabilities(g.model_spec, list(g.members), x)[1].double()
 
 
 def nll(p: torch.Tensor, y: torch.Tensor) -> float:

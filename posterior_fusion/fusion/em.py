@@ -39,9 +39,9 @@ import math
 import torch
 
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.curvature import BlockDiag, Diag, Kron
+from posterior_fusion.curvature import Diag, Kron
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
-from posterior_fusion.fusion.mode_laplace import component_log_densities
+from posterior_fusion.fusion.mode_laplace import component_log_densities, quadratic_form64
 from posterior_fusion.progress import progress
 from posterior_fusion.runtime import release_freed_memory
 
@@ -72,7 +72,7 @@ class MixtureProduct:
 
     def metric(self, rs: list[torch.Tensor], v: torch.Tensor) -> float:
         """``½ vᵀ (Σ_cm r_cm Λ_cm) v / N`` for ``v`` ``(d,)``: per-sample nats in the clients' metric."""
-        total = sum(float(r) * _quadratic_form64(P, v) for r_c, row in zip(rs, self.precisions)
+        total = sum(float(r) * float(quadratic_form64(P, v)) for r_c, row in zip(rs, self.precisions)
                     for r, P in zip(r_c, row) if float(r) > 0)
         return 0.5 * total / self.n_total
 
@@ -113,11 +113,6 @@ class MixtureProduct:
             del blocks
             release_freed_memory()  # each layer's float64 copies differ in size: kept, they piled up to GBs
         return out
-
-
-def _quadratic_form64(P: BlockDiag, v: torch.Tensor) -> float:
-    """``vᵀ P v`` in float64, one block at a time (``v`` ``(d,)`` float64)."""
-    return sum(float(b.astype(torch.float64).quadratic_form(v[off: off + b.dim])) for b, off in zip(P.blocks, P.offsets))
 
 
 def trust_region_solve(product: MixtureProduct, rs: list[torch.Tensor], w: torch.Tensor, start: torch.Tensor,

@@ -47,17 +47,19 @@ def component_log_densities(clients: list[ClientPosterior], temperatures: list[f
     for c, t, lam in zip(clients, temperatures, prior_precisions):
         cols = []
         for comp in c.components:
-            V = W - comp.map.double()
-            logdet = torch.zeros((), dtype=torch.float64)
-            q = torch.zeros(W.shape[0], dtype=torch.float64)
-            for block, off in zip(comp.curvature.blocks, comp.curvature.offsets):
-                prec = block.precision(t, lam)  # shares the client block's cached decomposition
-                logdet = logdet + prec.logdet()  # float64, from that decomposition (computed once per block)
-                q = q + prec.astype(torch.float64).quadratic_form(V[:, off : off + block.dim])
-            cols.append(0.5 * logdet - 0.5 * q)
+            prec = comp.curvature.precision(t, lam)  # shares the client blocks' cached decompositions
+            # log|Λ| in float64 from those decompositions (computed once per block over all calls)
+            cols.append(0.5 * prec.logdet() - 0.5 * quadratic_form64(prec, W - comp.map.double()))
         out.append(torch.log(c.weights.double())[None] + torch.stack(cols, dim=1))
         release_freed_memory()  # the blocks' float64 copies (of every size): not kept between clients
     return out
+
+
+def quadratic_form64(precision: BlockDiag, V: torch.Tensor) -> torch.Tensor:
+    """``vᵀ Λ v`` for the rows of ``V`` ``(..., d)`` float64, in float64 with one block converted at a time
+    (a float32 artifact's curvature is never copied to float64 whole)."""
+    return sum(b.astype(torch.float64).quadratic_form(V[..., off : off + b.dim])
+               for b, off in zip(precision.blocks, precision.offsets))
 
 
 def negative_log_posterior(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],

@@ -26,7 +26,6 @@ from posterior_fusion.errors import IncompatibleArtifactsError
 from posterior_fusion.fusion.stacked import STACKERS, map_tensors
 from posterior_fusion.posterior import Component
 from posterior_fusion.progress import progress
-from posterior_fusion.runtime import release_freed_memory
 
 
 class StackedGaussians:
@@ -62,10 +61,6 @@ class StackedGaussians:
             self.blocks.append(STACKERS[proto.kind]([c.curvature.blocks[j] for c in components], off,
                                                     mus[:, off : off + proto.dim], scales, shifts, dtype, lowrank_tol,
                                                     kernel))
-            # a stacker that adopts the blocks' factors (the components' blocks become views of the stack) has
-            # just freed the loaded originals: their pages go back to the system now, so stacking peaks at one
-            # layer's stack over the loaded artifacts instead of holding every factor twice (docs/benchmarks.md)
-            release_freed_memory()
         self.logdets = sum(b.logdets for b in self.blocks)
 
     @property

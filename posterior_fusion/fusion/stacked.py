@@ -19,6 +19,7 @@ import torch
 
 from posterior_fusion.curvature import Precision
 from posterior_fusion.kernels import VJP, FormsWithVJP, kron_direct_forms_and_vjp, kron_quadratic_forms_and_vjp
+from posterior_fusion.runtime import release_freed_memory
 
 
 class StackedBlock(Protocol):
@@ -134,6 +135,9 @@ def _adopted(blocks: list[Precision], name: str, dtype: torch.dtype) -> torch.Te
     if all(getattr(blk, name).dtype == dtype and getattr(blk, name).device == stacked.device for blk in blocks):
         for n, blk in enumerate(blocks):
             setattr(blk, name, stacked[n])
+        # the originals are freed: their pages go back to the system now (under pfuse's allocator setting they
+        # would stay resident), so stacking peaks at one layer's stack over the loaded artifacts
+        release_freed_memory()
     return stacked
 
 
