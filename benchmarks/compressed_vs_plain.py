@@ -23,6 +23,7 @@ from measured import save_rows
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
+from posterior_fusion.curvature.lowrank import VECTOR_DTYPES, Compression
 
 CLI = [sys.executable, "-c", "from posterior_fusion.cli.main import main; main()"]
 
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--methods", default="fedbens,fedfisher,regmean,fedavg")
     ap.add_argument("--metric", default="frobenius", choices=["frobenius", "precision"],
                     help="the error the budgets bound (fit-local --compress-metric; default frobenius)")
+    ap.add_argument("--vectors", default="float32", choices=VECTOR_DTYPES,
+                    help="storage type of the kept eigenvectors (fit-local --compress-vectors; default float32)")
     ap.add_argument("--skip-plain", action="store_true", help="leave out the plain artifacts' rows (run before)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -66,8 +69,8 @@ def main() -> None:
         for p in plain:
             art = posterior_fusion.load(p)
             out = work / f"{p.stem}_{budget}.h5"
-            write_client_artifact(out, art.model_spec, art.layout, dict(art.metadata), list(art.components), budget,
-                                  args.metric)
+            write_client_artifact(out, art.model_spec, art.layout, dict(art.metadata), list(art.components),
+                                  Compression(budget, args.metric, args.vectors))
             sets[budget].append(out)
         sizes[budget] = sum(p.stat().st_size for p in sets[budget])
         errs[budget] = [e for p in sets[budget] for e in errors(p)]
@@ -79,7 +82,7 @@ def main() -> None:
             run("fuse", *paths, "--method", method, *(["--val", args.val] if args.val else []), "--out", g)
             metrics = json.loads(run("evaluate", g, "--data", args.test, "--json"))
             m = metrics[0] if isinstance(metrics, list) else metrics
-            row = {"method": method, "compress": budget, "metric": args.metric, "accuracy": m.get("accuracy"), "nll": m.get("nll"),
+            row = {"method": method, "compress": budget, "metric": args.metric, "vectors": args.vectors, "accuracy": m.get("accuracy"), "nll": m.get("nll"),
                    "ece": m.get("ece"), "fuse_evaluate_s": round(time.time() - t0, 1),
                    "mb_per_component": round(sizes[budget] / 1e6 / sum(posterior_fusion.load(p).num_components
                                                                        for p in plain), 2)}

@@ -25,6 +25,7 @@ from measured import run_measured, save_rows
 
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.curvature import BlockDiag, Kron
+from posterior_fusion.curvature.lowrank import COMPRESS_METRICS, VECTOR_DTYPES, Compression
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.models import ModelSpec
@@ -47,7 +48,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--steps", default="10,30", help="S1,S2")
     ap.add_argument("--compress", type=float, default=0.0)
-    ap.add_argument("--compress-metric", default="frobenius", choices=["frobenius", "precision"])
+    ap.add_argument("--compress-metric", default="frobenius", choices=COMPRESS_METRICS)
+    ap.add_argument("--compress-vectors", default="float32", choices=VECTOR_DTYPES)
     ap.add_argument("--max-memory", default="20G")
     ap.add_argument("--json", default=None)
     ap.add_argument("--whole", default=None, help="K=V,...: one whole fedbens run with these settings")
@@ -73,11 +75,11 @@ def main() -> None:
             comps.append(Component(m, w, BlockDiag(blocks), frozen_mapping({"seed": m}), 0.1, 10.0))
         paths.append(work / f"client_{c}.h5")
         write_client_artifact(paths[-1], spec, layout, {"n_data": 1000, "class_counts": [100] * 10, "temperature": 0.1,
-                                                       "prior_precision": 10.0, "structure": "kron"}, comps, args.compress,
-                             args.compress_metric)
+                                                       "prior_precision": 10.0, "structure": "kron"}, comps,
+                             Compression(args.compress, args.compress_metric, args.compress_vectors))
     row = {"width": args.width, "parameters": layout.dim, "clients": args.clients, "components": args.components,
            "compress": args.compress,
-           "compress_metric": args.compress_metric, "artifact_mb": round(sum(p.stat().st_size for p in paths) / 1e6 / args.clients, 1)}
+           "compress_metric": args.compress_metric, "compress_vectors": args.compress_vectors, "artifact_mb": round(sum(p.stat().st_size for p in paths) / 1e6 / args.clients, 1)}
     if args.whole is not None:
         run = fuse(paths, work / "g.h5", args.whole.split(","), args.max_memory)
         row.update(whole=run, seconds=run["seconds"], peak_mib=run["peak_mib"])

@@ -58,6 +58,22 @@ def test_against_dense_float64(kind):
     torch.testing.assert_close(prec.diagonal(), torch.diagonal(ref))
 
 
+@pytest.mark.parametrize("kind", KINDS + ["lowrank"])
+def test_spectrum_is_the_dense_eigenvalues_without_the_shift(kind):
+    """``spectrum()`` of the precision ``G/T + λ0 I``: the eigenvalues of ``G/T`` (dense float64
+    eigvalsh), factored for Kronecker blocks (``b_i a_j``)."""
+    from posterior_fusion.curvature import LowRankKron
+
+    gen = torch.Generator().manual_seed(4)
+    raw = LowRankKron.from_kron(make("kron", gen), 0.05) if kind == "lowrank" else make(kind, gen)
+    prec = raw.precision(T, LAM)
+    b, a = prec.spectrum()
+    assert b.dtype == torch.float64 and (a is None) == (kind not in ("kron", "lowrank"))
+    got = torch.sort((b if a is None else torch.outer(b, a)).reshape(-1)).values
+    want = torch.linalg.eigvalsh(prec.to_dense().double() - LAM * torch.eye(prec.dim, dtype=torch.float64))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampling_covariance_is_inverse_precision(kind):
     gen = torch.Generator().manual_seed(2)

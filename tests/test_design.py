@@ -133,6 +133,9 @@ class Iso(Precision):
     def logdet(self):
         return self.size * torch.log(self._lam())
 
+    def spectrum(self):
+        return (self.scale * self.g.double()).expand(self.size), None
+
     def sample(self, n, generator=None):
         return torch.randn(n, self.size, generator=generator, dtype=self.g.dtype) / self._lam().sqrt()
 

@@ -308,6 +308,7 @@ def test_compressed_artifacts_record_their_error_fuse_and_shrink(tmp_path, small
 
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.curvature import Kron
+    from posterior_fusion.curvature.lowrank import Compression
     from posterior_fusion.layout import ParameterLayout
     from posterior_fusion.local.fit import fit_components
     from posterior_fusion.local.init import initial_weights
@@ -323,7 +324,7 @@ def test_compressed_artifacts_record_their_error_fuse_and_shrink(tmp_path, small
         assert meta["compress"] == 0.1
         for budget in (0.0, 0.1):
             paths[c, budget] = tmp_path / f"c{c}_{budget}.h5"
-            write_client_artifact(paths[c, budget], spec, layout, meta, comps, budget)
+            write_client_artifact(paths[c, budget], spec, layout, meta, comps, Compression(budget))
     plain, small = posterior_fusion.load(paths[0, 0.0]), posterior_fusion.load(paths[0, 0.1])
     with h5py.File(paths[0, 0.1]) as f:
         header = json.loads(f["components/0/curvature"].attrs["blocks"])
@@ -478,6 +479,7 @@ def test_hostile_compressed_blocks_are_one_line(tmp_path):
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.artifact.writer import text_attr
     from posterior_fusion.curvature import BlockDiag, Kron
+    from posterior_fusion.curvature.lowrank import Compression
     from posterior_fusion.layout import ParameterLayout
     from posterior_fusion.models import ModelSpec
     from posterior_fusion.posterior import Component, frozen_mapping
@@ -489,7 +491,7 @@ def test_hostile_compressed_blocks_are_one_line(tmp_path):
     comp = Component(0, torch.randn(18, generator=g), BlockDiag([Kron(B, A)]), frozen_mapping({"seed": 0}), 0.1, 10.0)
     meta = {"n_data": 10, "class_counts": [3, 3, 4], "temperature": 0.1, "prior_precision": 10.0, "structure": "kron"}
     good = tmp_path / "good.h5"
-    write_client_artifact(good, spec, layout, meta, [comp], compress=0.3)
+    write_client_artifact(good, spec, layout, meta, [comp], Compression(0.3))
     assert CliRunner().invoke(pfuse, ["inspect", str(good)]).exit_code == 0
 
     def broken(name, edit_header=None, edit_data=None):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature import Dense, Diag, Kron, LowRankKron, Precision
+from posterior_fusion.curvature.lowrank import Compression, orthonormalise
 
 SYMMETRY_RTOL = 1e-4
 
@@ -41,14 +42,17 @@ class BlockEncoding:
     """One block kind on disk: ``dataset_names``; ``header(block)`` (extra JSON fields);
     ``shapes(size, header)`` (dataset name -> shape, raising :class:`BlockValueError`);
     ``decode(tensors, header)`` (the raw block after its value checks; finite is the reader's);
-    ``compress(block, budget)``: ``(kind, header, tensors)`` of a compact encoding within a relative
-    error ``budget`` (None: the kind is stored as it is whatever the budget)."""
+    ``compress(block, compression, prior)``: ``(kind, header, tensors)`` of a compact encoding within
+    the :class:`Compression`'s budget (None: the kind is stored as it is whatever the budget);
+    ``half_datasets``: the datasets that may also be stored as float16."""
 
     dataset_names: tuple[str, ...]
     shapes: Callable[[int, Mapping[str, Any]], dict[str, tuple[int, ...]]]
     decode: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any]], Precision]
     header: Callable[[Precision], dict[str, Any]] = lambda block: {}
-    compress: Callable[[Precision, float, float | None], tuple[str, dict[str, Any], dict[str, torch.Tensor]]] | None = None
+    compress: Callable[[Precision, Compression, float | None],
+                       tuple[str, dict[str, Any], dict[str, torch.Tensor]]] | None = None
+    half_datasets: tuple[str, ...] = ()
 
 
 def _decode_diag(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Diag:
@@ -85,13 +89,13 @@ def _lowrank_header(block: Precision) -> dict[str, Any]:
             "isotropic": [block.sB, block.sA], "error": list(block.errors)}
 
 
-def _compress_kron(block: Precision, budget: float,
+def _compress_kron(block: Precision, compression: Compression,
                    prior: float | None = None) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
     """A Kronecker block's factors as top-r eigenpairs plus an isotropic remainder
-    (:meth:`LowRankKron.from_kron`), each within ``budget`` — relative Frobenius error, or with
-    ``prior = λ0·T`` in the precision metric; the header records the ranks, the isotropic levels and
-    each factor's error."""
-    compact = LowRankKron.from_kron(block, budget, prior)
+    (:meth:`LowRankKron.from_kron`), each within the budget — relative Frobenius error, or with
+    ``prior = λ0·T`` in the precision metric, eigenvectors float16 where ``compression.half``; the header
+    records the ranks, the isotropic levels and each factor's error (of the form as stored)."""
+    compact = LowRankKron.from_kron(block, compression.budget, prior, compression.half)
     return compact.kind, _lowrank_header(compact), compact.to_tensors()
 
 
@@ -111,8 +115,9 @@ def _lowrank_shapes(size: int, header: Mapping[str, Any]) -> dict[str, tuple[int
 
 
 def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> LowRankKron:
-    """The Kronecker block in its compact form (a :class:`Kron` to every fusion method)."""
-    parts = []
+    """The Kronecker block in its compact form (a :class:`Kron` to every fusion method); float16
+    eigenvectors are made orthonormal again (float32, the form whose error the writer recorded)."""
+    parts, stored = [], []
     for side, sigma in zip("BA", header["isotropic"]):
         U, lam = tensors[f"lowrank_{side}_vectors"], tensors[f"lowrank_{side}_values"]
         if (lam < 0).any():
@@ -121,8 +126,11 @@ def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, An
             raise BlockValueError(f"lowrank_{side}_vectors", "eigenvectors must be orthonormal")
         if lam.numel() and float(lam.min()) < float(sigma) * (1 - 1e-4):
             raise BlockValueError(f"lowrank_{side}_values", "kept eigenvalues must not be below the isotropic level")
+        half = U.dtype == torch.float16
+        stored.append(U if half else None)
+        U = orthonormalise(U).float() if half else U
         parts += [U, lam.to(U.dtype), float(sigma)]
-    return LowRankKron(*parts, errors=tuple(header["error"]))
+    return LowRankKron(*parts, errors=tuple(header["error"]), stored=tuple(stored))
 
 
 ENCODINGS: dict[str, BlockEncoding] = {
@@ -130,5 +138,12 @@ ENCODINGS: dict[str, BlockEncoding] = {
     "dense": BlockEncoding(("dense",), lambda size, header: {"dense": (size, size)}, _decode_dense),
     "kron": BlockEncoding(("kron_B", "kron_A"), _kron_shapes, _decode_kron,
                           header=lambda block: {"shape": list(block.shape)}, compress=_compress_kron),
-    "kron_lowrank": BlockEncoding(LOWRANK_NAMES, _lowrank_shapes, _decode_lowrank, header=_lowrank_header),
+    "kron_lowrank": BlockEncoding(LOWRANK_NAMES, _lowrank_shapes, _decode_lowrank, header=_lowrank_header,
+                                  half_datasets=("lowrank_B_vectors", "lowrank_A_vectors")),
 }
+
+
+def dataset_dtypes(kind: str, name: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The dtypes a dataset ``name`` of a ``kind`` block may have: ``allowed`` (the schema's float
+    types), and float16 where the kind declares it (eigenvectors, bounded by 1 in magnitude)."""
+    return allowed + ("float16",) if name in ENCODINGS[kind].half_datasets else allowed

@@ -26,7 +26,7 @@ import torch
 
 from posterior_fusion import budget
 from posterior_fusion.artifact import schema
-from posterior_fusion.artifact.blocks import ENCODINGS, BlockValueError
+from posterior_fusion.artifact.blocks import ENCODINGS, BlockValueError, dataset_dtypes
 from posterior_fusion.artifact.h5check import Checker as _Checker
 from posterior_fusion.artifact.h5check import (
     file_sha256,  # noqa: F401 (public here too)
@@ -160,8 +160,9 @@ def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: Parameter
         if has_student:
             chk.dataset(f, f"{base}/ppd_student", (d,))
         record = ComponentRecord(i, training, blocks, rank, has_student)
-        for path, shape in record.dataset_paths().items():
-            chk.dataset(f, path, shape)
+        for j, b in enumerate(blocks):
+            for name, shape in b.datasets.items():
+                chk.dataset(f, f"{base}/curvature/{j}/{name}", shape, dataset_dtypes(b.kind, name, schema.FLOAT_DTYPES))
         records.append(record)
     expected_groups = {f"/components/{i}" for i in range(typed.num_components)}
     extra = {p for p in paths if p.count("/") == 2} - expected_groups
@@ -215,7 +216,7 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout,
             for j, b in enumerate(blocks):
                 for name, shape in b.datasets.items():
                     expected.add(f"{where}/{j}/{name}")
-                    chk.dataset(f, f"{where}/{j}/{name}", shape)
+                    chk.dataset(f, f"{where}/{j}/{name}", shape, dataset_dtypes(b.kind, name, schema.FLOAT_DTYPES))
             records.append(blocks)
     if paths != expected:
         bad = sorted(paths ^ expected)[0]

@@ -15,11 +15,14 @@ import torch
 from posterior_fusion.artifact.blocks import ENCODINGS
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
 from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.curvature.lowrank import PLAIN, Compression
 from posterior_fusion.errors import NonFiniteOutputError
 from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import Component
+
+COMPRESSION_KEYS = ("compress", "compress_metric", "compress_vectors")  # metadata the writer records
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -70,16 +73,17 @@ def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, met
 
 
 def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype | None = None,
-                    step: str = "the curvature capture", compress: float = 0.0, prior: float | None = None) -> None:
+                    step: str = "the curvature capture", compression: Compression = PLAIN,
+                    prior: float | None = None) -> None:
     """``group/curvature``: one subgroup per block (its class's datasets) and the ``blocks`` header;
-    with ``compress`` > 0 the kinds that have a compact encoding use it within that relative error
-    (``prior = λ0·T``: in the precision metric, :mod:`posterior_fusion.curvature.lowrank`)."""
+    with a ``compression`` budget > 0 the kinds that have a compact encoding use it
+    (``prior = λ0·T``: the precision metric's, :mod:`posterior_fusion.curvature.lowrank`)."""
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
     for i, (block, off) in enumerate(zip(curvature.blocks, curvature.offsets)):
         encoding = ENCODINGS[block.kind]
-        if compress > 0 and encoding.compress is not None:
-            kind, header, tensors = encoding.compress(block, compress, prior)
+        if compression.budget > 0 and encoding.compress is not None:
+            kind, header, tensors = encoding.compress(block, compression, prior)
         else:
             kind, header, tensors = block.kind, encoding.header(block), block.to_tensors()
         descr.append({"kind": kind, "offset": off, "size": block.dim, **header})
@@ -91,15 +95,14 @@ def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype 
     curv.attrs["blocks"] = text_attr(json.dumps(descr))
 
 
-def write_component(group: h5py.Group, comp: Component, compress: float = 0.0,
-                    compress_metric: str = "frobenius") -> None:
+def write_component(group: h5py.Group, comp: Component, compression: Compression = PLAIN) -> None:
     """Write one component (MAP, raw curvature blocks, training info, SWAG) into ``group``."""
     path = group.file.filename
     group.attrs["training"] = text_attr(metadata_json(path, dict(comp.training)))
     require_finite(path, f"{group.name}/map", comp.map, "training")
     group.create_dataset("map", data=_np(comp.map))
-    prior = comp.prior_precision * comp.temperature if compress_metric == "precision" else None
-    write_curvature(group, comp.curvature, compress=compress, prior=prior)
+    prior = comp.prior_precision * comp.temperature if compression.metric == "precision" else None
+    write_curvature(group, comp.curvature, compression=compression, prior=prior)
     if comp.swag is not None:
         s = group.create_group("swag")
         for name in ("mean", "sq_mean", "deviations"):
@@ -112,28 +115,29 @@ def write_component(group: h5py.Group, comp: Component, compress: float = 0.0,
 
 def write_client_artifact(
     path: str | os.PathLike, spec: ModelSpec, layout: ParameterLayout,
-    metadata: dict[str, Any], components: Sequence[Component], compress: float = 0.0,
-    compress_metric: str = "frobenius",
+    metadata: dict[str, Any], components: Sequence[Component], compression: Compression = PLAIN,
 ) -> None:
     """Write a client artifact atomically. ``metadata`` must hold at least ``n_data``,
-    ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``. ``compress`` > 0:
-    Kronecker factors stored as top-r eigenpairs plus an isotropic remainder within that relative
-    error per factor, in ``compress_metric`` (``frobenius`` or ``precision``,
-    :mod:`posterior_fusion.curvature.lowrank`; recorded per block and as metadata ``compress`` /
-    ``compress_metric``, whatever ``metadata`` said; readers use the compact form)."""
+    ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``. A ``compression``
+    budget > 0: Kronecker factors stored as top-r eigenpairs plus an isotropic remainder within that
+    relative error per factor, in its metric (``frobenius`` or ``precision``), eigenvectors float16 where
+    asked (:mod:`posterior_fusion.curvature.lowrank`; recorded per block and as metadata ``compress``,
+    ``compress_metric``, ``compress_vectors``, whatever ``metadata`` said; readers use the compact form)."""
     meta = dict(metadata, num_components=len(components))
-    for key in ("compress", "compress_metric"):  # recorded here, from what is written, and only here
+    for key in COMPRESSION_KEYS:  # recorded here, from what is written, and only here
         meta.pop(key, None)
-    if compress > 0:
-        meta["compress"] = compress
-        if compress_metric != "frobenius":
-            meta["compress_metric"] = compress_metric
+    if compression.budget > 0:
+        meta["compress"] = compression.budget
+        if compression.metric != "frobenius":
+            meta["compress_metric"] = compression.metric
+        if compression.vectors != "float32":
+            meta["compress_vectors"] = compression.vectors
 
     def fill(f: h5py.File) -> None:
         _root(f, KIND_CLIENT, spec, layout, meta)
         comps = f.create_group("components")
         for comp in components:
-            write_component(comps.create_group(str(comp.index)), comp, compress, compress_metric)
+            write_component(comps.create_group(str(comp.index)), comp, compression)
 
     atomic_h5_write(path, fill)
 

@@ -98,6 +98,12 @@ class Precision(ABC):
         """``Λ v`` for ``v`` of shape ``(..., dim)``."""
 
     @abstractmethod
+    def spectrum(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eigenvalues of ``scale·G`` (no shift) in float64, factored where the structure allows:
+        ``(b (out,), a (in,))`` for a Kronecker block (eigenvalues ``b_i a_j``: ``out + in`` numbers), else
+        ``(λ (dim,), None)``."""
+
+    @abstractmethod
     def logdet(self) -> torch.Tensor:
         """``log |Λ|`` as a 0-d float64 tensor (summed in float64; ``-inf`` if Λ is singular)."""
 

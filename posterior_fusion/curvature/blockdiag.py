@@ -60,6 +60,11 @@ class BlockDiag(Precision):
         self._check_vec(v)
         return torch.cat([block.whiten(part) for block, part in self._slices(v)], dim=-1)
 
+    def spectrum(self) -> tuple[torch.Tensor, None]:
+        """Every block's eigenvalues (no shift), in block order: ``(dim,)`` numbers, not factored."""
+        parts = [b if a is None else torch.outer(b, a).reshape(-1) for b, a in (blk.spectrum() for blk in self.blocks)]
+        return torch.cat(parts), None
+
     def logdet(self) -> torch.Tensor:
         return sum(block.logdet() for block in self.blocks)
 

@@ -66,6 +66,9 @@ class Dense(Precision):
         _, U = self.eigen()
         return (v @ U) * self.eigenvalues().rsqrt()
 
+    def spectrum(self) -> tuple[torch.Tensor, None]:
+        return self.scale * self.eigen()[0].double(), None
+
     def logdet(self) -> torch.Tensor:
         """In float64 from the (cached) eigenvalues of ``G``, whatever its dtype."""
         return (self.scale * self.eigen()[0].double() + self.shift).log().sum()

@@ -48,6 +48,9 @@ class Diag(Precision):
         self._check_vec(v)
         return v * self.diagonal().rsqrt()
 
+    def spectrum(self) -> tuple[torch.Tensor, None]:
+        return self.scale * self.g.double(), None
+
     def logdet(self) -> torch.Tensor:
         return (self.scale * self.g.double() + self.shift).log().sum()  # float64 whatever g's dtype
 

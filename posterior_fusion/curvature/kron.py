@@ -98,6 +98,10 @@ class Kron(Precision):
         self._check_vec(v)
         return (self._rotate(v) * self.eigenvalue_grid().rsqrt()).reshape(v.shape)
 
+    def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b, a = self.eigenvalues()
+        return self.scale * b.double(), a.double()
+
     def logdet(self) -> torch.Tensor:
         """``Σ_ij log(scale·b_i a_j + shift)`` in float64 from the (cached) factor eigenvalues, whatever the
         factors' dtype: a float32 block's log-determinant is as exact as its float64 copy's, without the copy."""

@@ -14,16 +14,53 @@ within the budget, σ the level that minimises it (not the trace-keeping one): e
 the precision, hence every quadratic form, within that relative error per factor.
 :class:`LowRankKron` is a Kronecker block held in that form (an artifact's ``kron_lowrank`` blocks,
 written with ``--compress``).
+
+``vectors = "float16"`` (:class:`Compression`) stores the kept eigenvectors in half precision: the
+reader makes them orthonormal again (:func:`orthonormalise`, the nearest orthonormal basis), and the
+writer records the error of exactly that stored form (:func:`stored_error`, dense, in the same metric) and
+keeps float32 for a factor whose rounded form would miss the budget.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from posterior_fusion.curvature.base import Precision, eigh_psd
 from posterior_fusion.curvature.kron import Kron
+from posterior_fusion.errors import ConfigError
 
 COMPRESS_METRICS = ("frobenius", "precision")
+VECTOR_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How an artifact's Kronecker factors are written: ``budget`` (relative error per factor; 0:
+    plain, exact), the ``metric`` it bounds (:data:`COMPRESS_METRICS`) and the storage type of the kept
+    eigenvectors (``vectors``, :data:`VECTOR_DTYPES`). The fields are ``FitConfig``'s ``compress``,
+    ``compress_metric`` and ``compress_vectors``."""
+
+    budget: float = 0.0
+    metric: str = "frobenius"
+    vectors: str = "float32"
+
+    def validate(self) -> None:
+        """One :class:`~posterior_fusion.errors.ConfigError` line per bad field, named as the settings are."""
+        if self.metric not in COMPRESS_METRICS:
+            raise ConfigError(f"unknown `compress_metric` {self.metric!r}; use one of {', '.join(COMPRESS_METRICS)}")
+        if self.vectors not in VECTOR_DTYPES:
+            raise ConfigError(f"unknown `compress_vectors` {self.vectors!r}; use one of {', '.join(VECTOR_DTYPES)}")
+        if not 0 <= self.budget < 1:
+            raise ConfigError(f"`compress` must be in [0, 1) (a relative error budget; 0: plain), got {self.budget}")
+
+    @property
+    def half(self) -> bool:
+        return self.budget > 0 and self.vectors == "float16"
+
+
+PLAIN = Compression()
 
 
 def truncate(F: torch.Tensor, budget: float,
@@ -52,6 +89,36 @@ def truncate(F: torch.Tensor, budget: float,
     return U.to(F.dtype).contiguous(), lam.to(F.dtype), 0.0, 0.0
 
 
+def orthonormalise(U: torch.Tensor) -> torch.Tensor:
+    """The orthonormal basis nearest ``U`` ``(D, r)`` (Löwdin: ``U (UᵀU)^{-1/2}``), in float64: how a
+    reader turns stored float16 eigenvectors back into an exact orthonormal basis."""
+    Ud = U.double()
+    if Ud.shape[1] == 0:
+        return Ud
+    w, Q = torch.linalg.eigh(Ud.T @ Ud)
+    return Ud @ ((Q * w.clamp(min=1e-12).rsqrt()) @ Q.T)
+
+
+def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: float,
+                 floor: float | None = None) -> float:
+    """The error of ``F̃ = U diag(λ) Uᵀ + σ (I − U Uᵀ)`` against the PSD ``F`` ``(D, D)`` for any
+    orthonormal ``U`` ``(D, r)`` (not only F's own eigenvectors), in float64: ``floor`` None, the
+    relative Frobenius error ``‖F − F̃‖_F / ‖F‖_F``; a floor ``f``, the precision metric's
+    ``‖(F + f I)^{-1/2} (F̃ − F) (F + f I)^{-1/2}‖₂`` — for eigenvectors of F exactly the worst ratio
+    ``|λ_i − σ| / (λ_i + f)`` of :func:`truncate`, and in general the bound on every quadratic form."""
+    Fd = 0.5 * (F.double() + F.double().T)
+    diff = rebuild(U, lam, sigma, torch.float64) - Fd
+    if floor is None:
+        total = float(Fd.norm())
+        return float(diff.norm()) / total if total > 0 else 0.0
+    lamF, Q = torch.linalg.eigh(Fd)
+    if floor == float("inf"):
+        return 0.0
+    w = (lamF.clamp(min=0) + floor).rsqrt() if floor > 0 else lamF.clamp(min=1e-300).rsqrt()
+    M = (Q * w).T @ diff @ (Q * w)
+    return float(torch.linalg.eigvalsh(0.5 * (M + M.T)).abs().max()) if M.numel() else 0.0
+
+
 def rebuild(U: torch.Tensor, lam: torch.Tensor, sigma: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The factor ``U diag(λ) Uᵀ + σ (I − U Uᵀ)`` ``(D, D)`` in ``dtype`` (computed in float64)."""
     Ud, ld = U.double(), lam.double()
@@ -61,19 +128,23 @@ def rebuild(U: torch.Tensor, lam: torch.Tensor, sigma: float, dtype: torch.dtype
 
 class LowRankKron(Kron):
     """A Kronecker block whose factors are each stored as ``F̃ = σ I + U diag(λ − σ) Uᵀ`` (top-r
-    eigenpairs plus a trace-keeping isotropic remainder; :func:`truncate`). It is a :class:`Kron`:
+    eigenpairs plus an isotropic remainder; :func:`truncate`). It is a :class:`Kron`:
     quadratic forms and log-determinants come from the compact form (``O(out·in·(r_B + r_A))``, no
     ``D × D`` factor), and a method that needs the plain factors gets them rebuilt on access
-    (``.B``/``.A``, not kept). ``errors`` are each factor's recorded relative Frobenius error."""
+    (``.B``/``.A``, not kept). ``errors`` are each factor's recorded error; ``stored`` holds, per factor,
+    the float16 eigenvectors as written (None: written as ``UB``/``UA``), whose orthonormalised form
+    ``UB``/``UA`` are."""
 
     kind = "kron_lowrank"
 
     def __init__(self, UB: torch.Tensor, lB: torch.Tensor, sB: float, UA: torch.Tensor, lA: torch.Tensor, sA: float,
-                 scale: float = 1.0, shift: float = 0.0, errors: tuple[float, float] = (0.0, 0.0)) -> None:
+                 scale: float = 1.0, shift: float = 0.0, errors: tuple[float, float] = (0.0, 0.0),
+                 stored: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
         Precision.__init__(self, scale, shift)
         self.UB, self.lB, self.sB = UB, lB, float(sB)
         self.UA, self.lA, self.sA = UA, lA, float(sA)
         self.errors = (float(errors[0]), float(errors[1]))
+        self.stored = stored
 
     @property
     def B(self) -> torch.Tensor:  # noqa: N802 - the Kron attribute it stands for
@@ -105,16 +176,16 @@ class LowRankKron(Kron):
 
     def with_scale_shift(self, scale: float, shift: float) -> LowRankKron:
         return self._share_cache(LowRankKron(self.UB, self.lB, self.sB, self.UA, self.lA, self.sA, scale, shift,
-                                             self.errors))
+                                             self.errors, self.stored))
 
     def damped(self, n: float, d: float) -> LowRankKron:
         """Damping shifts every eigenvalue of a factor: the compact form stays compact."""
         return LowRankKron(self.UB, self.lB + n * d, self.sB + n * d, self.UA, self.lA + d, self.sA + d,
-                           self.scale, self.shift, self.errors)
+                           self.scale, self.shift, self.errors, self.stored)
 
     def astype(self, dtype: torch.dtype) -> LowRankKron:
         return LowRankKron(self.UB.to(dtype), self.lB.to(dtype), self.sB, self.UA.to(dtype), self.lA.to(dtype),
-                           self.sA, self.scale, self.shift, self.errors)
+                           self.sA, self.scale, self.shift, self.errors, self.stored)
 
     def eigenvalues(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(b (out,), a (in,))``: the kept eigenvalues, then σ repeated (no decomposition), or in the
@@ -146,20 +217,36 @@ class LowRankKron(Kron):
         return sum(t.numel() * t.element_size() for t in (self.UB, self.lB, self.UA, self.lA))
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        return {"lowrank_B_vectors": self.UB, "lowrank_B_values": self.lB,
-                "lowrank_A_vectors": self.UA, "lowrank_A_values": self.lA}
+        """The datasets as written: float16 eigenvectors where they were stored so."""
+        UB = self.UB if self.stored[0] is None else self.stored[0]
+        UA = self.UA if self.stored[1] is None else self.stored[1]
+        return {"lowrank_B_vectors": UB, "lowrank_B_values": self.lB,
+                "lowrank_A_vectors": UA, "lowrank_A_values": self.lA}
 
     @classmethod
-    def from_kron(cls, block: Kron, budget: float, prior: float | None = None) -> LowRankKron:
+    def from_kron(cls, block: Kron, budget: float, prior: float | None = None, half: bool = False) -> LowRankKron:
         """The compact form of a plain Kronecker block within a relative error ``budget`` per factor:
         Frobenius (``prior`` None) or in the precision metric for the precision ``(s/T)·B ⊗ A + λ0 I``
-        with ``prior = λ0·T`` (module docstring; each factor's floor from the other's largest eigenvalue)."""
+        with ``prior = λ0·T`` (module docstring; each factor's floor from the other's largest eigenvalue).
+        ``half``: the kept eigenvectors stored as float16 where the stored form's error (recorded,
+        :func:`stored_error`) stays within the budget, float32 for a factor where it would not."""
         floors = (None, None)
         if prior is not None:
             top_B, top_A = (float(torch.linalg.eigvalsh(f.double())[-1].clamp(min=0)) for f in (block.B, block.A))
             scale = float(block.scale)
             floors = (prior / (scale * top_A) if scale * top_A > 0 else float("inf"),
                       prior / (scale * top_B) if scale * top_B > 0 else float("inf"))
-        UB, lB, sB, eB = truncate(block.B, budget, floors[0])
-        UA, lA, sA, eA = truncate(block.A, budget, floors[1])
-        return cls(UB, lB, sB, UA, lA, sA, block.scale, block.shift, (eB, eA))
+        parts, errors, stored = [], [], []
+        for F, floor in ((block.B, floors[0]), (block.A, floors[1])):
+            U, lam, sigma, err = truncate(F, budget, floor)
+            kept = None
+            if half and U.shape[1] > 0:
+                U16 = U.half()
+                Uo = orthonormalise(U16)
+                err16 = stored_error(F, Uo, lam, sigma, floor)
+                if err16 <= budget:
+                    U, err, kept = Uo.to(F.dtype), err16, U16
+            parts += [U, lam, sigma]
+            errors.append(err)
+            stored.append(kept)
+        return cls(*parts, block.scale, block.shift, tuple(errors), tuple(stored))

@@ -23,7 +23,7 @@ import math
 import torch
 
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron
+from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag
 from posterior_fusion.mixture import LOG_2PI
 from posterior_fusion.progress import progress
 from posterior_fusion.runtime import release_freed_memory
@@ -122,19 +122,7 @@ def _spectrum(curvature: BlockDiag) -> list[tuple[torch.Tensor, torch.Tensor | N
     """Per block of a raw curvature, what its eigenvalues are made of (float64): ``(b, a)`` for a
     Kronecker block (eigenvalues ``scale · b aᵀ``, factors' eigenvalues only: ``out + in`` numbers), else
     ``(λ, None)`` with the block's ``dim`` eigenvalues."""
-    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for block in curvature.blocks:
-        raw = block.with_scale_shift(block.scale, 0.0)
-        if isinstance(raw, Kron):
-            b, a = raw.eigenvalues()
-            out.append((raw.scale * b.double(), a.double()))
-        elif isinstance(raw, Dense):
-            out.append((raw.eigenvalues().double(), None))
-        elif isinstance(raw, Diag):
-            out.append((raw.diagonal().double(), None))
-        else:
-            raise TypeError(f"no spectrum for a {raw.kind} block")
-    return out
+    return [block.spectrum() for block in curvature.blocks]
 
 
 def _log_evidence_terms(sq_norms: list[float], spectra: list, dims: list[int], delta: float) -> float:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from posterior_fusion import ranges
-from posterior_fusion.curvature.lowrank import COMPRESS_METRICS
+from posterior_fusion.curvature.lowrank import COMPRESS_METRICS, VECTOR_DTYPES, Compression
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
 from posterior_fusion.local.fastcapture import KFAC_TYPES
@@ -111,6 +111,11 @@ class FitConfig:
                                                   "eigenvalue of the component's precision G/T + λ0 I within that "
                                                   "relative error per factor: what fusion sees; higher ranks).",
                                      choices=COMPRESS_METRICS)
+    compress_vectors: str = fit_field("float32", "Storage type of the compressed factors' kept eigenvectors: float32, "
+                                                 "or float16 (half the bytes; the reader makes them orthonormal "
+                                                 "again, the recorded error is that of the stored form, and a factor "
+                                                 "whose rounded form would miss `compress` stays float32).",
+                                      choices=VECTOR_DTYPES)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -127,11 +132,7 @@ class FitConfig:
             raise ConfigError(f"unknown `kfac` {self.kfac!r}; use one of {', '.join(KFAC_TYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"unknown `device` {self.device!r}; use one of {', '.join(DEVICES)}")
-        if self.compress_metric not in COMPRESS_METRICS:
-            raise ConfigError(f"unknown `compress_metric` {self.compress_metric!r}; use one of "
-                              f"{', '.join(COMPRESS_METRICS)}")
-        if not 0 <= self.compress < 1:
-            raise ConfigError(f"`compress` must be in [0, 1) (a relative error budget; 0: plain), got {self.compress}")
+        self.compression.validate()
         if self.capture not in CAPTURE_METHODS:
             raise ConfigError(f"unknown `capture` {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.ppd is not None:
@@ -147,6 +148,12 @@ class FitConfig:
         """λ0 = 1/σ0²."""
         return 1.0 / self.prior_var
 
+    @property
+    def compression(self) -> Compression:
+        """How the artifact's Kronecker factors are written (``compress``, ``compress_metric``,
+        ``compress_vectors``)."""
+        return Compression(self.compress, self.compress_metric, self.compress_vectors)
+
     def fingerprint_dict(self) -> dict:
         """The settings that determine the result: ``capture`` (fast or laplace-torch) and ``device``
         (equal at rounding level) are left out, and ``ppd``, ``private`` and ``kfac`` at their defaults,
@@ -158,6 +165,8 @@ class FitConfig:
             out.pop("compress")
         if out["compress_metric"] == "frobenius" or "compress" not in out:
             out.pop("compress_metric")
+        if out["compress_vectors"] == "float32" or "compress" not in out:
+            out.pop("compress_vectors")
         for optional in ("ppd", "private"):
             if out[optional] is None:
                 out.pop(optional)

@@ -171,8 +171,8 @@ def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cf
         partial = partial_path(out)
 
         def save_partial(meta: dict, comps: list[Component]) -> None:
-            write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps, cfg.compress,
-                                  cfg.compress_metric)
+            write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps,
+                                  cfg.compression)
 
         try:
             meta, comps = fit_components(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
@@ -181,7 +181,7 @@ def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cf
             raise ResumeError(f"interrupted; {kept}rerun the same command with `resume` to continue") from None
         meta["init"] = init_info
         try:
-            write_client_artifact(out, spec, layout, meta, comps, cfg.compress, cfg.compress_metric)
+            write_client_artifact(out, spec, layout, meta, comps, cfg.compression)
         except OutputError as exc:
             raise OutputError(f"{exc}; the finished components are kept in {partial} (rerun with `resume`)") from None
         partial.unlink(missing_ok=True)

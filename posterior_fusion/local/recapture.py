@@ -45,6 +45,7 @@ import torch
 from posterior_fusion import ranges
 from posterior_fusion.artifact.reader import load_client, load_global
 from posterior_fusion.artifact.writer import write_client_artifact
+from posterior_fusion.curvature.lowrank import PLAIN, Compression
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, shown
@@ -263,11 +264,12 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       structure: str | None, ggn: str | None = None, curvature_batch_size: int | None = None,
                       method: str = "fast", max_memory: int | str | None = None,
                       log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
-                      compress: float = 0.0, at_path: str | os.PathLike | None = None,
-                      damping: float | str = REFRESH_DAMPING, compress_metric: str = "frobenius") -> dict:
+                      compression: Compression = PLAIN, at_path: str | os.PathLike | None = None,
+                      damping: float | str = REFRESH_DAMPING) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
     the source's. Returns the new metadata."""
+    compression.validate()
     inputs = [source_path, silo_path] + ([at_path] if at_path is not None else [])
     with output_lock(out, inputs=inputs):  # checked before anything is loaded
         source = load_client(source_path, max_memory)
@@ -276,5 +278,5 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
                                 damping)
-        write_client_artifact(out, source.model_spec, source.layout, meta, comps, compress, compress_metric)
+        write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression)
     return meta
