@@ -65,6 +65,9 @@ def inspect_cmd(file, as_json, max_memory):
     if s["kind"] == "client":
         say(f"structure: {s['structure']}  n_data={meta.get('n_data')}  T={meta.get('temperature')}  "
                    f"λ0={meta.get('prior_precision')}  class counts {meta.get('class_counts')}")
+        if meta.get("compress"):
+            say(f"compressed: budget {meta['compress']} ({meta.get('compress_metric', 'frobenius')}), eigenvectors "
+                f"{meta.get('compress_vectors', 'float32')}")
         say("components:")
         for c in s["components"]:
             t = c["training"] if isinstance(c["training"], dict) else {}

@@ -132,6 +132,8 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
     with h5py.File(paths["float32"]) as f:
         assert "compress_vectors" not in json.loads(f.attrs["metadata"])
     assert paths["float16"].stat().st_size < paths["float32"].stat().st_size
+    shown = CliRunner().invoke(pfuse, ["inspect", str(paths["float16"])])
+    assert shown.exit_code == 0 and "compressed: budget 0.05 (precision), eigenvectors float16" in shown.output
     art = posterior_fusion.load(paths["float16"])
     blk = art.components[0].curvature.blocks[0]
     assert isinstance(blk, LowRankKron) and blk.stored[1] is not None

@@ -91,6 +91,19 @@ def test_cli_recapture_and_a_foreign_silo(tmp_path, small_silo, kron_artifact):
     same = CliRunner().invoke(pfuse, ["recapture", "--from", str(out), "--data", str(tmp_path / "silo.h5"),
                                       "--structure", "kron", "--out", str(out)])
     assert same.exit_code == 2 and "must differ" in same.stderr
+    # recapture writes compressed factors with the three compression settings, recorded in the metadata
+    small = tmp_path / "small.h5"
+    r = CliRunner().invoke(pfuse, ["recapture", "--from", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
+                                   "--compress", "0.1", "--compress-metric", "precision", "--compress-vectors", "float16",
+                                   "--out", str(small)])
+    assert r.exit_code == 0, r.output
+    art = load_client(small)
+    assert {k: art.metadata.get(k) for k in ("compress", "compress_metric", "compress_vectors")} == {
+        "compress": 0.1, "compress_metric": "precision", "compress_vectors": "float16"}
+    assert any(b.kind == "kron_lowrank" and b.stored[1] is not None for b in art.components[0].curvature.blocks)
+    bad_budget = CliRunner().invoke(pfuse, ["recapture", "--from", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
+                                            "--compress", "1.5", "--out", str(tmp_path / "y.h5")])
+    assert bad_budget.exit_code == 2 and bad_budget.stderr.count("\n") == 1 and "compress" in bad_budget.stderr
 
 
 def _dense_ggn_and_gradient(spec, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
