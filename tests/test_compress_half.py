@@ -18,8 +18,18 @@ import posterior_fusion
 from cli.main import pfuse
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.blocks import ENCODINGS
+from posterior_fusion.artifact.writer import text_attr
 from posterior_fusion.curvature import BlockDiag, Kron, LowRankKron
-from posterior_fusion.curvature.lowrank import Compression, orthonormalise, rebuild, stored_error, truncate
+from posterior_fusion.curvature.lowrank import (
+    HALF_SHARE,
+    Compression,
+    joined,
+    orthonormalise,
+    rebuild,
+    split_half,
+    stored_error,
+    truncate,
+)
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import Component, frozen_mapping
@@ -51,22 +61,34 @@ def test_stored_error_is_truncates_error_for_the_factors_own_eigenvectors():
         assert abs(_reference_error(F, rebuild(U, lam, sigma, torch.float64), floor) - err) < 1e-9
 
 
-@pytest.mark.parametrize("floor", [None, 0.02])
+def _ill(D: int, seed: int) -> torch.Tensor:
+    """A PSD factor whose eigenvalues span eight decades (as trained K-FAC factors do)."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
+    return (Q * torch.logspace(4, -4, D, dtype=torch.float64)) @ Q.T
+
+
+@pytest.mark.parametrize("floor", [None, 0.3])
 @pytest.mark.parametrize("budget", [0.02, 0.1])
 def test_half_vectors_record_the_error_of_the_stored_form(floor, budget):
-    """``from_kron(..., half=True)``: the datasets hold float16 eigenvectors; decoding them (the reader's
-    path) gives the in-memory block exactly; its recorded error per factor equals an independent
-    dense float64 error of the decoded form (scipy's generalised eigenvalues for the precision
-    metric) and is within the budget; quadratic forms respect it."""
-    B, A = _psd(12, 0.6, 1).float(), _psd(40, 0.85, 2).float()
+    """``from_kron(..., half=True)``: the trailing eigenvectors are float16 datasets, the leading ones
+    float32; decoding them (the reader's path, shapes from the header) gives the in-memory block exactly;
+    the recorded error per factor equals an independent dense float64 error of the decoded form (scipy's
+    generalised eigenvalues for the precision metric) and is within the budget; quadratic forms respect it."""
+    B, A = _ill(12, 1).float(), _ill(60, 2).float()
     block = Kron(B, A, scale=2.0)
-    prior = None if floor is None else 0.5
+    prior = None if floor is None else 2.0 * floor * float(torch.linalg.eigvalsh(B.double())[-1])  # A's floor
     c = LowRankKron.from_kron(block, budget, prior, half=True)
+    assert c.half_counts[1] > 0
     tensors = c.to_tensors()
-    assert tensors["lowrank_A_vectors"].dtype == torch.float16 and tensors["lowrank_B_vectors"].dtype == torch.float16
-    header = {"isotropic": [c.sB, c.sA], "error": list(c.errors)}
-    read = ENCODINGS["kron_lowrank"].decode(tensors, header)
-    assert read.UA.dtype == torch.float32
+    assert tensors["lowrank_A_half_vectors"].dtype == torch.float16
+    assert tensors["lowrank_A_vectors"].dtype == torch.float32
+    enc = ENCODINGS["kron_lowrank"]
+    header = enc.header(c)
+    assert header["half"] == list(c.half_counts)
+    shapes = enc.shapes(c.dim, header)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
+    read = enc.decode(tensors, header)
     torch.testing.assert_close(read.UA, c.UA, rtol=0, atol=0)
     torch.testing.assert_close(read.UB, c.UB, rtol=0, atol=0)
     top = {"B": float(torch.linalg.eigvalsh(A.double())[-1]), "A": float(torch.linalg.eigvalsh(B.double())[-1])}
@@ -78,23 +100,29 @@ def test_half_vectors_record_the_error_of_the_stored_form(floor, budget):
         Ft = rebuild(U, lam, sigma, torch.float64)
         assert abs(_reference_error(F, Ft, f) - err) < 1e-6 * max(1.0, err), side
         assert err <= budget
-        assert (torch.linalg.eigvalsh(Ft) >= -1e-10).all()
-        x = torch.randn(64, F.shape[0], generator=gen, dtype=torch.float64)
-        d = torch.einsum("ki,ij,kj->k", x, Ft - F, x).abs()
-        ref = torch.einsum("ki,ij,kj->k", x, F, x) if f is None else torch.einsum("ki,ij,kj->k", x, F + f * torch.eye(F.shape[0], dtype=torch.float64), x)
-        if f is not None:
+        if f is not None:  # every quadratic form within the recorded error of F + f I's
+            x = torch.randn(64, F.shape[0], generator=gen, dtype=torch.float64)
+            d = torch.einsum("ki,ij,kj->k", x, Ft - F, x).abs()
+            ref = torch.einsum("ki,ij,kj->k", x, F + f * torch.eye(F.shape[0], dtype=torch.float64), x)
             assert (d <= err * ref + 1e-9).all()
-    # the half form differs from the float32 one only by the rounding
-    c32 = LowRankKron.from_kron(block, budget, prior)
-    assert c32.stored == (None, None) and [u.shape for u in (c32.UB, c32.UA)] == [u.shape for u in (c.UB, c.UA)]
 
 
-def test_a_factor_whose_rounded_form_misses_the_budget_stays_float32():
-    """A budget below float16's rounding: no factor is stored in half precision."""
-    F = _psd(40, 0.9, 4).float()
-    c = LowRankKron.from_kron(Kron(F[:10, :10] @ F[:10, :10].T + torch.eye(10), F), 1e-6, None, half=True)
-    assert c.stored == (None, None)
-    assert all(t.dtype == torch.float32 for t in c.to_tensors().values())
+def test_split_keeps_the_fewest_leading_vectors_in_float32():
+    """Ill-conditioned factor, precision metric: rounding every kept eigenvector misses the budget (the
+    largest eigenvalue leaks into the small directions), the split keeps k ≥ 1 leading vectors float32
+    with the stored error within the budget, and k − 1 would miss it."""
+    F = _ill(80, 5)
+    budget, floor = 0.05, 1e-2
+    lead, tail, lam, sigma, err = split_half(F, budget, floor)
+    k = lead.shape[1]
+    U = torch.cat([lead, tail.double()], 1)
+    all_half = stored_error(F, orthonormalise(U.half()), lam, sigma, floor)
+    assert all_half > budget and 1 <= k < U.shape[1] and err <= budget
+    assert abs(stored_error(F, joined(lead, tail), lam, sigma, floor) - err) < 1e-12
+    fewer = stored_error(F, joined(U[:, : k - 1], U[:, k - 1 :].half()), lam, sigma, floor)
+    assert fewer > budget
+    truncated = truncate(F, HALF_SHARE * budget, floor)
+    assert truncated[0].shape[1] == U.shape[1]  # the truncation took HALF_SHARE of the budget
 
 
 def test_orthonormalise_is_the_nearest_orthonormal_basis():
@@ -109,7 +137,7 @@ def test_orthonormalise_is_the_nearest_orthonormal_basis():
 def _component(seed: int, d_out: int = 8, d_in: int = 40):
     spec = ModelSpec("mlp", {"in_features": d_in, "num_classes": d_out, "hidden_sizes": [], "bias": False})
     layout = ParameterLayout.from_model(spec.build())
-    B, A = _psd(d_out, 0.5, seed).float(), _psd(d_in, 0.8, seed + 10).float() * 50
+    B, A = _psd(d_out, 0.5, seed).float(), _ill(d_in, seed + 10).float()
     g = torch.Generator().manual_seed(seed)
     comp = Component(0, torch.randn(d_out * d_in, generator=g), BlockDiag([Kron(B, A)]), frozen_mapping({"seed": 0}),
                      0.1, 10.0)
@@ -126,8 +154,8 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
         paths[vectors] = tmp_path / f"{vectors}.h5"
         write_client_artifact(paths[vectors], spec, layout, meta, [comp], Compression(0.05, "precision", vectors))
     with h5py.File(paths["float16"]) as f:
-        assert f["components/0/curvature/0/lowrank_A_vectors"].dtype == np.float16
-        assert f["components/0/curvature/0/lowrank_A_values"].dtype == np.float32
+        assert f["components/0/curvature/0/lowrank_A_half_vectors"].dtype == np.float16
+        assert f["components/0/curvature/0/lowrank_A_vectors"].dtype == np.float32
         assert json.loads(f.attrs["metadata"])["compress_vectors"] == "float16"
     with h5py.File(paths["float32"]) as f:
         assert "compress_vectors" not in json.loads(f.attrs["metadata"])
@@ -136,7 +164,7 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
     assert shown.exit_code == 0 and "compressed: budget 0.05 (precision), eigenvectors float16" in shown.output
     art = posterior_fusion.load(paths["float16"])
     blk = art.components[0].curvature.blocks[0]
-    assert isinstance(blk, LowRankKron) and blk.stored[1] is not None
+    assert isinstance(blk, LowRankKron) and blk.half_counts[1] > 0
     want = LowRankKron.from_kron(comp.curvature.blocks[0], 0.05, 10.0 * 0.1, half=True)
     torch.testing.assert_close(blk.UA, want.UA, rtol=0, atol=0)
     assert list(blk.errors) == pytest.approx(list(want.errors), rel=1e-12)
@@ -148,9 +176,10 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
     assert r.exit_code == 0, r.stderr
 
 
-@pytest.mark.parametrize("dataset", ["lowrank_A_values", "map"])
-def test_float16_elsewhere_is_refused_in_one_line(tmp_path, dataset):
-    """Only the eigenvector datasets may be float16: another float16 dataset is one line, exit 2."""
+@pytest.mark.parametrize("dataset,dtype", [("lowrank_A_values", np.float16), ("map", np.float16),
+                                           ("lowrank_A_half_vectors", np.float32)])
+def test_float16_elsewhere_is_refused_in_one_line(tmp_path, dataset, dtype):
+    """Only the half datasets hold float16, and only float16: anything else is one line, exit 2."""
     spec, layout, comp, meta = _component(0)
     path = tmp_path / "c.h5"
     write_client_artifact(path, spec, layout, meta, [comp], Compression(0.05, "frobenius", "float16"))
@@ -158,9 +187,22 @@ def test_float16_elsewhere_is_refused_in_one_line(tmp_path, dataset):
     with h5py.File(path, "r+") as f:
         data = f[where][...]
         del f[where]
-        f.create_dataset(where, data=data.astype(np.float16))
+        f.create_dataset(where, data=data.astype(dtype))
     r = CliRunner().invoke(pfuse, ["inspect", str(path)])
-    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "float16" in r.stderr, r.stderr
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "dtype" in r.stderr and dataset in r.stderr, r.stderr
+
+
+def test_a_half_count_beyond_the_rank_is_refused_in_one_line(tmp_path):
+    spec, layout, comp, meta = _component(0)
+    path = tmp_path / "c.h5"
+    write_client_artifact(path, spec, layout, meta, [comp], Compression(0.05, "precision", "float16"))
+    with h5py.File(path, "r+") as f:
+        grp = f["components/0/curvature"]
+        blocks = json.loads(grp.attrs["blocks"])
+        blocks[0]["half"] = [0, blocks[0]["rank"][1] + 1]
+        grp.attrs["blocks"] = text_attr(json.dumps(blocks))
+    r = CliRunner().invoke(pfuse, ["inspect", str(path)])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "half" in r.stderr, r.stderr
 
 
 def test_compress_vectors_is_a_fit_setting():

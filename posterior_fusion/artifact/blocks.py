@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature import Dense, Diag, Kron, LowRankKron, Precision
-from posterior_fusion.curvature.lowrank import Compression, orthonormalise
+from posterior_fusion.curvature.lowrank import Compression, joined
 
 SYMMETRY_RTOL = 1e-4
 
@@ -44,7 +44,7 @@ class BlockEncoding:
     ``decode(tensors, header)`` (the raw block after its value checks; finite is the reader's);
     ``compress(block, compression, prior)``: ``(kind, header, tensors)`` of a compact encoding within
     the :class:`Compression`'s budget (None: the kind is stored as it is whatever the budget);
-    ``half_datasets``: the datasets that may also be stored as float16."""
+    ``half_datasets``: the datasets stored as float16 (and only so)."""
 
     dataset_names: tuple[str, ...]
     shapes: Callable[[int, Mapping[str, Any]], dict[str, tuple[int, ...]]]
@@ -82,11 +82,15 @@ def _decode_kron(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any])
 
 
 LOWRANK_NAMES = ("lowrank_B_vectors", "lowrank_B_values", "lowrank_A_vectors", "lowrank_A_values")
+LOWRANK_HALF_NAMES = ("lowrank_B_half_vectors", "lowrank_A_half_vectors")
 
 
 def _lowrank_header(block: Precision) -> dict[str, Any]:
-    return {"shape": list(block.shape), "rank": [block.lB.numel(), block.lA.numel()],
-            "isotropic": [block.sB, block.sA], "error": list(block.errors)}
+    header = {"shape": list(block.shape), "rank": [block.lB.numel(), block.lA.numel()],
+              "isotropic": [block.sB, block.sA], "error": list(block.errors)}
+    if any(block.half_counts):
+        header["half"] = list(block.half_counts)
+    return header
 
 
 def _compress_kron(block: Precision, compression: Compression,
@@ -111,24 +115,36 @@ def _lowrank_shapes(size: int, header: Mapping[str, Any]) -> dict[str, tuple[int
         if (not isinstance(pair, list) or len(pair) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e38 for v in pair)):
             raise BlockValueError(name, f"kron_lowrank block needs {name} [B, A] of two finite numbers >= 0")
-    return dict(zip(LOWRANK_NAMES, ((out, rank[0]), (rank[0],), (inn, rank[1]), (rank[1],))))
+    half = header.get("half", [0, 0])
+    if (not isinstance(half, list) or len(half) != 2
+            or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= r for h, r in zip(half, rank))):
+        raise BlockValueError("half", "kron_lowrank block needs half [h_B, h_A] with 0 <= h <= its rank")
+    shapes = dict(zip(LOWRANK_NAMES, ((out, rank[0] - half[0]), (rank[0],), (inn, rank[1] - half[1]), (rank[1],))))
+    for name, side, h in zip(LOWRANK_HALF_NAMES, (out, inn), half):
+        if h:
+            shapes[name] = (side, h)
+    return shapes
 
 
 def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> LowRankKron:
-    """The Kronecker block in its compact form (a :class:`Kron` to every fusion method); float16
-    eigenvectors are made orthonormal again (float32, the form whose error the writer recorded)."""
+    """The Kronecker block in its compact form (a :class:`Kron` to every fusion method); a factor with
+    float16 eigenvectors has them joined to its leading ones and made orthonormal again (float32: the
+    form whose error the writer recorded)."""
     parts, stored = [], []
     for side, sigma in zip("BA", header["isotropic"]):
         U, lam = tensors[f"lowrank_{side}_vectors"], tensors[f"lowrank_{side}_values"]
+        tail = tensors.get(f"lowrank_{side}_half_vectors")
+        whole = U if tail is None else torch.cat([U.double(), tail.double()], 1)
         if (lam < 0).any():
             raise BlockValueError(f"lowrank_{side}_values", "eigenvalues must be >= 0")
-        if U.numel() and (U.double().T @ U.double() - torch.eye(U.shape[1], dtype=torch.float64)).abs().max() > 1e-3:
+        if whole.numel() and (whole.double().T @ whole.double()
+                              - torch.eye(whole.shape[1], dtype=torch.float64)).abs().max() > 1e-3:
             raise BlockValueError(f"lowrank_{side}_vectors", "eigenvectors must be orthonormal")
         if lam.numel() and float(lam.min()) < float(sigma) * (1 - 1e-4):
             raise BlockValueError(f"lowrank_{side}_values", "kept eigenvalues must not be below the isotropic level")
-        half = U.dtype == torch.float16
-        stored.append(U if half else None)
-        U = orthonormalise(U).float() if half else U
+        stored.append(None if tail is None else (U, tail))
+        if tail is not None:
+            U = joined(U, tail).to(U.dtype)
         parts += [U, lam.to(U.dtype), float(sigma)]
     return LowRankKron(*parts, errors=tuple(header["error"]), stored=tuple(stored))
 
@@ -138,12 +154,12 @@ ENCODINGS: dict[str, BlockEncoding] = {
     "dense": BlockEncoding(("dense",), lambda size, header: {"dense": (size, size)}, _decode_dense),
     "kron": BlockEncoding(("kron_B", "kron_A"), _kron_shapes, _decode_kron,
                           header=lambda block: {"shape": list(block.shape)}, compress=_compress_kron),
-    "kron_lowrank": BlockEncoding(LOWRANK_NAMES, _lowrank_shapes, _decode_lowrank, header=_lowrank_header,
-                                  half_datasets=("lowrank_B_vectors", "lowrank_A_vectors")),
+    "kron_lowrank": BlockEncoding(LOWRANK_NAMES + LOWRANK_HALF_NAMES, _lowrank_shapes, _decode_lowrank,
+                                  header=_lowrank_header, half_datasets=LOWRANK_HALF_NAMES),
 }
 
 
 def dataset_dtypes(kind: str, name: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     """The dtypes a dataset ``name`` of a ``kind`` block may have: ``allowed`` (the schema's float
-    types), and float16 where the kind declares it (eigenvectors, bounded by 1 in magnitude)."""
-    return allowed + ("float16",) if name in ENCODINGS[kind].half_datasets else allowed
+    types), or float16 alone where the kind declares the dataset half (eigenvectors, bounded by 1)."""
+    return ("float16",) if name in ENCODINGS[kind].half_datasets else allowed

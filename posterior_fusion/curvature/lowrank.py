@@ -15,10 +15,13 @@ the precision, hence every quadratic form, within that relative error per factor
 :class:`LowRankKron` is a Kronecker block held in that form (an artifact's ``kron_lowrank`` blocks,
 written with ``--compress``).
 
-``vectors = "float16"`` (:class:`Compression`) stores the kept eigenvectors in half precision: the
-reader makes them orthonormal again (:func:`orthonormalise`, the nearest orthonormal basis), and the
-writer records the error of exactly that stored form (:func:`stored_error`, dense, in the same metric) and
-keeps float32 for a factor whose rounded form would miss the budget.
+``vectors = "float16"`` (:class:`Compression`) stores the trailing kept eigenvectors in half precision
+(:func:`split_half`): rounding an eigenvector of a large eigenvalue leaks that eigenvalue into directions
+where the precision is small, so the leading k stay float32 — the smallest k whose stored form is within
+the budget, the truncation taking :data:`HALF_SHARE` of it. The reader makes the joined vectors orthonormal
+again (:func:`orthonormalise`, the nearest orthonormal basis) and the writer records the error of exactly
+that form (:func:`stored_error`, dense, in the same metric); a factor stays wholly float32 where that is
+not smaller.
 """
 
 from __future__ import annotations
@@ -100,23 +103,62 @@ def orthonormalise(U: torch.Tensor) -> torch.Tensor:
 
 
 def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: float,
-                 floor: float | None = None) -> float:
+                 floor: float | None = None, eig: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
     """The error of ``F̃ = U diag(λ) Uᵀ + σ (I − U Uᵀ)`` against the PSD ``F`` ``(D, D)`` for any
     orthonormal ``U`` ``(D, r)`` (not only F's own eigenvectors), in float64: ``floor`` None, the
     relative Frobenius error ``‖F − F̃‖_F / ‖F‖_F``; a floor ``f``, the precision metric's
     ``‖(F + f I)^{-1/2} (F̃ − F) (F + f I)^{-1/2}‖₂`` — for eigenvectors of F exactly the worst ratio
-    ``|λ_i − σ| / (λ_i + f)`` of :func:`truncate`, and in general the bound on every quadratic form."""
+    ``|λ_i − σ| / (λ_i + f)`` of :func:`truncate`, and in general the bound on every quadratic form.
+    ``eig``: F's float64 ``eigh``, where the caller evaluates several forms of one factor."""
     Fd = 0.5 * (F.double() + F.double().T)
     diff = rebuild(U, lam, sigma, torch.float64) - Fd
     if floor is None:
         total = float(Fd.norm())
         return float(diff.norm()) / total if total > 0 else 0.0
-    lamF, Q = torch.linalg.eigh(Fd)
     if floor == float("inf"):
         return 0.0
+    lamF, Q = torch.linalg.eigh(Fd) if eig is None else eig
     w = (lamF.clamp(min=0) + floor).rsqrt() if floor > 0 else lamF.clamp(min=1e-300).rsqrt()
     M = (Q * w).T @ diff @ (Q * w)
     return float(torch.linalg.eigvalsh(0.5 * (M + M.T)).abs().max()) if M.numel() else 0.0
+
+
+HALF_SHARE = 0.9  # the truncation's share of the budget where eigenvectors are rounded to float16
+
+
+def joined(lead: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The kept eigenvectors as a reader rebuilds them: the float32 ``lead`` ``(D, k)`` and float16 ``tail``
+    ``(D, h)`` side by side, made orthonormal (float64 ``(D, k + h)``)."""
+    return orthonormalise(torch.cat([lead.double(), tail.double()], 1))
+
+
+def split_half(F: torch.Tensor, budget: float,
+               floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
+    """``(lead (D, k), tail (D, h) float16, λ (k + h,), σ, error)``: F's top eigenpairs within
+    ``HALF_SHARE · budget`` (:func:`truncate`), the leading k eigenvectors kept in F's dtype and the other h
+    rounded to float16, k the smallest whose stored form (:func:`joined`, in F's dtype as a reader holds
+    it) has an error ≤ ``budget``
+    (bisection; every k ≥ it is checked only where the search visits). None where no vector can be halved."""
+    U, lam, sigma, _ = truncate(F, HALF_SHARE * budget, floor)
+    r = U.shape[1]
+    if r == 0:
+        return None
+    Fd = F.double()
+    eig = torch.linalg.eigh(0.5 * (Fd + Fd.T)) if floor is not None else None
+
+    def error(k: int) -> float:
+        return stored_error(F, joined(U[:, :k], U[:, k:].half()).to(F.dtype), lam, sigma, floor, eig)
+
+    lo, hi = 0, r  # error(r) is the truncation's own, ≤ HALF_SHARE · budget
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if error(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == r:
+        return None
+    return U[:, :lo], U[:, lo:].half(), lam, sigma, error(lo)
 
 
 def rebuild(U: torch.Tensor, lam: torch.Tensor, sigma: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -132,14 +174,14 @@ class LowRankKron(Kron):
     quadratic forms and log-determinants come from the compact form (``O(out·in·(r_B + r_A))``, no
     ``D × D`` factor), and a method that needs the plain factors gets them rebuilt on access
     (``.B``/``.A``, not kept). ``errors`` are each factor's recorded error; ``stored`` holds, per factor,
-    the float16 eigenvectors as written (None: written as ``UB``/``UA``), whose orthonormalised form
-    ``UB``/``UA`` are."""
+    the eigenvectors as written where part of them is float16 — ``(lead (D, k), tail (D, h) float16)``,
+    whose :func:`joined` form ``UB``/``UA`` are — or None (written as ``UB``/``UA``)."""
 
     kind = "kron_lowrank"
 
     def __init__(self, UB: torch.Tensor, lB: torch.Tensor, sB: float, UA: torch.Tensor, lA: torch.Tensor, sA: float,
                  scale: float = 1.0, shift: float = 0.0, errors: tuple[float, float] = (0.0, 0.0),
-                 stored: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
+                 stored: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = (None, None)) -> None:
         Precision.__init__(self, scale, shift)
         self.UB, self.lB, self.sB = UB, lB, float(sB)
         self.UA, self.lA, self.sA = UA, lA, float(sA)
@@ -217,19 +259,28 @@ class LowRankKron(Kron):
         return sum(t.numel() * t.element_size() for t in (self.UB, self.lB, self.UA, self.lA))
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The datasets as written: float16 eigenvectors where they were stored so."""
-        UB = self.UB if self.stored[0] is None else self.stored[0]
-        UA = self.UA if self.stored[1] is None else self.stored[1]
-        return {"lowrank_B_vectors": UB, "lowrank_B_values": self.lB,
-                "lowrank_A_vectors": UA, "lowrank_A_values": self.lA}
+        """The datasets as written: a factor whose trailing eigenvectors are float16 has them in
+        ``lowrank_*_half_vectors`` and its leading ones in ``lowrank_*_vectors``."""
+        out = {}
+        for side, U, lam, stored in (("B", self.UB, self.lB, self.stored[0]), ("A", self.UA, self.lA, self.stored[1])):
+            out[f"lowrank_{side}_vectors"] = U if stored is None else stored[0]
+            out[f"lowrank_{side}_values"] = lam
+            if stored is not None:
+                out[f"lowrank_{side}_half_vectors"] = stored[1]
+        return out
+
+    @property
+    def half_counts(self) -> tuple[int, int]:
+        """Per factor, how many kept eigenvectors are stored as float16."""
+        return tuple(0 if s is None else s[1].shape[1] for s in self.stored)
 
     @classmethod
     def from_kron(cls, block: Kron, budget: float, prior: float | None = None, half: bool = False) -> LowRankKron:
         """The compact form of a plain Kronecker block within a relative error ``budget`` per factor:
         Frobenius (``prior`` None) or in the precision metric for the precision ``(s/T)·B ⊗ A + λ0 I``
         with ``prior = λ0·T`` (module docstring; each factor's floor from the other's largest eigenvalue).
-        ``half``: the kept eigenvectors stored as float16 where the stored form's error (recorded,
-        :func:`stored_error`) stays within the budget, float32 for a factor where it would not."""
+        ``half``: per factor, the trailing kept eigenvectors as float16 (:func:`split_half`) where that
+        takes fewer bytes than all in float32 at the full budget; the recorded error is the stored form's."""
         floors = (None, None)
         if prior is not None:
             top_B, top_A = (float(torch.linalg.eigvalsh(f.double())[-1].clamp(min=0)) for f in (block.B, block.A))
@@ -240,12 +291,11 @@ class LowRankKron(Kron):
         for F, floor in ((block.B, floors[0]), (block.A, floors[1])):
             U, lam, sigma, err = truncate(F, budget, floor)
             kept = None
-            if half and U.shape[1] > 0:
-                U16 = U.half()
-                Uo = orthonormalise(U16)
-                err16 = stored_error(F, Uo, lam, sigma, floor)
-                if err16 <= budget:
-                    U, err, kept = Uo.to(F.dtype), err16, U16
+            split = split_half(F, budget, floor) if half and U.shape[1] > 0 else None
+            if split is not None:
+                lead, tail, lam_s, sigma_s, err_s = split
+                if lead.numel() * lead.element_size() + tail.numel() * 2 < U.numel() * U.element_size():
+                    U, lam, sigma, err, kept = joined(lead, tail).to(F.dtype), lam_s, sigma_s, err_s, (lead, tail)
             parts += [U, lam, sigma]
             errors.append(err)
             stored.append(kept)

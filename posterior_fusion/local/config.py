@@ -112,9 +112,10 @@ class FitConfig:
                                                   "relative error per factor: what fusion sees; higher ranks).",
                                      choices=COMPRESS_METRICS)
     compress_vectors: str = fit_field("float32", "Storage type of the compressed factors' kept eigenvectors: float32, "
-                                                 "or float16 (half the bytes; the reader makes them orthonormal "
-                                                 "again, the recorded error is that of the stored form, and a factor "
-                                                 "whose rounded form would miss `compress` stays float32).",
+                                                 "or float16 (about half the bytes: the leading eigenvectors that "
+                                                 "rounding would push past `compress` stay float32, the reader makes "
+                                                 "them orthonormal again, and the recorded error is that of the "
+                                                 "stored form).",
                                       choices=VECTOR_DTYPES)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
