@@ -109,17 +109,23 @@ def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: flo
     relative Frobenius error ``‖F − F̃‖_F / ‖F‖_F``; a floor ``f``, the precision metric's
     ``‖(F + f I)^{-1/2} (F̃ − F) (F + f I)^{-1/2}‖₂`` — for eigenvectors of F exactly the worst ratio
     ``|λ_i − σ| / (λ_i + f)`` of :func:`truncate`, and in general the bound on every quadratic form.
-    ``eig``: F's float64 ``eigh``, where the caller evaluates several forms of one factor."""
-    Fd = 0.5 * (F.double() + F.double().T)
-    diff = rebuild(U, lam, sigma, torch.float64) - Fd
-    if floor is None:
-        total = float(Fd.norm())
-        return float(diff.norm()) / total if total > 0 else 0.0
+    ``eig``: F's float64 ``eigh`` (where the caller evaluates several forms of one factor). Computed in
+    F's eigenbasis Q, where ``Qᵀ F̃ Q = σ I + (QᵀU) diag(λ − σ) (QᵀU)ᵀ`` and ``Qᵀ F Q`` is diagonal: no
+    ``D × D × D`` product beyond the one decomposition (and, for the precision metric, one ``eigvalsh``)."""
     if floor == float("inf"):
         return 0.0
-    lamF, Q = torch.linalg.eigh(Fd) if eig is None else eig
+    if eig is None:
+        Fd = F.double()
+        eig = torch.linalg.eigh(0.5 * (Fd + Fd.T))
+    lamF, Q = eig
+    V = Q.T @ U.double()
+    diff = (V * (lam.double() - sigma)) @ V.T
+    diff.diagonal().add_(sigma - lamF)  # Qᵀ (F̃ − F) Q
+    if floor is None:
+        total = float(lamF.norm())
+        return float(diff.norm()) / total if total > 0 else 0.0
     w = (lamF.clamp(min=0) + floor).rsqrt() if floor > 0 else lamF.clamp(min=1e-300).rsqrt()
-    M = (Q * w).T @ diff @ (Q * w)
+    M = w[:, None] * diff * w[None, :]
     return float(torch.linalg.eigvalsh(0.5 * (M + M.T)).abs().max()) if M.numel() else 0.0
 
 
@@ -137,19 +143,26 @@ def split_half(F: torch.Tensor, budget: float,
     """``(lead (D, k), tail (D, h) float16, λ (k + h,), σ, error)``: F's top eigenpairs within
     ``HALF_SHARE · budget`` (:func:`truncate`), the leading k eigenvectors kept in F's dtype and the other h
     rounded to float16, k the smallest whose stored form (:func:`joined`, in F's dtype as a reader holds
-    it) has an error ≤ ``budget``
-    (bisection; every k ≥ it is checked only where the search visits). None where no vector can be halved."""
+    it) has an error ≤ ``budget`` (k = 0, 1, 2, 4, … until one passes, then bisection: one or two dense
+    evaluations on trained K-FAC factors, where k is 0 or 1). None where no vector can be halved."""
     U, lam, sigma, _ = truncate(F, HALF_SHARE * budget, floor)
     r = U.shape[1]
     if r == 0:
         return None
     Fd = F.double()
-    eig = torch.linalg.eigh(0.5 * (Fd + Fd.T)) if floor is not None else None
+    eig = torch.linalg.eigh(0.5 * (Fd + Fd.T))
 
     def error(k: int) -> float:
         return stored_error(F, joined(U[:, :k], U[:, k:].half()).to(F.dtype), lam, sigma, floor, eig)
 
     lo, hi = 0, r  # error(r) is the truncation's own, ≤ HALF_SHARE · budget
+    step = 0
+    while step < r:  # the first passing k of 0, 1, 2, 4, ...: the answer lies in (the last failing k, it]
+        if error(step) <= budget:
+            hi = step
+            break
+        lo = step + 1
+        step = max(1, 2 * step)
     while lo < hi:
         mid = (lo + hi) // 2
         if error(mid) <= budget:
