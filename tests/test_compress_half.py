@@ -166,6 +166,14 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
     assert paths["float16"].stat().st_size < paths["float32"].stat().st_size
     shown = CliRunner().invoke(pfuse, ["inspect", str(paths["float16"])])
     assert shown.exit_code == 0 and "compressed: budget 0.05 (precision), eigenvectors float16" in shown.output
+    from posterior_fusion.artifact.reader import declared_bytes
+
+    loaded = declared_bytes(paths["float16"])["data_bytes"]  # float16 datasets count as the float32 they load as
+    with h5py.File(paths["float16"]) as f:
+        data = (f["components/0/map"], *f["components/0/curvature/0"].values())
+        on_disk = sum(d.size * d.dtype.itemsize for d in data)
+        halves = sum(d.size for d in data if d.dtype == np.float16)
+        assert halves > 0 and loaded == on_disk + 2 * halves
     art = posterior_fusion.load(paths["float16"])
     blk = art.components[0].curvature.blocks[0]
     assert isinstance(blk, LowRankKron) and blk.half_counts[1] > 0

@@ -250,8 +250,10 @@ def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout,
 
 
 def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
+    """Bytes of every dataset once loaded (float16 eigenvectors are held as float32)."""
     pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.global_path_re()
-    return sum(f[p].size * f[p].dtype.itemsize for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
+    return sum(f[p].size * max(f[p].dtype.itemsize, 4 if f[p].dtype.kind == "f" else 1)
+               for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
 
 
 def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
