@@ -75,8 +75,8 @@ def main() -> None:
     row = {"width": args.width, "n": args.n, "threads": args.threads, "epoch_s": round(e, 3),
            "forward_epochs": round(best(forward, args.rounds) / e, 2)}
     for ggn in ("exact", "mc"):
-        row[f"passes_{ggn}_epochs"] = round(best(lambda: passes(ggn), args.rounds) / e, 2)
-        row[f"expand_{ggn}_epochs"] = round(best(lambda: capture(ggn), args.rounds) / e, 2)
+        row[f"passes_{ggn}_epochs"] = round(best(lambda g=ggn: passes(g), args.rounds) / e, 2)
+        row[f"expand_{ggn}_epochs"] = round(best(lambda g=ggn: capture(g), args.rounds) / e, 2)
     print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -22,6 +22,7 @@ from posterior_fusion.artifact.writer import text_attr
 from posterior_fusion.curvature import BlockDiag, Kron, LowRankKron
 from posterior_fusion.curvature.lowrank import (
     HALF_SHARE,
+    ROUNDING_SHARE,
     Compression,
     joined,
     orthonormalise,
@@ -68,14 +69,22 @@ def _ill(D: int, seed: int) -> torch.Tensor:
     return (Q * torch.logspace(4, -4, D, dtype=torch.float64)) @ Q.T
 
 
-@pytest.mark.parametrize("floor", [None, 0.3])
-@pytest.mark.parametrize("budget", [0.02, 0.1])
+def _spiky(D: int, seed: int) -> torch.Tensor:
+    """A PSD factor with three dominant eigenvalues (1e4, 1e3, 1e2) above a tail spanning three decades."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
+    ev = torch.cat([torch.tensor([1e4, 1e3, 1e2], dtype=torch.float64), torch.logspace(0, -3, D - 3, dtype=torch.float64)])
+    return (Q * ev) @ Q.T
+
+
+@pytest.mark.parametrize("floor", [None, 0.1])
+@pytest.mark.parametrize("budget", [0.05, 0.1])
 def test_half_vectors_record_the_error_of_the_stored_form(floor, budget):
     """``from_kron(..., half=True)``: the trailing eigenvectors are float16 datasets, the leading ones
     float32; decoding them (the reader's path, shapes from the header) gives the in-memory block exactly;
     the recorded error per factor equals an independent dense float64 error of the decoded form (scipy's
     generalised eigenvalues for the precision metric) and is within the budget; quadratic forms respect it."""
-    B, A = _ill(12, 1).float(), _ill(60, 2).float()
+    B, A = _ill(12, 1).float(), (_ill(60, 2) if floor is None else _spiky(60, 2)).float()
     block = Kron(B, A, scale=2.0)
     prior = None if floor is None else 2.0 * floor * float(torch.linalg.eigvalsh(B.double())[-1])  # A's floor
     c = LowRankKron.from_kron(block, budget, prior, half=True)
@@ -108,21 +117,38 @@ def test_half_vectors_record_the_error_of_the_stored_form(floor, budget):
 
 
 def test_split_keeps_the_fewest_leading_vectors_in_float32():
-    """Ill-conditioned factor, precision metric: rounding every kept eigenvector misses the budget (the
-    largest eigenvalue leaks into the small directions), the split keeps k ≥ 1 leading vectors float32
-    with the stored error within the budget, and k − 1 would miss it."""
-    F = _ill(80, 5)
-    budget, floor = 0.05, 1e-2
+    """Precision metric, a factor with dominant eigenvalues: rounding every kept eigenvector misses the
+    budget (the largest eigenvalues leak into the small directions); the split keeps k ≥ 1 leading vectors
+    float32, its stored error is within the budget and its rounding alone (against the float32 form)
+    within ``ROUNDING_SHARE`` of it, and k − 1 would break one of the two."""
+    F = _spiky(80, 5)
+    budget, floor = 0.05, 0.1
     lead, tail, lam, sigma, err = split_half(F, budget, floor)
     k = lead.shape[1]
     U = torch.cat([lead, tail.double()], 1)
     all_half = stored_error(F, orthonormalise(U.half()), lam, sigma, floor)
     assert all_half > budget and 1 <= k < U.shape[1] and err <= budget
-    assert abs(stored_error(F, joined(lead, tail), lam, sigma, floor) - err) < 1e-12
-    fewer = stored_error(F, joined(U[:, : k - 1], U[:, k - 1 :].half()), lam, sigma, floor)
-    assert fewer > budget
-    truncated = truncate(F, HALF_SHARE * budget, floor)
-    assert truncated[0].shape[1] == U.shape[1]  # the truncation took HALF_SHARE of the budget
+    stored = joined(lead, tail).to(F.dtype)
+    assert abs(stored_error(F, stored, lam, sigma, floor) - err) < 1e-12
+    rounding = stored_error(F, stored, lam, sigma, floor, reference=U)
+    assert rounding <= ROUNDING_SHARE * budget
+    fewer = joined(U[:, : k - 1], U[:, k - 1 :].half()).to(F.dtype)
+    assert (stored_error(F, fewer, lam, sigma, floor) > budget
+            or stored_error(F, fewer, lam, sigma, floor, reference=U) > ROUNDING_SHARE * budget)
+    assert truncate(F, HALF_SHARE * budget, floor)[0].shape[1] == U.shape[1]  # the truncation took HALF_SHARE
+    # the rounding's cost, densely: the whitened difference of the two rebuilt forms (float64 eigh)
+    lamF, Q = torch.linalg.eigh(F)
+    Wq = Q * (lamF.clamp(min=0) + floor).rsqrt()
+    M = Wq.T @ (rebuild(stored, lam, sigma, torch.float64) - rebuild(U, lam, sigma, torch.float64)) @ Wq
+    assert abs(torch.linalg.eigvalsh(0.5 * (M + M.T)).abs().max().item() - rounding) < 1e-9
+
+
+def test_a_factor_whose_rounded_form_misses_the_budget_stays_float32():
+    """A budget below float16's rounding: no factor is stored in half precision."""
+    F = _psd(40, 0.9, 4).float()
+    c = LowRankKron.from_kron(Kron(F[:10, :10] @ F[:10, :10].T + torch.eye(10), F), 1e-6, None, half=True)
+    assert c.stored == (None, None) and c.half_counts == (0, 0)
+    assert all(t.dtype == torch.float32 for t in c.to_tensors().values())
 
 
 def test_orthonormalise_is_the_nearest_orthonormal_basis():

@@ -103,7 +103,8 @@ def orthonormalise(U: torch.Tensor) -> torch.Tensor:
 
 
 def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: float,
-                 floor: float | None = None, eig: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+                 floor: float | None = None, eig: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 reference: torch.Tensor | None = None) -> float:
     """The error of ``F̃ = U diag(λ) Uᵀ + σ (I − U Uᵀ)`` against the PSD ``F`` ``(D, D)`` for any
     orthonormal ``U`` ``(D, r)`` (not only F's own eigenvectors), in float64: ``floor`` None, the
     relative Frobenius error ``‖F − F̃‖_F / ‖F‖_F``; a floor ``f``, the precision metric's
@@ -111,16 +112,25 @@ def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: flo
     ``|λ_i − σ| / (λ_i + f)`` of :func:`truncate`, and in general the bound on every quadratic form.
     ``eig``: F's float64 ``eigh`` (where the caller evaluates several forms of one factor). Computed in
     F's eigenbasis Q, where ``Qᵀ F̃ Q = σ I + (QᵀU) diag(λ − σ) (QᵀU)ᵀ`` and ``Qᵀ F Q`` is diagonal: no
-    ``D × D × D`` product beyond the one decomposition (and, for the precision metric, one ``eigvalsh``)."""
+    ``D × D × D`` product beyond the one decomposition (and, for the precision metric, one ``eigvalsh``).
+    ``reference``: another orthonormal basis U' ``(D, r)``: the error of F̃ against the form with U' and the
+    same λ, σ instead of against F, in F's metric (what a change of basis alone costs)."""
     if floor == float("inf"):
         return 0.0
     if eig is None:
         Fd = F.double()
         eig = torch.linalg.eigh(0.5 * (Fd + Fd.T))
     lamF, Q = eig
-    V = Q.T @ U.double()
-    diff = (V * (lam.double() - sigma)) @ V.T
-    diff.diagonal().add_(sigma - lamF)  # Qᵀ (F̃ − F) Q
+
+    def in_basis(B: torch.Tensor) -> torch.Tensor:  # Qᵀ F̃ Q − σ I for the form with basis B
+        V = Q.T @ B.double()
+        return (V * (lam.double() - sigma)) @ V.T
+
+    diff = in_basis(U)
+    if reference is None:
+        diff.diagonal().add_(sigma - lamF)  # Qᵀ (F̃ − F) Q
+    else:
+        diff -= in_basis(reference)
     if floor is None:
         total = float(lamF.norm())
         return float(diff.norm()) / total if total > 0 else 0.0
@@ -130,6 +140,7 @@ def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: flo
 
 
 HALF_SHARE = 0.9  # the truncation's share of the budget where eigenvectors are rounded to float16
+ROUNDING_SHARE = 0.2  # the most of the budget the rounding alone may cost (against the float32 form)
 
 
 def joined(lead: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -143,8 +154,11 @@ def split_half(F: torch.Tensor, budget: float,
     """``(lead (D, k), tail (D, h) float16, λ (k + h,), σ, error)``: F's top eigenpairs within
     ``HALF_SHARE · budget`` (:func:`truncate`), the leading k eigenvectors kept in F's dtype and the other h
     rounded to float16, k the smallest whose stored form (:func:`joined`, in F's dtype as a reader holds
-    it) has an error ≤ ``budget`` (k = 0, 1, 2, 4, … until one passes, then bisection: one or two dense
-    evaluations on trained K-FAC factors, where k is 0 or 1). None where no vector can be halved."""
+    it) has an error ≤ ``budget`` and whose rounding alone (against the float32 form, same metric) costs
+    ≤ ``ROUNDING_SHARE · budget`` — the rounding's error is not confined to the prior-dominated tail as
+    the truncation's is, and moves methods that solve with information vectors ``Λ ŵ`` (HBFL) more. k =
+    0, 1, 2, 4, … until one passes, then bisection (a few dense evaluations; k is 1 or 2 on trained
+    K-FAC factors). None where no vector can be halved."""
     U, lam, sigma, _ = truncate(F, HALF_SHARE * budget, floor)
     r = U.shape[1]
     if r == 0:
@@ -155,17 +169,22 @@ def split_half(F: torch.Tensor, budget: float,
     def error(k: int) -> float:
         return stored_error(F, joined(U[:, :k], U[:, k:].half()).to(F.dtype), lam, sigma, floor, eig)
 
-    lo, hi = 0, r  # error(r) is the truncation's own, ≤ HALF_SHARE · budget
+    def passes(k: int) -> bool:
+        stored = joined(U[:, :k], U[:, k:].half()).to(F.dtype)
+        return (stored_error(F, stored, lam, sigma, floor, eig) <= budget
+                and stored_error(F, stored, lam, sigma, floor, eig, reference=U) <= ROUNDING_SHARE * budget)
+
+    lo, hi = 0, r  # k = r is the truncation's own form, within HALF_SHARE · budget
     step = 0
     while step < r:  # the first passing k of 0, 1, 2, 4, ...: the answer lies in (the last failing k, it]
-        if error(step) <= budget:
+        if passes(step):
             hi = step
             break
         lo = step + 1
         step = max(1, 2 * step)
     while lo < hi:
         mid = (lo + hi) // 2
-        if error(mid) <= budget:
+        if passes(mid):
             hi = mid
         else:
             lo = mid + 1
