@@ -18,7 +18,8 @@ written with ``--compress``).
 ``vectors = "float16"`` (:class:`Compression`) stores the trailing kept eigenvectors in half precision
 (:func:`split_half`): rounding an eigenvector of a large eigenvalue leaks that eigenvalue into directions
 where the precision is small, so the leading k stay float32 — the smallest k whose stored form is within
-the budget, the truncation taking :data:`HALF_SHARE` of it. The reader makes the joined vectors orthonormal
+the budget and whose rounding alone costs at most :data:`ROUNDING_SHARE` of it, the truncation taking
+:data:`HALF_SHARE`. The reader makes the joined vectors orthonormal
 again (:func:`orthonormalise`, the nearest orthonormal basis) and the writer records the error of exactly
 that form (:func:`stored_error`, dense, in the same metric); a factor stays wholly float32 where that is
 not smaller.
