@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posterior_fusion.curvature.base import Precision, eigh_psd
+from posterior_fusion.curvature.base import Precision
 from posterior_fusion.curvature.kron import Kron
 from posterior_fusion.errors import ConfigError
 
@@ -67,14 +67,22 @@ class Compression:
 PLAIN = Compression()
 
 
-def truncate(F: torch.Tensor, budget: float,
-             floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+def factor_eigh(F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """F's float64 eigendecomposition (ascending, of the symmetrised F): computed once per factor and
+    shared by :func:`truncate`, :func:`stored_error` and :func:`split_half`."""
+    Fd = F.double()
+    return torch.linalg.eigh(0.5 * (Fd + Fd.T))
+
+
+def truncate(F: torch.Tensor, budget: float, floor: float | None = None,
+             eig: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """``(U (D, r), λ (r,), σ, error)`` of the smallest r whose low-rank-plus-isotropic approximation of
     the PSD ``F`` ``(D, D)`` has an error ≤ ``budget`` (r = D, σ = 0 and error 0 when no smaller rank
     does; all of F is then kept). ``floor`` None: the relative Frobenius error, σ keeping the trace;
-    a floor ``f`` ≥ 0: the precision metric (module docstring), ``max_{i>r} |λ_i − σ| / (λ_i + f)``."""
+    a floor ``f`` ≥ 0: the precision metric (module docstring), ``max_{i>r} |λ_i − σ| / (λ_i + f)``.
+    ``eig``: :func:`factor_eigh` of F where the caller has it."""
     D = F.shape[0]
-    lam, U = eigh_psd(F.double())
+    lam, U = factor_eigh(F) if eig is None else eig
     lam, U = lam.flip(0).clamp(min=0), U.flip(1)  # descending
     total = float(lam.square().sum())
     if total == 0.0 or floor == float("inf"):  # a zero factor, or one whose block the other factor zeroes
@@ -118,10 +126,7 @@ def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: flo
     same λ, σ instead of against F, in F's metric (what a change of basis alone costs)."""
     if floor == float("inf"):
         return 0.0
-    if eig is None:
-        Fd = F.double()
-        eig = torch.linalg.eigh(0.5 * (Fd + Fd.T))
-    lamF, Q = eig
+    lamF, Q = factor_eigh(F) if eig is None else eig
 
     def in_basis(B: torch.Tensor) -> torch.Tensor:  # Qᵀ F̃ Q − σ I for the form with basis B
         V = Q.T @ B.double()
@@ -150,8 +155,9 @@ def joined(lead: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     return orthonormalise(torch.cat([lead.double(), tail.double()], 1))
 
 
-def split_half(F: torch.Tensor, budget: float,
-               floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
+def split_half(F: torch.Tensor, budget: float, floor: float | None = None,
+               eig: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
     """``(lead (D, k), tail (D, h) float16, λ (k + h,), σ, error)``: F's top eigenpairs within
     ``HALF_SHARE · budget`` (:func:`truncate`), the leading k eigenvectors kept in F's dtype and the other h
     rounded to float16, k the smallest whose stored form (:func:`joined`, in F's dtype as a reader holds
@@ -160,12 +166,11 @@ def split_half(F: torch.Tensor, budget: float,
     the truncation's is, and moves methods that solve with information vectors ``Λ ŵ`` (HBFL) more. k =
     0, 1, 2, 4, … until one passes, then bisection (a few dense evaluations; k is 1 or 2 on trained
     K-FAC factors). None where no vector can be halved."""
-    U, lam, sigma, _ = truncate(F, HALF_SHARE * budget, floor)
+    eig = factor_eigh(F) if eig is None else eig
+    U, lam, sigma, _ = truncate(F, HALF_SHARE * budget, floor, eig)
     r = U.shape[1]
     if r == 0:
         return None
-    Fd = F.double()
-    eig = torch.linalg.eigh(0.5 * (Fd + Fd.T))
 
     def error(k: int) -> float:
         return stored_error(F, joined(U[:, :k], U[:, k:].half()).to(F.dtype), lam, sigma, floor, eig)
@@ -322,9 +327,10 @@ class LowRankKron(Kron):
                       prior / (scale * top_B) if scale * top_B > 0 else float("inf"))
         parts, errors, stored = [], [], []
         for F, floor in ((block.B, floors[0]), (block.A, floors[1])):
-            U, lam, sigma, err = truncate(F, budget, floor)
+            eig = factor_eigh(F)  # one decomposition per factor, shared by both truncations and the split
+            U, lam, sigma, err = truncate(F, budget, floor, eig)
             kept = None
-            split = split_half(F, budget, floor) if half and U.shape[1] > 0 else None
+            split = split_half(F, budget, floor, eig) if half and U.shape[1] > 0 else None
             if split is not None:
                 lead, tail, lam_s, sigma_s, err_s = split
                 if lead.numel() * lead.element_size() + tail.numel() * 2 < U.numel() * U.element_size():
