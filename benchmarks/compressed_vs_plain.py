@@ -57,8 +57,11 @@ def main() -> None:
     ap.add_argument("--vectors", default="float32", choices=VECTOR_DTYPES,
                     help="storage type of the kept eigenvectors (fit-local --compress-vectors; default float32)")
     ap.add_argument("--skip-plain", action="store_true", help="leave out the plain artifacts' rows (run before)")
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                    help="a fuse method setting passed to every fuse (repeatable; e.g. solver=em)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    settings = [a for kv in args.settings for a in ("--set", kv)]
     plain = sorted(Path(args.clients).glob("post_*.h5"))
     work = Path(tempfile.mkdtemp(prefix="compress_"))
     sets = {} if args.skip_plain else {0.0: plain}
@@ -79,10 +82,11 @@ def main() -> None:
         for budget, paths in sets.items():
             t0 = time.time()
             g = work / f"g_{method}_{budget}.h5"
-            run("fuse", *paths, "--method", method, *(["--val", args.val] if args.val else []), "--out", g)
+            run("fuse", *paths, "--method", method, *(["--val", args.val] if args.val else []), *settings,
+                "--out", g)
             metrics = json.loads(run("evaluate", g, "--data", args.test, "--json"))
             m = metrics[0] if isinstance(metrics, list) else metrics
-            row = {"method": method, "compress": budget, "metric": args.metric, "vectors": args.vectors, "accuracy": m.get("accuracy"), "nll": m.get("nll"),
+            row = {"method": method, "settings": args.settings, "compress": budget, "metric": args.metric, "vectors": args.vectors, "accuracy": m.get("accuracy"), "nll": m.get("nll"),
                    "ece": m.get("ece"), "fuse_evaluate_s": round(time.time() - t0, 1),
                    "mb_per_component": round(sizes[budget] / 1e6 / sum(posterior_fusion.load(p).num_components
                                                                        for p in plain), 2)}

@@ -33,19 +33,28 @@ def main() -> None:
     ap.add_argument("--global", dest="glob", required=True, help="fedbens global artifact with a Laplace posterior")
     ap.add_argument("--data", required=True, help="labelled test file")
     ap.add_argument("--json", required=True, help="output rows")
+    ap.add_argument("--scopes", choices=("all", "mixture"), default="all",
+                    help="the mixture and each mode (default all), or the mixture alone (a ResNet's glm rows cost "
+                         "~60 forward passes per image and mode)")
+    ap.add_argument("--predictives", default="glm",
+                    help="comma-separated uncertain predictives beside map, each at the server's and the evidence's "
+                         "prior precision: glm, glm-last-layer (default glm)")
     args = ap.parse_args()
+    uncertain = [p for p in args.predictives.split(",") if p]
     g = load_global(args.glob)
     x, y = read_silo(args.data, num_classes=g.model_spec.num_classes).tensors()
     lam0 = float(g.metadata["laplace"].get("server_prior_precision", g.metadata["laplace"]["prior_precision"]))
     scopes = [("mixture", g)]
-    for k in range(len(g.members)):
+    for k in range(len(g.members) if args.scopes == "all" else 0):
         one = dataclasses.replace(g, members=(g.members[k],), curvatures=(g.curvatures[k],),
                                   metadata={**g.metadata, "mode_weights": None})
         scopes.append((f"mode {k}", one))
     rows = []
     for scope, h in scopes:
         delta, _ = evidence_prior_precision(list(h.members), list(h.curvatures))
-        for predictive, prior, lam in (("map", "-", None), ("glm", "server", lam0), ("glm", "evidence", delta)):
+        variants = [("map", "-", None)] + [(p, prior, lam) for p in uncertain
+                                           for prior, lam in (("server", lam0), ("evidence", delta))]
+        for predictive, prior, lam in variants:
             hh = h if lam is None else with_prior(h, lam)
             p = hh.predict(x, predictive, raw=True)
             m = classification_metrics(p, y, 15)

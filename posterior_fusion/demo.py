@@ -88,7 +88,7 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
         gpath = out / f"global_{method}.h5"
         write_fused(gpath, inputs, result, meta)
         g = load_global(gpath)
-        metrics = evaluate_members(g.model_spec, list(g.members), test)
+        metrics = evaluate_members(g.model_spec, list(g.members), test, weights=g.mode_weights, pooling=g.pooling)
         rows.append({"method": method, "members": len(g.members), "fuse_seconds": meta["fuse_seconds"],
                      **{k: metrics[k] for k in ("accuracy", "nll", "ece", "brier", "member_accuracy_min", "member_accuracy_max")}})
         log(f"{method}: accuracy {metrics['accuracy']:.4f} ({meta['fuse_seconds']:.1f}s)")

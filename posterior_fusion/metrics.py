@@ -13,6 +13,7 @@ from posterior_fusion.data.transform import check_transform
 from posterior_fusion.files import write_atomically
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.predictive import LOGIT_MOMENTS, probit
 
 
@@ -127,12 +128,14 @@ def check_data(spec: ModelSpec, data: SiloData, members: int = 1, max_memory: in
 
 
 def evaluate_members(spec: ModelSpec, members: list[torch.Tensor], data: SiloData, bins: int = 15,
-                     max_memory: int | str | None = None) -> dict:
-    """Metrics of the averaged ensemble plus min/max accuracy of the single members."""
+                     max_memory: int | str | None = None, weights: torch.Tensor | None = None,
+                     pooling: Pooling = AVERAGE) -> dict:
+    """Metrics of the members' combined prediction (``pooling``: by default the average with mixture
+    ``weights``, uniform if ``None``) plus min/max accuracy of the single members."""
     check_data(spec, data, len(members), max_memory)
     x, y = data.tensors()
-    mean, per_member = ensemble_probabilities(spec, members, x)
-    out = classification_metrics(mean, y, bins)
+    _, per_member = ensemble_probabilities(spec, members, x)
+    out = classification_metrics(pooling.combine(per_member, weights).float(), y, bins)
     member_acc = (per_member.argmax(-1) == y).float().mean(-1)
     out.update({"num_members": len(members), "member_accuracy_min": member_acc.min().item(),
                 "member_accuracy_max": member_acc.max().item(), "n": len(y)})
@@ -148,7 +151,7 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
     ranges.check("bins", bins, ranges.BINS)
     check_data(g.model_spec, data, 1, max_memory, g.metadata.get("input_transform"), g.path)
     if predictive == "map":
-        out = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory)
+        out = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory, g.mode_weights, g.pooling)
         x = data.inputs()
         probs_in = None
     else:

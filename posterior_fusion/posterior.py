@@ -21,6 +21,7 @@ from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.mixture import GaussianMixture, gaussian_log_prob
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.predictive import predict
 
 
@@ -174,6 +175,15 @@ class GlobalEnsemble:
         k = len(self.members)
         return torch.tensor(w, dtype=torch.float64) if w else torch.full((k,), 1.0 / k, dtype=torch.float64)
 
+    @property
+    def pooling(self) -> Pooling:
+        """How the members' predictions combine (metadata ``pooling``; the ``mode_weights`` average
+        unless the fusion stored another rule, :mod:`posterior_fusion.pooling`)."""
+        raw = self.metadata.get("pooling")
+        if raw is None:
+            return AVERAGE
+        return Pooling.from_metadata(raw, len(self.members), self.model_spec.num_classes)
+
     def precision(self, k: int) -> BlockDiag:
         """``Λ*_k``, the Laplace precision at member ``k``."""
         if self.curvatures is None:
@@ -205,7 +215,7 @@ class GlobalEnsemble:
         x = model_inputs(self.model_spec, self.metadata.get("input_transform"), x, raw, self.path)
         if self.curvatures is None:  # point estimates only: the map predictive (others refuse in one line)
             return predict(self.model_spec, list(self.members), x, predictive, None, self.mode_weights,
-                           samples, scale, link, seed, max_memory)
+                           samples, scale, link, seed, max_memory, self.pooling)
         return self.posterior().predict(self.model_spec, x, predictive, samples, scale, link, seed, max_memory)
 
     def models(self) -> list[nn.Module]:

@@ -39,6 +39,7 @@ from posterior_fusion.errors import ConfigError, NonFiniteOutputError
 from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.runtime import release_freed_memory
 
 if TYPE_CHECKING:
@@ -333,11 +334,12 @@ def sampled_link(mean: torch.Tensor, cov: torch.Tensor, samples: int, generator:
 def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, predictive: str = "map",
             precisions: Sequence[Precision] | None = None, weights: torch.Tensor | None = None, samples: int = 30,
             scale: float = 1.0, link: str = "probit", seed: int = 0,
-            max_memory: int | str | None = None) -> torch.Tensor:
+            max_memory: int | str | None = None, pooling: Pooling = AVERAGE) -> torch.Tensor:
     """Predictive class probabilities ``(n, classes)`` of the mixture over modes (see module doc).
 
     ``precisions[k]`` is ``Λ*_k`` (a :class:`Precision`, not raw curvature); ``weights`` the
-    mode weights ``π`` (default uniform)."""
+    mode weights ``π`` (default uniform); ``pooling`` how the members' predictions combine
+    (:mod:`posterior_fusion.pooling`; default the π-weighted average)."""
     _check(predictive, precisions, scale)
     if link not in LINKS:
         raise ConfigError(f"unknown link {link!r}; use one of {', '.join(LINKS)}")
@@ -345,18 +347,19 @@ def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, p
     K = len(members)
     pi = torch.full((K,), 1.0 / K, dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
-    out = torch.zeros(x.shape[0], spec.num_classes, dtype=torch.float64)
-    for k, w in enumerate(members):
-        if predictive == "map":
-            p = torch.softmax(batched_logits(spec, w[None], x)[0].double(), -1)
-        elif predictive == "mc":
-            W = w.double() + math.sqrt(scale) * precisions[k].sample(samples, gen).double()
-            p = torch.softmax(batched_logits(spec, W, x).double(), -1).mean(0)
-        else:
-            mean, cov = LOGIT_MOMENTS[predictive](spec, w, precisions[k], x, scale, max_memory=max_memory)
-            p = probit(mean, cov) if link == "probit" else sampled_link(mean, cov, samples, gen)
-        out += pi[k] * p
-    return out.float()
+
+    def member_probs():
+        for k, w in enumerate(members):
+            if predictive == "map":
+                yield torch.softmax(batched_logits(spec, w[None], x)[0].double(), -1)
+            elif predictive == "mc":
+                W = w.double() + math.sqrt(scale) * precisions[k].sample(samples, gen).double()
+                yield torch.softmax(batched_logits(spec, W, x).double(), -1).mean(0)
+            else:
+                mean, cov = LOGIT_MOMENTS[predictive](spec, w, precisions[k], x, scale, max_memory=max_memory)
+                yield probit(mean, cov) if link == "probit" else sampled_link(mean, cov, samples, gen)
+
+    return pooling.combine(member_probs(), pi).float()
 
 
 def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[str, str | float]) -> None:

@@ -3,6 +3,7 @@ Monte-Carlo, probit, and the uncertainty metrics against hand-computed and libra
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -16,7 +17,7 @@ import posterior_fusion
 from posterior_fusion.artifact import write_global_artifact
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
-from posterior_fusion.data.silo import SiloData, write_silo
+from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.fusion import FusionOptions
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings
 from posterior_fusion.fusion.mode_laplace import (
@@ -505,3 +506,26 @@ def test_structured_glm_batches_fit_the_memory_budget():
     a = structured_moments(spec, w, prec, x)
     b = structured_moments(spec, w, prec, x, batch_size=2)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # the batches do not change the numbers (float32 forward)
+
+
+def test_evaluate_map_weighs_the_modes_as_the_artifact_says(fused):
+    """`evaluate --predictive map` scores Σ_k π_k softmax(f_k) with the stored mode weights (it once
+    averaged the modes uniformly whatever `mode_weights` said)."""
+    folder = fused
+    g = posterior_fusion.load(folder / "g_laplace.h5")
+    pi = g.mode_weights
+    data = read_silo(folder / "test.h5")
+    x, y = data.tensors()
+    from posterior_fusion.models.functional import batched_logits
+
+    probs = torch.softmax(batched_logits(g.model_spec, torch.stack(list(g.members)), x).double(), -1)
+    mixture = torch.einsum("k,knc->nc", pi, probs)
+    nll = -mixture.gather(1, y[:, None]).log().mean().item()
+    r = CliRunner().invoke(pfuse, ["evaluate", str(folder / "g_laplace.h5"), "--data", str(folder / "test.h5"),
+                                   "--json"])
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    out = out[0] if isinstance(out, list) else out
+    assert out["nll"] == pytest.approx(nll, rel=1e-5)
+    uniform = -probs.mean(0).gather(1, y[:, None]).log().mean().item()
+    assert abs(uniform - nll) > 1e-6   # the weights matter here

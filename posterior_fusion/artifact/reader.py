@@ -195,8 +195,8 @@ def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[Co
     return comps
 
 
-def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout,
-                 meta: dict) -> tuple[int, list[tuple[BlockRecord, ...]] | None]:
+def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict,
+                 num_classes: int) -> tuple[int, list[tuple[BlockRecord, ...]] | None]:
     """Phase 1 for a global artifact: members and, if present, each member's Laplace curvature."""
     n = meta.get("num_members")
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= schema.MAX_MEMBERS:
@@ -223,7 +223,7 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout,
         raise chk.bad_schema(bad, "members do not match metadata num_members and their curvature headers")
     for i in range(n):
         chk.dataset(f, f"/members/{i}/weights", (layout.dim,))
-    check_global_metadata(meta, n, with_curvature)
+    check_global_metadata(meta, n, with_curvature, num_classes)
     return n, records
 
 
@@ -240,9 +240,9 @@ def _blocks(chk: _Checker, f: h5py.File, base: str, records: tuple[BlockRecord, 
     return BlockDiag(parts)
 
 
-def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout,
-            meta: dict) -> tuple[list[torch.Tensor], list[BlockDiag] | None]:
-    n, records = _global_plan(chk, f, layout, meta)
+def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict,
+            num_classes: int) -> tuple[list[torch.Tensor], list[BlockDiag] | None]:
+    n, records = _global_plan(chk, f, layout, meta, num_classes)
     members = [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
     if records is None:
         return members, None
@@ -284,12 +284,12 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
         kind, spec, layout, meta = _header(chk, f)
         plan = _client_plan(chk, f, spec, layout, meta) if kind == schema.KIND_CLIENT else None
         if kind != schema.KIND_CLIENT:
-            _global_plan(chk, f, layout, meta)
+            _global_plan(chk, f, layout, meta, spec.num_classes)
         budget.require(2 * _data_bytes(chk, f, kind), f"loading {path}", max_memory)
         if plan is not None:
             comps = _client(chk, f, *plan)
         else:
-            members, precisions = _global(chk, f, layout, meta)
+            members, precisions = _global(chk, f, layout, meta, spec.num_classes)
         sha = open_file_sha256(f)  # the bytes that were validated, through the same open file
     if kind == schema.KIND_CLIENT:
         return ClientPosterior(str(path), sha, spec, layout, frozen_mapping(meta), tuple(comps))

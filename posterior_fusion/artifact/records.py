@@ -16,7 +16,9 @@ from typing import Any
 from posterior_fusion.artifact import schema
 from posterior_fusion.artifact.blocks import ENCODINGS, BlockValueError
 from posterior_fusion.artifact.jsonattr import HeaderProblem, _is_int, _is_number, parse_json  # noqa: F401 (re-exported)
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.pooling import Pooling
 
 
 def number_in(where: str, name: str, value: Any, lo: float, hi: float, integer: bool = False) -> float | int:
@@ -141,9 +143,18 @@ class ComponentRecord:
         return {f"{base}/{j}/{name}": shape for j, b in enumerate(self.blocks) for name, shape in b.datasets.items()}
 
 
-def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature: bool) -> None:
+def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature: bool, num_classes: int) -> None:
     """The typed fields of a global artifact's metadata: ``mode_weights`` (``num_members``
-    probabilities summing to 1) and, with curvature, ``laplace.prior_precision`` in range."""
+    probabilities summing to 1), ``pooling`` (:func:`parse_pooling`) and, with curvature,
+    ``laplace.prior_precision`` in range."""
+    if "pooling" in meta:
+        try:
+            pooling = Pooling.from_metadata(meta["pooling"], num_members, num_classes)
+        except ConfigError as exc:
+            raise HeaderProblem("/", str(exc)) from None
+        if pooling.rule != "average" and has_curvature:
+            raise HeaderProblem("/", f"metadata field 'pooling': {pooling.rule} pools client members; "
+                                     "it does not apply to members with a Laplace posterior")
     weights = meta.get("mode_weights")
     if weights is not None:
         if (not isinstance(weights, list) or len(weights) != num_members or not all(_is_number(w) for w in weights)

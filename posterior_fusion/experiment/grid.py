@@ -38,7 +38,6 @@ from posterior_fusion.files import write_text_atomically
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, get_method, method_settings
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.tuning import tune_fusion
-from posterior_fusion.fusion.types import FusionResult
 from posterior_fusion.local.config import FitConfig, TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_silo_file, library_versions
 from posterior_fusion.local.init import initial_weights
@@ -308,11 +307,12 @@ def fuse_result(cfg: ExperimentConfig, cell: Cell, structure: str, ckey: str, jo
         return None
     if job.distill and not get_method(method).distils:
         t0 = time.perf_counter()
-        w, _ = distill_members(cfg.spec, res.members, unlabeled.inputs(), DistillConfig(), cell.seed,
-                                  show_progress=False)
-        res = FusionResult([w], res.info)
+        w, record = distill_members(cfg.spec, res.members, unlabeled.inputs(), DistillConfig(), cell.seed,
+                                    show_progress=False, weights=res.mode_weights,
+                                    pooling=res.pooling(cfg.spec.num_classes))
+        res = res.distilled(w, record)
         meta = {**meta, "fuse_seconds": meta["fuse_seconds"] + time.perf_counter() - t0}
-    m = evaluate_members(cfg.spec, res.members, test)
+    m = evaluate_members(cfg.spec, res.members, test, weights=res.mode_weights, pooling=res.pooling(cfg.spec.num_classes))
     row = {**base, "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "brier": m["brier"],
            "members": len(res.members), "fuse_seconds": meta["fuse_seconds"], "tuning": meta.get("tuning", {}).get("chosen")}
     write_json(rpath, row)

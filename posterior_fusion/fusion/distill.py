@@ -20,6 +20,7 @@ from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.optimise import MomentumSGD
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.progress import progress
 
 
@@ -59,11 +60,14 @@ def collects(step: int, cfg: DistillConfig) -> bool:
 
 
 def soft_labels(spec: ModelSpec, teachers: torch.Tensor, x: torch.Tensor, sharpen: float = 2.0,
-                chunk: int = 1024) -> torch.Tensor:
-    """Sharpened mean softmax of the teachers ``(K, d)`` on ``x`` ``(n, ...)``: ``(n, classes)``."""
+                chunk: int = 1024, weights: torch.Tensor | None = None,
+                pooling: Pooling = AVERAGE) -> torch.Tensor:
+    """Sharpened prediction of the teachers ``(K, d)`` on ``x`` ``(n, ...)``: ``(n, classes)`` — their
+    softmax combined as their artifact would predict (``pooling``; by default the mean, weighted by
+    ``weights`` ``(K,)`` when given)."""
     parts = []
     for i in range(0, x.shape[0], chunk):
-        p = torch.softmax(batched_logits(spec, teachers, x[i : i + chunk]), -1).mean(0)
+        p = pooling.combine(torch.softmax(batched_logits(spec, teachers, x[i : i + chunk]), -1), weights).float()
         p = p.pow(sharpen)
         parts.append(p / p.sum(-1, keepdim=True))
     return torch.cat(parts)
@@ -118,8 +122,10 @@ def fit_to_soft_labels(spec: ModelSpec, candidates: torch.Tensor, x: torch.Tenso
 
 
 def distill_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor, cfg: DistillConfig | None = None,
-                    seed: int = 0, show_progress: bool = True) -> tuple[torch.Tensor, dict]:
-    """Any ensemble (``pfuse fuse --distill``): its members ``(d,)`` as teachers.
+                    seed: int = 0, show_progress: bool = True, weights: torch.Tensor | None = None,
+                    pooling: Pooling = AVERAGE) -> tuple[torch.Tensor, dict]:
+    """Any ensemble (``pfuse fuse --distill``): its members ``(d,)`` as teachers, their prediction
+    combined by ``pooling`` with mixture ``weights`` (:func:`soft_labels`).
 
     The student starts from whichever of {the members' mean, each member} agrees most often with
     the teachers' top class on ``x`` (ties: the lower cross-entropy to their sharpened soft
@@ -132,7 +138,7 @@ def distill_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tenso
     cfg.validate()
     teachers = torch.stack([m.float() for m in members])
     candidates = torch.cat([teachers.mean(0, keepdim=True), teachers])
-    targets = soft_labels(spec, teachers, x, cfg.sharpen)
+    targets = soft_labels(spec, teachers, x, cfg.sharpen, weights=weights, pooling=pooling)
     agree, ce = fit_to_soft_labels(spec, candidates, x, targets)
     best = min(range(candidates.shape[0]), key=lambda i: (-float(agree[i]), float(ce[i])))
     w, record = distill(spec, teachers, candidates[best], x, cfg, torch.Generator().manual_seed(seed), show_progress,

@@ -83,8 +83,11 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     if distill is not None and not get_method(method).distils:  # a distilling method does it with this schedule
         log(f"distilling {len(result.members)} members into one model on {len(unlabeled)} unlabeled inputs")
         w, record = distill_members(inputs.spec, result.members, unlabeled.inputs(), distill,
-                                    options.sampling_seed, options.progress)
-        result = FusionResult([w], {**result.info, "distill": record})
+                                    options.sampling_seed, options.progress, result.mode_weights,
+                                    result.pooling(inputs.spec.num_classes))
+        result = result.distilled(w, record)
+        for key in FusionResult.COMBINATION_KEYS:  # they described the teachers
+            metadata.pop(key, None)
         metadata["distill"] = {**record, "file": str(unlabeled_path), "sha256": unlabeled.sha256()}
     metadata["memory_estimate_bytes"] = need
     if val is not None:

@@ -47,7 +47,8 @@ def tune_fusion(clients: list[ClientPosterior], method: str, options: FusionOpti
     table, best = [], None
     for t, pv in itertools.product(ts, pvs):
         run = fuse_clients(clients, method, replace(options, temperature=t, prior_var=pv), settings, val)
-        m = evaluate_members(run[0].spec, run[1].members, val)
+        m = evaluate_members(run[0].spec, run[1].members, val, weights=run[1].mode_weights,
+                             pooling=run[1].pooling(run[0].spec.num_classes))
         row = {"temperature": t, "prior_var": pv, "val_accuracy": m["accuracy"], "val_nll": m["nll"]}
         table.append(row)
         log(f"tune: T={t} prior_var={pv}: val accuracy {m['accuracy']:.4f} NLL {m['nll']:.4f}")

@@ -16,6 +16,7 @@ from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.pooling import AVERAGE, Pooling
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,26 @@ class FusionResult:
     members: list[torch.Tensor]
     info: dict[str, Any] = field(default_factory=dict)
     curvatures: list[BlockDiag] | None = None  # raw Laplace curvature per member (precision = curvature + λ0 I)
+
+    # info fields indexed by member: how the members' predictions combine (they go with the members)
+    COMBINATION_KEYS = ("mode_weights", "pooling")
+
+    @property
+    def mode_weights(self) -> torch.Tensor | None:
+        """The mixture weights π ``(K,)`` the method stored, else ``None`` (uniform)."""
+        w = self.info.get("mode_weights")
+        return None if w is None else torch.tensor(w, dtype=torch.float64)
+
+    def pooling(self, num_classes: int) -> Pooling:
+        """How the members' predictions combine (:mod:`posterior_fusion.pooling`)."""
+        raw = self.info.get("pooling")
+        return AVERAGE if raw is None else Pooling.from_metadata(raw, len(self.members), num_classes)
+
+    def distilled(self, w: torch.Tensor, record: dict[str, Any]) -> FusionResult:
+        """The result once its members are distilled into the one model ``w`` ``(d,)``: the
+        members' combination fields leave with them, the distillation ``record`` is added."""
+        info = {k: v for k, v in self.info.items() if k not in self.COMBINATION_KEYS}
+        return FusionResult([w], {**info, "distill": record})
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,46 @@
-"""The plain ensemble: every component of every client as a member (prediction averaging)."""
+"""The client ensemble: every component of every client as a member.
+
+Its prediction is the plain average of the members (``pooling = "average"``), or, with
+``pooling = "label-shift"``, the clients' predictives pooled under label shift from the class
+counts their artifacts record (:mod:`posterior_fusion.pooling`): same members, same serving cost.
+"""
 
 from __future__ import annotations
 
-from posterior_fusion.fusion.settings import MethodSettings
+from dataclasses import dataclass
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.pooling import MAX_ITERATIONS, POOLINGS, SMOOTHING_RANGE, Pooling, client_groups
 
 
-def ensemble(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
-    return FusionResult([comp.map.float().clone() for c in inputs.clients for comp in c.components])
+@dataclass(frozen=True)
+class EnsembleSettings(MethodSettings):
+    pooling: str = setting("average", "How the members' predictions combine: average (the mean of all C x M "
+                                      "members), or label-shift (each client's members averaged, the clients pooled "
+                                      "class by class from their recorded class counts; docs/methods.md).")
+    smoothing: float = setting(0.5, "label-shift: s added to every class count (client and global label priors, "
+                                    "the clients' weights per class).", bounds=SMOOTHING_RANGE)
+    iterations: int = setting(100, "label-shift: the fixed point's rounds at most (it stops once no probability "
+                                   "moves by 1e-7).", bounds=(1, MAX_ITERATIONS))
+
+    def validate(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"setting pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
 
 
-METHOD = FusionMethod("ensemble", ensemble, MethodSettings,
-                      "all C x M client models averaged (serving cost C x M models)",
+def ensemble(inputs: FusionInputs, settings: EnsembleSettings) -> FusionResult:
+    members = [comp.map.float().clone() for c in inputs.clients for comp in c.components]
+    if settings.pooling == "average":
+        return FusionResult(members)
+    pooling = Pooling(settings.pooling, client_groups([c.num_components for c in inputs.clients]),
+                      tuple(tuple(int(n) for n in c.metadata["class_counts"]) for c in inputs.clients),
+                      settings.smoothing, settings.iterations)
+    pooling.validate(len(members), inputs.spec.num_classes)
+    return FusionResult(members, {"pooling": pooling.to_metadata()})
+
+
+METHOD = FusionMethod("ensemble", ensemble, EnsembleSettings,
+                      "all C x M client models, averaged or pooled under label shift (serving cost C x M models)",
                       members=lambda settings, size: size.clients * size.components)

@@ -1,0 +1,170 @@
+"""Pooling of the client ensemble under label shift (``ensemble --set pooling=label-shift``):
+against the exact Bayes posteriors of a model with known class conditionals, the closed form
+it reduces to, the streamed combination, the artifact round trip and refused metadata."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import fit_split
+
+import posterior_fusion
+from posterior_fusion.artifact.writer import text_attr
+from posterior_fusion.cli.main import pfuse
+from posterior_fusion.data.silo import SiloData, read_silo, write_silo
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.pooling import Pooling, client_groups, label_shift_pool
+
+
+def gaussian_world(gen: torch.Generator, counts: torch.Tensor, n: int = 400):
+    """Three classes with known 2-D Gaussian class conditionals (unit covariance), clients with the
+    label priors ``counts / counts.sum(1)``: the clients' exact Bayes posteriors ``(C, n, 3)`` and the
+    global (pooled-prior) posterior ``(n, 3)`` at ``n`` points, all float64."""
+    means = torch.tensor([[0.0, 0.0], [2.0, 0.5], [0.5, 2.5]], dtype=torch.float64)
+    x = 3 * torch.rand(n, 2, generator=gen, dtype=torch.float64) - 0.5
+    log_lik = -0.5 * ((x[:, None, :] - means[None]) ** 2).sum(-1)              # log p(x|y) + const
+    prior_c = counts / counts.sum(1, keepdim=True)
+    clients = torch.softmax(log_lik[None] + prior_c.log()[:, None, :], -1)
+    prior = counts.sum(0) / counts.sum()
+    return clients, torch.softmax(log_lik + prior.log(), -1)
+
+
+def test_exact_client_posteriors_give_the_exact_global_posterior():
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([[5000.0, 300.0, 20.0], [100.0, 4000.0, 900.0], [700.0, 50.0, 3000.0]])
+    clients, truth = gaussian_world(gen, counts)
+    pooled = label_shift_pool(clients, counts, smoothing=1e-6)
+    assert (pooled - truth).abs().max() < 1e-6
+    # the plain average of the clients is far from it (what the test would catch)
+    assert (clients.mean(0) - truth).abs().max() > 0.05
+
+
+def test_identical_label_priors_reduce_to_the_normalised_geometric_mean():
+    gen = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(4, 50, 5, generator=gen, dtype=torch.float64), -1)
+    counts = torch.full((4, 5), 37.0)
+    geo = torch.softmax(p.log().mean(0), -1)                  # every a_c(x) is the same, so it cancels
+    assert torch.allclose(label_shift_pool(p, counts), geo, atol=1e-12)
+
+
+def test_a_client_without_a_class_has_almost_no_say_on_it():
+    # client 1 never saw class 2: how small it makes that class barely matters to the pool
+    counts = torch.tensor([[100.0, 100.0, 1000.0], [1000.0, 1000.0, 0.0]])
+    pooled, geometric = [], []
+    for tiny in (1e-9, 1e-3):
+        p = torch.tensor([[[0.1, 0.1, 0.8]], [[0.5, 0.5 - tiny, tiny]]], dtype=torch.float64)
+        pooled.append(label_shift_pool(p, counts)[0, 2])
+        geometric.append(torch.softmax(p.log().mean(0), -1)[0, 2])
+    assert abs(pooled[1] / pooled[0] - 1) < 0.05 and geometric[1] / geometric[0] > 100
+
+
+def test_the_streamed_combination_equals_the_batched_pool():
+    gen = torch.Generator().manual_seed(2)
+    members = torch.softmax(torch.randn(7, 30, 4, generator=gen, dtype=torch.float64), -1)
+    groups = client_groups([2, 3, 2])
+    counts = ((10, 0, 5, 40), (3, 3, 3, 3), (100, 1, 0, 2))
+    pooling = Pooling("label-shift", groups, counts, 0.5, 100)
+    pooling.validate(7, 4)
+    per_client = torch.stack([members[[k for k, g in enumerate(groups) if g == c]].mean(0) for c in range(3)])
+    expected = label_shift_pool(per_client, torch.tensor(counts, dtype=torch.float64), 0.5)
+    assert torch.allclose(pooling.combine(iter(members)), expected, atol=1e-12)
+    w = torch.tensor([0.1, 0.2, 0.3, 0.1, 0.1, 0.1, 0.1], dtype=torch.float64)
+    assert torch.allclose(Pooling().combine(members, w), torch.einsum("k,knc->nc", w, members), atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [{"rule": "product"}, {"rule": "average", "groups": [0]},
+                                 {"groups": [0, 1, 5]}, {"groups": [0, 0, 0]}, {"groups": [0, 1, True]},
+                                 {"class_counts": [[1, 2], [3, 4]]}, {"class_counts": [[1, 2, -3], [1, 1, 1]]},
+                                 {"class_counts": [[1, 2, 10**12], [1, 1, 1]]}, {"smoothing": 0},
+                                 {"smoothing": float("nan")}, {"iterations": 10**6}, {"iterations": 2.5},
+                                 {"extra": 1}])
+def test_malformed_pooling_metadata_is_refused(bad):
+    raw = {"rule": "label-shift", "groups": [0, 1, 1], "class_counts": [[1, 2, 3], [4, 5, 6]], "smoothing": 0.5,
+           "iterations": 10}
+    Pooling.from_metadata(raw, 3, 3)  # the unmodified record is accepted
+    with pytest.raises(ConfigError, match="pooling"):
+        Pooling.from_metadata({**raw, **bad}, 3, 3)
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory, fmnist_train):
+    """Three MLP clients, each with two components, on label-skewed parts of the embedded subset."""
+    x, y = fmnist_train
+    folder = tmp_path_factory.mktemp("pool")
+    order = np.argsort((y[:1800] + np.arange(1800) % 3 * 3) % 10, kind="stable")   # skew: sorted by a shifted label
+    silo = SiloData(x[:1800][order], y[:1800][order], "fmnist", 10)
+    paths = fit_split(folder, silo, 3, 600, "diag", mixtures=2, epochs=2)
+    write_silo(folder / "test.h5", SiloData(x[3000:3400], y[3000:3400], "fmnist", 10))
+    for pooling in ("average", "label-shift"):
+        r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--set", f"pooling={pooling}",
+                                       "--out", str(folder / f"{pooling}.h5")])
+        assert r.exit_code == 0, r.stderr
+    return folder, paths
+
+
+def test_fused_label_shift_ensemble_predicts_the_pool_of_its_clients(skewed):
+    folder, paths = skewed
+    clients = [posterior_fusion.load(p) for p in paths]
+    g = posterior_fusion.load(folder / "label-shift.h5")
+    assert g.metadata["pooling"]["groups"] == [0, 0, 1, 1, 2, 2]
+    assert g.metadata["pooling"]["class_counts"] == [list(c.metadata["class_counts"]) for c in clients]
+    test = read_silo(folder / "test.h5")
+    x = test.inputs()
+    per_client = torch.stack([c.predict(x, raw=True).double() for c in clients])     # each client's own average
+    counts = torch.tensor([c.metadata["class_counts"] for c in clients], dtype=torch.float64)
+    expected = label_shift_pool(per_client, counts, 0.5)
+    assert torch.allclose(g.predict(x, raw=True).double(), expected, atol=1e-5)
+    plain = posterior_fusion.load(folder / "average.h5")
+    assert torch.allclose(plain.predict(x, raw=True).double(), per_client.mean(0), atol=1e-5)
+    assert (g.predict(x, raw=True) - plain.predict(x, raw=True)).abs().max() > 1e-3   # the two rules differ here
+    r = CliRunner().invoke(pfuse, ["evaluate", str(folder / "label-shift.h5"), "--data", str(folder / "test.h5"),
+                                   "--json"])
+    assert r.exit_code == 0, r.stderr
+    reported = json.loads(r.stdout)
+    reported = reported[0] if isinstance(reported, list) else reported
+    y = torch.as_tensor(test.y)
+    nll = -expected.gather(1, y[:, None].long()).clamp_min(1e-12).log().mean().item()
+    assert reported["nll"] == pytest.approx(nll, rel=1e-4)
+
+
+def test_a_distilled_label_shift_ensemble_keeps_no_pooling(skewed, tmp_path):
+    folder, paths = skewed
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--set", "pooling=label-shift",
+                                   "--distill", "--unlabeled", str(folder / "test.h5"), "--distill-epochs", "1",
+                                   "--out", str(tmp_path / "d.h5")])
+    assert r.exit_code == 0, r.stderr
+    g = posterior_fusion.load(tmp_path / "d.h5")
+    assert len(g.members) == 1 and "pooling" not in g.metadata and g.metadata["distill"]["teachers"] == 6
+
+
+@pytest.mark.parametrize("change", ["groups", "counts", "curvature"])
+def test_tampered_pooling_is_one_line_exit_2(skewed, tmp_path, change):
+    folder, paths = skewed
+    if change == "curvature":  # a fedbens artifact (with a Laplace posterior) claiming client pooling
+        g = tmp_path / "g.h5"
+        assert CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--set", "steps=2", "--set", "modes=2",
+                                          "--out", str(g)]).exit_code == 0
+        pooling = {"rule": "label-shift", "groups": [0, 1], "class_counts": [[1] * 10, [2] * 10], "smoothing": 0.5,
+                   "iterations": 10}
+    else:
+        g = tmp_path / "g.h5"
+        g.write_bytes((folder / "label-shift.h5").read_bytes())
+        with h5py.File(g, "r") as f:
+            pooling = json.loads(bytes(f.attrs["metadata"]).decode())["pooling"]
+        if change == "groups":
+            pooling["groups"][0] = 7
+        else:
+            pooling["class_counts"][1] = pooling["class_counts"][1][:9]
+    with h5py.File(g, "r+") as f:
+        meta = json.loads(bytes(f.attrs["metadata"]).decode())
+        meta["pooling"] = pooling
+        f.attrs["metadata"] = text_attr(json.dumps(meta))
+    r = CliRunner().invoke(pfuse, ["evaluate", str(g), "--data", str(folder / "test.h5")])
+    assert r.exit_code == 2
+    lines = [s for s in r.stderr.strip().splitlines() if s]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "pooling" in lines[0] and str(g) in lines[0]
