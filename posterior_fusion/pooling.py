@@ -27,19 +27,16 @@ Shapes: member probabilities ``(K, n, classes)``; the result ``(n, classes)`` (f
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 
 POOLINGS = ("average", "label-shift")
-SMOOTHING_RANGE = (1e-6, 1e6)
-MAX_ITERATIONS = 1000
-MAX_COUNT = 10**9  # examples per class and client (the artifacts' n_data cap)
 TOLERANCE = 1e-7
 
 
@@ -64,11 +61,8 @@ class Pooling:
             raise ConfigError(f"{self.where}: unknown pooling {self.rule!r}; use one of {', '.join(POOLINGS)}")
         if self.rule == "average":
             return
-        lo, hi = SMOOTHING_RANGE
-        if not lo <= self.smoothing <= hi:
-            raise ConfigError(f"{self.where}: smoothing must lie in [{lo:g}, {hi:g}], got {self.smoothing}")
-        if not 1 <= self.iterations <= MAX_ITERATIONS:
-            raise ConfigError(f"{self.where}: iterations must lie in [1, {MAX_ITERATIONS}], got {self.iterations}")
+        ranges.check(f"{self.where}: smoothing", self.smoothing, ranges.POOLING_SMOOTHING)
+        ranges.check(f"{self.where}: iterations", self.iterations, ranges.POOLING_ITERATIONS)
         clients = len(self.class_counts)
         if len(self.groups) != num_members or not all(0 <= g < clients for g in self.groups):
             raise ConfigError(f"{self.where}: groups must name a client in [0, {clients}) for each of the "
@@ -99,11 +93,10 @@ class Pooling:
         if (not isinstance(counts, list) or not 1 <= len(counts) <= num_members
                 or not all(isinstance(r, list) and len(r) == num_classes and all(map(_is_int, r)) for r in counts)):
             raise ConfigError(f"{where}: class_counts must hold 1 to {num_members} rows of {num_classes} integers")
-        if max(max(r) for r in counts) > MAX_COUNT:
-            raise ConfigError(f"{where}: a class count exceeds {MAX_COUNT:g}")
+        if max(max(r) for r in counts) > ranges.N_DATA[1]:
+            raise ConfigError(f"{where}: a class count exceeds {ranges.N_DATA[1]:g}")
         smoothing, iterations = raw["smoothing"], raw["iterations"]
-        if not (isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and math.isfinite(smoothing)):
-            raise ConfigError(f"{where}: smoothing must be a finite number")
+        ranges.check(f"{where}: smoothing", smoothing, ranges.POOLING_SMOOTHING)
         if not _is_int(iterations):
             raise ConfigError(f"{where}: iterations must be an integer")
         out = cls(raw["rule"], tuple(groups), tuple(tuple(r) for r in counts), float(smoothing), iterations, where)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
-from posterior_fusion.pooling import MAX_ITERATIONS, POOLINGS, SMOOTHING_RANGE, Pooling, client_groups
+from posterior_fusion.pooling import POOLINGS, Pooling, client_groups
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,9 @@ class EnsembleSettings(MethodSettings):
                                       "members), or label-shift (each client's members averaged, the clients pooled "
                                       "class by class from their recorded class counts; docs/methods.md).")
     smoothing: float = setting(0.5, "label-shift: s added to every class count (client and global label priors, "
-                                    "the clients' weights per class).", bounds=SMOOTHING_RANGE)
+                                    "the clients' weights per class).", bounds=ranges.POOLING_SMOOTHING)
     iterations: int = setting(100, "label-shift: the fixed point's rounds at most (it stops once no probability "
-                                   "moves by 1e-7).", bounds=(1, MAX_ITERATIONS))
+                                   "moves by 1e-7).", bounds=ranges.POOLING_ITERATIONS)
 
     def validate(self) -> None:
         if self.pooling not in POOLINGS:
