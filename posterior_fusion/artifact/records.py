@@ -145,7 +145,7 @@ class ComponentRecord:
 
 def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature: bool, num_classes: int) -> None:
     """The typed fields of a global artifact's metadata: ``mode_weights`` (``num_members``
-    probabilities summing to 1), ``pooling`` (:func:`parse_pooling`) and, with curvature,
+    probabilities summing to 1), ``pooling`` (:meth:`Pooling.from_metadata`) and, with curvature,
     ``laplace.prior_precision`` in range."""
     if "pooling" in meta:
         try:
