@@ -168,3 +168,15 @@ def test_tampered_pooling_is_one_line_exit_2(skewed, tmp_path, change):
     assert r.exit_code == 2
     lines = [s for s in r.stderr.strip().splitlines() if s]
     assert len(lines) == 1 and lines[0].startswith("error:") and "pooling" in lines[0] and str(g) in lines[0]
+
+
+def test_a_distilled_fedbens_mixture_reads_back(skewed, tmp_path):
+    """fedbens stores per-mode weights; distilled into one model they leave with the modes (the file
+    once kept them beside one member, and the reader's length check refused it)."""
+    folder, paths = skewed
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--set", "steps=2", "--set", "modes=2",
+                                   "--distill", "--unlabeled", str(folder / "test.h5"), "--distill-epochs", "1",
+                                   "--out", str(tmp_path / "d.h5")])
+    assert r.exit_code == 0, r.stderr
+    g = posterior_fusion.load(tmp_path / "d.h5")
+    assert len(g.members) == 1 and "mode_weights" not in g.metadata and g.metadata["distill"]["teachers"] == 2
