@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from posterior_fusion import ranges
+from posterior_fusion.artifact.jsonattr import _is_int
 from posterior_fusion.errors import ConfigError
 
 POOLINGS = ("average", "label-shift")
@@ -150,10 +151,6 @@ def label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smo
         if moved < TOLERANCE:
             break
     return q
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def client_groups(members_per_client: Sequence[int]) -> tuple[int, ...]:

@@ -172,13 +172,15 @@ def split_half(F: torch.Tensor, budget: float, floor: float | None = None,
     if r == 0:
         return None
 
-    def error(k: int) -> float:
-        return stored_error(F, joined(U[:, :k], U[:, k:].half()).to(F.dtype), lam, sigma, floor, eig)
+    passed: dict[int, float] = {}  # k -> its stored form's error, for every k that met both bounds
 
     def passes(k: int) -> bool:
         stored = joined(U[:, :k], U[:, k:].half()).to(F.dtype)
-        return (stored_error(F, stored, lam, sigma, floor, eig) <= budget
-                and stored_error(F, stored, lam, sigma, floor, eig, reference=U) <= ROUNDING_SHARE * budget)
+        err = stored_error(F, stored, lam, sigma, floor, eig)
+        if err <= budget and stored_error(F, stored, lam, sigma, floor, eig, reference=U) <= ROUNDING_SHARE * budget:
+            passed[k] = err
+            return True
+        return False
 
     lo, hi = 0, r  # k = r is the truncation's own form, within HALF_SHARE · budget
     step = 0
@@ -196,7 +198,7 @@ def split_half(F: torch.Tensor, budget: float, floor: float | None = None,
             lo = mid + 1
     if lo == r:
         return None
-    return U[:, :lo], U[:, lo:].half(), lam, sigma, error(lo)
+    return U[:, :lo], U[:, lo:].half(), lam, sigma, passed[lo]  # lo < r was the last k that passed
 
 
 def rebuild(U: torch.Tensor, lam: torch.Tensor, sigma: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

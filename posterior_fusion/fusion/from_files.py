@@ -85,9 +85,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
         w, record = distill_members(inputs.spec, result.members, unlabeled.inputs(), distill,
                                     options.sampling_seed, options.progress, result.mode_weights,
                                     result.pooling(inputs.spec.num_classes))
-        result = result.distilled(w, record)
-        for key in FusionResult.COMBINATION_KEYS:  # they described the teachers
-            metadata.pop(key, None)
+        teachers, result = result, result.distilled(w, record)
+        # the method's own fields follow the result: those that described the teachers leave with them
+        metadata = {**{k: v for k, v in metadata.items() if k not in teachers.info}, **result.info}
         metadata["distill"] = {**record, "file": str(unlabeled_path), "sha256": unlabeled.sha256()}
     metadata["memory_estimate_bytes"] = need
     if val is not None:
