@@ -4,6 +4,10 @@ factor formed: the floor any exact-GGN capture pays) and the whole capture, exac
 
     PFUSE_PROGRESS=0 .venv/bin/python benchmarks/capture_floor.py --width 16 --n 512 --threads 1
 
+``--dtypes float32,bfloat16``: the passes and captures (expand and reduce) in both arithmetics
+(``capture_dtype``), side by side in one process, beside a bfloat16-autocast SGD epoch for scale;
+every ratio is ÷ the float32 epoch.
+
 Process CPU time, the best of ``--rounds``; random images (the costs do not depend on the values).
 """
 
@@ -37,8 +41,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="curvature batch (the epoch uses 64)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtypes", default="float32", help="capture_dtype values to compare (default float32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    dtypes = {"float32": None, "bfloat16": torch.bfloat16}
+    chosen = args.dtypes.split(",")
     torch.set_num_threads(args.threads)
     spec = ModelSpec("resnet20", {"in_channels": args.channels, "width": args.width, "num_classes": 10})
     model = spec.build()
@@ -46,13 +53,15 @@ def main() -> None:
     x = torch.randn(args.n, args.channels, args.side, args.side, generator=g)
     y = torch.randint(0, 10, (args.n,), generator=g)
 
-    def epoch():
+    def epoch(low: torch.dtype | None = None):
         m = spec.build()
         m.load_state_dict(model.state_dict())
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         for i in range(0, args.n, 64):
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(m(x[i : i + 64]), y[i : i + 64]).backward()
+            with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+                loss = torch.nn.functional.cross_entropy(m(x[i : i + 64]), y[i : i + 64])
+            loss.backward()
             opt.step()
 
     def forward():
@@ -60,23 +69,31 @@ def main() -> None:
             for i in range(0, args.n, args.batch):
                 model(x[i : i + args.batch])
 
-    def passes(ggn):
+    def passes(ggn, low=None):
         layers = fc._layers(model)
         gen = torch.Generator().manual_seed(0)
         with fc._no_param_grads(model):
             for i in range(0, args.n, args.batch):
-                fc._batch_pass(model, layers, x[i : i + args.batch], ggn, gen, lambda r, inputs, grads: None)
+                fc._batch_pass(model, layers, x[i : i + args.batch], ggn, gen, lambda r, inputs, grads: None, low)
 
-    def capture(ggn):
-        fc.fast_kron(model, x, y, args.batch, ggn, torch.Generator().manual_seed(0), kfac="expand")
+    def capture(ggn, low=None, kfac="expand"):
+        fc.fast_kron(model, x, y, args.batch, ggn, torch.Generator().manual_seed(0), kfac=kfac, compute_dtype=low)
 
     epoch()  # warm-up
     e = best(epoch, args.rounds)
     row = {"width": args.width, "n": args.n, "threads": args.threads, "epoch_s": round(e, 3),
            "forward_epochs": round(best(forward, args.rounds) / e, 2)}
+    if "bfloat16" in chosen:
+        row["bfloat16_epoch_epochs"] = round(best(lambda: epoch(torch.bfloat16), args.rounds) / e, 2)
     for ggn in ("exact", "mc"):
-        row[f"passes_{ggn}_epochs"] = round(best(lambda g=ggn: passes(g), args.rounds) / e, 2)
-        row[f"expand_{ggn}_epochs"] = round(best(lambda g=ggn: capture(g), args.rounds) / e, 2)
+        for name in chosen:
+            tag = "" if name == "float32" else f"_{name}"
+            low = dtypes[name]
+            row[f"passes_{ggn}{tag}_epochs"] = round(best(lambda g=ggn, d=low: passes(g, d), args.rounds) / e, 2)
+            row[f"expand_{ggn}{tag}_epochs"] = round(best(lambda g=ggn, d=low: capture(g, d), args.rounds) / e, 2)
+            if len(chosen) > 1:
+                row[f"reduce_{ggn}{tag}_epochs"] = round(best(lambda g=ggn, d=low: capture(g, d, "reduce"),
+                                                              args.rounds) / e, 2)
     print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -171,11 +171,11 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 @click.option("--kfac", default=None, type=click.Choice(KFAC_TYPES),
               help="K-FAC for weight-shared layers (structure kron): expand or reduce [default: the source artifact's, "
                    "expand where it records none].")
-@lambda fn: fit_options(fn, only=("device", "compress", "compress_metric", "compress_vectors"))
+@lambda fn: fit_options(fn, only=("capture_dtype", "device", "compress", "compress_metric", "compress_vectors"))
 @max_memory_option
 @handle_errors
 def recapture_cmd(source_path, data_path, structure, at_path, damping, ggn, capture, curvature_batch_size, out, as_json,
-                  kfac, device, compress, compress_metric, compress_vectors, max_memory):
+                  kfac, capture_dtype, device, compress, compress_metric, compress_vectors, max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
@@ -188,7 +188,7 @@ def recapture_cmd(source_path, data_path, structure, at_path, damping, ggn, capt
         raise ConfigError("--damping applies to a refresh round only (--at GLOBAL)")
     damping = REFRESH_DAMPING if damping is None else check_damping(damping, "--damping")
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
-                             max_memory, log=log_to_stderr, kfac=kfac, device=device,
+                             max_memory, log=log_to_stderr, kfac=kfac, capture_dtype=capture_dtype, device=device,
                              compression=Compression(compress, compress_metric, compress_vectors),
                              at_path=at_path, damping=damping)
     if as_json:

@@ -195,11 +195,12 @@ def recapture_clients(cfg: ExperimentConfig, cell: Cell, structure: str, base_ke
                       log: Log) -> tuple[str, list[ClientPosterior]]:
     """Level 2, a further structure: the clients of ``base_key`` recaptured with ``structure`` at
     their trained MAPs (``pfuse recapture``; equal to fitting with that structure, for the cost of
-    the capture alone), with the grid's ``[fit] kfac``. Runs in this process whatever ``jobs`` says."""
+    the capture alone), with the grid's ``[fit] kfac`` and ``capture_dtype``. Runs in this process whatever
+    ``jobs`` says."""
     fit = client_fit_config(cfg, structure, cell.seed)
     kfac = fit.kfac  # in the key as in the fit fingerprint (only where not the default)
     ckey = cache_key({"recapture": base_key, "structure": structure,
-                      **{k: v for k, v in fit.fingerprint_dict().items() if k == "kfac"}})
+                      **{k: v for k, v in fit.fingerprint_dict().items() if k in ("kfac", "capture_dtype")}})
     cdir = work / "clients" / ckey
     cdir.mkdir(parents=True, exist_ok=True)
     drop_stale_fits(cdir, log)
@@ -208,7 +209,8 @@ def recapture_clients(cfg: ExperimentConfig, cell: Cell, structure: str, base_ke
     for k, i in enumerate(todo):
         log(f"  recapturing client {k + 1}/{len(todo)} ({structure} at the trained components of {base_key})")
         recapture_to_file(work / "clients" / base_key / f"post_{i}.h5", summary["clients"][i]["path"],
-                          cdir / f"post_{i}.h5", structure, log=lambda m: log("    " + m), kfac=kfac)
+                          cdir / f"post_{i}.h5", structure, log=lambda m: log("    " + m), kfac=kfac,
+                          capture_dtype=fit.capture_dtype)
     if todo:
         log(f"  recapture {structure}: {len(todo)} clients in {time.perf_counter() - t0:.0f}s")
     return ckey, [load_client(cdir / f"post_{i}.h5") for i in range(cell.clients)]

@@ -23,6 +23,24 @@ from posterior_fusion.progress import LoaderProgress
 
 GGN_TYPES = ("exact", "mc")
 CAPTURE_METHODS = ("fast", "laplace")
+CAPTURE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # the fast capture's passes: the model's type, or autocast
+
+
+def capture_dtype_problem(capture_dtype: str, method: str, model: nn.Module, example: torch.Tensor) -> str | None:
+    """Why ``capture_dtype`` cannot be honoured for ``model`` (None when it can): a type other than
+    float32 needs the fast capture (laplace-torch's backends run in the model's type)."""
+    from posterior_fusion.local.fastcapture import unsupported_reason
+
+    if capture_dtype not in CAPTURE_DTYPES:
+        return f"unknown `capture_dtype` {capture_dtype!r}; use one of {', '.join(CAPTURE_DTYPES)}"
+    if capture_dtype == "float32":
+        return None
+    if method != "fast":
+        return f"`capture_dtype` {capture_dtype} needs the fast capture (`capture` fast), not laplace-torch"
+    reason = unsupported_reason(model, example)
+    if reason is not None:
+        return f"`capture_dtype` {capture_dtype} needs the fast capture, which this model cannot use ({reason})"
+    return None
 
 
 def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str = "curvature") -> LoaderProgress:
@@ -106,14 +124,17 @@ CAPTURE = {"kron": capture_kron, "diag": capture_diag, "diag+full": capture_diag
 
 def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
             ggn: str = "exact", method: str = "fast", generator: torch.Generator | None = None,
-            log=lambda m: None, kfac: str = "expand") -> tuple[BlockDiag, str]:
+            log=lambda m: None, kfac: str = "expand", capture_dtype: str = "float32") -> tuple[BlockDiag, str]:
     """Raw curvature of ``structure`` and the method that computed it (``"fast"`` or ``"laplace"``).
 
     ``ggn="exact"``: exact GGN (one backward pass per class); ``"mc"``: Monte-Carlo Fisher with
     one sampled label (``generator`` draws it on the fast path). ``method="fast"`` uses
     :mod:`posterior_fusion.local.fastcapture` when the model is supported (else laplace-torch,
     with a log line); the last-layer full block of ``diag+full`` is always exact on the fast path
-    (closed form, cheaper than sampling). ``kfac`` ("expand" or "reduce") applies to ``kron``."""
+    (closed form, cheaper than sampling). ``kfac`` ("expand" or "reduce") applies to ``kron``.
+    ``capture_dtype`` "bfloat16": the fast capture's forward and backward passes under bfloat16
+    autocast (the factors still summed in float64 from those vectors); refused where the fast
+    capture is not used (:func:`capture_dtype_problem`)."""
     from posterior_fusion.local.fastcapture import FAST_CAPTURE, KFAC_TYPES, unsupported_reason
 
     if structure not in CAPTURE:
@@ -124,7 +145,12 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         raise ConfigError(f"unknown GGN type {ggn!r}; use one of {', '.join(GGN_TYPES)}")
     if kfac not in KFAC_TYPES:
         raise ConfigError(f"unknown K-FAC type `kfac` {kfac!r}; use one of {', '.join(KFAC_TYPES)}")
+    problem = capture_dtype_problem(capture_dtype, method, model, x[:2])
+    if problem is not None:
+        raise ConfigError(problem)
     extra = {"kfac": kfac} if structure == "kron" else {}
+    if CAPTURE_DTYPES[capture_dtype] is not None:
+        extra["compute_dtype"] = CAPTURE_DTYPES[capture_dtype]
     if method == "fast":
         reason = unsupported_reason(model, x[:2])
         if reason is None:

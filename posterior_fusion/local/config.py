@@ -13,7 +13,7 @@ from typing import Any
 from posterior_fusion import ranges
 from posterior_fusion.curvature.lowrank import COMPRESS_METRICS, VECTOR_DTYPES, Compression
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.capture import CAPTURE, CAPTURE_METHODS, GGN_TYPES
+from posterior_fusion.local.capture import CAPTURE, CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES
 from posterior_fusion.local.fastcapture import KFAC_TYPES
 from posterior_fusion.local.fields import fit_field
 from posterior_fusion.local.ppd import PPDConfig
@@ -99,6 +99,11 @@ class FitConfig:
                                     "over samples and output positions, laplace-torch's default) or reduce (each "
                                     "sample's positions summed first: far cheaper on convolutions; Eschenhagen et "
                                     "al. 2023). Recorded in the artifact.", choices=KFAC_TYPES)
+    capture_dtype: str = fit_field("float32", "Arithmetic of the fast capture's forward and backward passes: float32, or "
+                                              "bfloat16 (autocast; about 1.6x faster passes on a CPU with AVX512-BF16, "
+                                              "factors within ~0.5 % of float32's, still summed in float64; needs "
+                                              "the fast capture). Recorded in the artifact.",
+                                   choices=tuple(CAPTURE_DTYPES))
     device: str = fit_field("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
                                     "where a GPU is visible). The artifact is the same whatever the device.",
                             choices=DEVICES)
@@ -131,6 +136,10 @@ class FitConfig:
         ranges.check("curvature_batch_size", self.curvature_batch_size, ranges.BATCH_SIZE)
         if self.kfac not in KFAC_TYPES:
             raise ConfigError(f"unknown `kfac` {self.kfac!r}; use one of {', '.join(KFAC_TYPES)}")
+        if self.capture_dtype not in CAPTURE_DTYPES:
+            raise ConfigError(f"unknown `capture_dtype` {self.capture_dtype!r}; use one of {', '.join(CAPTURE_DTYPES)}")
+        if self.capture_dtype != "float32" and self.capture != "fast":
+            raise ConfigError(f"`capture_dtype` {self.capture_dtype} needs the fast capture (`capture` fast)")
         if self.device not in DEVICES:
             raise ConfigError(f"unknown `device` {self.device!r}; use one of {', '.join(DEVICES)}")
         self.compression.validate()
@@ -157,11 +166,14 @@ class FitConfig:
 
     def fingerprint_dict(self) -> dict:
         """The settings that determine the result: ``capture`` (fast or laplace-torch) and ``device``
-        (equal at rounding level) are left out, and ``ppd``, ``private`` and ``kfac`` at their defaults,
+        (equal at rounding level) are left out, and ``ppd``, ``private``, ``kfac``, ``capture_dtype`` and the
+        compression at their defaults,
         so caches and partial files written before these options existed keep their keys."""
         out = {k: v for k, v in asdict(self).items() if k not in ("capture", "device")}
         if out["kfac"] == "expand" or out["structure"] != "kron":
             out.pop("kfac")
+        if out["capture_dtype"] == "float32":
+            out.pop("capture_dtype")
         if out["compress"] == 0:
             out.pop("compress")
         if out["compress_metric"] == "frobenius" or "compress" not in out:

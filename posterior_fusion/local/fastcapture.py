@@ -493,11 +493,16 @@ def logit_jacobians(model: nn.Module, xb: torch.Tensor):
 
 
 def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn: str,
-                generator: torch.Generator | None, on_column) -> torch.Tensor:
+                generator: torch.Generator | None, on_column, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One forward pass, then one backward pass per column to the layer *outputs* only (the
     graph is kept between them); calls ``on_column(r, inputs, grads)`` with the column index, the
     layers' inputs and their output gradients for that column; returns the logits (detached). (A single vmapped backward over the C columns,
-    ``is_grads_batched``, is slower on the CPU: ``docs/benchmarks.md``, "Capture".)"""
+    ``is_grads_batched``, is slower on the CPU: ``docs/benchmarks.md``, "Capture".)
+
+    ``compute_dtype`` (e.g. ``torch.bfloat16``): the passes run under autocast in that type; the
+    columns come from float32 probabilities, and the inputs and output gradients are handed on in
+    the model's own type, so every factor is the exact sum of products of these (rounded) vectors,
+    formed as before (a Gram of rounded vectors stays positive semi-definite)."""
     ins: dict[nn.Module, torch.Tensor] = {}
     outs: dict[nn.Module, torch.Tensor] = {}
 
@@ -509,19 +514,24 @@ def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn
         return out
 
     handles = [m.register_forward_hook(hook) for m in layers]
+    low = compute_dtype is not None
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autocast(xb.device.type, dtype=compute_dtype or torch.bfloat16, enabled=low):
             logits = model(xb)
     finally:
         for h in handles:
             h.remove()
-    cols = _columns(logits, ggn, generator)
-    inputs = [ins[m] for m in layers]
+    if not low:
+        cols = _columns(logits, ggn, generator)
+        inputs = [ins[m] for m in layers]
+    else:  # the loss Hessian's columns from float32 probabilities, back-propagated in the pass's type
+        cols = _columns(logits.float(), ggn, generator).to(logits.dtype)
+        inputs = [ins[m].to(xb.dtype) for m in layers]
     targets = [outs[m] for m in layers]
     for r in range(len(cols)):
         grads = torch.autograd.grad(logits, targets, cols[r], retain_graph=r < len(cols) - 1)
-        on_column(r, inputs, grads)
-    return logits.detach()
+        on_column(r, inputs, [g.to(xb.dtype) for g in grads] if low else grads)
+    return logits.detach().to(xb.dtype)
 
 
 def _no_param_grads(model: nn.Module):
@@ -577,7 +587,8 @@ def _loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str):
 
 
 def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256, ggn: str = "exact",
-              generator: torch.Generator | None = None, kfac: str = "expand") -> BlockDiag:
+              generator: torch.Generator | None = None, kfac: str = "expand",
+              compute_dtype: torch.dtype | None = None) -> BlockDiag:
     """K-FAC GGN as laplace-torch's curvlinops backend: ``Kron(B, A)`` per Linear/Conv2d weight,
     ``Dense(B)`` per bias, a ``Diag`` per normalisation-layer parameter and a zero ``Diag`` (the prior
     alone) for any other parameter (:func:`block_policy`).
@@ -585,7 +596,8 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
     ``kfac="expand"``: A = Σ uuᵀ / (N·S) and B = Σ ggᵀ over samples *and* shared positions;
     ``"reduce"`` (Eschenhagen et al. 2023): A = Σ_n ū_n ū_nᵀ / N with ū the patches' mean over the S
     positions and B = Σ_n ĝ_n ĝ_nᵀ with ĝ the output gradient summed over them (curvlinops'
-    conventions; both equal for layers without weight sharing)."""
+    conventions; both equal for layers without weight sharing). ``compute_dtype``: the passes' type
+    (:func:`_batch_pass`; None: the model's)."""
     if kfac not in KFAC_TYPES:
         raise ValueError(f"unknown K-FAC type {kfac!r}; use one of {', '.join(KFAC_TYPES)}")
     layers = _layers(model)
@@ -612,7 +624,7 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
 
     with _no_param_grads(model):
         for xb, _ in _loader(x, y, _pass_size(model, x, batch_size), "curvature"):
-            _batch_pass(model, layers, xb, ggn, generator, on_column)
+            _batch_pass(model, layers, xb, ggn, generator, on_column, compute_dtype)
     own = {layer: i for i, layer in enumerate(layers)}
     blocks: list[Precision] = []
     for module in model.modules():
@@ -633,9 +645,10 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
 
 
 def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
-                     ggn: str = "exact", generator: torch.Generator | None = None) -> torch.Tensor:
+                     ggn: str = "exact", generator: torch.Generator | None = None,
+                     compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Diagonal of the GGN (or MC Fisher) ``(d,)`` in ``model.parameters()`` order (zero for the
-    parameters :func:`block_policy` gives the prior alone)."""
+    parameters :func:`block_policy` gives the prior alone); ``compute_dtype`` as :func:`fast_kron`."""
     layers = _layers(model)
     sums: dict[int, list] = {}  # per captured layer: one float64 sum of squared per-sample gradients per parameter
 
@@ -662,7 +675,7 @@ def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_s
 
     with _no_param_grads(model):
         for xb, _ in _loader(x, y, _pass_size(model, x, batch_size), "curvature"):
-            _batch_pass(model, layers, xb, ggn, generator, on_column)
+            _batch_pass(model, layers, xb, ggn, generator, on_column, compute_dtype)
     own = {layer: i for i, layer in enumerate(layers)}
     parts = []
     for module in model.modules():
@@ -679,8 +692,8 @@ def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_s
     return torch.cat(parts).cpu()
 
 
-def fast_diag(model, x, y, batch_size=256, ggn="exact", generator=None) -> BlockDiag:
-    return BlockDiag([Diag(fast_diag_vector(model, x, y, batch_size, ggn, generator))])
+def fast_diag(model, x, y, batch_size=256, ggn="exact", generator=None, compute_dtype=None) -> BlockDiag:
+    return BlockDiag([Diag(fast_diag_vector(model, x, y, batch_size, ggn, generator, compute_dtype))])
 
 
 def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
@@ -720,9 +733,10 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     return H[order][:, order]
 
 
-def fast_diag_full(model, x, y, batch_size=256, ggn="exact", generator=None) -> BlockDiag:
-    """Diagonal GGN for all but the last layer, exact full GGN block of the last ``nn.Linear``."""
-    g = fast_diag_vector(model, x, y, batch_size, ggn, generator)
+def fast_diag_full(model, x, y, batch_size=256, ggn="exact", generator=None, compute_dtype=None) -> BlockDiag:
+    """Diagonal GGN for all but the last layer (passes in ``compute_dtype``), exact full GGN block of
+    the last ``nn.Linear`` (closed form, in the model's type)."""
+    g = fast_diag_vector(model, x, y, batch_size, ggn, generator, compute_dtype)
     H = last_layer_ggn(model, x, batch_size)
     p = H.shape[0]
     return BlockDiag([Diag(g[:-p]), Dense(0.5 * (H + H.T))])

@@ -25,7 +25,7 @@ from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, ModelSpecError, OutputError, ResumeError
 from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture import capture, laplace_backends
+from posterior_fusion.local.capture import capture, capture_dtype_problem, laplace_backends
 from posterior_fusion.local.config import FitConfig
 from posterior_fusion.local.fastcapture import block_policy
 from posterior_fusion.local.init import init_fingerprint, initial_weights
@@ -67,6 +67,7 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         "temperature": cfg.temperature, "prior_precision": cfg.prior_precision, "structure": cfg.structure,
         "train_seed": cfg.train_seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,
         **({"kfac": cfg.kfac} if cfg.structure == "kron" else {}),
+        **({"capture_dtype": cfg.capture_dtype} if cfg.capture_dtype != "float32" else {}),
         **({"compress": cfg.compress} if cfg.compress > 0 else {}),  # the file's own: write_client_artifact
         "train": asdict(cfg.train), "library_versions": library_versions(), "fit_fingerprint": h.hexdigest(),
         **({"ppd": asdict(cfg.ppd)} if cfg.ppd is not None else {}),
@@ -115,6 +116,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     if cfg.capture == "laplace":
         laplace_backends()  # a broken laplace-torch install is refused before any training
     x, y = (t.to(device) for t in data.tensors())
+    problem = capture_dtype_problem(cfg.capture_dtype, cfg.capture, probe.to(device), x[:2])
+    if problem is not None:  # before any training: nothing to lose
+        raise ConfigError(problem)
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
         + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}")
     comps = list(done or [])
@@ -134,7 +138,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                         soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0)
         t1 = time.perf_counter()
         curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
-                                    torch.Generator().manual_seed(component_seed), log, cfg.kfac)
+                                    torch.Generator().manual_seed(component_seed), log, cfg.kfac, cfg.capture_dtype)
         t2 = time.perf_counter()
         if captured_by == "fast":  # what each parameter's block holds (docs/methods.md, "Layer policy")
             metadata["curvature_blocks"] = dict(block_policy(model, cfg.structure))

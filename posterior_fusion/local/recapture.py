@@ -175,11 +175,12 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
               curvature_batch_size: int | None = None, method: str = "fast",
               log: Callable[[str], None] = print, kfac: str | None = None,
               device: str = "auto", at: GlobalEnsemble | None = None,
-              damping: float | str = REFRESH_DAMPING) -> tuple[dict, list[Component]]:
+              damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32") -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn``, ``curvature_batch_size`` and ``kfac`` default to the source's (``kfac``: "expand" where
-    the source records none). Everything else (MAPs, SWAG
+    the source records none); ``capture_dtype`` is this capture's own (default float32, whatever the
+    source used). Everything else (MAPs, SWAG
     moments, FedPPD students, training records, temperature, prior) is kept; the metadata records
     what the artifact was recaptured from. With ``at`` (a fused global artifact of the same model)
     the curvature is taken at each of its members instead, and each component is the Gaussian of
@@ -218,7 +219,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         seed = int(training.get("seed", index))
         t0 = time.perf_counter()
         curv, captured_by = capture(structure, model, x, y, batch, ggn, method, torch.Generator().manual_seed(seed), log,
-                                    kfac)
+                                    kfac, capture_dtype)
         if captured_by == "fast":
             policy = dict(block_policy(model, structure))
         seconds = time.perf_counter() - t0
@@ -241,7 +242,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
-    for key in ("kfac", "curvature_blocks"):
+    for key in ("kfac", "curvature_blocks", "capture_dtype"):
         meta.pop(key, None)
     recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}
     if at is not None:
@@ -252,6 +253,8 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         meta["kfac"] = kfac
         if kfac != "expand":  # expand keeps the key recaptures had before `kfac` existed
             recipe["kfac"] = kfac
+    if capture_dtype != "float32":
+        meta["capture_dtype"] = recipe["capture_dtype"] = capture_dtype
     if policy is not None:
         meta["curvature_blocks"] = policy
     meta.update(structure=structure, ggn=ggn, curvature_batch_size=batch, recaptured_from=origin,
@@ -265,7 +268,7 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       method: str = "fast", max_memory: int | str | None = None,
                       log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
                       compression: Compression = PLAIN, at_path: str | os.PathLike | None = None,
-                      damping: float | str = REFRESH_DAMPING) -> dict:
+                      damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32") -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
     the source's. Returns the new metadata."""
@@ -277,6 +280,6 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
         structure = source.structure if structure is None else structure
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
-                                damping)
+                                damping, capture_dtype)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression)
     return meta
