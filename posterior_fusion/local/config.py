@@ -100,7 +100,7 @@ class FitConfig:
                                     "sample's positions summed first: far cheaper on convolutions; Eschenhagen et "
                                     "al. 2023). Recorded in the artifact.", choices=KFAC_TYPES)
     capture_dtype: str = fit_field("float32", "Arithmetic of the fast capture's forward and backward passes: float32, or "
-                                              "bfloat16 (autocast; about 1.6x faster passes on a CPU with AVX512-BF16, "
+                                              "bfloat16 (autocast; about 2x faster passes on a CPU with AVX512-BF16, "
                                               "factors within ~0.5 % of float32's, still summed in float64; needs "
                                               "the fast capture). Recorded in the artifact.",
                                    choices=tuple(CAPTURE_DTYPES))

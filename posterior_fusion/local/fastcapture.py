@@ -347,6 +347,14 @@ def _per_sample(module: nn.Module, patches: torch.Tensor, g: torch.Tensor) -> tu
     return g3 @ patches.transpose(1, 2), g3.sum(2)
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 where it came from a lower-precision pass (bfloat16 / float16), else as it is."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+WIDEN_SAMPLES = 16  # samples widened at once by :func:`_output_gram` (the widened copy stays in cache)
+
+
 def _output_gram(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     """``Σ`` over samples and positions of ``g gᵀ`` ``(O, O)`` in float64, for a layer's output gradient
     (conv ``(M, O, H, W)``, linear ``(M, ..., O)``). A convolution with at most :data:`CHUNK_COLUMNS`
@@ -356,7 +364,13 @@ def _output_gram(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     if isinstance(module, nn.Conv2d):
         g3 = g.reshape(g.shape[0], g.shape[1], -1)  # (M, O, S)
         if g3.shape[1] <= g3.shape[2] <= CHUNK_COLUMNS:
-            return torch.bmm(g3, g3.transpose(1, 2)).sum(0, dtype=torch.float64)
+            if g3.dtype == _wide(g3).dtype:
+                return torch.bmm(g3, g3.transpose(1, 2)).sum(0, dtype=torch.float64)
+            out = 0
+            for i in range(0, g3.shape[0], WIDEN_SAMPLES):
+                c = _wide(g3[i: i + WIDEN_SAMPLES])
+                out = out + torch.bmm(c, c.transpose(1, 2)).sum(0, dtype=torch.float64)
+            return out
     return _gram(_grad_columns(module, g))
 
 
@@ -375,11 +389,11 @@ def _gram(X: torch.Tensor, Y: torch.Tensor | None = None) -> torch.Tensor:
     group = max(1, GRAM_GROUP_BYTES // (4 * D * E)) * CHUNK_COLUMNS  # columns per batched GEMM
     for start in range(0, full, group):
         stop = min(start + group, full)
-        xs = X[:, start:stop].reshape(D, -1, CHUNK_COLUMNS).transpose(0, 1)  # (chunks, D, CHUNK_COLUMNS)
-        ys = xs if Y is X else Y[:, start:stop].reshape(E, -1, CHUNK_COLUMNS).transpose(0, 1)
+        xs = _wide(X[:, start:stop]).reshape(D, -1, CHUNK_COLUMNS).transpose(0, 1)  # (chunks, D, CHUNK_COLUMNS)
+        ys = xs if Y is X else _wide(Y[:, start:stop]).reshape(E, -1, CHUNK_COLUMNS).transpose(0, 1)
         out += torch.bmm(xs, ys.transpose(1, 2)).sum(0, dtype=torch.float64)
     if full < K:
-        out += (X[:, full:] @ Y[:, full:].T).double()
+        out += (_wide(X[:, full:]) @ _wide(Y[:, full:]).T).double()
     return out
 
 
@@ -500,9 +514,10 @@ def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn
     ``is_grads_batched``, is slower on the CPU: ``docs/benchmarks.md``, "Capture".)
 
     ``compute_dtype`` (e.g. ``torch.bfloat16``): the passes run under autocast in that type; the
-    columns come from float32 probabilities, and the inputs and output gradients are handed on in
-    the model's own type, so every factor is the exact sum of products of these (rounded) vectors,
-    formed as before (a Gram of rounded vectors stays positive semi-definite)."""
+    columns come from float32 probabilities, the inputs are handed on in the model's own type and the
+    output gradients in the pass's (consumers widen them with :func:`_wide`, the Grams chunk by chunk),
+    so every factor is the exact float32/float64 sum of products of these rounded vectors (a Gram of
+    rounded vectors stays positive semi-definite)."""
     ins: dict[nn.Module, torch.Tensor] = {}
     outs: dict[nn.Module, torch.Tensor] = {}
 
@@ -530,7 +545,7 @@ def _batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn
     targets = [outs[m] for m in layers]
     for r in range(len(cols)):
         grads = torch.autograd.grad(logits, targets, cols[r], retain_graph=r < len(cols) - 1)
-        on_column(r, inputs, [g.to(xb.dtype) for g in grads] if low else grads)
+        on_column(r, inputs, grads)
     return logits.detach().to(xb.dtype)
 
 
@@ -609,10 +624,10 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
     def on_column(r, inputs, grads):
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
             if isinstance(layer, NORM_LAYERS):
-                parts = [(t.double() ** 2).sum(0) for t in _norm_per_sample(layer, u, g)]
+                parts = [(t.double() ** 2).sum(0) for t in _norm_per_sample(layer, u, _wide(g))]
                 D[i] = parts if i not in D else [d + p for d, p in zip(D[i], parts)]
             elif kfac == "reduce":
-                G = _reduced_grad(layer, g)
+                G = _reduced_grad(layer, _wide(g))
                 B[i] = B[i] + _gram(G.T)
                 if r == 0:
                     A[i] = A[i] + _gram(_reduced_input(layer, u).T) / n
@@ -658,7 +673,7 @@ def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_s
         sums[i] = parts if i not in sums else [s + p for s, p in zip(sums[i], parts)]
 
     def on_column(r, inputs, grads):
-        for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
+        for i, (layer, u, g) in enumerate(zip(layers, inputs, map(_wide, grads))):
             if isinstance(layer, NORM_LAYERS):
                 add(i, [(t.double() ** 2).sum(0) for t in _norm_per_sample(layer, u, g)])
             elif isinstance(layer, nn.Linear) and u.ndim == 2:  # per-sample gradient g uᵀ: square = g² (u²)ᵀ
