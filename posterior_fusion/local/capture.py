@@ -26,20 +26,18 @@ CAPTURE_METHODS = ("fast", "laplace")
 CAPTURE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # the fast capture's passes: the model's type, or autocast
 
 
-def capture_dtype_problem(capture_dtype: str, method: str, model: nn.Module, example: torch.Tensor) -> str | None:
-    """Why ``capture_dtype`` cannot be honoured for ``model`` (None when it can): a type other than
-    float32 needs the fast capture (laplace-torch's backends run in the model's type)."""
-    from posterior_fusion.local.fastcapture import unsupported_reason
-
+def capture_dtype_problem(capture_dtype: str, method: str, fast_problem: str | None) -> str | None:
+    """Why ``capture_dtype`` cannot be honoured (None when it can): a type other than float32 needs
+    the fast capture (laplace-torch's backends run in the model's type). ``fast_problem``: why the fast
+    capture cannot take the model (``fastcapture.unsupported_reason``; None when it can)."""
     if capture_dtype not in CAPTURE_DTYPES:
         return f"unknown `capture_dtype` {capture_dtype!r}; use one of {', '.join(CAPTURE_DTYPES)}"
     if capture_dtype == "float32":
         return None
     if method != "fast":
         return f"`capture_dtype` {capture_dtype} needs the fast capture (`capture` fast), not laplace-torch"
-    reason = unsupported_reason(model, example)
-    if reason is not None:
-        return f"`capture_dtype` {capture_dtype} needs the fast capture, which this model cannot use ({reason})"
+    if fast_problem is not None:
+        return f"`capture_dtype` {capture_dtype} needs the fast capture, which this model cannot use ({fast_problem})"
     return None
 
 
@@ -145,14 +143,14 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         raise ConfigError(f"unknown GGN type {ggn!r}; use one of {', '.join(GGN_TYPES)}")
     if kfac not in KFAC_TYPES:
         raise ConfigError(f"unknown K-FAC type `kfac` {kfac!r}; use one of {', '.join(KFAC_TYPES)}")
-    problem = capture_dtype_problem(capture_dtype, method, model, x[:2])
+    reason = unsupported_reason(model, x[:2]) if method == "fast" else None
+    problem = capture_dtype_problem(capture_dtype, method, reason)
     if problem is not None:
         raise ConfigError(problem)
     extra = {"kfac": kfac} if structure == "kron" else {}
     if CAPTURE_DTYPES[capture_dtype] is not None:
         extra["compute_dtype"] = CAPTURE_DTYPES[capture_dtype]
     if method == "fast":
-        reason = unsupported_reason(model, x[:2])
         if reason is None:
             return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator, **extra), "fast"
         log(f"fast capture not available ({reason}); using laplace-torch")

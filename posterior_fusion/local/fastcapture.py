@@ -347,9 +347,12 @@ def _per_sample(module: nn.Module, patches: torch.Tensor, g: torch.Tensor) -> tu
     return g3 @ patches.transpose(1, 2), g3.sum(2)
 
 
+LOW_DTYPES = (torch.bfloat16, torch.float16)  # what a lower-precision pass hands on (widened before products)
+
+
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32 where it came from a lower-precision pass (bfloat16 / float16), else as it is."""
-    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+    """``t`` in float32 where it came from a lower-precision pass (:data:`LOW_DTYPES`), else as it is."""
+    return t.float() if t.dtype in LOW_DTYPES else t
 
 
 WIDEN_SAMPLES = 16  # samples widened at once by :func:`_output_gram` (the widened copy stays in cache)
@@ -364,7 +367,7 @@ def _output_gram(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     if isinstance(module, nn.Conv2d):
         g3 = g.reshape(g.shape[0], g.shape[1], -1)  # (M, O, S)
         if g3.shape[1] <= g3.shape[2] <= CHUNK_COLUMNS:
-            if g3.dtype == _wide(g3).dtype:
+            if g3.dtype not in LOW_DTYPES:
                 return torch.bmm(g3, g3.transpose(1, 2)).sum(0, dtype=torch.float64)
             out = 0
             for i in range(0, g3.shape[0], WIDEN_SAMPLES):

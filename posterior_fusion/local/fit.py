@@ -27,7 +27,7 @@ from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture, capture_dtype_problem, laplace_backends
 from posterior_fusion.local.config import FitConfig
-from posterior_fusion.local.fastcapture import block_policy
+from posterior_fusion.local.fastcapture import block_policy, unsupported_reason
 from posterior_fusion.local.init import init_fingerprint, initial_weights
 from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
@@ -116,7 +116,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     if cfg.capture == "laplace":
         laplace_backends()  # a broken laplace-torch install is refused before any training
     x, y = (t.to(device) for t in data.tensors())
-    problem = capture_dtype_problem(cfg.capture_dtype, cfg.capture, probe.to(device), x[:2])
+    problem = (None if cfg.capture_dtype == "float32" else  # the fast capture's own check, on two samples
+               capture_dtype_problem(cfg.capture_dtype, cfg.capture, unsupported_reason(probe.to(device), x[:2])))
     if problem is not None:  # before any training: nothing to lose
         raise ConfigError(problem)
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
