@@ -39,11 +39,9 @@ import math
 import torch
 
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.curvature import Diag, Kron
-from posterior_fusion.fusion.layer_solve import solve_kron_sum
+from posterior_fusion.fusion.layer_solve import solve_precision_sum
 from posterior_fusion.fusion.mode_laplace import component_log_densities, quadratic_form64
 from posterior_fusion.progress import progress
-from posterior_fusion.runtime import release_freed_memory
 
 
 class MixtureProduct:
@@ -88,30 +86,9 @@ class MixtureProduct:
             nu, r0, pull_start = pull
             terms += [(nu * float(r), P, pull_start) for r_c, row in zip(r0, self.precisions) for r, P in zip(r_c, row)
                       if float(r) > 0]
-        ref = terms[0][1]
-        out = torch.empty_like(start)
-        for j, off in enumerate(ref.offsets):
-            blocks = [(r, P.blocks[j], mu[off: off + P.blocks[j].dim].double()) for r, P, mu in terms]  # stored dtype
-            dim = blocks[0][1].dim
-            rhs = sum(r * b.astype(torch.float64).matvec(m) for r, b, m in blocks)  # one float64 block at a time
-            if centre is not None:
-                rhs = rhs - self.excess * centre[off: off + dim].double()
-            if all(isinstance(b, Kron) for _, b, _ in blocks):
-                shape = blocks[0][1].shape
-                w = torch.tensor([r * b.scale for r, b, _ in blocks], dtype=torch.float64)
-                shift = sum(r * b.shift for r, b, _ in blocks) - self.excess  # λ0 when Σ_m r_cm = 1, no pull
-                X, _, _ = solve_kron_sum([b.B for _, b, _ in blocks], [b.A for _, b, _ in blocks], w,  # used in float64
-                                         rhs.reshape(shape), shift=shift, start=start[off: off + dim].reshape(shape),
-                                         tolerance=tolerance)
-                out[off: off + dim] = X.reshape(-1)
-            elif all(isinstance(b, Diag) for _, b, _ in blocks):
-                out[off: off + dim] = rhs / (sum(r * b.astype(torch.float64).diagonal() for r, b, _ in blocks) - self.excess)
-            else:
-                H = sum(r * b.astype(torch.float64).to_dense() for r, b, _ in blocks)
-                H = H - self.excess * torch.eye(dim, dtype=torch.float64)
-                out[off: off + dim] = torch.cholesky_solve(rhs[:, None], torch.linalg.cholesky(H))[:, 0]
-            del blocks
-            release_freed_memory()  # each layer's float64 copies differ in size: kept, they piled up to GBs
+        # the matrix is Σ r Λ − excess·I (λ0 I when Σ_m r_cm = 1, no pull); the centre moves the right-hand side
+        rhs = None if centre is None else -self.excess * centre
+        out, _ = solve_precision_sum(terms, shift=-self.excess, rhs=rhs, start=start, tolerance=tolerance)
         return out
 
 

@@ -3,22 +3,20 @@
     X ↦ Σ_k w_k B_k X A_kᵀ + shift · X        (X (out, in); B_k (out, out), A_k (in, in) PSD)
 
 is SPD (a weighted sum of Kronecker products of PSD factors, plus a shift) and is inverted by
-conjugate gradients preconditioned with one Kronecker product, ``(B̄ + s_B I)⁻¹ · (Ā + s_A I)⁻¹``
-(``B̄ = Σ w_k B_k``, ``Ā`` the w-weighted mean of the ``A_k``, ``s_A s_B = shift`` split in
-proportion to the factors' mean eigenvalues), which is exact for a single term. Used by FedLPA's
-aggregation and by the EM mode finder of fedbens (``fusion/em.py``).
+conjugate gradients preconditioned with the inverse of one Kronecker product plus the shift,
+``(B̄ ⊗ Ā + shift · I)⁻¹`` through the factors' eigenbases (``B̄ = Σ w_k B_k``, ``Ā`` the w-weighted
+mean of the ``A_k``), which is exact for a single term. Used by FedLPA's
+aggregation, and through :func:`solve_precision_sum` (a whole block-diagonal system, layer by layer)
+by the EM mode finder of fedbens (``fusion/em.py``) and the exact solver of FedFisher and HBFL
+(``fusion/quadratic.py``).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def _inverse(F: torch.Tensor) -> torch.Tensor:
-    """Inverse of an SPD matrix ``(k, k)`` through its Cholesky factor."""
-    return torch.cholesky_inverse(torch.linalg.cholesky(F))
+from posterior_fusion.curvature import BlockDiag, Diag, Kron
+from posterior_fusion.runtime import release_freed_memory
 
 
 def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tensor, rhs: torch.Tensor,
@@ -38,16 +36,16 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
 
     Bbar = sum(wk * B.to(f64) for wk, B in zip(w, Bs))
     Abar = sum(wk * A.to(f64) for wk, A in zip(w, As)) / float(sum(w))  # (Σ w B) ⊗ (mean A): exact for one term
-    if shift:
-        a = max(float(torch.diagonal(Abar).mean()), 1e-300)
-        b = max(float(torch.diagonal(Bbar).mean()), 1e-300)
-        sA, sB = math.sqrt(shift * a / b), math.sqrt(shift * b / a)
-        Bbar = Bbar + sB * torch.eye(Bbar.shape[0], dtype=Bbar.dtype)
-        Abar = Abar + sA * torch.eye(Abar.shape[0], dtype=Abar.dtype)
-    iB, iA = _inverse(Bbar), _inverse(Abar)
+    b, UB = torch.linalg.eigh(Bbar)
+    a, UA = torch.linalg.eigh(Abar)
+    # the preconditioner's eigenvalues b_i a_j + shift: the shift enters exactly, so directions where a factor
+    # is (nearly) singular and only the shift holds them are preconditioned right (a split (B̄ + s_B)(Ā + s_A)
+    # put s_A b_i ≫ shift there, and conjugate gradients crawled); floored for shift = 0 and singular factors
+    denom = b.clamp(min=0)[:, None] * a.clamp(min=0)[None, :] + shift
+    denom = denom.clamp(min=float(denom.max()) * 1e-15 or 1e-300)
 
     def precondition(R: torch.Tensor) -> torch.Tensor:
-        return iB @ R @ iA
+        return UB @ ((UB.T @ R @ UA) / denom) @ UA.T
 
     X = precondition(rhs) if start is None else start.clone()
     norm = float(rhs.norm()) or 1.0
@@ -66,3 +64,51 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
         ry, ry_old = (R * Y).sum(), ry
         P = Y + (ry / ry_old) * P
     return X, it, residual
+
+
+def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shift: float = 0.0,
+                        rhs: torch.Tensor | None = None, damping: float = 0.0, anchor: torch.Tensor | None = None,
+                        start: torch.Tensor | None = None, tolerance: float = 1e-10) -> tuple[torch.Tensor, dict]:
+    """``w`` ``(d,)`` float64 solving, block by block (every ``P_k`` block-diagonal alike),
+
+        (Σ_k r_k P_k + (shift + ε_j) I) w = Σ_k r_k P_k m_k + rhs + ε_j · anchor
+
+    for ``terms`` = ``[(r_k, P_k, m_k (d,))]``, with ``ε_j = damping × mean diag(Σ_k r_k P_k)`` over block
+    ``j`` (a relative Tikhonov term pulling directions without curvature to ``anchor``; ``anchor`` is
+    needed when ``damping`` > 0). A Kronecker block by conjugate gradients (:func:`solve_kron_sum`, from
+    ``start`` if given, to ``tolerance``), a diagonal one element-wise, any other through a dense
+    Cholesky factor. Each block is converted to float64 where it is used, one at a time. Returns
+    ``(w, info)`` with the conjugate gradients' total ``iterations`` and largest relative ``residual``."""
+    ref = terms[0][1]
+    f64 = torch.float64
+    out = torch.empty(ref.dim, dtype=f64)
+    info = {"iterations": 0, "residual": 0.0}
+    for j, off in enumerate(ref.offsets):
+        blocks = [(r, P.blocks[j], m[off: off + P.blocks[j].dim].double()) for r, P, m in terms]  # stored dtype
+        dim = blocks[0][1].dim
+        b = sum(r * blk.astype(f64).matvec(m) for r, blk, m in blocks)  # one float64 block at a time
+        if rhs is not None:
+            b = b + rhs[off: off + dim].double()
+        eps = 0.0
+        if damping > 0:
+            eps = damping * float(sum(r * blk.diagonal().double().sum() for r, blk, _ in blocks)) / dim
+            b = b + eps * anchor[off: off + dim].double()
+        if all(isinstance(blk, Kron) for _, blk, _ in blocks):
+            shape = blocks[0][1].shape
+            w = torch.tensor([r * blk.scale for r, blk, _ in blocks], dtype=f64)
+            total_shift = sum(r * blk.shift for r, blk, _ in blocks) + shift + eps
+            first = None if start is None else start[off: off + dim].double().reshape(shape)
+            X, it, res = solve_kron_sum([blk.B for _, blk, _ in blocks], [blk.A for _, blk, _ in blocks], w,
+                                        b.reshape(shape), shift=total_shift, start=first, tolerance=tolerance)
+            out[off: off + dim] = X.reshape(-1)
+            info["iterations"] += it
+            info["residual"] = max(info["residual"], res)
+        elif all(isinstance(blk, Diag) for _, blk, _ in blocks):
+            out[off: off + dim] = b / (sum(r * blk.astype(f64).diagonal() for r, blk, _ in blocks) + shift + eps)
+        else:
+            H = sum(r * blk.astype(f64).to_dense() for r, blk, _ in blocks)
+            H = H + (shift + eps) * torch.eye(dim, dtype=f64)
+            out[off: off + dim] = torch.cholesky_solve(b[:, None], torch.linalg.cholesky(H))[:, 0]
+        del blocks
+        release_freed_memory()  # each layer's float64 copies differ in size: kept, they piled up to GBs
+    return out, info

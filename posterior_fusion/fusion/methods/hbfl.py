@@ -19,8 +19,9 @@ singular; ``damping`` > 0 adds ε I with ε = damping × mean(diag Λ) to Λ and
 right-hand side, i.e. those directions fall back to FedAvg (the limit ε → 0 of a vanishing
 prior centred on FedAvg). diag and diag+full: closed form per block. kron: Σ of Kronecker
 products is not Kronecker, so μ minimises ½ wᵀ Λ w − wᵀ Σ_k q_k η_k (equal, up to a constant,
-to ½ Σ_k q_k (w − ŵ_k)ᵀ Λ_k (w − ŵ_k) − wᵀ Σ_k q_k λ0 Π_k ŵ_k) with FedFisher's optimiser, started
-from FedAvg.
+to ½ Σ_k q_k (w − ŵ_k)ᵀ Λ_k (w − ŵ_k) − wᵀ Σ_k q_k λ0 Π_k ŵ_k): by default (``solver = "adam"``) with
+FedFisher's optimiser started from FedAvg, with ``solver = "exact"`` by conjugate gradients per
+layer — the closed form itself (``fusion/quadratic.py``).
 
 HBFL's heterogeneous clients (private architectures distilled into the shared model) are a
 client-side step and not part of this aggregation.
@@ -34,27 +35,23 @@ import torch
 
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
+from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic
 from posterior_fusion.fusion.settings import setting
-from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
 
 
 @dataclass(frozen=True)
-class HBFLSettings(OptimiserSettings):
-    """HBFL: damping of the closed form, and the optimiser for Kronecker curvature."""
+class HBFLSettings(QuadraticSettings):
+    """HBFL: the information vector's form, and the solver for Kronecker curvature (diag and
+    diag+full are solved in closed form whatever ``solver`` says)."""
 
     mean: str = setting("paper", "paper: eq. 3.8's information vector (G_k/T_k + λ0) ŵ_k (the posterior divided by "
                                  "the prior); map: G_k/T_k ŵ_k (the MAP as the likelihood's mean).")
-    damping: float = setting(1e-8, "Relative damping ε / mean(diag Λ) of the closed form (directions without "
-                                   "curvature fall back to FedAvg).", bounds=(0, 1))
     null_tol: float = setting(1e-6, "paper mean: a client's prior term λ0 ŵ_k is kept where its curvature exceeds "
                                     "null_tol × its mean curvature (the soft projector Π_k).", bounds=(1e-12, 1))
 
     def validate(self) -> None:
         super().validate()
-        if not (0 <= self.damping < 1):
-            raise ConfigError("hbfl setting 'damping' must be in [0, 1)")
         if self.mean not in MEANS:
             raise ConfigError(f"hbfl setting 'mean' must be one of {', '.join(MEANS)}")
 
@@ -100,34 +97,13 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
     if settings.mean == "paper":
         for qk, comp, t, c in zip(q, comps, temps, inputs.clients):
             extra += float(qk) * prior_information(comp, t, inputs.prior_precision(c), settings.null_tol)
-    if inputs.clients[0].structure == "kron":
-        opts = inputs.options
-        stack = StackedGaussians(comps, scale=[float(qk) / t for qk, t in zip(q, temps)], shift=0.0,
-                                 kernel=opts.kernel, show_progress=opts.progress).to(opts.device)
-
-        linear = extra.float().to(opts.device)
-
-        def objective(W):
-            return 0.5 * stack.quadratic_forms(W).sum(-1) - W @ linear
-
-        best, history = optimise_modes(objective, avg.float()[None], inputs, settings, "hbfl")
-        return FusionResult([best[0].clone()], {"history": history})
+    if inputs.clients[0].structure != "kron":  # Σ of diagonal or dense blocks: closed form
+        settings = settings.exact()
     # q_k Λ_k = q_k G_k / T_k: the curvature tempered at T_k / q_k, no prior
-    precs = [comp.curvature.with_scale_shift(float(qk) / t, 0.0) for comp, t, qk in zip(comps, temps, q)]
-    ref = precs[0]
-    out = torch.empty(ref.dim, dtype=torch.float64)
-    for j, off in enumerate(ref.offsets):
-        blocks = [p.blocks[j] for p in precs]
-        size = blocks[0].dim
-        # in float64 (sum_of of one block is its float64 copy): Λ can be ill-conditioned without a prior
-        rhs = sum(type(b).sum_of([b]).matvec(comp.map[off : off + size].double()) for b, comp in zip(blocks, comps))
-        eps = settings.damping * float(sum(b.diagonal().double().sum() for b in blocks)) / size
-        try:
-            total = type(blocks[0]).sum_of(blocks, eps)
-        except MethodNotApplicableError:  # pragma: no cover - kron is handled above
-            raise MethodNotApplicableError(f"hbfl cannot sum {blocks[0].kind} blocks in closed form") from None
-        out[off : off + size] = total.solve(rhs + extra[off : off + size] + eps * avg[off : off + size].double())
-    return FusionResult([out.float()], {"q": [float(v) for v in q]})
+    out = minimise_quadratic(comps, [float(qk) / t for qk, t in zip(q, temps)], inputs, settings, "hbfl",
+                             linear=extra, anchor=avg)
+    out.info["q"] = [float(v) for v in q]
+    return out
 
 
 METHOD = FusionMethod("hbfl", hbfl, HBFLSettings,

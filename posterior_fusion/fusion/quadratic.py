@@ -1,0 +1,76 @@
+"""One model minimising a sum of client quadratics, the aggregation of FedFisher and HBFL:
+
+    f(w) = ½ Σ_k (w − m_k)ᵀ s_k G_k (w − m_k) − wᵀ b        (G_k a client's curvature, s_k > 0)
+
+``solver = "adam"`` runs FedFisher's server optimiser (Adam from the anchor, FedAvg; with validation
+data the best validation iterate, else the lowest objective: :func:`~posterior_fusion.fusion.optimise.optimise_modes`).
+``solver = "exact"`` returns the stationary point itself, ``(Σ_k s_k G_k + ε I) w = Σ_k s_k G_k m_k + b + ε a``,
+block by block (:func:`~posterior_fusion.fusion.layer_solve.solve_precision_sum`: a Kronecker weight by
+conjugate gradients, a diagonal or dense block in closed form), with ε = ``damping`` × the block's mean
+curvature pulling directions no client has curvature in to the anchor ``a``: no step size, no early
+stopping, no dependence on validation data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.layer_solve import solve_precision_sum
+from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
+from posterior_fusion.fusion.settings import setting
+from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
+
+SOLVERS = ("adam", "exact")
+
+
+@dataclass(frozen=True)
+class QuadraticSettings(OptimiserSettings):
+    """Settings of a method that minimises a sum of client quadratics (FedFisher, HBFL)."""
+
+    solver: str = setting("adam", "adam: FedFisher's server Adam from FedAvg (best validation iterate, else the best "
+                                  "objective); exact: the quadratic's stationary point, solved layer by layer (conjugate "
+                                  "gradients for Kronecker curvature, closed form otherwise).")
+    damping: float = setting(1e-8, "exact solves: relative damping ε / mean curvature of each block (directions "
+                                   "without curvature fall back to FedAvg).", bounds=(0, 1))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.solver not in SOLVERS:
+            raise ConfigError(f"setting 'solver' must be one of {', '.join(SOLVERS)}")
+        if not (0 <= self.damping < 1):
+            raise ConfigError("setting 'damping' must be in [0, 1)")
+
+    def exact(self) -> QuadraticSettings:
+        """A copy that solves exactly (for curvature whose solve is closed form anyway)."""
+        return dataclasses.replace(self, solver="exact")
+
+
+def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, settings: QuadraticSettings,
+                       desc: str, linear: torch.Tensor | None = None,
+                       anchor: torch.Tensor | None = None) -> FusionResult:
+    """The minimiser ``(d,)`` of ``f`` (module docstring) for the components ``comps`` (``.curvature``
+    ``G_k``, ``.map`` ``m_k``) with weights ``scales`` ``s_k``, linear term ``linear`` ``b`` ``(d,)``
+    (default none) and anchor ``anchor`` ``(d,)`` (default: FedAvg of ``comps`` by ``inputs``' data sizes)."""
+    if anchor is None:
+        q = inputs.n_weights().double()
+        anchor = (q[:, None] * torch.stack([c.map.double() for c in comps])).sum(0)
+    if settings.solver == "exact":
+        terms = [(1.0, c.curvature.with_scale_shift(float(s), 0.0), c.map) for c, s in zip(comps, scales)]
+        w, info = solve_precision_sum(terms, rhs=linear, damping=settings.damping, anchor=anchor, start=anchor)
+        return FusionResult([w.float()], {"solver": "exact", **info})
+    opts = inputs.options
+    stack = StackedGaussians(comps, scale=[float(s) for s in scales], shift=0.0,
+                             kernel=opts.kernel, show_progress=opts.progress).to(opts.device)
+    b = None if linear is None else linear.float().to(opts.device)
+
+    def objective(W: torch.Tensor) -> torch.Tensor:  # (K, d) -> (K,)
+        value = 0.5 * stack.quadratic_forms(W).sum(-1)
+        return value if b is None else value - W @ b
+
+    best, history = optimise_modes(objective, anchor.float()[None], inputs, settings, desc)
+    return FusionResult([best[0].clone()], {"history": history})
