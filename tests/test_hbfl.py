@@ -321,6 +321,17 @@ def test_exact_solver_on_compressed_curvature_solves_the_compressed_quadratic(tm
     assert (other - want).abs().max() > 50 * err  # the compression changes the answer by more than the match
 
 
+def test_an_unconverged_exact_solve_says_so(tmp_path, small_silo):
+    """Tiny damping on real, rank-deficient K-FAC factors: conjugate gradients stop at their cap with
+    a residual far above the tolerance, and the solve warns (naming the setting) instead of passing
+    the unreliable model on silently."""
+    clients = _clients(tmp_path, small_silo, "kron")
+    with pytest.warns(UserWarning, match="raise `damping`"):
+        got = fedfisher(FusionInputs(clients, FusionOptions(progress=False)), QuadraticSettings(solver="exact",
+                                                                                                damping=1e-6))
+    assert got.info["residual"] > 1e-6
+
+
 def test_solver_setting_is_checked():
     with pytest.raises(ConfigError, match="solver"):
         HBFLSettings.from_mapping({"solver": "em"}, "hbfl")

@@ -14,6 +14,7 @@ stopping, no dependence on validation data.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 SOLVERS = ("adam", "exact")
+UNCONVERGED = 1e-6  # a relative residual above this after the solve is reported
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, s
     if settings.solver == "exact":
         terms = [(1.0, c.curvature.with_scale_shift(float(s), 0.0), c.map) for c, s in zip(comps, scales)]
         w, info = solve_precision_sum(terms, rhs=linear, damping=settings.damping, anchor=anchor, start=anchor)
+        if info["residual"] > UNCONVERGED:
+            warnings.warn(f"{desc}: the exact solve stopped at relative residual {info['residual']:.2g} (1,000 "
+                          f"conjugate-gradient steps in a layer): the quadratic is nearly singular there and the "
+                          f"result is unreliable; raise `damping` (now {settings.damping:g})", stacklevel=2)
         return FusionResult([w.float()], {"solver": "exact", **info})
     opts = inputs.options
     stack = StackedGaussians(comps, scale=[float(s) for s in scales], shift=0.0,
