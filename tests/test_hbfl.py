@@ -332,8 +332,36 @@ def test_an_unconverged_exact_solve_says_so(tmp_path, small_silo):
     assert got.info["residual"] > 1e-6
 
 
+def test_tune_damping_keeps_the_best_validation_solve(tmp_path, small_silo, fmnist_train):
+    """``tune_damping``: every grid damping is solved, the kept one has the best recorded validation
+    accuracy, that accuracy is the returned model's own, and the model is the plain exact solve at the
+    kept damping (the warm starts change nothing but the iteration counts)."""
+    from posterior_fusion.fusion.optimise import accuracy_of
+    from posterior_fusion.fusion.quadratic import DAMPING_GRID
+
+    clients = _clients(tmp_path, small_silo, "kron")
+    x, y = fmnist_train
+    val = SiloData(x[1000:1400], y[1000:1400], "fmnist", 10)
+    inputs = FusionInputs(clients, FusionOptions(progress=False), val=val)
+    got = fedfisher(inputs, QuadraticSettings(solver="exact", tune_damping=True))
+    search = got.info["damping_search"]
+    assert [r["damping"] for r in search] == list(DAMPING_GRID)
+    best = max(search, key=lambda r: r["val_accuracy"])
+    assert got.info["damping"] == best["damping"]
+    own = float(accuracy_of(clients[0].model_spec, got.members[0][None], val)[0])
+    assert own == pytest.approx(best["val_accuracy"])
+    assert len({round(r["val_accuracy"], 4) for r in search}) > 1  # the choice is not vacuous
+    direct = fedfisher(inputs, QuadraticSettings(solver="exact", damping=best["damping"])).members[0]
+    torch.testing.assert_close(got.members[0], direct, rtol=1e-4, atol=1e-5 * float(direct.abs().max()))
+    with pytest.raises(ConfigError, match="--val"):
+        fedfisher(FusionInputs(clients, FusionOptions(progress=False)), QuadraticSettings(solver="exact",
+                                                                                          tune_damping=True))
+
+
 def test_solver_setting_is_checked():
     with pytest.raises(ConfigError, match="solver"):
         HBFLSettings.from_mapping({"solver": "em"}, "hbfl")
     with pytest.raises(ConfigError, match="damping"):
         QuadraticSettings.from_mapping({"damping": 1.5}, "fedfisher")
+    with pytest.raises(ConfigError, match="'tune_damping' needs solver=exact"):
+        QuadraticSettings.from_mapping({"tune_damping": "true"}, "fedfisher")

@@ -20,6 +20,7 @@ import math
 import torch
 
 from posterior_fusion.curvature import BlockDiag, Diag, Kron
+from posterior_fusion.progress import progress
 from posterior_fusion.runtime import release_freed_memory
 
 
@@ -77,7 +78,8 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
 
 def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shift: float = 0.0,
                         rhs: torch.Tensor | None = None, damping: float = 0.0, anchor: torch.Tensor | None = None,
-                        start: torch.Tensor | None = None, tolerance: float = 1e-10) -> tuple[torch.Tensor, dict]:
+                        start: torch.Tensor | None = None, tolerance: float = 1e-10,
+                        desc: str | None = None) -> tuple[torch.Tensor, dict]:
     """``w`` ``(d,)`` float64 solving, block by block (every ``P_k`` block-diagonal alike),
 
         (Σ_k r_k P_k + (shift + ε_j) I) w = Σ_k r_k P_k m_k + rhs + ε_j · anchor
@@ -86,13 +88,14 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
     ``j`` (a relative Tikhonov term pulling directions without curvature to ``anchor``; ``anchor`` is
     needed when ``damping`` > 0). A Kronecker block by conjugate gradients (:func:`solve_kron_sum`, from
     ``start`` if given, to ``tolerance``), a diagonal one element-wise, any other through a dense
-    Cholesky factor. Each block is converted to float64 where it is used, one at a time. Returns
-    ``(w, info)`` with the conjugate gradients' total ``iterations`` and largest relative ``residual``."""
+    Cholesky factor. Each block is converted to float64 where it is used, one at a time. ``desc``: show
+    progress over the blocks under that name. Returns ``(w, info)`` with the conjugate gradients' total
+    ``iterations`` and largest relative ``residual``."""
     ref = terms[0][1]
     f64 = torch.float64
     out = torch.empty(ref.dim, dtype=f64)
     info = {"iterations": 0, "residual": 0.0}
-    for j, off in enumerate(ref.offsets):
+    for j, off in progress(enumerate(ref.offsets), desc or "", len(ref.offsets), show=desc is not None):
         blocks = [(r, P.blocks[j], m[off: off + P.blocks[j].dim].double()) for r, P, m in terms]  # stored dtype
         dim = blocks[0][1].dim
         b = sum(r * blk.astype(f64).matvec(m) for r, blk, m in blocks)  # one float64 block at a time

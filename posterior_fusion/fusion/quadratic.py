@@ -8,7 +8,9 @@ data the best validation iterate, else the lowest objective: :func:`~posterior_f
 block by block (:func:`~posterior_fusion.fusion.layer_solve.solve_precision_sum`: a Kronecker weight by
 conjugate gradients, a diagonal or dense block in closed form), with ε = ``damping`` × the block's mean
 curvature pulling directions no client has curvature in to the anchor ``a``: no step size, no early
-stopping, no dependence on validation data.
+stopping, no dependence on validation data. ``tune_damping`` instead solves at each damping of
+:data:`DAMPING_GRID` (largest first, each solve started from the previous one's answer) and keeps the one
+with the best validation accuracy.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import torch
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.layer_solve import solve_precision_sum
-from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
+from posterior_fusion.fusion.optimise import OptimiserSettings, accuracy_of, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.fusion.types import FusionInputs, FusionResult
+from posterior_fusion.progress import progress
 
 SOLVERS = ("adam", "exact")
 UNCONVERGED = 1e-6  # a relative residual above this after the solve is reported
+DAMPING_GRID = (0.3, 0.1, 0.03, 0.01, 3e-3, 1e-3)  # tune_damping's candidates, largest (best conditioned) first
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,18 @@ class QuadraticSettings(OptimiserSettings):
     solver: str = setting("adam", "adam: FedFisher's server Adam from FedAvg (best validation iterate, else the best "
                                   "objective); exact: the quadratic's stationary point, solved layer by layer (conjugate "
                                   "gradients for Kronecker curvature, closed form otherwise).")
-    damping: float = setting(1e-8, "exact solves: relative damping ε / mean curvature of each block (directions "
-                                   "without curvature fall back to FedAvg).", bounds=(0, 1))
+    damping: float = setting(1e-8, "Exact solves (and HBFL's closed forms): relative damping ε / mean curvature of "
+                                   "each block, pulling directions without curvature to FedAvg; on K-FAC curvature "
+                                   "use 1e-3 or more (0.01 on the ResNet-20 runs: docs/methods.md).", bounds=(0, 1))
+
+    tune_damping: bool = setting(False, "solver=exact with validation data (--val): solve at each damping of "
+                                        "0.3, 0.1, 0.03, 0.01, 0.003, 0.001 and keep the best validation accuracy "
+                                        "(damping is then not used).")
 
     def validate(self) -> None:
         super().validate()
+        if self.tune_damping and self.solver != "exact":
+            raise ConfigError("setting 'tune_damping' needs solver=exact")
         if self.solver not in SOLVERS:
             raise ConfigError(f"setting 'solver' must be one of {', '.join(SOLVERS)}")
         if not (0 <= self.damping < 1):
@@ -63,12 +74,12 @@ def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, s
         anchor = (q[:, None] * torch.stack([c.map.double() for c in comps])).sum(0)
     if settings.solver == "exact":
         terms = [(1.0, c.curvature.with_scale_shift(float(s), 0.0), c.map) for c, s in zip(comps, scales)]
-        w, info = solve_precision_sum(terms, rhs=linear, damping=settings.damping, anchor=anchor, start=anchor)
-        if info["residual"] > UNCONVERGED:
-            warnings.warn(f"{desc}: the exact solve stopped at relative residual {info['residual']:.2g} (1,000 "
-                          f"conjugate-gradient steps in a layer): the quadratic is nearly singular there and the "
-                          f"result is unreliable; raise `damping` (now {settings.damping:g})", stacklevel=2)
-        return FusionResult([w.float()], {"solver": "exact", **info})
+        if not settings.tune_damping:
+            w, info = solve_precision_sum(terms, rhs=linear, damping=settings.damping, anchor=anchor, start=anchor,
+                                          desc=f"{desc} exact solve" if inputs.options.progress else None)
+            _check_converged(info, desc, settings.damping)
+            return FusionResult([w.float()], {"solver": "exact", **info})
+        return _tuned(terms, linear, anchor, inputs, desc)
     opts = inputs.options
     stack = StackedGaussians(comps, scale=[float(s) for s in scales], shift=0.0,
                              kernel=opts.kernel, show_progress=opts.progress).to(opts.device)
@@ -80,3 +91,29 @@ def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, s
 
     best, history = optimise_modes(objective, anchor.float()[None], inputs, settings, desc)
     return FusionResult([best[0].clone()], {"history": history})
+
+
+def _check_converged(info: dict, desc: str, damping: float) -> None:
+    if info["residual"] > UNCONVERGED:
+        warnings.warn(f"{desc}: the exact solve stopped at relative residual {info['residual']:.2g} (1,000 "
+                      f"conjugate-gradient steps in a layer): the quadratic is nearly singular there and the "
+                      f"result is unreliable; raise `damping` (now {damping:g})", stacklevel=3)
+
+
+def _tuned(terms: list, linear: torch.Tensor | None, anchor: torch.Tensor, inputs: FusionInputs,
+           desc: str) -> FusionResult:
+    """The exact solve at every damping of :data:`DAMPING_GRID`, the best on validation kept; ``info``
+    records the chosen ``damping`` and every candidate's validation accuracy (``damping_search``)."""
+    if inputs.val is None:
+        raise ConfigError(f"{desc}: setting 'tune_damping' chooses the damping on validation data; pass --val")
+    best, start, search = None, anchor, []
+    for damping in progress(DAMPING_GRID, f"{desc} damping", len(DAMPING_GRID), show=inputs.options.progress):
+        w, info = solve_precision_sum(terms, rhs=linear, damping=damping, anchor=anchor, start=start)
+        accuracy = float(accuracy_of(inputs.spec, w.float()[None], inputs.val)[0])
+        search.append({"damping": damping, "val_accuracy": accuracy, **info})
+        if best is None or accuracy > best[0]:
+            best = (accuracy, damping, w, info)
+        start = w  # the next, smaller damping starts from this answer
+    accuracy, damping, w, info = best
+    _check_converged(info, desc, damping)
+    return FusionResult([w.float()], {"solver": "exact", "damping": damping, "damping_search": search, **info})
