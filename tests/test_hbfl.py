@@ -353,7 +353,7 @@ def test_tune_damping_keeps_the_best_validation_solve(tmp_path, small_silo, fmni
     assert len({round(r["val_accuracy"], 4) for r in search}) > 1  # the choice is not vacuous
     direct = fedfisher(inputs, QuadraticSettings(solver="exact", damping=best["damping"])).members[0]
     torch.testing.assert_close(got.members[0], direct, rtol=1e-4, atol=1e-5 * float(direct.abs().max()))
-    with pytest.raises(ConfigError, match="--val"):
+    with pytest.raises(ConfigError, match="pass `val`"):
         fedfisher(FusionInputs(clients, FusionOptions(progress=False)), QuadraticSettings(solver="exact",
                                                                                           tune_damping=True))
 

@@ -105,7 +105,7 @@ def _tuned(terms: list, linear: torch.Tensor | None, anchor: torch.Tensor, input
     """The exact solve at every damping of :data:`DAMPING_GRID`, the best on validation kept; ``info``
     records the chosen ``damping`` and every candidate's validation accuracy (``damping_search``)."""
     if inputs.val is None:
-        raise ConfigError(f"{desc}: setting 'tune_damping' chooses the damping on validation data; pass --val")
+        raise ConfigError(f"{desc}: setting 'tune_damping' chooses the damping on validation data; pass `val`")
     best, start, search = None, anchor, []
     for damping in progress(DAMPING_GRID, f"{desc} damping", len(DAMPING_GRID), show=inputs.options.progress):
         w, info = solve_precision_sum(terms, rhs=linear, damping=damping, anchor=anchor, start=start)
