@@ -7,10 +7,10 @@ conjugate gradients preconditioned with one Kronecker product, ``(B̄ + s_B I)�
 (``B̄ = Σ w_k B_k``, ``Ā`` the w-weighted mean of the ``A_k``, ``s_A s_B = shift`` split in
 proportion to the factors' mean eigenvalues), which is exact for a single term without a shift. (Taking
 the shift exactly, ``(B̄ ⊗ Ā + shift · I)⁻¹`` through the factors' eigenbases, was tried: on ResNet-20
-clients it took 0–15 % more iterations at twice the products per step, ``benchmarks/kron_preconditioner_bench.py``.) Used by FedLPA's
-aggregation, and through :func:`solve_precision_sum` (a whole block-diagonal system, layer by layer)
-by the EM mode finder of fedbens (``fusion/em.py``) and the exact solver of FedFisher and HBFL
-(``fusion/quadratic.py``).
+clients it took 4–6 % more iterations over all layers and 25–33 % more time,
+``benchmarks/kron_preconditioner_bench.py``.) Used by FedLPA's aggregation, and through
+:func:`solve_precision_sum` (a whole block-diagonal system, layer by layer) by the EM mode finder of
+fedbens (``fusion/em.py``) and the exact solver of FedFisher and HBFL (``fusion/quadratic.py``).
 """
 
 from __future__ import annotations
