@@ -362,6 +362,6 @@ def test_solver_setting_is_checked():
     with pytest.raises(ConfigError, match="solver"):
         HBFLSettings.from_mapping({"solver": "em"}, "hbfl")
     with pytest.raises(ConfigError, match="damping"):
-        QuadraticSettings.from_mapping({"damping": 1.5}, "fedfisher")
+        QuadraticSettings.from_mapping({"damping": -1.0}, "fedfisher")
     with pytest.raises(ConfigError, match="'tune_damping' needs solver=exact"):
         QuadraticSettings.from_mapping({"tune_damping": "true"}, "fedfisher")
