@@ -459,6 +459,9 @@ def test_fuse_memory_estimate_follows_the_fedbens_chunks():
     # C·M = 200 modes: a component's working set (3·200·d floats, 106 MB) exceeds a chunk, so one client is
     assert estimate(40, starts="clients") == 5 * 3 * 200 * d * 4 + 6 * 200 * d * 4 + 2 * 200 * d * 4
     assert estimate(40, "fedfisher") - estimate(5, "fedfisher") == 4 * 175 * d * 4
+    # the exact solve keeps float64 vectors of d, whatever C·M: flat in C, far under Adam's
+    assert estimate(40, "fedfisher", solver="exact") == estimate(5, "fedfisher", solver="exact")
+    assert estimate(40, "hbfl", solver="exact") - estimate(40, "hbfl") == 8 * d * 8 - 4 * 200 * d * 4
 
 
 def test_fuse_on_the_gpu_is_refused_when_its_working_set_exceeds_the_free_gpu_memory(fitted, monkeypatch):

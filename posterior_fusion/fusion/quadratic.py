@@ -26,7 +26,7 @@ from posterior_fusion.fusion.layer_solve import solve_precision_sum
 from posterior_fusion.fusion.optimise import OptimiserSettings, accuracy_of, optimise_modes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.stack import StackedGaussians
-from posterior_fusion.fusion.types import FusionInputs, FusionResult
+from posterior_fusion.fusion.types import FuseSize, FusionInputs, FusionResult, optimiser_bytes
 from posterior_fusion.progress import progress
 
 SOLVERS = ("adam", "exact")
@@ -61,6 +61,13 @@ class QuadraticSettings(OptimiserSettings):
     def exact(self) -> QuadraticSettings:
         """A copy that solves exactly (for curvature whose solve is closed form anyway)."""
         return dataclasses.replace(self, solver="exact")
+
+
+def quadratic_bytes(settings: QuadraticSettings, size: FuseSize) -> int:
+    """Working set beyond the loaded artifacts: Adam's (:func:`optimiser_bytes`), or for the exact solve
+    about eight float64 vectors of ``d`` (solution, anchor, linear term, start, a layer's right-hand side
+    and conjugate-gradient vectors; one layer's float64 factor copies are small beside them)."""
+    return 8 * size.d * 8 if settings.solver == "exact" else optimiser_bytes(settings, size)
 
 
 def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, settings: QuadraticSettings,

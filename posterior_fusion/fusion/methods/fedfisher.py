@@ -8,8 +8,8 @@ the minimiser (Σ G_c + ε I)⁻¹ (Σ G_c ŵ_c + ε w_FedAvg) itself, layer by 
 from __future__ import annotations
 
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
-from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
+from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 
 def fedfisher(inputs: FusionInputs, settings: QuadraticSettings) -> FusionResult:
@@ -20,4 +20,4 @@ def fedfisher(inputs: FusionInputs, settings: QuadraticSettings) -> FusionResult
 
 METHOD = FusionMethod("fedfisher", fedfisher, QuadraticSettings,
                       "one model minimising the sum of client curvature quadratics (FedFisher)", optimises=True,
-                      work_bytes=optimiser_bytes)
+                      work_bytes=quadratic_bytes)

@@ -35,9 +35,9 @@ import torch
 
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic
+from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
 from posterior_fusion.fusion.settings import setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, optimiser_bytes
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 
 @dataclass(frozen=True)
@@ -108,4 +108,4 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
 
 METHOD = FusionMethod("hbfl", hbfl, HBFLSettings,
                       "HBFL's aggregation: q_k-weighted product of the clients' scaled Gaussian likelihoods, no prior",
-                      optimises=True, work_bytes=optimiser_bytes)
+                      optimises=True, work_bytes=quadratic_bytes)
