@@ -15,7 +15,6 @@ with the best validation accuracy.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -58,10 +57,6 @@ class QuadraticSettings(OptimiserSettings):
         if not (0 <= self.damping <= 1e6):
             raise ConfigError("setting 'damping' must be in [0, 1e6]")
 
-    def exact(self) -> QuadraticSettings:
-        """A copy that solves exactly (for curvature whose solve is closed form anyway)."""
-        return dataclasses.replace(self, solver="exact")
-
 
 def quadratic_bytes(settings: QuadraticSettings, size: FuseSize) -> int:
     """Working set beyond the loaded artifacts: Adam's (:func:`optimiser_bytes`), or for the exact solve
@@ -71,14 +66,10 @@ def quadratic_bytes(settings: QuadraticSettings, size: FuseSize) -> int:
 
 
 def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, settings: QuadraticSettings,
-                       desc: str, linear: torch.Tensor | None = None,
-                       anchor: torch.Tensor | None = None) -> FusionResult:
+                       desc: str, anchor: torch.Tensor, linear: torch.Tensor | None = None) -> FusionResult:
     """The minimiser ``(d,)`` of ``f`` (module docstring) for the components ``comps`` (``.curvature``
-    ``G_k``, ``.map`` ``m_k``) with weights ``scales`` ``s_k``, linear term ``linear`` ``b`` ``(d,)``
-    (default none) and anchor ``anchor`` ``(d,)`` (default: FedAvg of ``comps`` by ``inputs``' data sizes)."""
-    if anchor is None:
-        q = inputs.n_weights().double()
-        anchor = (q[:, None] * torch.stack([c.map.double() for c in comps])).sum(0)
+    ``G_k``, ``.map`` ``m_k``) with weights ``scales`` ``s_k``, anchor ``anchor`` ``(d,)`` float64 (FedAvg:
+    Adam's start, the damping's target) and linear term ``linear`` ``b`` ``(d,)`` (default none)."""
     if settings.solver == "exact":
         terms = [(1.0, c.curvature.with_scale_shift(float(s), 0.0), c.map) for c, s in zip(comps, scales)]
         if not settings.tune_damping:

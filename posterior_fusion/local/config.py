@@ -13,7 +13,7 @@ from typing import Any
 from posterior_fusion import ranges
 from posterior_fusion.curvature.lowrank import COMPRESS_METRICS, VECTOR_DTYPES, Compression
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.capture import CAPTURE, CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES
+from posterior_fusion.local.capture import CAPTURE, CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, capture_dtype_problem
 from posterior_fusion.local.fastcapture import KFAC_TYPES
 from posterior_fusion.local.fields import fit_field
 from posterior_fusion.local.ppd import PPDConfig
@@ -136,10 +136,9 @@ class FitConfig:
         ranges.check("curvature_batch_size", self.curvature_batch_size, ranges.BATCH_SIZE)
         if self.kfac not in KFAC_TYPES:
             raise ConfigError(f"unknown `kfac` {self.kfac!r}; use one of {', '.join(KFAC_TYPES)}")
-        if self.capture_dtype not in CAPTURE_DTYPES:
-            raise ConfigError(f"unknown `capture_dtype` {self.capture_dtype!r}; use one of {', '.join(CAPTURE_DTYPES)}")
-        if self.capture_dtype != "float32" and self.capture != "fast":
-            raise ConfigError(f"`capture_dtype` {self.capture_dtype} needs the fast capture (`capture` fast)")
+        problem = capture_dtype_problem(self.capture_dtype, self.capture, None)  # the model's part: at fit time
+        if problem is not None:
+            raise ConfigError(problem)
         if self.device not in DEVICES:
             raise ConfigError(f"unknown `device` {self.device!r}; use one of {', '.join(DEVICES)}")
         self.compression.validate()

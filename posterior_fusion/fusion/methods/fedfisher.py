@@ -15,7 +15,7 @@ from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResu
 def fedfisher(inputs: FusionInputs, settings: QuadraticSettings) -> FusionResult:
     comps = [c.components[inputs.options.component] for c in inputs.clients]
     return minimise_quadratic(comps, [1.0] * len(comps), inputs, settings, "fedfisher",
-                              anchor=fedavg_weights(inputs).double())
+                              fedavg_weights(inputs).double())
 
 
 METHOD = FusionMethod("fedfisher", fedfisher, QuadraticSettings,

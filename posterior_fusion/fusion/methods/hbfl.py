@@ -29,6 +29,7 @@ client-side step and not part of this aggregation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -98,10 +99,10 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
         for qk, comp, t, c in zip(q, comps, temps, inputs.clients):
             extra += float(qk) * prior_information(comp, t, inputs.prior_precision(c), settings.null_tol)
     if inputs.clients[0].structure != "kron":  # Σ of diagonal or dense blocks: closed form
-        settings = settings.exact()
+        settings = dataclasses.replace(settings, solver="exact")
     # q_k Λ_k = q_k G_k / T_k: the curvature tempered at T_k / q_k, no prior
-    out = minimise_quadratic(comps, [float(qk) / t for qk, t in zip(q, temps)], inputs, settings, "hbfl",
-                             linear=extra, anchor=avg)
+    out = minimise_quadratic(comps, [float(qk) / t for qk, t in zip(q, temps)], inputs, settings, "hbfl", avg,
+                             linear=extra)
     out.info["q"] = [float(v) for v in q]
     return out
 
