@@ -63,10 +63,18 @@ VARIANTS = [
     ("centred_em_refresh_auto_em_evidence", "em -> refresh (damping auto) -> em, prior centre clients, Laplace prior "
      "from the evidence (no validation anywhere)", "at_centred_em_auto", "fedbens",
      {"solver": "em", "prior_centre": "clients", "laplace_prior": "evidence"}, False),
+    # the server prior's precision λ0 from the Laplace evidence of the server's model (fedbens server_prior=evidence,
+    # session 23): how hard the stationary modes are pulled to the clients' average, chosen without data
+    ("centred_em_evidence", "one-shot, em, prior centre clients, server prior evidence (stationary)", "one-shot",
+     "fedbens", {"solver": "em", "prior_centre": "clients", "server_prior": "evidence"}, False),
+    ("centred_em_evidence_refresh_auto_em_evidence", "em -> refresh (damping auto) -> em, prior centre clients, "
+     "server prior evidence (no validation anywhere)", "at_centred_em_evidence_auto", "fedbens",
+     {"solver": "em", "prior_centre": "clients", "server_prior": "evidence"}, False),
 ]
 # refreshed client set -> the global it is taken at, and the recapture's damping
-REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em", "at_centred_em": "centred_em", "at_centred_em_auto": "centred_em"}
-REFRESH_DAMPINGS = {"at_centred_em_auto": "auto"}  # the others: 1 (the default before "auto")
+REFRESH_SOURCES = {"at_paper_d1.0": "paper", "at_em": "em", "at_centred_em": "centred_em", "at_centred_em_auto": "centred_em",
+                   "at_centred_em_evidence_auto": "centred_em_evidence"}
+REFRESH_DAMPINGS = {"at_centred_em_auto": "auto", "at_centred_em_evidence_auto": "auto"}  # the others: 1 (the default before "auto")
 # (label, evaluate options, needs a Laplace posterior at the modes, only where the fusion used validation)
 PREDICTIVES = [
     ("map", ["--predictive", "map"], False, False),
@@ -80,7 +88,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="", help="comma-separated short names of the variants to run (default: all)")
     args = ap.parse_args()
+    only = [t for t in args.only.split(",") if t]
     folder, out = Path(args.clients), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     posts = sorted(folder.glob("post_*.h5"))
@@ -113,6 +123,8 @@ def main() -> None:
         return found
 
     for short, label, group, method, settings, use_val in VARIANTS:
+        if only and short not in only:
+            continue
         todo = [p for p in PREDICTIVES if not ((p[2] and method != "fedbens") or (p[3] and not use_val))
                 and not any(r["variant"] == label and r["predictive"] == p[0] for r in done)]
         if not todo and (short not in REFRESH_SOURCES.values() or (out / f"{short}.h5").exists()):

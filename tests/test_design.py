@@ -47,7 +47,7 @@ def test_settings_records_parse_validate_and_describe():
     names = [r["name"] for r in FedBEnsSettings.describe()]
     assert names == ["steps", "adam_lr", "clip", "val_every", "modes", "laplace", "laplace_prior", "mode_weights",
                      "allow_different_inits", "lowrank_tol", "starts", "solver", "damping", "trust_radius",
-                     "prior_centre"]
+                     "prior_centre", "server_prior"]
     assert all(r["help"] for r in FedBEnsSettings.describe())
     with pytest.raises(ConfigError, match="solver must be one of"):
         FedBEnsSettings.from_mapping({"solver": "lbfgs"}, "fedbens")

@@ -76,7 +76,7 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
     return X, it, residual
 
 
-def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shift: float = 0.0,
+def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shift: float | list[float] = 0.0,
                         rhs: torch.Tensor | None = None, damping: float = 0.0, anchor: torch.Tensor | None = None,
                         start: torch.Tensor | None = None, tolerance: float = 1e-10,
                         desc: str | None = None) -> tuple[torch.Tensor, dict]:
@@ -84,7 +84,7 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
 
         (Σ_k r_k P_k + (shift + ε_j) I) w = Σ_k r_k P_k m_k + rhs + ε_j · anchor
 
-    for ``terms`` = ``[(r_k, P_k, m_k (d,))]``, with ``ε_j = damping × mean diag(Σ_k r_k P_k)`` over block
+    for ``terms`` = ``[(r_k, P_k, m_k (d,))]`` (``shift`` a number, or one per block), with ``ε_j = damping × mean diag(Σ_k r_k P_k)`` over block
     ``j`` (a relative Tikhonov term pulling directions without curvature to ``anchor``; ``anchor`` is
     needed when ``damping`` > 0). A Kronecker block by conjugate gradients (:func:`solve_kron_sum`, from
     ``start`` if given, to ``tolerance``), a diagonal one element-wise, any other through a dense
@@ -95,7 +95,9 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
     f64 = torch.float64
     out = torch.empty(ref.dim, dtype=f64)
     info = {"iterations": 0, "residual": 0.0}
+    shifts = [float(v) for v in shift] if isinstance(shift, (list, tuple)) else [float(shift)] * len(ref.blocks)
     for j, off in progress(enumerate(ref.offsets), desc or "", len(ref.offsets), show=desc is not None):
+        shift = shifts[j]
         blocks = [(r, P.blocks[j], m[off: off + P.blocks[j].dim].double()) for r, P, m in terms]  # stored dtype
         dim = blocks[0][1].dim
         b = sum(r * blk.astype(f64).matvec(m) for r, blk, m in blocks)  # one float64 block at a time

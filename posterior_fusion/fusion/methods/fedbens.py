@@ -44,6 +44,7 @@ from posterior_fusion.fusion.stacked import CHUNK_BYTES, default_chunk_bytes
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_equal_components
 from posterior_fusion.kernels.graphs import GraphedStep
 from posterior_fusion.mixture import LOG_2PI, gaussian_log_norm
+from posterior_fusion.progress import progress
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,12 @@ class FedBEnsSettings(OptimiserSettings):
                                         "C − 1 times, which multiplies the weights by C along directions no client's "
                                         "curvature sees) or 'clients' (at each mode's λ-weighted client average of the "
                                         "MAPs of its component index: those directions keep the clients' average).")
+    server_prior: str = setting("clients", "The server prior's precision λ0, how hard the modes are pulled to the prior "
+                                           "centre: 'clients' (the median of the clients' λ0, or 1/--prior-var) or "
+                                           "'evidence' (solver=em only: the λ0 maximising the Laplace evidence of the "
+                                           "server's model, the clients' likelihoods held fixed — MacKay's empirical "
+                                           "Bayes, no data needed; re-solved from the last modes until λ0 moves by < 1 %; "
+                                           "recorded in the artifact).")
 
     def validate(self) -> None:
         super().validate()
@@ -87,6 +94,10 @@ class FedBEnsSettings(OptimiserSettings):
             raise ConfigError(f"setting prior_centre must be one of {PRIOR_CENTRES}")
         if self.trust_radius > 0 and self.solver != "em":
             raise ConfigError("setting trust_radius needs solver=em")
+        if self.server_prior not in SERVER_PRIORS:
+            raise ConfigError(f"setting server_prior must be one of {SERVER_PRIORS}")
+        if self.server_prior == "evidence" and self.solver != "em":
+            raise ConfigError("setting server_prior=evidence needs solver=em (the evidence is taken at stationary points)")
         if self.modes is not None and self.modes < 1:
             raise ConfigError("setting modes must be >= 1")
         if not 0 <= self.lowrank_tol < 1:
@@ -259,6 +270,9 @@ STARTS = ("median", "clients", "median+clients")
 SOLVERS = ("adam", "em")
 PRIOR_CENTRES = ("zero", "clients")
 LAPLACE_PRIORS = ("server", "evidence")
+SERVER_PRIORS = ("clients", "evidence")
+EVIDENCE_ROUNDS = 30       # server_prior=evidence: at most this many EM solves
+EVIDENCE_TOLERANCE = 0.01  # … stopping when λ0 moves by less than this, relative
 
 
 def damped_clients(clients: list[ClientPosterior], d: float) -> list[ClientPosterior]:
@@ -297,6 +311,36 @@ def client_centres(inputs: FusionInputs, components: list[int]) -> torch.Tensor:
     return torch.stack([means[m] for m in components]).float()
 
 
+def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], lams: list[float], lam0: float,
+                          W0: torch.Tensor, centres: torch.Tensor | None, settings: FedBEnsSettings,
+                          show_progress: bool = True) -> tuple[float, torch.Tensor, list, list[dict]]:
+    """``server_prior=evidence``: the server prior's precision λ0 at which the modes' Laplace evidence is
+    stationary, with the modes EM's stationary points at that λ0.
+
+    The clients' likelihoods ``q_c / p0_c`` do not depend on the server's λ0, so the evidence
+    ``Z(λ0) = ∫ Π_c (q_c / p0_c)(w) N(w; μ, λ0⁻¹ I) dw`` is a marginal likelihood in λ0; at a stationary
+    mode its Laplace approximation's derivative in λ0 is ``½ (γ/λ0 − ‖w* − μ‖²)`` with
+    ``γ = Σ_i h_i / (h_i + λ0)`` over the curvature at the mode (MacKay). Each round solves EM at λ0 (from
+    the last round's modes), then sets λ0 to the maximiser with those modes held fixed
+    (:func:`~posterior_fusion.fusion.mode_laplace.evidence_prior_precision` on ``w* − μ``), until λ0 moves
+    by less than :data:`EVIDENCE_TOLERANCE` (at most :data:`EVIDENCE_ROUNDS` rounds; then the last round's
+    λ0 and modes are kept, and the search says so in the artifact). Returns ``(λ0, modes (K, d), their
+    EM history, the search [{server_prior_precision, next, rounds}])``."""
+    W, search, history = W0, [], []
+    for _ in progress(range(EVIDENCE_ROUNDS), "server prior (evidence)", EVIDENCE_ROUNDS, show=show_progress):
+        W, history = em_modes(MixtureProduct(clients, temps, lams, lam0), W, settings.steps, show_progress=False,
+                              trust_radius=settings.trust_radius, prior_centres=centres)
+        curvatures, _ = mode_precisions(clients, temps, lams, lam0, W, show_progress=False)
+        offsets = W if centres is None else W - centres
+        nxt, _ = evidence_prior_precision(list(offsets), curvatures)
+        search.append({"server_prior_precision": lam0, "next": nxt, "em_steps": [len(h) - 1 for h in history]})
+        if abs(math.log(nxt / lam0)) < EVIDENCE_TOLERANCE:
+            search[-1]["converged"] = True
+            break
+        lam0 = nxt
+    return lam0, W, history, search
+
+
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     """FedBEns on any curvature structure (kron, diag, diag+full)."""
     m = require_equal_components(inputs, "fedbens")
@@ -311,7 +355,11 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     lam0 = inputs.server_prior_precision()
     W0, components = start_rows(inputs, settings.starts, modes)
     centres = client_centres(inputs, components) if settings.prior_centre == "clients" else None
-    if settings.solver == "em":  # per-layer solves on the clients' own blocks: no stacked copy of them
+    if settings.server_prior == "evidence":
+        lam0, best, history, search = evidence_server_prior(clients, temps, lams, lam0, W0, centres, settings,
+                                                            inputs.options.progress)
+        info = {"history": history, "server_prior_search": search}
+    elif settings.solver == "em":  # per-layer solves on the clients' own blocks: no stacked copy of them
         best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), W0, settings.steps,
                                  show_progress=inputs.options.progress, trust_radius=settings.trust_radius,
                                  prior_centres=centres)
@@ -327,7 +375,8 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         return FusionResult([w.clone() for w in best], info)
     curvatures, errors = mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)
     values = negative_log_posterior(clients, temps, lams, lam0, best, centres)
-    laplace = {"prior_precision": lam0, "prior_rule": settings.laplace_prior, "server_prior_precision": lam0}
+    laplace = {"prior_precision": lam0, "prior_rule": settings.laplace_prior, "server_prior_precision": lam0,
+               "server_prior": settings.server_prior}
     if settings.laplace_prior == "evidence":
         delta, evidence = evidence_prior_precision(list(best), curvatures)
         laplace.update({"prior_precision": delta, "log_evidence_terms": evidence})

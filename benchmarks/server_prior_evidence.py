@@ -1,0 +1,170 @@
+"""Issue 29, item 2: the strength of fedbens' pull to the clients' average, chosen without data.
+
+With ``prior_centre=clients`` the over-counted prior is divided out at each mode's client average μ_m,
+and what is left of the prior is the server's ``N(μ_m, λ_s⁻¹ I)``: λ_s is how hard the stationary
+point is pulled to the clients' average (the clients' own λ_c stay as captured). This script solves
+fedbens' EM to stationarity at each λ_s of a grid and reports test and validation accuracy beside the
+Laplace evidence of the server's model at that λ_s,
+
+    log Z(λ_s) ≈ log Σ_k exp(−U_λs(w*_k) + d/2 log 2π − ½ log|H_k + λ_s I|) − log K,
+
+(U the objective with its normalising constants, H_k the raw curvature at mode k): the clients'
+likelihoods q_c / p0_c are held fixed, so Z is a marginal likelihood in λ_s and its maximiser is
+MacKay's empirical-Bayes choice, made from the artifacts alone.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/server_prior_evidence.py --clients DIR --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from measured import save_rows
+
+from posterior_fusion.artifact import load_client
+from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.fusion import types as fusion_types
+from posterior_fusion.fusion.em import MixtureProduct, em_modes
+from posterior_fusion.fusion.layer_solve import solve_precision_sum
+from posterior_fusion.fusion.methods.fedbens import client_centres, start_rows
+from posterior_fusion.fusion.mode_laplace import component_log_densities, evidence_prior_precision, mode_precisions
+from posterior_fusion.fusion.types import FusionInputs
+from posterior_fusion.metrics import evaluate_members
+from posterior_fusion.mixture import LOG_2PI
+
+
+def log_evidence(result) -> float:
+    """The Laplace evidence of the fused modes (log-mean-exp over modes)."""
+    lam = result.info["laplace"]["server_prior_precision"]
+    values = torch.tensor(result.info["laplace"]["objective_at_modes"], dtype=torch.float64)
+    terms = []
+    for v, curv in zip(values, result.curvatures):
+        prec = curv.precision(1.0, lam)
+        d = prec.dim
+        terms.append(-v + 0.5 * d * LOG_2PI - 0.5 * prec.logdet().double())
+    t = torch.stack(terms)
+    return float(torch.logsumexp(t, 0) - math.log(len(terms)))
+
+
+class BlockPriorProduct(MixtureProduct):
+    """EM's mixture product with one server prior precision per block (the per-block experiment)."""
+
+    def __init__(self, clients, temps, lams, lam_blocks: list[float]) -> None:
+        super().__init__(clients, temps, lams, lam_blocks[0])
+        self.lam_blocks = lam_blocks
+        self.offsets = clients[0].components[0].curvature.offsets
+        self.dims = [b.dim for b in clients[0].components[0].curvature.blocks]
+        self.excesses = [math.fsum(lams) - lam for lam in lam_blocks]
+
+    def _per_block(self, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.full((d,), e, dtype=torch.float64) for d, e in zip(self.dims, self.excesses)])
+
+    def responsibilities(self, w, centre=None):
+        rs, _ = super().responsibilities(w, centre)
+        logits = [row[0] for row in component_log_densities(self.clients, self.temperatures, self.prior_precisions,
+                                                             w[None])]
+        off = (w if centre is None else w - centre).double()
+        value = -0.5 * float((self._per_block(off) * off.square()).sum()) - sum(float(torch.logsumexp(g, 0))
+                                                                              for g in logits)
+        return rs, value
+
+    def solve(self, rs, start, tolerance=1e-10, pull=None, centre=None):
+        terms = [(float(r), P, mu) for r_c, row, maps in zip(rs, self.precisions, self.maps)
+                 for r, P, mu in zip(r_c, row, maps) if float(r) > 0]
+        rhs = None if centre is None else -self._per_block(centre) * centre.double()
+        out, _ = solve_precision_sum(terms, shift=[-e for e in self.excesses], rhs=rhs, start=start,
+                                     tolerance=tolerance)
+        return out
+
+
+def per_block_search(paths, folder, test, val, rounds: int = 30) -> dict:
+    """EM (prior centre clients) with one server λ per block, each the per-block MacKay fixed point."""
+    inputs = FusionInputs([load_client(p) for p in paths], FusionOptions(progress=False))
+    clients = inputs.clients
+    temps = [inputs.temperature(c) for c in clients]
+    lams = [inputs.prior_precision(c) for c in clients]
+    modes = clients[0].num_components
+    W, comps = start_rows(inputs, "median", modes)
+    centres = client_centres(inputs, comps)
+    nblocks = len(clients[0].components[0].curvature.blocks)
+    lam_blocks = [inputs.server_prior_precision()] * nblocks
+    t0 = time.time()
+    for r in range(rounds):
+        W, _ = em_modes(BlockPriorProduct(clients, temps, lams, lam_blocks), W, 300, show_progress=False,
+                        prior_centres=centres)
+        curv, _ = mode_precisions(clients, temps, lams, 1.0, W, show_progress=False)
+        offsets = W - centres
+        nxt = []
+        for j, (off, blk) in enumerate(zip(curv[0].offsets, curv[0].blocks)):
+            sub = [BlockDiag([c.blocks[j]]) for c in curv]
+            nxt.append(evidence_prior_precision([o[off: off + blk.dim] for o in offsets], sub)[0])
+        change = max(abs(math.log(a / b)) for a, b in zip(nxt, lam_blocks))
+        print(f"round {r}: λ_b {[round(x, 1) for x in nxt]} change {change:.3f}", flush=True)
+        lam_blocks = nxt
+        if change < 0.01:
+            break
+    seconds = time.time() - t0
+    m = evaluate_members(inputs.spec, list(W), test)
+    mv = evaluate_members(inputs.spec, list(W), val)
+    return {"variant": "em, prior centre clients, server λ per block (evidence)", "server_prior_precision": lam_blocks,
+            "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "val_accuracy": mv["accuracy"],
+            "val_nll": mv["nll"], "rounds": r + 1, "server_seconds": round(seconds, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", required=True)
+    ap.add_argument("--lams", default="10,30,100,300,1000,3000,10000")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--per-block", action="store_true", help="also one server λ per block (MacKay per block)")
+    ap.add_argument("--evidence-only", action="store_true", help="only the paper's row and server_prior=evidence")
+    args = ap.parse_args()
+    folder = Path(args.clients)
+    paths = sorted(folder.glob("post_*.h5"))
+    test, val = read_silo(folder / "test.h5"), read_silo(folder / "server_val.h5")
+    rows = []
+    original = fusion_types.FusionInputs.server_prior_precision
+
+    def run(label, settings, lam=None, use_val=False):
+        if lam is not None:
+            fusion_types.FusionInputs.server_prior_precision = lambda self: lam
+        try:
+            t0 = time.time()
+            inputs, result, _ = fuse(paths, "fedbens", FusionOptions(progress=False), settings,
+                                     val_path=folder / "server_val.h5" if use_val else None)
+            seconds = time.time() - t0
+        finally:
+            fusion_types.FusionInputs.server_prior_precision = original
+        m = evaluate_members(inputs.spec, result.members, test)
+        mv = evaluate_members(inputs.spec, result.members, val)
+        row = {"variant": label, "server_prior_precision": result.info["laplace"]["server_prior_precision"],
+               "server_prior_search": result.info.get("server_prior_search"),
+               "settings": settings, "validation": use_val, "accuracy": m["accuracy"], "nll": m["nll"],
+               "ece": m["ece"], "val_accuracy": mv["accuracy"], "val_nll": mv["nll"],
+               "log_evidence": log_evidence(result), "server_seconds": round(seconds, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    run("paper: adam, best validation iterate", {}, use_val=True)
+    em = {"solver": "em", "prior_centre": "clients"}
+    run("em, prior centre clients, server prior evidence", {**em, "server_prior": "evidence"})
+    if args.per_block:
+        rows.append(per_block_search(paths, folder, test, val))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.evidence_only:
+        save_rows(args.json, {"clients": [str(p) for p in paths], "rows": rows})
+        return
+    for lam in [float(x) for x in args.lams.split(",")]:
+        run(f"em, prior centre clients, server λ {lam:g}", em, lam)
+    save_rows(args.json, {"clients": [str(p) for p in paths], "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
