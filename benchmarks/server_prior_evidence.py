@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--per-block", action="store_true", help="also one server λ per block (MacKay per block)")
     ap.add_argument("--evidence-only", action="store_true", help="only the paper's row and server_prior=evidence")
+    ap.add_argument("--no-paper", action="store_true", help="leave the paper's row out")
     args = ap.parse_args()
     folder = Path(args.clients)
     paths = sorted(folder.glob("post_*.h5"))
@@ -152,9 +153,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    run("paper: adam, best validation iterate", {}, use_val=True)
+    if not args.no_paper:
+        run("paper: adam, best validation iterate", {}, use_val=True)
     em = {"solver": "em", "prior_centre": "clients"}
-    run("em, prior centre clients, server prior evidence", {**em, "server_prior": "evidence"})
+    run("em, prior centre clients, server prior evidence, λ0 per block", {**em, "server_prior": "evidence"})
     if args.per_block:
         rows.append(per_block_search(paths, folder, test, val))
         print(json.dumps(rows[-1]), flush=True)

@@ -19,12 +19,13 @@ from collections import defaultdict
 def main() -> None:
     table: dict[str, dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for path in sys.argv[1:]:
-        m = re.search(r"_a([0-9.]+?)(?:_s(\d+))?(?:_evidence)?\.json$", path)
+        m = re.search(r"_a([0-9.]+?)(?:_s(\d+))?(?:_evidence(?:_isotropic)?)?\.json$", path)
         alpha, seed = m.group(1), int(m.group(2) or 0)
         for r in json.load(open(path))["rows"]:
             v = r["variant"]
             key = ("paper: Adam, best validation iterate (validation)" if v.startswith("paper") else
-                   "EM, server λ0 from the evidence (no validation)" if "evidence" in v else
+                   "EM, one server λ0 from the evidence (no validation)" if "isotropic" in v else
+                   "EM, server λ0 per block from the evidence (no validation)" if "evidence" in v else
                    f"EM, server λ0 = {r['server_prior_precision']:g} (no validation)")
             table[alpha][key][seed] = r
     for alpha, rows in sorted(table.items()):
@@ -34,7 +35,8 @@ def main() -> None:
         print("|---|" + "---|" * len(seeds) + "---|---|---|---|")
 
         def order(k: str) -> float:
-            return -1 if k.startswith("paper") else 1e9 if "evidence" in k else float(k.split("= ")[1].split(" ")[0])
+            return (-1 if k.startswith("paper") else 1e9 if "one server" in k else 2e9 if "evidence" in k
+                    else float(k.split("= ")[1].split(" ")[0]))
 
         for key in sorted(rows, key=order):
             per = rows[key]
@@ -45,8 +47,11 @@ def main() -> None:
                     cells.append("–")
                     continue
                 c = f"{per[s]['accuracy'] * 100:.2f}"
-                if "evidence" in key:
-                    c += f" (λ0 {per[s]['server_prior_precision']:.0f})"
+                lam = per[s]["server_prior_precision"]
+                if "one server" in key:
+                    c += f" (λ0 {lam:.0f})"
+                elif "evidence" in key:
+                    c += f" (ρ {lam[0] / per[s]['server_prior_search']['block_scales'][0]:.3f})"
                 cells.append(c)
             mean = f"{statistics.mean(acc):.2f} ± {statistics.stdev(acc):.2f}" if len(acc) > 1 else f"{acc[0]:.2f}"
             nll = statistics.mean(per[s]["nll"] for s in per)

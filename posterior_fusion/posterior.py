@@ -150,7 +150,8 @@ class ClientPosterior:
 class GlobalEnsemble:
     """Result of ``pfuse fuse``: member weight vectors ``(d,)`` (independent storage), and for
     fedbens a Laplace approximation at each member (global mode): the global posterior is
-    approximated by ``Σ_k π_k N(w*_k, Λ*_k⁻¹)`` with ``Λ*_k = curvature_k + λ0 I``."""
+    approximated by ``Σ_k π_k N(w*_k, Λ*_k⁻¹)`` with ``Λ*_k = curvature_k + λ0 I`` (``λ0`` one number, or one
+    per block: metadata ``laplace.prior_precision``)."""
 
     path: str
     sha256: str
@@ -188,7 +189,8 @@ class GlobalEnsemble:
         """``Λ*_k``, the Laplace precision at member ``k``."""
         if self.curvatures is None:
             raise ConfigError(f"{self.path}: has no posterior curvature (only fedbens stores one)")
-        return self.curvatures[k].precision(1.0, float(self.metadata["laplace"]["prior_precision"]))
+        delta = self.metadata["laplace"]["prior_precision"]  # one number, or one per block
+        return self.curvatures[k].precision(1.0, [float(v) for v in delta] if isinstance(delta, list) else float(delta))
 
     def posterior(self) -> GaussianMixture:
         """The global posterior ``Σ_k π_k N(w*_k, Λ*_k⁻¹)`` as a :class:`GaussianMixture`."""

@@ -260,7 +260,7 @@ def restricted(precision: Precision, start: int, stop: int) -> BlockDiag:
         else:
             raise ConfigError(f"a {b.kind} block covers parameters on both sides of the last layer's; "
                               "the last-layer predictive needs the layer's own blocks")
-    return BlockDiag(parts, precision.scale, precision.shift)
+    return BlockDiag(parts, precision.scale, [b.shift for b in parts])
 
 
 def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: torch.Tensor, scale: float = 1.0,

@@ -753,56 +753,83 @@ def test_component_densities_of_float32_clients_decompose_each_block_once(struct
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-3)  # float32 factors, float64 arithmetic
 
 
-def _dense_log_evidence(one, T: float, lam0: float, centre: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Exact ``log Z(λ0)`` (up to a constant) of the server's model when each client is one Gaussian, and
-    the posterior mode: ``Z = ∫ Π_c (q_c / p0_c)(w) N(w; μ, λ0⁻¹ I) dw`` with ``p0_c = N(μ, λ_c⁻¹ I)``, from
-    dense float64 matrices (the integrand is Gaussian: ``−½ Q_min − ½ log|H + λ0 I| + d/2 log λ0``)."""
+def _dense_log_evidence(one, T: float, lam_blocks: list[float], centre: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Exact ``log Z`` (up to a constant) of the server's model when each client is one Gaussian, and the
+    posterior mode: ``Z = ∫ Π_c (q_c / p0_c)(w) N(w; μ, Λ0⁻¹) dw`` with ``p0_c = N(μ, λ_c⁻¹ I)`` and
+    ``Λ0 = blockdiag(λ0_j I)``, from dense float64 matrices (the integrand is Gaussian:
+    ``−½ Q_min − ½ log|H + Λ0| + ½ log|Λ0|``)."""
     d = TINY_LAYOUT.dim
     eye = torch.eye(d, dtype=torch.float64)
     lams = [c.prior_precision for c in one]
     Ls = [torch.block_diag(*[b.to_dense() for b in c.components[0].curvature.blocks]) / T + lam * eye
           for c, lam in zip(one, lams)]
     maps = [c.components[0].map for c in one]
-    e = sum(lams) - lam0
-    H = sum(Ls) - e * eye
-    w = torch.linalg.solve(H, sum(L @ m for L, m in zip(Ls, maps)) - e * centre)
-    Q = sum((w - m) @ L @ (w - m) for L, m in zip(Ls, maps)) - e * (w - centre) @ (w - centre)
-    return float(-0.5 * Q - 0.5 * torch.linalg.slogdet(H)[1] + 0.5 * d * math.log(lam0)), w
+    L0 = torch.cat([torch.full((b.dim,), v, dtype=torch.float64)
+                    for b, v in zip(one[0].components[0].curvature.blocks, lam_blocks)])
+    E = sum(lams) * eye - torch.diag(L0)  # the over-counted prior, per coordinate
+    H = sum(Ls) - E
+    w = torch.linalg.solve(H, sum(L @ m for L, m in zip(Ls, maps)) - E @ centre)
+    Q = sum((w - m) @ L @ (w - m) for L, m in zip(Ls, maps)) - (w - centre) @ E @ (w - centre)
+    return float(-0.5 * Q - 0.5 * torch.linalg.slogdet(H)[1] + 0.5 * torch.log(L0).sum()), w
 
 
 @pytest.mark.parametrize("centre", ["zero", "clients"])
 @pytest.mark.parametrize("structure", ["diag", "diag+full"])
 def test_server_prior_evidence_maximises_the_exact_evidence_of_a_gaussian_product(structure, centre):
     """fedbens `server_prior=evidence` with one component per client: the product is Gaussian, so its
-    Laplace evidence is the exact marginal likelihood of the server's prior precision λ0; the λ0 found is
-    the maximiser of the dense float64 log Z (golden section over log λ0, independent of the library's
-    MacKay rounds), the mode is the dense minimiser at that λ0, and the search is recorded. (The
-    temperature makes the clients' curvature large enough against their disagreement for the maximum to
-    be interior; otherwise the evidence prefers all clients at the centre, λ0 → ∞.)"""
+    Laplace evidence is the exact marginal likelihood of the server's prior, here one precision per block
+    ``ρ c_j`` with ``c_j`` the block's mean diagonal of ``Σ_c G_c / T`` (from the dense matrices); the ρ
+    found is the maximiser of the dense float64 log Z (golden section over log ρ, independent of the
+    library's MacKay rounds), the mode is the dense minimiser there, and the search is recorded. (diag:
+    one block; diag+full: a diagonal and a dense block. The temperature makes the clients' curvature large
+    against their disagreement, for an interior maximum; otherwise the evidence prefers every client at
+    the centre.)"""
     T = 0.02
     one = _clients(structure, C=3, M=1, seed=5)
     d = TINY_LAYOUT.dim
     mu = (torch.zeros(d, dtype=torch.float64) if centre == "zero"
           else torch.stack([c.components[0].map for c in one]).mean(0))  # equal λ_c: the plain average
-    lo, hi, g = math.log(1e-4), math.log(1e6), (math.sqrt(5) - 1) / 2
-    f = lambda t: _dense_log_evidence(one, T, math.exp(t), mu)[0]  # noqa: E731
+    G = sum(torch.block_diag(*[b.to_dense() for b in c.components[0].curvature.blocks]) / T for c in one)
+    offs = one[0].components[0].curvature.offsets
+    c = [float(torch.diagonal(G)[o: o + b.dim].mean()) for o, b in zip(offs, one[0].components[0].curvature.blocks)]
+    lo, hi, g = math.log(1e-8), math.log(1e4), (math.sqrt(5) - 1) / 2
+    f = lambda t: _dense_log_evidence(one, T, [math.exp(t) * cj for cj in c], mu)[0]  # noqa: E731
     grid = [lo + i * (hi - lo) / 400 for i in range(401)]
     best = max(range(401), key=lambda i: f(grid[i]))
     lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, 400)]
     while hi - lo > 1e-9:
         a, b = hi - g * (hi - lo), lo + g * (hi - lo)
         lo, hi = (a, hi) if f(a) < f(b) else (lo, b)
-    lam_ref = math.exp(0.5 * (lo + hi))
-    assert 1e-3 < lam_ref < 1e5  # an interior maximum: the test can tell a wrong λ0 from a right one
+    rho_ref = math.exp(0.5 * (lo + hi))
+    assert 1e-7 < rho_ref < 1e3  # an interior maximum: the test can tell a wrong ρ from a right one
     res = fedbens(FusionInputs(one, FusionOptions(temperature=T, progress=False)),
                   FedBEnsSettings(solver="em", prior_centre=centre, server_prior="evidence", steps=20))
     lam = res.info["laplace"]["server_prior_precision"]
-    assert abs(math.log(lam / lam_ref)) < 0.03, (lam, lam_ref)
-    assert res.info["laplace"]["server_prior"] == "evidence"
     search = res.info["server_prior_search"]
-    assert search[0]["server_prior_precision"] == 2.0 and search[-1].get("converged")  # from the clients' λ0
+    f64 = dict(dtype=torch.float64)
+    torch.testing.assert_close(torch.tensor(search["block_scales"], **f64), torch.tensor(c, **f64), rtol=1e-10, atol=0)
+    rho = lam[0] / c[0]
+    assert abs(math.log(rho / rho_ref)) < 0.03, (rho, rho_ref)
+    torch.testing.assert_close(torch.tensor(lam, **f64), rho * torch.tensor(c, **f64), rtol=1e-12, atol=0)
+    assert res.info["laplace"]["server_prior"] == "evidence" and res.info["laplace"]["prior_precision"] == lam
+    assert search["converged"] and len(search["rounds"]) >= 2  # MacKay rounds, from the clients' λ0
     torch.testing.assert_close(res.members[0].double(), _dense_log_evidence(one, T, lam, mu)[1], rtol=1e-5, atol=1e-5)
-    assert f(math.log(lam)) > max(f(math.log(lam) + 0.3), f(math.log(lam) - 0.3))
+    assert f(math.log(rho)) > max(f(math.log(rho) + 0.3), f(math.log(rho) - 0.3))
+
+
+def test_server_prior_evidence_without_an_interior_maximum_stops_at_the_range_and_says_so():
+    """Clients that disagree far more than their curvature explains (T = 0.5 here): the evidence grows
+    without bound as the modes approach the prior centre; ρ stops at the end of its search range (and never
+    lets a λ0_j leave the artifacts' prior-precision range, so the global artifact stays readable), a
+    warning says so, the record says `at_bound`, and the mode is the clients' average."""
+    one = _clients("diag+full", C=3, M=1, seed=5)
+    with pytest.warns(UserWarning, match="upper bound"):
+        res = fedbens(FusionInputs(one, FusionOptions(temperature=50.0, progress=False)),
+                      FedBEnsSettings(solver="em", prior_centre="clients", server_prior="evidence", steps=20))
+    lam = res.info["laplace"]["server_prior_precision"]
+    assert max(lam) <= 1e8 and res.info["server_prior_search"]["at_bound"]
+    mean = torch.stack([c.components[0].map for c in one]).mean(0)
+    torch.testing.assert_close(res.members[0].double(), mean, rtol=1e-5, atol=1e-5)
 
 
 def test_server_prior_settings_are_checked():
@@ -834,3 +861,46 @@ def test_precision_sum_solve_with_one_shift_per_block_equals_the_dense_solve():
     A1 = sum(r * D for (r, _, _), D in zip(terms, dense)) + 0.5 * torch.eye(d, dtype=torch.float64)
     torch.testing.assert_close(scalar, torch.linalg.solve(A1, sum(r * D @ m for (r, _, m), D in zip(terms, dense)) + rhs),
                                rtol=1e-8, atol=1e-8)
+
+
+def test_server_prior_evidence_global_artifact_round_trip(tmp_path, fitted):
+    """Real kron artifacts fused with `server_prior=evidence` (prior centre clients): one λ0 per block is
+    written, read back and used by every predictive (each block's Laplace precision carries its own
+    prior precision); a per-block list of the wrong length is refused in one line naming the file."""
+    import json
+
+    import h5py
+
+    from posterior_fusion.artifact.reader import load_global
+    from posterior_fusion.artifact.writer import text_attr
+    from posterior_fusion.data.silo import read_silo
+    from posterior_fusion.fusion import write_fused
+
+    folder, paths = fitted
+    inputs, result, meta = fuse(paths, "fedbens", FusionOptions(progress=False),
+                                {"solver": "em", "prior_centre": "clients", "server_prior": "evidence", "steps": 20})
+    lam = result.info["laplace"]["server_prior_precision"]
+    blocks = result.curvatures[0].blocks
+    assert isinstance(lam, list) and len(lam) == len(blocks) and len(set(lam)) > 1
+    out = tmp_path / "g.h5"
+    write_fused(out, inputs, result, meta)
+    g = load_global(out)
+    P = g.precision(0)
+    assert [b.shift for b in P.blocks] == pytest.approx(lam)
+    v = torch.randn(P.dim, dtype=torch.float64)
+    want = sum(blk.quadratic_form(v[o: o + blk.dim].to(blk.dtype)).double() + lam_j * v[o: o + blk.dim].square().sum()
+               for blk, o, lam_j in zip(result.curvatures[0].blocks, result.curvatures[0].offsets, lam))
+    torch.testing.assert_close(P.quadratic_form(v.to(P.dtype)).double(), want, rtol=1e-4, atol=1e-4)
+    x = read_silo(folder / "val.h5").inputs()[:16]
+    for predictive in ("map", "mc", "glm", "glm-last-layer"):
+        probs = g.predict(x, predictive=predictive, samples=4, raw=True)
+        assert probs.shape == (16, 10) and torch.allclose(probs.sum(1), torch.ones(16, dtype=probs.dtype), atol=1e-5)
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(out.read_bytes())
+    with h5py.File(bad, "r+") as f:
+        m = json.loads(bytes(f.attrs["metadata"]).decode())
+        m["laplace"]["prior_precision"] = lam[:-1]
+        f.attrs["metadata"] = text_attr(json.dumps(m))
+    r = CliRunner().invoke(pfuse, ["inspect", str(bad)])
+    assert r.exit_code == 2 and "laplace.prior_precision" in r.stderr and str(bad) in r.stderr
+    assert r.stderr.count("\n") == 1

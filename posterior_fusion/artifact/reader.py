@@ -223,7 +223,7 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dic
         raise chk.bad_schema(bad, "members do not match metadata num_members and their curvature headers")
     for i in range(n):
         chk.dataset(f, f"/members/{i}/weights", (layout.dim,))
-    check_global_metadata(meta, n, with_curvature, num_classes)
+    check_global_metadata(meta, n, with_curvature, num_classes, len(records[0]) if records else 0)
     return n, records
 
 

@@ -143,10 +143,11 @@ class ComponentRecord:
         return {f"{base}/{j}/{name}": shape for j, b in enumerate(self.blocks) for name, shape in b.datasets.items()}
 
 
-def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature: bool, num_classes: int) -> None:
+def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature: bool, num_classes: int,
+                          num_blocks: int = 0) -> None:
     """The typed fields of a global artifact's metadata: ``mode_weights`` (``num_members``
     probabilities summing to 1), ``pooling`` (:meth:`Pooling.from_metadata`) and, with curvature,
-    ``laplace.prior_precision`` in range."""
+    ``laplace.prior_precision`` in range (one number, or one per curvature block: ``num_blocks``)."""
     if "pooling" in meta:
         try:
             pooling = Pooling.from_metadata(meta["pooling"], num_members, num_classes)
@@ -164,7 +165,15 @@ def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature:
         laplace = meta.get("laplace")
         if not isinstance(laplace, dict) or "prior_precision" not in laplace:
             raise HeaderProblem("/", "metadata field 'laplace' with its 'prior_precision' is needed beside curvature")
-        number_in("/", "laplace.prior_precision", laplace["prior_precision"], *schema.PRIOR_PRECISION_RANGE)
+        delta = laplace["prior_precision"]
+        if isinstance(delta, list):
+            if len(delta) != num_blocks:
+                raise HeaderProblem("/", f"metadata field 'laplace.prior_precision' must be one number or one per "
+                                         f"curvature block ({num_blocks}), got a list of {len(delta)}")
+            for v in delta:
+                number_in("/", "laplace.prior_precision", v, *schema.PRIOR_PRECISION_RANGE)
+        else:
+            number_in("/", "laplace.prior_precision", delta, *schema.PRIOR_PRECISION_RANGE)
 
 
 @dataclass(frozen=True)

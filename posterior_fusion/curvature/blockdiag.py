@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from posterior_fusion.curvature.base import Precision
+from posterior_fusion.errors import ConfigError
 
 
 class BlockDiag(Precision):
     """``Λ = blockdiag(Λ_1, ..., Λ_k)``; block i covers ``[offsets[i], offsets[i] + dim_i)``.
 
-    The ``scale``/``shift`` of a BlockDiag are pushed into its blocks.
+    The ``scale``/``shift`` of a BlockDiag are pushed into its blocks; ``shift`` may be one number per
+    block (a prior precision per block: fedbens' ``server_prior=evidence``), and ``shift`` then returns
+    that tuple.
     """
 
-    def __init__(self, blocks: list[Precision], scale: float = 1.0, shift: float = 0.0) -> None:
-        super().__init__(scale, shift)
-        self.blocks = tuple(b.with_scale_shift(scale, shift) for b in blocks)
+    def __init__(self, blocks: list[Precision], scale: float = 1.0, shift: float | Sequence[float] = 0.0) -> None:
+        per_block = isinstance(shift, Sequence)
+        shifts = tuple(float(v) for v in shift) if per_block else (float(shift),) * len(blocks)
+        if len(shifts) != len(blocks):
+            raise ConfigError(f"{len(shifts)} shifts given for {len(blocks)} blocks")
+        super().__init__(scale, min(shifts, default=0.0))
+        self._shifts = shifts if per_block else None
+        self.blocks = tuple(b.with_scale_shift(scale, v) for b, v in zip(blocks, shifts))
         offsets, total = [], 0
         for b in self.blocks:
             offsets.append(total)
@@ -27,8 +37,21 @@ class BlockDiag(Precision):
     def dim(self) -> int:
         return self._dim
 
-    def with_scale_shift(self, scale: float, shift: float) -> BlockDiag:
+    @property
+    def shift(self) -> float | tuple[float, ...]:
+        return self._shift if self._shifts is None else self._shifts
+
+    def with_scale_shift(self, scale: float, shift: float | Sequence[float]) -> BlockDiag:
         return BlockDiag(list(self.blocks), scale, shift)
+
+    def precision(self, temperature: float, prior_precision: float | Sequence[float]) -> BlockDiag:
+        """``G / temperature + prior_precision · I``, ``prior_precision`` one number or one per block."""
+        values = prior_precision if isinstance(prior_precision, Sequence) else (prior_precision,)
+        if not temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {temperature}")
+        if not all(v > 0 for v in values):
+            raise ConfigError(f"prior precision must be > 0, got {prior_precision}")
+        return self.with_scale_shift(1.0 / temperature, prior_precision)
 
     def astype(self, dtype: torch.dtype) -> BlockDiag:
         return BlockDiag([b.astype(dtype) for b in self.blocks], self.scale, self.shift)

@@ -27,6 +27,9 @@ unconstrained iterate never leaves the region, the result is the plain EM's. (Th
 is found to a relative 1e-4 of the radius; a step that would raise the objective by that slack
 ends the iterations instead.)
 
+**A server prior per block** (fedbens' ``server_prior = "evidence"``): ``λ0`` may be one number per
+curvature block; each block's system then has its own ``λ0_j`` and excess ``Σ_c λ_c − λ0_j``.
+
 **Prior centre** (fedbens' ``prior_centre = "clients"``): with the over-counted prior divided out at
 μ instead of zero (``−½ (Σ λ_c − λ0) ‖w − μ‖²``), the system's right-hand side gains
 ``− (Σ_c λ_c − λ0) μ``; its matrix is unchanged.
@@ -35,6 +38,7 @@ ends the iterations instead.)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -50,13 +54,17 @@ class MixtureProduct:
     client's curvature, nor of one layer's, is held)."""
 
     def __init__(self, clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
-                 server_prior_precision: float) -> None:
+                 server_prior_precision: float | Sequence[float]) -> None:
         self.clients, self.temperatures, self.prior_precisions = clients, temperatures, prior_precisions
         self.precisions = [[comp.curvature.precision(t, lam) for comp in c.components]
                            for c, t, lam in zip(clients, temperatures, prior_precisions)]
         self.maps = [[comp.map for comp in c.components] for c in clients]
-        self.excess = math.fsum(prior_precisions) - float(server_prior_precision)  # over-counted prior
-        self.lam0 = float(server_prior_precision)
+        ref = clients[0].components[0].curvature
+        lam0 = (list(server_prior_precision) if isinstance(server_prior_precision, Sequence)
+                else [float(server_prior_precision)] * len(ref.blocks))  # one server λ0 per block
+        # the over-counted prior per block, and per coordinate (d,) for the objective's value
+        self.excess = [math.fsum(prior_precisions) - float(v) for v in lam0]
+        self._excess_d = torch.cat([torch.full((b.dim,), e, dtype=torch.float64) for b, e in zip(ref.blocks, self.excess)])
         self.n_total = float(sum(c.n_data for c in clients))
 
     def responsibilities(self, w: torch.Tensor, centre: torch.Tensor | None = None) -> tuple[list[torch.Tensor], float]:
@@ -64,8 +72,9 @@ class MixtureProduct:
         over-counted prior divided out at ``centre`` ``(d,)`` (default zero)."""
         logits = [row[0] for row in component_log_densities(self.clients, self.temperatures, self.prior_precisions,
                                                              w[None])]
-        off = w if centre is None else w - centre
-        value = -0.5 * self.excess * float(off.square().sum()) - sum(float(torch.logsumexp(g, 0)) for g in logits)
+        off = (w if centre is None else w - centre).double()
+        value = (-0.5 * float((self._excess_d * off.square()).sum())
+                 - sum(float(torch.logsumexp(g, 0)) for g in logits))
         return [torch.softmax(g, 0) for g in logits], value
 
     def metric(self, rs: list[torch.Tensor], v: torch.Tensor) -> float:
@@ -87,8 +96,8 @@ class MixtureProduct:
             terms += [(nu * float(r), P, pull_start) for r_c, row in zip(r0, self.precisions) for r, P in zip(r_c, row)
                       if float(r) > 0]
         # the matrix is Σ r Λ − excess·I (λ0 I when Σ_m r_cm = 1, no pull); the centre moves the right-hand side
-        rhs = None if centre is None else -self.excess * centre
-        out, _ = solve_precision_sum(terms, shift=-self.excess, rhs=rhs, start=start, tolerance=tolerance)
+        rhs = None if centre is None else -self._excess_d * centre.double()
+        out, _ = solve_precision_sum(terms, shift=[-e for e in self.excess], rhs=rhs, start=start, tolerance=tolerance)
         return out
 
 

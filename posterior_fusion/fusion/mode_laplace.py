@@ -19,6 +19,7 @@ sum, whose relative error is recorded per layer (see ``docs/maths.md``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -63,22 +64,31 @@ def quadratic_form64(precision: BlockDiag, V: torch.Tensor) -> torch.Tensor:
 
 
 def negative_log_posterior(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
-                           server_prior_precision: float, W: torch.Tensor,
+                           server_prior_precision: float | Sequence[float], W: torch.Tensor,
                            centres: torch.Tensor | None = None) -> torch.Tensor:
     """``(K,)`` float64: fedbens' objective ``−log p(w | D)`` at the K points ``W`` ``(K, d)``, with the
     same constant as :class:`~posterior_fusion.fusion.methods.fedbens.GlobalLogPosterior` (normalised
-    components, the prior correction's ``½ d [Σ_c log λ_c − log λ0 − (C − 1) log 2π]``), the over-counted
-    prior divided out at row k of ``centres`` ``(K, d)`` (default zero). From the blocks one at a time
-    (:func:`component_log_densities`): no stacked copy of the clients' curvature, so a solver that never
-    built one (EM) does not build it to report the objective at its modes."""
+    components, the prior correction's ``½ Σ_j d_j [Σ_c log λ_c − log λ0_j − (C − 1) log 2π]``), the
+    over-counted prior divided out at row k of ``centres`` ``(K, d)`` (default zero); ``server_prior_precision``
+    one λ0 or one per curvature block. From the blocks one at a time (:func:`component_log_densities`): no
+    stacked copy of the clients' curvature, so a solver that never built one (EM) does not build it to
+    report the objective at its modes."""
     W = W.detach().double()
     d = W.shape[1]
     lse = sum(torch.logsumexp(g, dim=1) for g in component_log_densities(clients, temperatures, prior_precisions, W))
     lse = lse - len(clients) * 0.5 * d * LOG_2PI  # each client's normalised mixture
-    lam0 = float(server_prior_precision)
-    const = 0.5 * d * (sum(math.log(lam) for lam in prior_precisions) - math.log(lam0) - (len(clients) - 1) * LOG_2PI)
+    dims = [b.dim for b in clients[0].components[0].curvature.blocks]
+    lam0 = per_block(server_prior_precision, len(dims))
+    log_lams, lam_sum, C = sum(math.log(lam) for lam in prior_precisions), math.fsum(prior_precisions), len(clients)
+    const = 0.5 * sum(dj * (log_lams - math.log(lj) - (C - 1) * LOG_2PI) for dj, lj in zip(dims, lam0))
+    excess = torch.cat([torch.full((dj,), lam_sum - lj, dtype=torch.float64) for dj, lj in zip(dims, lam0)])
     off = W if centres is None else W - centres.double()
-    return -0.5 * (math.fsum(prior_precisions) - lam0) * off.square().sum(1) + const - lse
+    return -0.5 * (excess * off.square()).sum(1) + const - lse
+
+
+def per_block(value: float | Sequence[float], blocks: int) -> list[float]:
+    """One number per curvature block from one number or a per-block sequence."""
+    return [float(v) for v in value] if isinstance(value, Sequence) else [float(value)] * blocks
 
 
 def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],
@@ -125,17 +135,23 @@ def _spectrum(curvature: BlockDiag) -> list[tuple[torch.Tensor, torch.Tensor | N
     return [block.spectrum() for block in curvature.blocks]
 
 
-def _log_evidence_terms(sq_norms: list[float], spectra: list, dims: list[int], delta: float) -> float:
-    """``Σ_k [−½ δ ‖w*_k‖² + ½ d log δ − ½ Σ_i log(λ_ki + δ)]`` from the modes' squared norms and spectra."""
+def _log_evidence_terms(sq_norms: list[list[float]], spectra: list, sizes: list[int], scales: list[float],
+                        delta: float) -> float:
+    """``Σ_k Σ_j [−½ δ_j ‖w*_kj‖² + ½ d_j log δ_j − ½ Σ_i log(λ_kji + δ_j)]``, ``δ_j = δ c_j``, from the modes'
+    squared norms per block and the blocks' spectra."""
     total = 0.0
-    for sq, spectrum, d in zip(sq_norms, spectra, dims):
-        logdet = sum(float(torch.log((torch.outer(b, a) if a is not None else b) + delta).sum()) for b, a in spectrum)
-        total += -0.5 * delta * sq + 0.5 * d * math.log(delta) - 0.5 * logdet
+    for sq, spectrum in zip(sq_norms, spectra):
+        for sq_j, (b, a), n, c in zip(sq, spectrum, sizes, scales):
+            if c == 0:  # a block whose prior δ does not scale: a constant
+                continue
+            dj = delta * c
+            logdet = float(torch.log((torch.outer(b, a) if a is not None else b) + dj).sum())
+            total += -0.5 * dj * sq_j + 0.5 * n * math.log(dj) - 0.5 * logdet
     return total
 
 
-def evidence_prior_precision(members: list[torch.Tensor], curvatures: list[BlockDiag],
-                             tol: float = 1e-7) -> tuple[float, float]:
+def evidence_prior_precision(members: list[torch.Tensor], curvatures: list[BlockDiag], tol: float = 1e-7,
+                             block_scales: Sequence[float] | None = None) -> tuple[float, float]:
     """The prior precision δ of a prior ``N(0, δ⁻¹ I)`` that maximises the modes' summed Laplace evidence,
     and that maximum of its δ-dependent part ``Σ_k [−½ δ ‖w*_k‖² + ½ d log δ − ½ log|G_k + δ I|]``
     (``log p(D | δ) ≈ log p(D | w*_k) − ½ δ ‖w*_k‖² − ½ log(|G_k + δ I| / δ^d) + const``: MacKay's empirical
@@ -147,13 +163,20 @@ def evidence_prior_precision(members: list[torch.Tensor], curvatures: list[Block
     :data:`EVIDENCE_RANGE` finds the one maximum to a relative ``tol``; at the optimum
     ``δ = Σ_k γ_k / Σ_k ‖w*_k‖²`` (the effective number of parameters over the modes' squared norm).
     Only eigenvalues are kept (a Kronecker block's factors' ones, from the blocks' caches); each
-    evaluation is one float64 pass over them."""
+    evaluation is one float64 pass over them.
+
+    ``block_scales`` ``c_j ≥ 0`` (one per block): the prior is ``N(0, diag(δ c_j I))`` instead, block j's
+    precision ``δ c_j``, and δ is the scale factor maximising the same evidence (at the optimum
+    ``δ = Σ_k γ_k / Σ_k Σ_j c_j ‖w*_kj‖²``; a block with ``c_j = 0`` is left out)."""
+    blocks = len(curvatures[0].blocks)
+    scales = [1.0] * blocks if block_scales is None else [float(c) for c in block_scales]
     spectra = [_spectrum(c) for c in curvatures]
-    sq_norms = [float(w.double().square().sum()) for w in members]
-    dims = [w.numel() for w in members]
+    offsets = curvatures[0].offsets
+    sizes = [b.dim for b in curvatures[0].blocks]
+    sq_norms = [[float(w[o: o + n].double().square().sum()) for o, n in zip(offsets, sizes)] for w in members]
 
     def f(t: float) -> float:
-        return _log_evidence_terms(sq_norms, spectra, dims, math.exp(t))
+        return _log_evidence_terms(sq_norms, spectra, sizes, scales, math.exp(t))
 
     lo, hi = math.log(EVIDENCE_RANGE[0]), math.log(EVIDENCE_RANGE[1])
     a, b = hi - _GOLDEN * (hi - lo), lo + _GOLDEN * (hi - lo)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.fusion.em import MixtureProduct, em_modes
 from posterior_fusion.fusion.mode_laplace import (
+    EVIDENCE_RANGE,
     evidence_prior_precision,
     laplace_mode_weights,
     mode_precisions,
@@ -311,34 +313,74 @@ def client_centres(inputs: FusionInputs, components: list[int]) -> torch.Tensor:
     return torch.stack([means[m] for m in components]).float()
 
 
+def curvature_scales(clients: list[ClientPosterior], temps: list[float]) -> list[float]:
+    """Per curvature block j, ``c_j``: the mean diagonal entry of the clients' summed tempered curvature
+    ``Σ_c mean_m G_cm / T_c`` over the block (how much curvature the block has per parameter)."""
+    blocks = len(clients[0].components[0].curvature.blocks)
+    return [math.fsum(sum(float(comp.curvature.blocks[j].diagonal().double().mean()) for comp in c.components)
+                      / (c.num_components * t) for c, t in zip(clients, temps)) for j in range(blocks)]
+
+
 def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], lams: list[float], lam0: float,
                           W0: torch.Tensor, centres: torch.Tensor | None, settings: FedBEnsSettings,
-                          show_progress: bool = True) -> tuple[float, torch.Tensor, list, list[dict]]:
-    """``server_prior=evidence``: the server prior's precision λ0 at which the modes' Laplace evidence is
-    stationary, with the modes EM's stationary points at that λ0.
+                          show_progress: bool = True) -> tuple[list[float], torch.Tensor, list, dict]:
+    """``server_prior=evidence``: one server prior precision per curvature block, ``λ0_j = ρ c_j`` with
+    ``c_j`` the block's curvature per parameter (:func:`curvature_scales`; a block without curvature keeps
+    the clients' λ0), and the scale ρ at which the modes' Laplace evidence is stationary, the modes EM's
+    stationary points at those λ0_j.
 
-    The clients' likelihoods ``q_c / p0_c`` do not depend on the server's λ0, so the evidence
-    ``Z(λ0) = ∫ Π_c (q_c / p0_c)(w) N(w; μ, λ0⁻¹ I) dw`` is a marginal likelihood in λ0; at a stationary
-    mode its Laplace approximation's derivative in λ0 is ``½ (γ/λ0 − ‖w* − μ‖²)`` with
-    ``γ = Σ_i h_i / (h_i + λ0)`` over the curvature at the mode (MacKay). Each round solves EM at λ0 (from
-    the last round's modes), then sets λ0 to the maximiser with those modes held fixed
-    (:func:`~posterior_fusion.fusion.mode_laplace.evidence_prior_precision` on ``w* − μ``), until λ0 moves
-    by less than :data:`EVIDENCE_TOLERANCE` (at most :data:`EVIDENCE_ROUNDS` rounds; then the last round's
-    λ0 and modes are kept, and the search says so in the artifact). Returns ``(λ0, modes (K, d), their
-    EM history, the search [{server_prior_precision, next, rounds}])``."""
-    W, search, history = W0, [], []
+    The clients' likelihoods ``q_c / p0_c`` do not depend on the server's prior, so
+    ``Z(ρ) = ∫ Π_c (q_c / p0_c)(w) N(w; μ, diag(λ0_j I)⁻¹) dw`` is a marginal likelihood in ρ; at stationary
+    modes the derivative of its Laplace approximation is ``½ (γ/ρ − Σ_j c_j ‖w*_j − μ_j‖²)`` with
+    ``γ = Σ_i h_i / (h_i + λ0_j)`` over the curvature at the modes (MacKay). Each round solves EM from the
+    last round's modes, then moves ρ to the maximiser with those modes held fixed
+    (:func:`~posterior_fusion.fusion.mode_laplace.evidence_prior_precision` on ``w* − μ`` with the block
+    scales), until ρ moves by less than :data:`EVIDENCE_TOLERANCE` (at most :data:`EVIDENCE_ROUNDS` rounds;
+    then the last round's are kept and the record says so). The first ρ puts the parameter-weighted mean
+    λ0_j at the clients' λ0. Returns ``(λ0 per block, modes (K, d), their EM history, the record
+    {block_scales, rounds: [{scale, next, em_steps}], converged})``."""
+    scales = curvature_scales(clients, temps)
+    dims = [b.dim for b in clients[0].components[0].curvature.blocks]
+    seen = [c > 0 for c in scales]
+    weighted = math.fsum(c * n for c, n, ok in zip(scales, dims, seen) if ok) / max(sum(n for n, ok in zip(dims, seen) if ok), 1)
+    rho = lam0 / weighted if weighted > 0 else 1.0
+    unit = [c if ok else 0.0 for c, ok in zip(scales, seen)]
+    # every λ0_j stays in the artifacts' prior-precision range (the evidence may have no interior maximum)
+    lo = max(ranges.PRIOR_PRECISION[0] / min((c for c in unit if c > 0), default=1.0), EVIDENCE_RANGE[0])
+    hi = min(ranges.PRIOR_PRECISION[1] / max(unit, default=1.0), EVIDENCE_RANGE[1])
+
+    def block_lams(r: float) -> list[float]:
+        return [r * c if ok else lam0 for c, ok in zip(scales, seen)]
+
+    W, rounds, history, converged = W0, [], [], False
     for _ in progress(range(EVIDENCE_ROUNDS), "server prior (evidence)", EVIDENCE_ROUNDS, show=show_progress):
-        W, history = em_modes(MixtureProduct(clients, temps, lams, lam0), W, settings.steps, show_progress=False,
+        lams0 = block_lams(rho)
+        W, history = em_modes(MixtureProduct(clients, temps, lams, lams0), W, settings.steps, show_progress=False,
                               trust_radius=settings.trust_radius, prior_centres=centres)
+        if not any(seen):
+            converged = True
+            break
         curvatures, _ = mode_precisions(clients, temps, lams, lam0, W, show_progress=False)
         offsets = W if centres is None else W - centres
-        nxt, _ = evidence_prior_precision(list(offsets), curvatures)
-        search.append({"server_prior_precision": lam0, "next": nxt, "em_steps": [len(h) - 1 for h in history]})
-        if abs(math.log(nxt / lam0)) < EVIDENCE_TOLERANCE:
-            search[-1]["converged"] = True
+        nxt, _ = evidence_prior_precision(list(offsets), curvatures, block_scales=unit)
+        nxt = min(max(nxt, lo), hi)
+        rounds.append({"scale": rho, "next": nxt, "em_steps": [len(h) - 1 for h in history]})
+        if abs(math.log(nxt / rho)) < EVIDENCE_TOLERANCE:
+            converged = True
             break
-        lam0 = nxt
-    return lam0, W, history, search
+        rho = nxt
+    at_bound = rho >= hi * (1 - 1e-6) or rho <= lo * (1 + 1e-6)
+    if not converged:
+        warnings.warn(f"fedbens server_prior=evidence: ρ still moved after {EVIDENCE_ROUNDS} rounds (last "
+                      f"{rounds[-1]['scale']:.3g} -> {rounds[-1]['next']:.3g}); the last round's modes are kept",
+                      stacklevel=3)
+    elif at_bound:
+        warnings.warn(f"fedbens server_prior=evidence: the evidence has no maximum inside the prior precisions "
+                      f"the artifacts allow; ρ = {rho:.3g} is at its {'upper' if rho >= hi * (1 - 1e-6) else 'lower'} "
+                      f"bound (upper: the clients disagree more than their curvature explains, and the modes sit at "
+                      f"the prior centre)", stacklevel=3)
+    return block_lams(rho), W, history, {"block_scales": scales, "rounds": rounds, "converged": converged,
+                                         "at_bound": at_bound}
 
 
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
@@ -355,7 +397,7 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     lam0 = inputs.server_prior_precision()
     W0, components = start_rows(inputs, settings.starts, modes)
     centres = client_centres(inputs, components) if settings.prior_centre == "clients" else None
-    if settings.server_prior == "evidence":
+    if settings.server_prior == "evidence":  # lam0 becomes one λ0 per curvature block
         lam0, best, history, search = evidence_server_prior(clients, temps, lams, lam0, W0, centres, settings,
                                                             inputs.options.progress)
         info = {"history": history, "server_prior_search": search}
