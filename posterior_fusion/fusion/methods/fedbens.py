@@ -83,12 +83,12 @@ class FedBEnsSettings(OptimiserSettings):
                                         "C − 1 times, which multiplies the weights by C along directions no client's "
                                         "curvature sees) or 'clients' (at each mode's λ-weighted client average of the "
                                         "MAPs of its component index: those directions keep the clients' average).")
-    server_prior: str = setting("clients", "The server prior's precision λ0, how hard the modes are pulled to the prior "
-                                           "centre: 'clients' (the median of the clients' λ0, or 1/--prior-var) or "
-                                           "'evidence' (solver=em only: the λ0 maximising the Laplace evidence of the "
-                                           "server's model, the clients' likelihoods held fixed — MacKay's empirical "
-                                           "Bayes, no data needed; re-solved from the last modes until λ0 moves by < 1 %; "
-                                           "recorded in the artifact).")
+    server_prior: str = setting("clients", "The server prior's precision, how hard the modes are pulled to the prior "
+                                           "centre: 'clients' (one λ0, the median of the clients' or 1/--prior-var) or "
+                                           "'evidence' (solver=em only: one λ0 per curvature block, ρ × the block's "
+                                           "curvature per parameter, ρ maximising the Laplace evidence of the server's "
+                                           "model with the clients' likelihoods held fixed — MacKay's empirical Bayes, "
+                                           "no data needed; EM re-solved until ρ moves by < 1 %; recorded in the artifact).")
 
     def validate(self) -> None:
         super().validate()
