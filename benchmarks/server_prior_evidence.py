@@ -33,7 +33,7 @@ from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.fusion import types as fusion_types
 from posterior_fusion.fusion.em import MixtureProduct, em_modes
 from posterior_fusion.fusion.layer_solve import solve_precision_sum
-from posterior_fusion.fusion.methods.fedbens import client_centres, start_rows
+from posterior_fusion.fusion.methods.fedbens import client_centres, curvature_scales, start_rows
 from posterior_fusion.fusion.mode_laplace import component_log_densities, evidence_prior_precision, mode_precisions
 from posterior_fusion.fusion.types import FusionInputs
 from posterior_fusion.metrics import evaluate_members
@@ -118,6 +118,30 @@ def per_block_search(paths, folder, test, val, rounds: int = 30) -> dict:
             "val_nll": mv["nll"], "rounds": r + 1, "server_seconds": round(seconds, 1)}
 
 
+def rho_sweep(paths, test, val, rhos: list[float]) -> list[dict]:
+    """EM (prior centre clients) at fixed ρ, λ0_j = ρ c_j (the library's block scales): what a server with
+    validation data could choose ρ from (test and validation accuracy side by side)."""
+    inputs = FusionInputs([load_client(p) for p in paths], FusionOptions(progress=False))
+    clients = inputs.clients
+    temps = [inputs.temperature(c) for c in clients]
+    lams = [inputs.prior_precision(c) for c in clients]
+    W0, comps = start_rows(inputs, "median", clients[0].num_components)
+    centres = client_centres(inputs, comps)
+    scales = curvature_scales(clients, temps)
+    out = []
+    for rho in rhos:
+        t0 = time.time()
+        W, _ = em_modes(MixtureProduct(clients, temps, lams, [rho * c for c in scales]), W0, 300, show_progress=False,
+                        prior_centres=centres)
+        seconds = time.time() - t0
+        m, mv = evaluate_members(inputs.spec, list(W), test), evaluate_members(inputs.spec, list(W), val)
+        out.append({"variant": f"em, prior centre clients, server λ0 per block, fixed ρ {rho:g}", "rho": rho,
+                    "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "val_accuracy": mv["accuracy"],
+                    "val_nll": mv["nll"], "server_seconds": round(seconds, 1)})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", required=True)
@@ -126,11 +150,17 @@ def main() -> None:
     ap.add_argument("--per-block", action="store_true", help="also one server λ per block (MacKay per block)")
     ap.add_argument("--evidence-only", action="store_true", help="only the paper's row and server_prior=evidence")
     ap.add_argument("--no-paper", action="store_true", help="leave the paper's row out")
+    ap.add_argument("--no-evidence", action="store_true", help="leave the server_prior=evidence row out")
+    ap.add_argument("--rhos", default="", help="only EM at these fixed ρ (λ0 per block = ρ × block scale)")
     args = ap.parse_args()
     folder = Path(args.clients)
     paths = sorted(folder.glob("post_*.h5"))
     test, val = read_silo(folder / "test.h5"), read_silo(folder / "server_val.h5")
     rows = []
+    if args.rhos:
+        rows = rho_sweep(paths, test, val, [float(x) for x in args.rhos.split(",")])
+        save_rows(args.json, {"clients": [str(p) for p in paths], "rows": rows})
+        return
     original = fusion_types.FusionInputs.server_prior_precision
 
     def run(label, settings, lam=None, use_val=False):
@@ -156,7 +186,8 @@ def main() -> None:
     if not args.no_paper:
         run("paper: adam, best validation iterate", {}, use_val=True)
     em = {"solver": "em", "prior_centre": "clients"}
-    run("em, prior centre clients, server prior evidence, λ0 per block", {**em, "server_prior": "evidence"})
+    if not args.no_evidence:
+        run("em, prior centre clients, server prior evidence, λ0 per block", {**em, "server_prior": "evidence"})
     if args.per_block:
         rows.append(per_block_search(paths, folder, test, val))
         print(json.dumps(rows[-1]), flush=True)

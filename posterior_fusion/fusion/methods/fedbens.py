@@ -407,6 +407,11 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
                                  prior_centres=centres)
         info = {"history": history}
     else:
+        if inputs.val is None:
+            warnings.warn("fedbens without validation data: Adam keeps its best-objective iterate, which under "
+                          "strong heterogeneity can predict far worse than the paper's best-validation one "
+                          "(docs/results/fusion_safety/); the stationary fusion that needs no validation data is "
+                          "--set solver=em --set prior_centre=clients --set server_prior=evidence", stacklevel=3)
         objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
                                        kernel=inputs.options.kernel, device=inputs.options.device,
                                        show_progress=inputs.options.progress, prior_centres=centres)
