@@ -832,6 +832,25 @@ def test_server_prior_evidence_without_an_interior_maximum_stops_at_the_range_an
     torch.testing.assert_close(res.members[0].double(), mean, rtol=1e-5, atol=1e-5)
 
 
+def test_server_prior_evidence_out_of_rounds_keeps_modes_and_prior_that_belong_together(monkeypatch):
+    """Stopped by the round limit before ρ settles: a warning says so, and the λ0_j returned are the ones the
+    returned modes were solved at (the dense minimiser there), not the next round's."""
+    from posterior_fusion.fusion.methods import fedbens as fedbens_module
+
+    monkeypatch.setattr(fedbens_module, "EVIDENCE_ROUNDS", 2)
+    T = 0.02
+    one = _clients("diag+full", C=3, M=1, seed=5)
+    mu = torch.stack([c.components[0].map for c in one]).mean(0)
+    with pytest.warns(UserWarning, match="still moved after 2 rounds"):
+        res = fedbens(FusionInputs(one, FusionOptions(temperature=T, progress=False)),
+                      FedBEnsSettings(solver="em", prior_centre="clients", server_prior="evidence", steps=20))
+    lam = res.info["laplace"]["server_prior_precision"]
+    rounds = res.info["server_prior_search"]["rounds"]
+    assert len(rounds) == 2 and not res.info["server_prior_search"]["converged"]
+    assert lam[0] / res.info["server_prior_search"]["block_scales"][0] == pytest.approx(rounds[-1]["scale"])
+    torch.testing.assert_close(res.members[0].double(), _dense_log_evidence(one, T, lam, mu)[1], rtol=1e-5, atol=1e-5)
+
+
 def test_server_prior_settings_are_checked():
     for bad, match in [(dict(server_prior="evidence"), "needs solver=em"),
                        (dict(server_prior="validation", solver="em"), "server_prior must be one of")]:

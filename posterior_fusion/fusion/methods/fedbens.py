@@ -323,7 +323,7 @@ def curvature_scales(clients: list[ClientPosterior], temps: list[float]) -> list
 
 def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], lams: list[float], lam0: float,
                           W0: torch.Tensor, centres: torch.Tensor | None, settings: FedBEnsSettings,
-                          show_progress: bool = True) -> tuple[list[float], torch.Tensor, list, dict]:
+                          show_progress: bool = True) -> tuple[list[float], torch.Tensor, list, dict, tuple | None]:
     """``server_prior=evidence``: one server prior precision per curvature block, ``λ0_j = ρ c_j`` with
     ``c_j`` the block's curvature per parameter (:func:`curvature_scales`; a block without curvature keeps
     the clients' λ0), and the scale ρ at which the modes' Laplace evidence is stationary, the modes EM's
@@ -338,7 +338,9 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
     scales), until ρ moves by less than :data:`EVIDENCE_TOLERANCE` (at most :data:`EVIDENCE_ROUNDS` rounds;
     then the last round's are kept and the record says so). The first ρ puts the parameter-weighted mean
     λ0_j at the clients' λ0. Returns ``(λ0 per block, modes (K, d), their EM history, the record
-    {block_scales, rounds: [{scale, next, em_steps}], converged})``."""
+    {block_scales, rounds: [{scale, next, em_steps}], converged, at_bound}, the last round's
+    :func:`mode_precisions` at the modes or None)`` (the Laplace step at the modes reuses it: it does not
+    depend on λ0)."""
     scales = curvature_scales(clients, temps)
     dims = [b.dim for b in clients[0].components[0].curvature.blocks]
     seen = [c > 0 for c in scales]
@@ -352,23 +354,24 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
     def block_lams(r: float) -> list[float]:
         return [r * c if ok else lam0 for c, ok in zip(scales, seen)]
 
-    W, rounds, history, converged = W0, [], [], False
-    for _ in progress(range(EVIDENCE_ROUNDS), "server prior (evidence)", EVIDENCE_ROUNDS, show=show_progress):
+    W, rounds, history, converged, laplace_step = W0, [], [], False, None
+    for i in progress(range(EVIDENCE_ROUNDS), "server prior (evidence)", EVIDENCE_ROUNDS, show=show_progress):
         lams0 = block_lams(rho)
         W, history = em_modes(MixtureProduct(clients, temps, lams, lams0), W, settings.steps, show_progress=False,
                               trust_radius=settings.trust_radius, prior_centres=centres)
         if not any(seen):
             converged = True
             break
-        curvatures, _ = mode_precisions(clients, temps, lams, lam0, W, show_progress=False)
+        laplace_step = mode_precisions(clients, temps, lams, lam0, W, show_progress=False)
         offsets = W if centres is None else W - centres
-        nxt, _ = evidence_prior_precision(list(offsets), curvatures, block_scales=unit)
+        nxt, _ = evidence_prior_precision(list(offsets), laplace_step[0], block_scales=unit)
         nxt = min(max(nxt, lo), hi)
         rounds.append({"scale": rho, "next": nxt, "em_steps": [len(h) - 1 for h in history]})
         if abs(math.log(nxt / rho)) < EVIDENCE_TOLERANCE:
             converged = True
             break
-        rho = nxt
+        if i + 1 < EVIDENCE_ROUNDS:  # else the last modes are kept with the ρ they were solved at
+            rho, laplace_step = nxt, None  # the modes will move: their curvature with them
     at_bound = rho >= hi * (1 - 1e-6) or rho <= lo * (1 + 1e-6)
     if not converged:
         warnings.warn(f"fedbens server_prior=evidence: ρ still moved after {EVIDENCE_ROUNDS} rounds (last "
@@ -380,7 +383,7 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
                       f"bound (upper: the clients disagree more than their curvature explains, and the modes sit at "
                       f"the prior centre)", stacklevel=3)
     return block_lams(rho), W, history, {"block_scales": scales, "rounds": rounds, "converged": converged,
-                                         "at_bound": at_bound}
+                                         "at_bound": at_bound}, laplace_step
 
 
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
@@ -397,9 +400,10 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     lam0 = inputs.server_prior_precision()
     W0, components = start_rows(inputs, settings.starts, modes)
     centres = client_centres(inputs, components) if settings.prior_centre == "clients" else None
+    laplace_step = None
     if settings.server_prior == "evidence":  # lam0 becomes one λ0 per curvature block
-        lam0, best, history, search = evidence_server_prior(clients, temps, lams, lam0, W0, centres, settings,
-                                                            inputs.options.progress)
+        lam0, best, history, search, laplace_step = evidence_server_prior(clients, temps, lams, lam0, W0, centres,
+                                                                          settings, inputs.options.progress)
         info = {"history": history, "server_prior_search": search}
     elif settings.solver == "em":  # per-layer solves on the clients' own blocks: no stacked copy of them
         best, history = em_modes(MixtureProduct(clients, temps, lams, lam0), W0, settings.steps,
@@ -420,7 +424,7 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         del objective  # the stacks: the Laplace step below works from the clients' blocks
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
-    curvatures, errors = mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)
+    curvatures, errors = laplace_step or mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)
     values = negative_log_posterior(clients, temps, lams, lam0, best, centres)
     laplace = {"prior_precision": lam0, "prior_rule": settings.laplace_prior, "server_prior_precision": lam0,
                "server_prior": settings.server_prior}
