@@ -923,3 +923,19 @@ def test_server_prior_evidence_global_artifact_round_trip(tmp_path, fitted):
     r = CliRunner().invoke(pfuse, ["inspect", str(bad)])
     assert r.exit_code == 2 and "laplace.prior_precision" in r.stderr and str(bad) in r.stderr
     assert r.stderr.count("\n") == 1
+
+
+def test_fedbens_adam_without_validation_data_says_what_to_use_instead(fitted):
+    """Adam without validation data keeps its best-objective iterate: one warning names the stationary,
+    validation-free settings; with validation data (and with those settings) there is none."""
+    import warnings
+
+    folder, paths = fitted
+    with pytest.warns(UserWarning, match="server_prior=evidence"):
+        fuse(paths, "fedbens", FusionOptions(progress=False), {"steps": 2, "laplace": False})
+    for settings, val in [({"steps": 2, "laplace": False}, folder / "val.h5"),
+                          ({"solver": "em", "prior_centre": "clients", "steps": 3, "laplace": False}, None)]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fuse(paths, "fedbens", FusionOptions(progress=False), settings, val_path=val)
+        assert not [w for w in caught if "without validation data" in str(w.message)]
