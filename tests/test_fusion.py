@@ -815,6 +815,17 @@ def test_server_prior_evidence_maximises_the_exact_evidence_of_a_gaussian_produc
     assert search["converged"] and len(search["rounds"]) >= 2  # MacKay rounds, from the clients' λ0
     torch.testing.assert_close(res.members[0].double(), _dense_log_evidence(one, T, lam, mu)[1], rtol=1e-5, atol=1e-5)
     assert f(math.log(rho)) > max(f(math.log(rho) + 0.3), f(math.log(rho) - 0.3))
+    # the objective recorded at the mode: −log of the dense posterior with the per-block prior N(μ, Λ0⁻¹)
+    w = res.members[0].double()
+    L0 = torch.cat([torch.full((b.dim,), v, dtype=torch.float64) for b, v in zip(one[0].components[0].curvature.blocks, lam)])
+    MVN = torch.distributions.MultivariateNormal
+    eye = torch.eye(d, dtype=torch.float64)
+    logp = MVN(mu, precision_matrix=torch.diag(L0)).log_prob(w)
+    for c in one:
+        G = torch.block_diag(*[b.to_dense() for b in c.components[0].curvature.blocks])
+        logp = logp + MVN(c.components[0].map, precision_matrix=G / T + c.prior_precision * eye).log_prob(w)
+        logp = logp - MVN(mu, precision_matrix=c.prior_precision * eye).log_prob(w)
+    assert res.info["laplace"]["objective_at_modes"][0] == pytest.approx(float(-logp), rel=1e-8, abs=1e-6)
 
 
 def test_server_prior_evidence_without_an_interior_maximum_stops_at_the_range_and_says_so():

@@ -44,7 +44,7 @@ import torch
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.fusion.layer_solve import solve_precision_sum
-from posterior_fusion.fusion.mode_laplace import component_log_densities, quadratic_form64
+from posterior_fusion.fusion.mode_laplace import component_log_densities, per_block, quadratic_form64
 from posterior_fusion.progress import progress
 
 
@@ -60,8 +60,7 @@ class MixtureProduct:
                            for c, t, lam in zip(clients, temperatures, prior_precisions)]
         self.maps = [[comp.map for comp in c.components] for c in clients]
         ref = clients[0].components[0].curvature
-        lam0 = (list(server_prior_precision) if isinstance(server_prior_precision, Sequence)
-                else [float(server_prior_precision)] * len(ref.blocks))  # one server λ0 per block
+        lam0 = per_block(server_prior_precision, len(ref.blocks))  # one server λ0 per block
         # the over-counted prior per block, and per coordinate (d,) for the objective's value
         self.excess = [math.fsum(prior_precisions) - float(v) for v in lam0]
         self._excess_d = torch.cat([torch.full((b.dim,), e, dtype=torch.float64) for b, e in zip(ref.blocks, self.excess)])
