@@ -32,9 +32,8 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.fusion import types as fusion_types
 from posterior_fusion.fusion.em import MixtureProduct, em_modes
-from posterior_fusion.fusion.layer_solve import solve_precision_sum
 from posterior_fusion.fusion.methods.fedbens import client_centres, curvature_scales, start_rows
-from posterior_fusion.fusion.mode_laplace import component_log_densities, evidence_prior_precision, mode_precisions
+from posterior_fusion.fusion.mode_laplace import evidence_prior_precision, mode_precisions
 from posterior_fusion.fusion.types import FusionInputs
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.mixture import LOG_2PI
@@ -53,37 +52,6 @@ def log_evidence(result) -> float:
     return float(torch.logsumexp(t, 0) - math.log(len(terms)))
 
 
-class BlockPriorProduct(MixtureProduct):
-    """EM's mixture product with one server prior precision per block (the per-block experiment)."""
-
-    def __init__(self, clients, temps, lams, lam_blocks: list[float]) -> None:
-        super().__init__(clients, temps, lams, lam_blocks[0])
-        self.lam_blocks = lam_blocks
-        self.offsets = clients[0].components[0].curvature.offsets
-        self.dims = [b.dim for b in clients[0].components[0].curvature.blocks]
-        self.excesses = [math.fsum(lams) - lam for lam in lam_blocks]
-
-    def _per_block(self, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat([torch.full((d,), e, dtype=torch.float64) for d, e in zip(self.dims, self.excesses)])
-
-    def responsibilities(self, w, centre=None):
-        rs, _ = super().responsibilities(w, centre)
-        logits = [row[0] for row in component_log_densities(self.clients, self.temperatures, self.prior_precisions,
-                                                             w[None])]
-        off = (w if centre is None else w - centre).double()
-        value = -0.5 * float((self._per_block(off) * off.square()).sum()) - sum(float(torch.logsumexp(g, 0))
-                                                                              for g in logits)
-        return rs, value
-
-    def solve(self, rs, start, tolerance=1e-10, pull=None, centre=None):
-        terms = [(float(r), P, mu) for r_c, row, maps in zip(rs, self.precisions, self.maps)
-                 for r, P, mu in zip(r_c, row, maps) if float(r) > 0]
-        rhs = None if centre is None else -self._per_block(centre) * centre.double()
-        out, _ = solve_precision_sum(terms, shift=[-e for e in self.excesses], rhs=rhs, start=start,
-                                     tolerance=tolerance)
-        return out
-
-
 def per_block_search(paths, folder, test, val, rounds: int = 30) -> dict:
     """EM (prior centre clients) with one server λ per block, each the per-block MacKay fixed point."""
     inputs = FusionInputs([load_client(p) for p in paths], FusionOptions(progress=False))
@@ -97,7 +65,7 @@ def per_block_search(paths, folder, test, val, rounds: int = 30) -> dict:
     lam_blocks = [inputs.server_prior_precision()] * nblocks
     t0 = time.time()
     for r in range(rounds):
-        W, _ = em_modes(BlockPriorProduct(clients, temps, lams, lam_blocks), W, 300, show_progress=False,
+        W, _ = em_modes(MixtureProduct(clients, temps, lams, lam_blocks), W, 300, show_progress=False,
                         prior_centres=centres)
         curv, _ = mode_precisions(clients, temps, lams, 1.0, W, show_progress=False)
         offsets = W - centres
