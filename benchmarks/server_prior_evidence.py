@@ -13,6 +13,12 @@ likelihoods q_c / p0_c are held fixed, so Z is a marginal likelihood in λ_s and
 MacKay's empirical-Bayes choice, made from the artifacts alone.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/server_prior_evidence.py --clients DIR --json OUT.json
+
+Rows: the paper's fedbens (Adam, best validation iterate), fedbens ``server_prior=evidence`` (one λ0 per
+block, ``ρ c_j``, ρ from the evidence), then EM at each one-λ0 of ``--lams``. ``--evidence-only``: the first
+two; ``--rhos``: EM at fixed ρ instead (what validation data could choose from); ``--per-block``: also one
+independent MacKay λ0 per block (tried, not kept). Results: ``docs/results/fusion_safety/`` ("The server prior
+from the evidence").
 """
 
 from __future__ import annotations
