@@ -138,7 +138,7 @@ def main() -> None:
     original = fusion_types.FusionInputs.server_prior_precision
 
     def run(label, settings, lam=None, use_val=False):
-        if lam is not None:
+        if lam is not None:  # the server's λ0 alone (--prior-var would change the clients' λ_c as well)
             fusion_types.FusionInputs.server_prior_precision = lambda self: lam
         try:
             t0 = time.time()

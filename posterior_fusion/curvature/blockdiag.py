@@ -46,11 +46,11 @@ class BlockDiag(Precision):
 
     def precision(self, temperature: float, prior_precision: float | Sequence[float]) -> BlockDiag:
         """``G / temperature + prior_precision · I``, ``prior_precision`` one number or one per block."""
-        values = prior_precision if isinstance(prior_precision, Sequence) else (prior_precision,)
-        if not temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {temperature}")
-        if not all(v > 0 for v in values):
+        if not isinstance(prior_precision, Sequence):
+            return super().precision(temperature, prior_precision)
+        if not all(v > 0 for v in prior_precision):
             raise ConfigError(f"prior precision must be > 0, got {prior_precision}")
+        super().precision(temperature, 1.0)  # the temperature's check
         return self.with_scale_shift(1.0 / temperature, prior_precision)
 
     def astype(self, dtype: torch.dtype) -> BlockDiag:

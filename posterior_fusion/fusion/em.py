@@ -44,7 +44,7 @@ import torch
 
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.fusion.layer_solve import solve_precision_sum
-from posterior_fusion.fusion.mode_laplace import component_log_densities, per_block, quadratic_form64
+from posterior_fusion.fusion.mode_laplace import component_log_densities, per_block, per_coordinate, quadratic_form64
 from posterior_fusion.progress import progress
 
 
@@ -63,7 +63,7 @@ class MixtureProduct:
         lam0 = per_block(server_prior_precision, len(ref.blocks))  # one server λ0 per block
         # the over-counted prior per block, and per coordinate (d,) for the objective's value
         self.excess = [math.fsum(prior_precisions) - float(v) for v in lam0]
-        self._excess_d = torch.cat([torch.full((b.dim,), e, dtype=torch.float64) for b, e in zip(ref.blocks, self.excess)])
+        self._excess_d = per_coordinate(self.excess, [b.dim for b in ref.blocks])
         self.n_total = float(sum(c.n_data for c in clients))
 
     def responsibilities(self, w: torch.Tensor, centre: torch.Tensor | None = None) -> tuple[list[torch.Tensor], float]:

@@ -84,8 +84,8 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
 
         (Σ_k r_k P_k + (shift + ε_j) I) w = Σ_k r_k P_k m_k + rhs + ε_j · anchor
 
-    for ``terms`` = ``[(r_k, P_k, m_k (d,))]`` (``shift`` a number, or one per block), with ``ε_j = damping × mean diag(Σ_k r_k P_k)`` over block
-    ``j`` (a relative Tikhonov term pulling directions without curvature to ``anchor``; ``anchor`` is
+    for ``terms`` = ``[(r_k, P_k, m_k (d,))]`` (``shift`` a number, or one per block), with
+    ``ε_j = damping × mean diag(Σ_k r_k P_k)`` over block ``j`` (a relative Tikhonov term pulling directions without curvature to ``anchor``; ``anchor`` is
     needed when ``damping`` > 0). A Kronecker block by conjugate gradients (:func:`solve_kron_sum`, from
     ``start`` if given, to ``tolerance``), a diagonal one element-wise, any other through a dense
     Cholesky factor. Each block is converted to float64 where it is used, one at a time. ``desc``: show
@@ -97,7 +97,7 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
     info = {"iterations": 0, "residual": 0.0}
     shifts = [float(v) for v in shift] if isinstance(shift, (list, tuple)) else [float(shift)] * len(ref.blocks)
     for j, off in progress(enumerate(ref.offsets), desc or "", len(ref.offsets), show=desc is not None):
-        shift = shifts[j]
+        shift_j = shifts[j]
         blocks = [(r, P.blocks[j], m[off: off + P.blocks[j].dim].double()) for r, P, m in terms]  # stored dtype
         dim = blocks[0][1].dim
         b = sum(r * blk.astype(f64).matvec(m) for r, blk, m in blocks)  # one float64 block at a time
@@ -110,7 +110,7 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
         if all(isinstance(blk, Kron) for _, blk, _ in blocks):
             shape = blocks[0][1].shape
             w = torch.tensor([r * blk.scale for r, blk, _ in blocks], dtype=f64)
-            total_shift = sum(r * blk.shift for r, blk, _ in blocks) + shift + eps
+            total_shift = sum(r * blk.shift for r, blk, _ in blocks) + shift_j + eps
             first = None if start is None else start[off: off + dim].double().reshape(shape)
             X, it, res = solve_kron_sum([blk.B for _, blk, _ in blocks], [blk.A for _, blk, _ in blocks], w,
                                         b.reshape(shape), shift=total_shift, start=first, tolerance=tolerance)
@@ -118,10 +118,10 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
             info["iterations"] += it
             info["residual"] = max(info["residual"], res)
         elif all(isinstance(blk, Diag) for _, blk, _ in blocks):
-            out[off: off + dim] = b / (sum(r * blk.astype(f64).diagonal() for r, blk, _ in blocks) + shift + eps)
+            out[off: off + dim] = b / (sum(r * blk.astype(f64).diagonal() for r, blk, _ in blocks) + shift_j + eps)
         else:
             H = sum(r * blk.astype(f64).to_dense() for r, blk, _ in blocks)
-            H = H + (shift + eps) * torch.eye(dim, dtype=f64)
+            H = H + (shift_j + eps) * torch.eye(dim, dtype=f64)
             out[off: off + dim] = torch.cholesky_solve(b[:, None], torch.linalg.cholesky(H))[:, 0]
         del blocks
         release_freed_memory()  # each layer's float64 copies differ in size: kept, they piled up to GBs

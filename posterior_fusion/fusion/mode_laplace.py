@@ -81,7 +81,7 @@ def negative_log_posterior(clients: list[ClientPosterior], temperatures: list[fl
     lam0 = per_block(server_prior_precision, len(dims))
     log_lams, lam_sum, C = sum(math.log(lam) for lam in prior_precisions), math.fsum(prior_precisions), len(clients)
     const = 0.5 * sum(dj * (log_lams - math.log(lj) - (C - 1) * LOG_2PI) for dj, lj in zip(dims, lam0))
-    excess = torch.cat([torch.full((dj,), lam_sum - lj, dtype=torch.float64) for dj, lj in zip(dims, lam0)])
+    excess = per_coordinate([lam_sum - lj for lj in lam0], dims)
     off = W if centres is None else W - centres.double()
     return -0.5 * (excess * off.square()).sum(1) + const - lse
 
@@ -89,6 +89,11 @@ def negative_log_posterior(clients: list[ClientPosterior], temperatures: list[fl
 def per_block(value: float | Sequence[float], blocks: int) -> list[float]:
     """One number per curvature block from one number or a per-block sequence."""
     return [float(v) for v in value] if isinstance(value, Sequence) else [float(value)] * blocks
+
+
+def per_coordinate(values: Sequence[float], dims: Sequence[int]) -> torch.Tensor:
+    """``(Σ dims,)`` float64: block j's number repeated over its ``dims[j]`` coordinates."""
+    return torch.cat([torch.full((n,), float(v), dtype=torch.float64) for v, n in zip(values, dims)])
 
 
 def mode_precisions(clients: list[ClientPosterior], temperatures: list[float], prior_precisions: list[float],

@@ -341,15 +341,15 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
     {block_scales, rounds: [{scale, next, em_steps}], converged, at_bound}, the last round's
     :func:`mode_precisions` at the modes or None)`` (the Laplace step at the modes reuses it: it does not
     depend on λ0)."""
-    scales = curvature_scales(clients, temps)
+    scales = [max(c, 0.0) for c in curvature_scales(clients, temps)]
     dims = [b.dim for b in clients[0].components[0].curvature.blocks]
     seen = [c > 0 for c in scales]
-    weighted = math.fsum(c * n for c, n, ok in zip(scales, dims, seen) if ok) / max(sum(n for n, ok in zip(dims, seen) if ok), 1)
+    seen_dims = sum(n for n, ok in zip(dims, seen) if ok)
+    weighted = math.fsum(c * n for c, n in zip(scales, dims)) / max(seen_dims, 1)  # mean c_j over seen parameters
     rho = lam0 / weighted if weighted > 0 else 1.0
-    unit = [c if ok else 0.0 for c, ok in zip(scales, seen)]
     # every λ0_j stays in the artifacts' prior-precision range (the evidence may have no interior maximum)
-    lo = max(ranges.PRIOR_PRECISION[0] / min((c for c in unit if c > 0), default=1.0), EVIDENCE_RANGE[0])
-    hi = min(ranges.PRIOR_PRECISION[1] / max(unit, default=1.0), EVIDENCE_RANGE[1])
+    lo = max(ranges.PRIOR_PRECISION[0] / min((c for c in scales if c > 0), default=1.0), EVIDENCE_RANGE[0])
+    hi = min(ranges.PRIOR_PRECISION[1] / max(scales, default=1.0), EVIDENCE_RANGE[1])
 
     def block_lams(r: float) -> list[float]:
         return [r * c if ok else lam0 for c, ok in zip(scales, seen)]
@@ -364,7 +364,7 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
             break
         laplace_step = mode_precisions(clients, temps, lams, lam0, W, show_progress=False)
         offsets = W if centres is None else W - centres
-        nxt, _ = evidence_prior_precision(list(offsets), laplace_step[0], block_scales=unit)
+        nxt, _ = evidence_prior_precision(list(offsets), laplace_step[0], block_scales=scales)
         nxt = min(max(nxt, lo), hi)
         rounds.append({"scale": rho, "next": nxt, "em_steps": [len(h) - 1 for h in history]})
         if abs(math.log(nxt / rho)) < EVIDENCE_TOLERANCE:
