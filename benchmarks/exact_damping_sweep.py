@@ -1,5 +1,6 @@
-"""FedFisher's and HBFL's exact solves (``--set solver=exact``) across the relative damping ε / mean
-curvature that pulls weakly determined directions to FedAvg: per damping, the conjugate gradients'
+"""FedFisher's and HBFL's exact solves (``--set solver=exact``) across the relative prior precision ε / mean
+curvature (their setting ``prior_scale``; ``damping`` until session 24, the name this script's option and rows
+keep) that pulls weakly determined directions to FedAvg: per value, the conjugate gradients'
 iterations and residual, the largest weight, and validation and test accuracy of the fused model.
 
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/exact_damping_sweep.py \\
@@ -42,7 +43,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             name, *extra = variant.split(":")
             method = get_method(name)
-            values = {"solver": "exact", "damping": damping, **dict(kv.split("=", 1) for kv in extra)}
+            values = {"solver": "exact", "prior_scale": damping, **dict(kv.split("=", 1) for kv in extra)}
             settings = method.settings.from_mapping(values, name)
             t0 = time.time()
             result = method.run(FusionInputs(clients, FusionOptions(progress=False, component=args.component)), settings)

@@ -4,7 +4,7 @@
 gradients with ``(B̄ + s_B I)⁻¹ ⊗ (Ā + s_A I)⁻¹``, the shift split between the factors ("split", the
 library's); session 22 tried ``(B̄ ⊗ Ā + shift · I)⁻¹`` through the factors' eigenbases ("eigen",
 exact in the shift; read from git, commit c5e70a8). This runs both on every Kronecker layer of the clients' component 0 for two systems — FedFisher's
-exact solve (raw curvature, shift = ``damping`` × mean curvature) and the first EM step of fedbens
+exact solve (raw curvature, shift = ``prior_scale`` × mean curvature) and the first EM step of fedbens
 (Λ_c = G_c / T_c + λ_c I, shift λ0 = the clients' λ) — and reports iterations, seconds and the
 relative residual reached, side by side in one process.
 
@@ -47,7 +47,7 @@ def tried_solver():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", required=True, help="folder of post_<i>.h5 client artifacts (Kronecker)")
-    ap.add_argument("--damping", type=float, default=0.01, help="FedFisher system's relative damping (default 0.01)")
+    ap.add_argument("--damping", type=float, default=0.01, help="FedFisher system's prior_scale (relative prior precision; default 0.01)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     eigen = tried_solver()

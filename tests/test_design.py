@@ -86,8 +86,8 @@ def test_deprecated_spellings_warn_and_still_work(tmp_path, two_clients, small_s
     assert r.exit_code == 0 and "--steps is deprecated; use --set steps=2" in r.stderr
     assert posterior_fusion.load(tmp_path / "g.h5").metadata["settings"] == {"steps": 2, "adam_lr": 0.01, "clip": 1.0,
                                                                               "val_every": 30, "solver": "adam",
-                                                                              "damping": 1e-8,
-                                                                              "tune_damping": False}
+                                                                              "prior_scale": 1e-8,
+                                                                              "tune_prior_scale": False}
 
 
 @dataclass(frozen=True)

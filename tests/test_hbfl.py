@@ -44,7 +44,7 @@ def _dense_problem(clients):
 @pytest.mark.parametrize("structure", ["diag", "diag+full"])
 def test_hbfl_closed_form_equals_dense_solve(tmp_path, small_silo, structure):
     clients = _clients(tmp_path, small_silo, structure)
-    settings = HBFLSettings(damping=1e-6, mean="map")
+    settings = HBFLSettings(prior_scale=1e-6, mean="map")
     got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), settings).members[0].double()
     Lam, rhs, avg = _dense_problem(clients)
     # the damping, block by block as documented: ε_j = damping · mean(diag Λ_jj), pulling to FedAvg
@@ -52,7 +52,7 @@ def test_hbfl_closed_form_equals_dense_solve(tmp_path, small_silo, structure):
     ref_blocks = clients[0].components[0].curvature
     for off, b in zip(ref_blocks.offsets, ref_blocks.blocks):
         sl = slice(off, off + b.dim)
-        eps[sl] = settings.damping * Lam.diagonal()[sl].mean()
+        eps[sl] = settings.prior_scale * Lam.diagonal()[sl].mean()
     want = torch.linalg.solve(Lam + torch.diag(eps), rhs + eps * avg)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
     # the match is far tighter than the distance to FedAvg (the test would be empty otherwise)
@@ -131,11 +131,11 @@ def _paper_dense(clients, null_tol=0.0):
 @pytest.mark.parametrize("structure", ["diag", "diag+full"])
 def test_hbfl_paper_mean_equals_a_dense_solve_of_eqs_3_8_to_3_12(tmp_path, small_silo, structure):
     clients = _positive_clients(tmp_path, small_silo, structure)
-    got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), HBFLSettings(damping=0.0, null_tol=1e-12))
+    got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), HBFLSettings(prior_scale=0.0, null_tol=1e-12))
     Lam, eta = _paper_dense(clients)
     want = torch.linalg.solve(Lam, eta)
     torch.testing.assert_close(got.members[0].double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
-    old = hbfl(FusionInputs(clients, FusionOptions(progress=False)), HBFLSettings(damping=0.0, mean="map"))
+    old = hbfl(FusionInputs(clients, FusionOptions(progress=False)), HBFLSettings(prior_scale=0.0, mean="map"))
     # the two forms differ by far more than the match (the prior term matters at T λ0 ~ 1)
     assert (old.members[0].double() - want).abs().max() > 50 * (got.members[0].double() - want).abs().max()
 
@@ -145,7 +145,7 @@ def test_hbfl_paper_mean_is_well_posed_on_singular_curvature(tmp_path, small_sil
     """Real (singular) GGNs: the projector form, against its dense float64 reference; finite and
     near FedAvg where no client has curvature."""
     clients = _clients(tmp_path, small_silo, structure)
-    settings = HBFLSettings(damping=1e-6, null_tol=1e-4)
+    settings = HBFLSettings(prior_scale=1e-6, null_tol=1e-4)
     got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), settings).members[0].double()
     Lam, eta = _paper_dense(clients, settings.null_tol)
     n = torch.tensor([float(c.n_data) for c in clients], dtype=torch.float64)
@@ -153,7 +153,7 @@ def test_hbfl_paper_mean_is_well_posed_on_singular_curvature(tmp_path, small_sil
     eps = torch.zeros(Lam.shape[0], dtype=torch.float64)
     ref = clients[0].components[0].curvature
     for off, b in zip(ref.offsets, ref.blocks):
-        eps[off : off + b.dim] = settings.damping * Lam.diagonal()[off : off + b.dim].mean()
+        eps[off : off + b.dim] = settings.prior_scale * Lam.diagonal()[off : off + b.dim].mean()
     want = torch.linalg.solve(Lam + torch.diag(eps), eta + eps * avg)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
@@ -267,9 +267,9 @@ def test_fedfisher_exact_solver_equals_the_dense_minimiser(tmp_path, small_silo,
     the quadratic's normal equations, far closer to it than FedAvg or 30 Adam steps are."""
     clients = _clients(tmp_path, small_silo, structure)
     inputs = FusionInputs(clients, FusionOptions(progress=False))
-    settings = QuadraticSettings(solver="exact", damping=1e-4)  # converges in ~40 CG steps per layer
+    settings = QuadraticSettings(solver="exact", prior_scale=1e-4)  # converges in ~40 CG steps per layer
     got = fedfisher(inputs, settings)
-    want, avg = _fedfisher_dense(clients, settings.damping)
+    want, avg = _fedfisher_dense(clients, settings.prior_scale)
     err = (got.members[0].double() - want).abs().max()
     assert err <= 1e-4 * want.abs().max(), err
     adam = fedfisher(inputs, QuadraticSettings(steps=30)).members[0].double()
@@ -283,15 +283,15 @@ def test_hbfl_kron_exact_solver_equals_the_dense_solve(tmp_path, small_silo):
     objective's range)."""
     clients = _positive_clients(tmp_path, small_silo, "kron")
     got = hbfl(FusionInputs(clients, FusionOptions(progress=False)),
-               HBFLSettings(solver="exact", damping=0.0, null_tol=1e-12)).members[0].double()
+               HBFLSettings(solver="exact", prior_scale=0.0, null_tol=1e-12)).members[0].double()
     Lam, eta = _paper_dense(clients)
     want = torch.linalg.solve(Lam, eta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     singular = _clients(tmp_path / "singular", small_silo, "kron")  # real GGNs: the damping's fallback to FedAvg
-    settings = HBFLSettings(solver="exact", damping=1e-4, mean="map")
+    settings = HBFLSettings(solver="exact", prior_scale=1e-4, mean="map")
     got = hbfl(FusionInputs(singular, FusionOptions(progress=False)), settings).members[0].double()
     Lam, rhs, avg = _dense_problem(singular)
-    eps = _block_damping(singular, Lam, settings.damping)
+    eps = _block_damping(singular, Lam, settings.prior_scale)
     want = torch.linalg.solve(Lam + torch.diag(eps), rhs + eps * avg)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
@@ -312,56 +312,61 @@ def test_exact_solver_on_compressed_curvature_solves_the_compressed_quadratic(tm
         compressed.append(posterior_fusion.load(path))
     kinds = [type(b) for c in compressed for b in c.components[0].curvature.blocks if isinstance(b, Kron)]
     assert kinds and set(kinds) == {LowRankKron}  # every Kronecker block compressed (biases stay dense)
-    settings = QuadraticSettings(solver="exact", damping=1e-4)
+    settings = QuadraticSettings(solver="exact", prior_scale=1e-4)
     got = fedfisher(FusionInputs(compressed, FusionOptions(progress=False)), settings).members[0].double()
-    want, _ = _fedfisher_dense(compressed, settings.damping)
-    other, _ = _fedfisher_dense(plain, settings.damping)
+    want, _ = _fedfisher_dense(compressed, settings.prior_scale)
+    other, _ = _fedfisher_dense(plain, settings.prior_scale)
     err = (got - want).abs().max()
     assert err <= 1e-4 * want.abs().max(), err
     assert (other - want).abs().max() > 50 * err  # the compression changes the answer by more than the match
 
 
 def test_an_unconverged_exact_solve_says_so(tmp_path, small_silo):
-    """Tiny damping on real, rank-deficient K-FAC factors: conjugate gradients stop at their cap with
+    """Tiny prior_scale on real, rank-deficient K-FAC factors: conjugate gradients stop at their cap with
     a residual far above the tolerance, and the solve warns (naming the setting) instead of passing
     the unreliable model on silently."""
     clients = _clients(tmp_path, small_silo, "kron")
-    with pytest.warns(UserWarning, match="raise `damping`"):
+    with pytest.warns(UserWarning, match="raise `prior_scale`"):
         got = fedfisher(FusionInputs(clients, FusionOptions(progress=False)), QuadraticSettings(solver="exact",
-                                                                                                damping=1e-6))
+                                                                                                prior_scale=1e-6))
     assert got.info["residual"] > 1e-6
 
 
-def test_tune_damping_keeps_the_best_validation_solve(tmp_path, small_silo, fmnist_train):
-    """``tune_damping``: every grid damping is solved, the kept one has the best recorded validation
+def test_tune_prior_scale_keeps_the_best_validation_solve(tmp_path, small_silo, fmnist_train):
+    """``tune_prior_scale``: every grid scale is solved, the kept one has the best recorded validation
     accuracy, that accuracy is the returned model's own, and the model is the plain exact solve at the
-    kept damping (the warm starts change nothing but the iteration counts)."""
+    kept scale (the warm starts change nothing but the iteration counts)."""
     from posterior_fusion.fusion.optimise import accuracy_of
-    from posterior_fusion.fusion.quadratic import DAMPING_GRID
+    from posterior_fusion.fusion.quadratic import PRIOR_SCALE_GRID
 
     clients = _clients(tmp_path, small_silo, "kron")
     x, y = fmnist_train
     val = SiloData(x[1000:1400], y[1000:1400], "fmnist", 10)
     inputs = FusionInputs(clients, FusionOptions(progress=False), val=val)
-    got = fedfisher(inputs, QuadraticSettings(solver="exact", tune_damping=True))
-    search = got.info["damping_search"]
-    assert [r["damping"] for r in search] == list(DAMPING_GRID)
+    got = fedfisher(inputs, QuadraticSettings(solver="exact", tune_prior_scale=True))
+    search = got.info["prior_scale_search"]
+    assert [r["prior_scale"] for r in search] == list(PRIOR_SCALE_GRID)
     best = max(search, key=lambda r: r["val_accuracy"])
-    assert got.info["damping"] == best["damping"]
+    assert got.info["prior_scale"] == best["prior_scale"]
     own = float(accuracy_of(clients[0].model_spec, got.members[0][None], val)[0])
     assert own == pytest.approx(best["val_accuracy"])
     assert len({round(r["val_accuracy"], 4) for r in search}) > 1  # the choice is not vacuous
-    direct = fedfisher(inputs, QuadraticSettings(solver="exact", damping=best["damping"])).members[0]
+    direct = fedfisher(inputs, QuadraticSettings(solver="exact", prior_scale=best["prior_scale"])).members[0]
     torch.testing.assert_close(got.members[0], direct, rtol=1e-4, atol=1e-5 * float(direct.abs().max()))
     with pytest.raises(ConfigError, match="pass `val`"):
         fedfisher(FusionInputs(clients, FusionOptions(progress=False)), QuadraticSettings(solver="exact",
-                                                                                          tune_damping=True))
+                                                                                          tune_prior_scale=True))
 
 
 def test_solver_setting_is_checked():
     with pytest.raises(ConfigError, match="solver"):
         HBFLSettings.from_mapping({"solver": "em"}, "hbfl")
-    with pytest.raises(ConfigError, match="damping"):
-        QuadraticSettings.from_mapping({"damping": -1.0}, "fedfisher")
-    with pytest.raises(ConfigError, match="'tune_damping' needs solver=exact"):
-        QuadraticSettings.from_mapping({"tune_damping": "true"}, "fedfisher")
+    with pytest.raises(ConfigError, match="'prior_scale'"):
+        QuadraticSettings.from_mapping({"prior_scale": -1.0}, "fedfisher")
+    # the names before session 24: refused with the new name, not with a bare "no setting"
+    with pytest.raises(ConfigError, match="'damping' is now 'prior_scale'"):
+        QuadraticSettings.from_mapping({"damping": 0.01}, "fedfisher")
+    with pytest.raises(ConfigError, match="'tune_damping' is now 'tune_prior_scale'"):
+        HBFLSettings.from_mapping({"tune_damping": "true", "solver": "exact"}, "hbfl")
+    with pytest.raises(ConfigError, match="'tune_prior_scale' needs solver=exact"):
+        QuadraticSettings.from_mapping({"tune_prior_scale": "true"}, "fedfisher")

@@ -77,16 +77,17 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
 
 
 def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shift: float | list[float] = 0.0,
-                        rhs: torch.Tensor | None = None, damping: float = 0.0, anchor: torch.Tensor | None = None,
+                        rhs: torch.Tensor | None = None, prior_scale: float = 0.0, prior_centre: torch.Tensor | None = None,
                         start: torch.Tensor | None = None, tolerance: float = 1e-10,
                         desc: str | None = None) -> tuple[torch.Tensor, dict]:
     """``w`` ``(d,)`` float64 solving, block by block (every ``P_k`` block-diagonal alike),
 
-        (Σ_k r_k P_k + (shift + ε_j) I) w = Σ_k r_k P_k m_k + rhs + ε_j · anchor
+        (Σ_k r_k P_k + (shift + ε_j) I) w = Σ_k r_k P_k m_k + rhs + ε_j · prior_centre
 
     for ``terms`` = ``[(r_k, P_k, m_k (d,))]`` (``shift`` a number, or one per block), with
-    ``ε_j = damping × mean diag(Σ_k r_k P_k)`` over block ``j`` (a relative Tikhonov term pulling directions without curvature to ``anchor``; ``anchor`` is
-    needed when ``damping`` > 0). A Kronecker block by conjugate gradients (:func:`solve_kron_sum`, from
+    ``ε_j = prior_scale × mean diag(Σ_k r_k P_k)`` over block ``j`` (a prior ``N(prior_centre, ε_j⁻¹ I)``
+    per block, its precision relative to the block's curvature, pulling directions without curvature to
+    ``prior_centre``; ``prior_centre`` is needed when ``prior_scale`` > 0). A Kronecker block by conjugate gradients (:func:`solve_kron_sum`, from
     ``start`` if given, to ``tolerance``), a diagonal one element-wise, any other through a dense
     Cholesky factor. Each block is converted to float64 where it is used, one at a time. ``desc``: show
     progress over the blocks under that name. Returns ``(w, info)`` with the conjugate gradients' total
@@ -104,9 +105,9 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
         if rhs is not None:
             b = b + rhs[off: off + dim].double()
         eps = 0.0
-        if damping > 0:
-            eps = damping * float(sum(r * blk.diagonal().double().sum() for r, blk, _ in blocks)) / dim
-            b = b + eps * anchor[off: off + dim].double()
+        if prior_scale > 0:
+            eps = prior_scale * float(sum(r * blk.diagonal().double().sum() for r, blk, _ in blocks)) / dim
+            b = b + eps * prior_centre[off: off + dim].double()
         if all(isinstance(blk, Kron) for _, blk, _ in blocks):
             shape = blocks[0][1].shape
             w = torch.tensor([r * blk.scale for r, blk, _ in blocks], dtype=f64)

@@ -6,17 +6,19 @@
 data the best validation iterate, else the lowest objective: :func:`~posterior_fusion.fusion.optimise.optimise_modes`).
 ``solver = "exact"`` returns the stationary point itself, ``(Σ_k s_k G_k + ε I) w = Σ_k s_k G_k m_k + b + ε a``,
 block by block (:func:`~posterior_fusion.fusion.layer_solve.solve_precision_sum`: a Kronecker weight by
-conjugate gradients, a diagonal or dense block in closed form), with ε = ``damping`` × the block's mean
-curvature pulling directions no client has curvature in to the anchor ``a``: no step size, no early
-stopping, no dependence on validation data. ``tune_damping`` instead solves at each damping of
-:data:`DAMPING_GRID` (largest first, each solve started from the previous one's answer) and keeps the one
-with the best validation accuracy.
+conjugate gradients, a diagonal or dense block in closed form), with ε = ``prior_scale`` × the block's
+mean curvature: a prior N(a, ε⁻¹ I) per block, its precision relative to the block's curvature, pulling
+directions no client has curvature in to the anchor ``a`` (FedAvg): no step size, no early stopping, no
+dependence on validation data. ``tune_prior_scale`` instead solves at each scale of :data:`PRIOR_SCALE_GRID`
+(largest first, each solve started from the previous one's answer) and keeps the one with the best
+validation accuracy.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,7 +32,7 @@ from posterior_fusion.progress import progress
 
 SOLVERS = ("adam", "exact")
 UNCONVERGED = 1e-6  # a relative residual above this after the solve is reported
-DAMPING_GRID = (1.0, 0.3, 0.1, 0.03, 0.01, 3e-3, 1e-3)  # tune_damping's candidates, largest (best conditioned) first
+PRIOR_SCALE_GRID = (1.0, 0.3, 0.1, 0.03, 0.01, 3e-3, 1e-3)  # tune_prior_scale's candidates, largest (best conditioned) first
 
 
 @dataclass(frozen=True)
@@ -40,22 +42,25 @@ class QuadraticSettings(OptimiserSettings):
     solver: str = setting("adam", "adam: FedFisher's server Adam from FedAvg (best validation iterate, else the best "
                                   "objective); exact: the quadratic's stationary point, solved layer by layer (conjugate "
                                   "gradients for Kronecker curvature, closed form otherwise).")
-    damping: float = setting(1e-8, "Exact solves (and HBFL's closed forms): relative damping ε / mean curvature of "
-                                   "each block, pulling directions without curvature to FedAvg; on K-FAC curvature "
-                                   "use 1e-3 or more (0.01 on the ResNet-20 runs: docs/methods.md).", bounds=(0, 1e6))
+    prior_scale: float = setting(1e-8, "Exact solves (and HBFL's closed forms): a prior N(FedAvg, ε⁻¹ I) per curvature "
+                                       "block with ε = prior_scale × the block's mean curvature, pulling directions "
+                                       "without curvature to FedAvg; on K-FAC curvature use 1e-3 or more (0.01 on the "
+                                       "ResNet-20 runs: docs/methods.md).", bounds=(0, 1e6))
 
-    tune_damping: bool = setting(False, "solver=exact with validation data (--val): solve at each damping of "
-                                        "1, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001 and keep the best validation accuracy "
-                                        "(damping is then not used).")
+    tune_prior_scale: bool = setting(False, "solver=exact with validation data (--val): solve at each prior_scale of "
+                                            "1, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001 and keep the best validation "
+                                            "accuracy (prior_scale is then not used).")
+
+    renamed: ClassVar[dict[str, str]] = {"damping": "prior_scale", "tune_damping": "tune_prior_scale"}  # in 0.2
 
     def validate(self) -> None:
         super().validate()
-        if self.tune_damping and self.solver != "exact":
-            raise ConfigError("setting 'tune_damping' needs solver=exact")
+        if self.tune_prior_scale and self.solver != "exact":
+            raise ConfigError("setting 'tune_prior_scale' needs solver=exact")
         if self.solver not in SOLVERS:
             raise ConfigError(f"setting 'solver' must be one of {', '.join(SOLVERS)}")
-        if not (0 <= self.damping <= 1e6):
-            raise ConfigError("setting 'damping' must be in [0, 1e6]")
+        if not (0 <= self.prior_scale <= 1e6):
+            raise ConfigError("setting 'prior_scale' must be in [0, 1e6]")
 
 
 def quadratic_bytes(settings: QuadraticSettings, size: FuseSize) -> int:
@@ -69,13 +74,13 @@ def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, s
                        desc: str, anchor: torch.Tensor, linear: torch.Tensor | None = None) -> FusionResult:
     """The minimiser ``(d,)`` of ``f`` (module docstring) for the components ``comps`` (``.curvature``
     ``G_k``, ``.map`` ``m_k``) with weights ``scales`` ``s_k``, anchor ``anchor`` ``(d,)`` float64 (FedAvg:
-    Adam's start, the damping's target) and linear term ``linear`` ``b`` ``(d,)`` (default none)."""
+    Adam's start, the prior's centre) and linear term ``linear`` ``b`` ``(d,)`` (default none)."""
     if settings.solver == "exact":
         terms = [(1.0, c.curvature.with_scale_shift(float(s), 0.0), c.map) for c, s in zip(comps, scales)]
-        if not settings.tune_damping:
-            w, info = solve_precision_sum(terms, rhs=linear, damping=settings.damping, anchor=anchor, start=anchor,
-                                          desc=f"{desc} exact solve" if inputs.options.progress else None)
-            _check_converged(info, desc, settings.damping)
+        if not settings.tune_prior_scale:
+            w, info = solve_precision_sum(terms, rhs=linear, prior_scale=settings.prior_scale, prior_centre=anchor,
+                                          start=anchor, desc=f"{desc} exact solve" if inputs.options.progress else None)
+            _check_converged(info, desc, settings.prior_scale)
             return FusionResult([w.float()], {"solver": "exact", **info})
         return _tuned(terms, linear, anchor, inputs, desc)
     opts = inputs.options
@@ -91,27 +96,28 @@ def minimise_quadratic(comps: list, scales: list[float], inputs: FusionInputs, s
     return FusionResult([best[0].clone()], {"history": history})
 
 
-def _check_converged(info: dict, desc: str, damping: float) -> None:
+def _check_converged(info: dict, desc: str, prior_scale: float) -> None:
     if info["residual"] > UNCONVERGED:
         warnings.warn(f"{desc}: the exact solve stopped at relative residual {info['residual']:.2g} (1,000 "
                       f"conjugate-gradient steps in a layer): the quadratic is nearly singular there and the "
-                      f"result is unreliable; raise `damping` (now {damping:g})", stacklevel=3)
+                      f"result is unreliable; raise `prior_scale` (now {prior_scale:g})", stacklevel=3)
 
 
 def _tuned(terms: list, linear: torch.Tensor | None, anchor: torch.Tensor, inputs: FusionInputs,
            desc: str) -> FusionResult:
-    """The exact solve at every damping of :data:`DAMPING_GRID`, the best on validation kept; ``info``
-    records the chosen ``damping`` and every candidate's validation accuracy (``damping_search``)."""
+    """The exact solve at every scale of :data:`PRIOR_SCALE_GRID`, the best on validation kept; ``info``
+    records the chosen ``prior_scale`` and every candidate's validation accuracy (``prior_scale_search``)."""
     if inputs.val is None:
-        raise ConfigError(f"{desc}: setting 'tune_damping' chooses the damping on validation data; pass `val`")
+        raise ConfigError(f"{desc}: setting 'tune_prior_scale' chooses the prior scale on validation data; pass `val`")
     best, start, search = None, anchor, []
-    for damping in progress(DAMPING_GRID, f"{desc} damping", len(DAMPING_GRID), show=inputs.options.progress):
-        w, info = solve_precision_sum(terms, rhs=linear, damping=damping, anchor=anchor, start=start)
+    for scale in progress(PRIOR_SCALE_GRID, f"{desc} prior_scale", len(PRIOR_SCALE_GRID),
+                          show=inputs.options.progress):
+        w, info = solve_precision_sum(terms, rhs=linear, prior_scale=scale, prior_centre=anchor, start=start)
         accuracy = float(accuracy_of(inputs.spec, w.float()[None], inputs.val)[0])
-        search.append({"damping": damping, "val_accuracy": accuracy, **info})
+        search.append({"prior_scale": scale, "val_accuracy": accuracy, **info})
         if best is None or accuracy > best[0]:
-            best = (accuracy, damping, w, info)
-        start = w  # the next, smaller damping starts from this answer
-    accuracy, damping, w, info = best
-    _check_converged(info, desc, damping)
-    return FusionResult([w.float()], {"solver": "exact", "damping": damping, "damping_search": search, **info})
+            best = (accuracy, scale, w, info)
+        start = w  # the next, smaller scale starts from this answer
+    accuracy, scale, w, info = best
+    _check_converged(info, desc, scale)
+    return FusionResult([w.float()], {"solver": "exact", "prior_scale": scale, "prior_scale_search": search, **info})

@@ -12,7 +12,7 @@ import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
@@ -28,7 +28,12 @@ def setting(default: Any, help: str, bounds: tuple[float, float] | None = None) 
 
 @dataclass(frozen=True)
 class MethodSettings:
-    """Base of every method's settings record (a method without settings uses it as is)."""
+    """Base of every method's settings record (a method without settings uses it as is).
+
+    ``renamed``: old setting name -> its name now, so a configuration written for an earlier version is
+    refused with the new name rather than with a bare "no setting"."""
+
+    renamed: ClassVar[dict[str, str]] = {}
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for values out of range (override per method)."""
@@ -42,6 +47,9 @@ class MethodSettings:
         """Build and validate a record from ``values`` (strings are converted by field type)."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
+        moved = [f"{old!r} is now {cls.renamed[old]!r}" for old in unknown if old in cls.renamed]
+        if moved:
+            raise ConfigError(f"method {method!r}: setting {'; '.join(moved)}")
         if unknown:
             known = ", ".join(sorted(fields)) or "none"
             raise ConfigError(f"method {method!r} has no setting {', '.join(map(repr, unknown))}; its settings: {known}")

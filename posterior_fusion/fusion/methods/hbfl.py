@@ -15,7 +15,7 @@ Where G_k is singular the paper's division is ill-posed: a direction without cur
 where the client has curvature: η_k = G_k/T_k ŵ_k + λ0 Π_k ŵ_k with the soft projector
 Π_k = G_k/T_k (G_k/T_k + ε_k I)⁻¹, ε_k = null_tol × mean(diag G_k/T_k), which is the identity up
 to ``null_tol`` wherever G_k is well conditioned. Directions no client has curvature in make Λ
-singular; ``damping`` > 0 adds ε I with ε = damping × mean(diag Λ) to Λ and ε Σ q_k ŵ_k to the
+singular; ``prior_scale`` > 0 adds ε I with ε = prior_scale × mean(diag Λ) to Λ and ε Σ q_k ŵ_k to the
 right-hand side, i.e. those directions fall back to FedAvg (the limit ε → 0 of a vanishing
 prior centred on FedAvg). diag and diag+full: closed form per block. kron: Σ of Kronecker
 products is not Kronecker, so μ minimises ½ wᵀ Λ w − wᵀ Σ_k q_k η_k (equal, up to a constant,
