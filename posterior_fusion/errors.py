@@ -106,3 +106,8 @@ def terminal_safe(text: str, limit: int | None = None) -> str:
 
 class NonFiniteOutputError(PfuseError):
     """A run produced NaN or Inf where a file would store it; nothing is written."""
+
+
+class IndefinitePrecisionError(PfuseError):
+    """A precision the server must factor is not positive definite in float64 (curvature far out of scale
+    between clients, or a prior weaker than the curvature's float32 rounding); nothing is written."""

@@ -56,7 +56,7 @@ def test_settings_records_parse_validate_and_describe():
 def test_cli_set_and_help_method(tmp_path, two_clients):
     out = tmp_path / "g.h5"
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedbens", "--set", "steps=3",
-                                   "--set", "modes=1", "--out", str(out), "--json"])
+                                   "--set", "modes=1", "--set", "solver=adam", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.stderr
     g = posterior_fusion.load(out)
     assert g.metadata["settings"]["steps"] == 3 and len(g.members) == 1

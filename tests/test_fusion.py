@@ -142,7 +142,8 @@ def test_fedbens_recovers_pooled_posterior():
     diff = obj(W) - 0.5 * torch.einsum("ki,ij,kj->k", W - mu, L, W - mu)
     torch.testing.assert_close(diff, diff[0].expand_as(diff), rtol=0, atol=1e-8)
     # ... and the server's Adam finds its mode.
-    res = fedbens(FusionInputs(clients, FusionOptions(progress=False)), FedBEnsSettings(steps=3000, adam_lr=0.01, clip=100.0))
+    res = fedbens(FusionInputs(clients, FusionOptions(progress=False)), FedBEnsSettings(steps=3000, adam_lr=0.01, clip=100.0,
+                                                                                              solver="adam"))
     torch.testing.assert_close(res.members[0].double(), mu, rtol=0, atol=2e-2)
 
 
@@ -621,7 +622,7 @@ def test_trust_region_stays_in_its_region_and_is_plain_em_inside(structure):
         assert all(b_ <= a + 1e-9 * abs(a) for a, b_ in zip(values, values[1:]))
         assert all(h["distance"] <= 0.5 * (1 + 1e-5) for h in hist[k][1:])
     with pytest.raises(posterior_fusion.errors.ConfigError, match="trust_radius needs solver=em"):
-        FedBEnsSettings(trust_radius=1.0).validate()
+        FedBEnsSettings(trust_radius=1.0, solver="adam").validate()
 
 
 @pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
@@ -863,7 +864,7 @@ def test_server_prior_evidence_out_of_rounds_keeps_modes_and_prior_that_belong_t
 
 
 def test_server_prior_settings_are_checked():
-    for bad, match in [(dict(server_prior="evidence"), "needs solver=em"),
+    for bad, match in [(dict(server_prior="evidence", solver="adam"), "needs solver=em"),
                        (dict(server_prior="validation", solver="em"), "server_prior must be one of")]:
         with pytest.raises(posterior_fusion.errors.ConfigError, match=match):
             FedBEnsSettings(**bad).validate()
@@ -891,6 +892,22 @@ def test_precision_sum_solve_with_one_shift_per_block_equals_the_dense_solve():
     A1 = sum(r * D for (r, _, _), D in zip(terms, dense)) + 0.5 * torch.eye(d, dtype=torch.float64)
     torch.testing.assert_close(scalar, torch.linalg.solve(A1, sum(r * D @ m for (r, _, m), D in zip(terms, dense)) + rhs),
                                rtol=1e-8, atol=1e-8)
+
+
+def test_an_indefinite_dense_block_is_one_clear_error_not_a_traceback():
+    """A dense block whose summed precision is indefinite (a shift below minus its smallest eigenvalue) ends in
+    :class:`IndefinitePrecisionError` naming the block and its eigenvalue range, not a LinAlgError."""
+    from posterior_fusion.errors import IndefinitePrecisionError, PfuseError
+    from posterior_fusion.fusion.layer_solve import solve_precision_sum
+
+    gen = torch.Generator().manual_seed(3)
+    d = TINY_LAYOUT.dim
+    terms = [(1.0, random_curvature("kron", gen), torch.randn(d, generator=gen, dtype=torch.float64))]
+    bias = terms[0][1].blocks[1]  # TINY's blocks: W1 (Kronecker), b1 (dense), W2, b2
+    low = float(torch.linalg.eigvalsh(bias.to_dense().double())[0])
+    with pytest.raises(IndefinitePrecisionError, match=r"curvature block 1 .*not positive definite") as err:
+        solve_precision_sum(terms, shift=[0.0, -(low + 1.0), 0.0, 0.0])
+    assert isinstance(err.value, PfuseError) and err.value.exit_code == 2
 
 
 def test_server_prior_evidence_global_artifact_round_trip(tmp_path, fitted):
@@ -936,17 +953,43 @@ def test_server_prior_evidence_global_artifact_round_trip(tmp_path, fitted):
     assert r.stderr.count("\n") == 1
 
 
-def test_fedbens_adam_without_validation_data_says_what_to_use_instead(fitted):
-    """Adam without validation data keeps its best-objective iterate: one warning names the stationary,
-    validation-free settings; with validation data (and with those settings) there is none."""
+def test_fedbens_default_is_the_validation_free_fusion_without_validation_data(fitted):
+    """``solver=auto`` (the default): without validation data fedbens runs EM with the prior centre at the
+    clients and the server prior from the evidence — the same modes as those settings given explicitly — and
+    says so in ``resolved``; with validation data it runs the paper's Adam (the same modes as solver=adam);
+    an explicit ``solver=em`` keeps the paper's zero centre and the clients' λ0. Adam without validation data
+    (only when asked for) warns once, naming the default."""
     import warnings
 
+    from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, resolve_auto
+
     folder, paths = fitted
-    with pytest.warns(UserWarning, match="server_prior=evidence"):
-        fuse(paths, "fedbens", FusionOptions(progress=False), {"steps": 2, "laplace": False})
-    for settings, val in [({"steps": 2, "laplace": False}, folder / "val.h5"),
-                          ({"solver": "em", "prior_centre": "clients", "steps": 3, "laplace": False}, None)]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fuse(paths, "fedbens", FusionOptions(progress=False), settings, val_path=val)
-        assert not [w for w in caught if "without validation data" in str(w.message)]
+    opts = FusionOptions(progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, auto, auto_meta = fuse(paths, "fedbens", opts, {"steps": 40, "laplace": False})
+    assert not [w for w in caught if "without validation data" in str(w.message)]
+    assert auto_meta["resolved"] == {"solver": "em", "prior_centre": "clients", "server_prior": "evidence"}
+    assert auto_meta["settings"]["solver"] == "auto"  # what was asked, beside what ran
+    assert "server_prior_search" in auto_meta
+    _, explicit, _ = fuse(paths, "fedbens", opts, {"steps": 40, "laplace": False, "solver": "em",
+                                             "prior_centre": "clients", "server_prior": "evidence"})
+    for a, b in zip(auto.members, explicit.members):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    val = folder / "val.h5"
+    _, with_val, val_meta = fuse(paths, "fedbens", opts, {"steps": 6, "val_every": 2, "laplace": False}, val_path=val)
+    _, adam, _ = fuse(paths, "fedbens", opts, {"steps": 6, "val_every": 2, "laplace": False, "solver": "adam"},
+                val_path=val)
+    assert val_meta["resolved"] == {"solver": "adam", "prior_centre": "zero", "server_prior": "clients"}
+    for a, b in zip(with_val.members, adam.members):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # EM where asked for, with or without validation: explicit solver=em keeps the paper's centre and λ0
+    assert resolve_auto(FedBEnsSettings(solver="em"), False).prior_centre == "zero"
+    assert resolve_auto(FedBEnsSettings(solver="em"), False).server_prior == "clients"
+    assert resolve_auto(FedBEnsSettings(server_prior="evidence"), True).solver == "em"
+    assert resolve_auto(FedBEnsSettings(trust_radius=0.1), True).solver == "em"
+    assert resolve_auto(FedBEnsSettings(prior_centre="zero"), False).prior_centre == "zero"  # explicit wins
+    with pytest.raises(posterior_fusion.errors.ConfigError, match="server_prior=evidence needs solver=em"):
+        FedBEnsSettings.from_mapping({"solver": "adam", "server_prior": "evidence"}, "fedbens")
+    with pytest.warns(UserWarning, match="solver=auto"):
+        fuse(paths, "fedbens", opts, {"steps": 2, "laplace": False, "solver": "adam"})

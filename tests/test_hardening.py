@@ -112,6 +112,31 @@ def test_poisoned_curvature_dominates_fedbens_without_screening(tmp_path, honest
     assert (plain.members[0] - victim).norm() < 0.5 * (robust.members[0] - victim).norm()
 
 
+def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, honest):
+    """A client whose curvature is 1e6× the others' (float32 storage: its rounding is ~1e-8 of its largest
+    eigenvalue, far above a weak prior) used to make EM's summed precision indefinite under the evidence's
+    prior (a LinAlgError from the default fusion without validation data, on these clients). Each λ0_j now stays ≥ RESOLUTION ×
+    the block's largest summed curvature (an upper bound computed independently here from dense eigenvalues),
+    and the default fusion runs."""
+    import warnings
+
+    from posterior_fusion.fusion.methods.fedbens import RESOLUTION
+
+    _, paths = honest
+    scaled = poisoned_copy(paths[0], tmp_path / "scaled.h5", curvature_scale=1e6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, res, meta = fuse([scaled, *paths[1:]], "fedbens", FusionOptions(progress=False), {"steps": 40})
+    assert meta["resolved"]["server_prior"] == "evidence"
+    clients = [posterior_fusion.load(p) for p in [scaled, *paths[1:]]]
+    lam0 = meta["laplace"]["server_prior_precision"]
+    for j in range(len(lam0)):
+        top = sum(sum(float(torch.linalg.eigvalsh(comp.curvature.blocks[j].to_dense().double())[-1])
+                      for comp in c.components) / (c.num_components * c.temperature) for c in clients)
+        assert lam0[j] >= RESOLUTION * top * (1 - 1e-6) or meta["server_prior_search"]["block_scales"][j] == 0
+    assert all(torch.isfinite(w).all() for w in res.members)
+
+
 def test_memory_limit_refuses_before_loading(tmp_path, honest, monkeypatch):
     _, paths = honest
 

@@ -301,13 +301,13 @@ def test_fedbens_records_the_evidence_prior_and_predicts_with_it():
     its own modes and curvatures, the server's λ0 kept beside it; `server` keeps λ0; bad values refused."""
     clients = random_clients("kron", C=3, M=2, seed=4)
     inputs = FusionInputs(clients, FusionOptions(progress=False))
-    res = METHODS["fedbens"](inputs, FedBEnsSettings(steps=20, laplace_prior="evidence"))
+    res = METHODS["fedbens"](inputs, FedBEnsSettings(steps=20, laplace_prior="evidence", solver="adam"))
     lap = res.info["laplace"]
     delta, value = evidence_prior_precision(list(res.members), list(res.curvatures))
     assert lap["prior_rule"] == "evidence" and lap["prior_precision"] == pytest.approx(delta, rel=1e-12)
     assert lap["log_evidence_terms"] == pytest.approx(value) and lap["server_prior_precision"] == inputs.server_prior_precision()
     assert lap["prior_precision"] != pytest.approx(lap["server_prior_precision"], rel=1e-3)
-    plain = METHODS["fedbens"](inputs, FedBEnsSettings(steps=20))
+    plain = METHODS["fedbens"](inputs, FedBEnsSettings(steps=20, solver="adam"))
     assert plain.info["laplace"]["prior_rule"] == "server"
     assert plain.info["laplace"]["prior_precision"] == inputs.server_prior_precision()
     for bad, match in (({"laplace_prior": "often"}, "laplace_prior"),

@@ -20,6 +20,7 @@ import math
 import torch
 
 from posterior_fusion.curvature import BlockDiag, Diag, Kron
+from posterior_fusion.errors import IndefinitePrecisionError
 from posterior_fusion.progress import progress
 from posterior_fusion.runtime import release_freed_memory
 
@@ -123,7 +124,15 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
         else:
             H = sum(r * blk.astype(f64).to_dense() for r, blk, _ in blocks)
             H = H + (shift_j + eps) * torch.eye(dim, dtype=f64)
-            out[off: off + dim] = torch.cholesky_solve(b[:, None], torch.linalg.cholesky(H))[:, 0]
+            L, bad = torch.linalg.cholesky_ex(H)
+            if bad:
+                ev = torch.linalg.eigvalsh(H)
+                raise IndefinitePrecisionError(
+                    f"the fused precision of curvature block {j} ({dim} parameters) is not positive definite "
+                    f"(eigenvalues from {float(ev[0]):.3g} to {float(ev[-1]):.3g}): the clients' curvature there "
+                    f"spans more than float32 resolves, or the prior is too weak for it; a client's curvature may "
+                    f"be far out of scale with the others' (`--robust` screens such clients)")
+            out[off: off + dim] = torch.cholesky_solve(b[:, None], L)[:, 0]
         del blocks
         release_freed_memory()  # each layer's float64 copies differ in size: kept, they piled up to GBs
     return out, info

@@ -11,10 +11,13 @@ over-counted prior out at μ_m = Σ_c λ_c ŵ_cm / Σ_c λ_c instead (per mode, 
 it starts from): the quadratic term, the precision and the Laplace step are unchanged, and along a
 direction no client's curvature sees the mode is μ_m, the clients' average.
 
-The server runs one Adam optimisation per mode index m, started at the element-wise median
-over clients of ŵ_cm, and keeps the best validation iterate (else the best objective). The
-M runs are batched: the parameters are a ``(M, d)`` tensor with per-row gradient clipping,
-which is the same as M independent Adam runs.
+With validation data the server runs, by default (``solver = "auto"``), the paper's protocol: one Adam
+optimisation per mode index m, started at the element-wise median over clients of ŵ_cm, keeping the
+best validation iterate. The M runs are batched: the parameters are a ``(M, d)`` tensor with per-row
+gradient clipping, which is the same as M independent Adam runs. Without validation data the default is
+the stationary, validation-free fusion instead (:func:`resolve_auto`): EM to a stationary point with the
+prior centre at the clients and the server prior from the evidence — Adam's best-objective iterate is
+what early stopping would otherwise have to rescue.
 """
 
 from __future__ import annotations
@@ -67,9 +70,13 @@ class FedBEnsSettings(OptimiserSettings):
                                       "(relative objective error < tol); 0 = exact.", bounds=(0, 1))
     starts: str = setting("median", "Where the global modes start: 'median' (per component index, the paper), "
                                     "'clients' (every client component's MAP: C·M modes) or 'median+clients'.")
-    solver: str = setting("adam", "adam: the paper's Adam, best validation iterate (else the best objective); em: "
-                                  "EM with exact per-layer solves to a stationary point (steps = iterations at most; "
-                                  "no step size, no early stopping, no use of validation data).")
+    solver: str = setting("auto", "auto: 'adam' when the server has validation data (--val), else 'em' with the "
+                                  "validation-free prior (prior_centre and server_prior 'auto' become 'clients' and "
+                                  "'evidence'; also when server_prior=evidence or trust_radius asks for EM); adam: the "
+                                  "paper's Adam, best validation iterate (else the best objective, which under strong "
+                                  "heterogeneity predicts far worse); em: EM with exact per-layer solves to a stationary "
+                                  "point (steps = iterations at most; no step size, no early stopping, no use of "
+                                  "validation data).")
     damping: float = setting(0.0, "Tikhonov damping d of every client's curvature at per-sample scale: a Kronecker "
                                   "block (B + n·d·I) ⊗ (A + d·I), any other block + n·d on its diagonal (K-FAC's "
                                   "factored damping; FedLPA's d = 0.0316); 0 = the curvature as captured.",
@@ -79,12 +86,14 @@ class FedBEnsSettings(OptimiserSettings):
                                        "responsibilities at s): the clients' quadratics predict at most this many nats "
                                        "per sample of extra loss anywhere inside; 0 = no region.", bounds=(0, 1e6))
 
-    prior_centre: str = setting("zero", "Where the over-counted prior is divided out: 'zero' (the paper: N(0, λ⁻¹) "
+    prior_centre: str = setting("auto", "Where the over-counted prior is divided out: 'zero' (the paper: N(0, λ⁻¹) "
                                         "C − 1 times, which multiplies the weights by C along directions no client's "
-                                        "curvature sees) or 'clients' (at each mode's λ-weighted client average of the "
-                                        "MAPs of its component index: those directions keep the clients' average).")
-    server_prior: str = setting("clients", "The server prior's precision, how hard the modes are pulled to the prior "
-                                           "centre: 'clients' (one λ0, the median of the clients' or 1/--prior-var) or "
+                                        "curvature sees), 'clients' (at each mode's λ-weighted client average of the "
+                                        "MAPs of its component index: those directions keep the clients' average) or "
+                                        "'auto' ('clients' when solver=auto runs EM, else 'zero').")
+    server_prior: str = setting("auto", "The server prior's precision, how hard the modes are pulled to the prior "
+                                        "centre: 'auto' ('evidence' when solver=auto runs EM, else 'clients'), "
+                                        "'clients' (one λ0, the median of the clients' or 1/--prior-var) or "
                                            "'evidence' (solver=em only: one λ0 per curvature block, ρ × the block's "
                                            "curvature per parameter, ρ maximising the Laplace evidence of the server's "
                                            "model with the clients' likelihoods held fixed — MacKay's empirical Bayes, "
@@ -94,11 +103,11 @@ class FedBEnsSettings(OptimiserSettings):
         super().validate()
         if self.prior_centre not in PRIOR_CENTRES:
             raise ConfigError(f"setting prior_centre must be one of {PRIOR_CENTRES}")
-        if self.trust_radius > 0 and self.solver != "em":
+        if self.trust_radius > 0 and self.solver == "adam":
             raise ConfigError("setting trust_radius needs solver=em")
         if self.server_prior not in SERVER_PRIORS:
             raise ConfigError(f"setting server_prior must be one of {SERVER_PRIORS}")
-        if self.server_prior == "evidence" and self.solver != "em":
+        if self.server_prior == "evidence" and self.solver == "adam":
             raise ConfigError("setting server_prior=evidence needs solver=em (the evidence is taken at stationary points)")
         if self.modes is not None and self.modes < 1:
             raise ConfigError("setting modes must be >= 1")
@@ -269,12 +278,13 @@ def require_shared_inits(inputs: FusionInputs) -> None:
 
 
 STARTS = ("median", "clients", "median+clients")
-SOLVERS = ("adam", "em")
-PRIOR_CENTRES = ("zero", "clients")
+SOLVERS = ("auto", "adam", "em")
+PRIOR_CENTRES = ("auto", "zero", "clients")
 LAPLACE_PRIORS = ("server", "evidence")
-SERVER_PRIORS = ("clients", "evidence")
+SERVER_PRIORS = ("auto", "clients", "evidence")
 EVIDENCE_ROUNDS = 30       # server_prior=evidence: at most this many EM solves
 EVIDENCE_TOLERANCE = 0.01  # … stopping when λ0 moves by less than this, relative
+RESOLUTION = 1e-6          # … keeping each λ0_j ≥ this × block j's largest curvature (float32 resolves ≈ 1e-8 of it)
 
 
 def damped_clients(clients: list[ClientPosterior], d: float) -> list[ClientPosterior]:
@@ -321,6 +331,18 @@ def curvature_scales(clients: list[ClientPosterior], temps: list[float]) -> list
                       / (c.num_components * t) for c, t in zip(clients, temps)) for j in range(blocks)]
 
 
+def curvature_tops(clients: list[ClientPosterior], temps: list[float]) -> list[float]:
+    """Per curvature block j, ``Σ_c mean_m λ_max(G_cm) / T_c`` over the block: an upper bound of the largest
+    eigenvalue of the clients' summed tempered curvature (float64, from each block's clamped spectrum)."""
+    def top(block) -> float:
+        values, other = block.spectrum()
+        return float(values.max()) * (float(other.max()) if other is not None else 1.0)
+
+    blocks = len(clients[0].components[0].curvature.blocks)
+    return [math.fsum(sum(top(comp.curvature.blocks[j]) for comp in c.components) / (c.num_components * t)
+                      for c, t in zip(clients, temps)) for j in range(blocks)]
+
+
 def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], lams: list[float], lam0: float,
                           W0: torch.Tensor, centres: torch.Tensor | None, settings: FedBEnsSettings,
                           show_progress: bool = True) -> tuple[list[float], torch.Tensor, list, dict, tuple | None]:
@@ -346,10 +368,14 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
     seen = [c > 0 for c in scales]
     seen_dims = sum(n for n, ok in zip(dims, seen) if ok)
     weighted = math.fsum(c * n for c, n in zip(scales, dims)) / max(seen_dims, 1)  # mean c_j over seen parameters
-    rho = lam0 / weighted if weighted > 0 else 1.0
-    # every λ0_j stays in the artifacts' prior-precision range (the evidence may have no interior maximum)
-    lo = max(ranges.PRIOR_PRECISION[0] / min((c for c in scales if c > 0), default=1.0), EVIDENCE_RANGE[0])
+    # every λ0_j stays in the artifacts' prior-precision range (the evidence may have no interior maximum) and
+    # above what the float32 curvature resolves (RESOLUTION × the block's largest curvature: below that a
+    # summed precision may be indefinite in its rounding; ≤ RESOLUTION × the block's size in ρ, so ≤ 0.04 on
+    # the LeNet and ResNet-20 width-16 blocks, whose evidence gave ρ = 0.07–0.14)
+    floor = max((RESOLUTION * t / c for t, c in zip(curvature_tops(clients, temps), scales) if c > 0), default=0.0)
+    lo = max(ranges.PRIOR_PRECISION[0] / min((c for c in scales if c > 0), default=1.0), EVIDENCE_RANGE[0], floor)
     hi = min(ranges.PRIOR_PRECISION[1] / max(scales, default=1.0), EVIDENCE_RANGE[1])
+    rho = min(max(lam0 / weighted if weighted > 0 else 1.0, lo), hi)
 
     def block_lams(r: float) -> list[float]:
         return [r * c if ok else lam0 for c, ok in zip(scales, seen)]
@@ -381,13 +407,35 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
         warnings.warn(f"fedbens server_prior=evidence: the evidence has no maximum inside the prior precisions "
                       f"the artifacts allow; ρ = {rho:.3g} is at its {'upper' if rho >= hi * (1 - 1e-6) else 'lower'} "
                       f"bound (upper: the clients disagree more than their curvature explains, and the modes sit at "
-                      f"the prior centre)", stacklevel=3)
+                      f"the prior centre; lower: the prior is as weak as the curvature's float32 resolution or the "
+                      f"artifacts' range allows — a client whose curvature is far out of scale with the others' does "
+                      f"this, see --robust)", stacklevel=3)
     return block_lams(rho), W, history, {"block_scales": scales, "rounds": rounds, "converged": converged,
                                          "at_bound": at_bound}, laplace_step
 
 
+def resolve_auto(settings: FedBEnsSettings, has_val: bool) -> FedBEnsSettings:
+    """``settings`` with every ``auto`` replaced by what runs. ``solver=auto`` is the paper's Adam when the
+    server has validation data (its best validation iterate) and nothing asks for EM; otherwise EM at a
+    stationary point, and then ``prior_centre`` / ``server_prior`` left at ``auto`` take the validation-free
+    fusion's ``clients`` / ``evidence`` (``docs/results/fusion_safety/README.md``: without validation data
+    Adam keeps its best-objective iterate, which under strong heterogeneity predicts far worse). An explicit
+    ``solver`` keeps the paper's ``zero`` centre and the clients' λ0 unless they are set."""
+    auto_em = settings.solver == "auto" and (not has_val or settings.server_prior == "evidence"
+                                             or settings.trust_radius > 0)
+    solver = settings.solver if settings.solver != "auto" else ("em" if auto_em else "adam")
+    centre = settings.prior_centre if settings.prior_centre != "auto" else ("clients" if auto_em else "zero")
+    prior = settings.server_prior if settings.server_prior != "auto" else ("evidence" if auto_em else "clients")
+    out = dataclasses.replace(settings, solver=solver, prior_centre=centre, server_prior=prior)
+    out.validate()
+    return out
+
+
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
-    """FedBEns on any curvature structure (kron, diag, diag+full)."""
+    """FedBEns on any curvature structure (kron, diag, diag+full); ``auto`` settings resolved by
+    :func:`resolve_auto` (what ran is recorded as ``resolved``)."""
+    settings = resolve_auto(settings, inputs.val is not None)
+    resolved = {"solver": settings.solver, "prior_centre": settings.prior_centre, "server_prior": settings.server_prior}
     m = require_equal_components(inputs, "fedbens")
     if not settings.allow_different_inits:
         require_shared_inits(inputs)
@@ -412,16 +460,17 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         info = {"history": history}
     else:
         if inputs.val is None:
-            warnings.warn("fedbens without validation data: Adam keeps its best-objective iterate, which under "
-                          "strong heterogeneity can predict far worse than the paper's best-validation one "
-                          "(docs/results/fusion_safety/); the stationary fusion that needs no validation data is "
-                          "--set solver=em --set prior_centre=clients --set server_prior=evidence", stacklevel=3)
+            warnings.warn("fedbens solver=adam without validation data: Adam keeps its best-objective iterate, "
+                          "which under strong heterogeneity can predict far worse than the paper's best-validation one "
+                          "(docs/results/fusion_safety/); the default solver=auto runs the stationary fusion that "
+                          "needs no validation data (EM, prior_centre=clients, server_prior=evidence)", stacklevel=3)
         objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
                                        kernel=inputs.options.kernel, device=inputs.options.device,
                                        show_progress=inputs.options.progress, prior_centres=centres)
         best, history = optimise_modes(objective, W0, inputs, settings, "fedbens")
         info = {"history": history, "kron_ranks": objective.stack.ranks}
         del objective  # the stacks: the Laplace step below works from the clients' blocks
+    info["resolved"] = resolved
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
     curvatures, errors = laplace_step or mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)

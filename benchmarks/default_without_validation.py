@@ -1,0 +1,100 @@
+"""fedbens' default with and without validation data (issue 29, item 2: "make the default safe whether or not
+the server has validation data and whatever ``steps`` is"), on the artifacts of a ``pfuse demo`` folder.
+
+Per folder, ``pfuse fuse`` through the library at the default settings (``solver=auto``) and at the explicit
+``solver=adam`` that was the default before session 24, each at ``steps`` 300 and 1,000, without and with the
+server's validation split; every fused model evaluated on the folder's test split (accuracy, NLL, ECE). One JSON
+per folder.
+
+    for s in "" _s1 _s2; do for a in 0.1 0.4; do
+      OMP_NUM_THREADS=1 nice -n 19 .venv/bin/pfuse demo --alpha $a --seed ${s#_s} --out-dir /tmp/s24/a$a$s --methods fedbens
+      OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/default_without_validation.py /tmp/s24/a$a$s \\
+          --json docs/results/fusion_safety/default_s24/a$a$s.json
+    done; done
+    .venv/bin/python benchmarks/default_without_validation.py --report docs/results/fusion_safety/default_s24/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from posterior_fusion.data.silo import read_silo
+from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.metrics import evaluate_members
+
+ROWS = [  # (label, settings, with validation data)
+    ("default (auto), no validation, 300 steps", {}, False),
+    ("default (auto), no validation, 1000 steps", {"steps": 1000}, False),
+    ("adam (the default before), no validation, 300 steps", {"solver": "adam"}, False),
+    ("adam (the default before), no validation, 1000 steps", {"solver": "adam", "steps": 1000}, False),
+    ("default (auto) = adam, validation, 300 steps", {}, True),
+    ("default (auto) = adam, validation, 1000 steps", {"steps": 1000}, True),
+]
+
+
+def run(folder: Path) -> dict:
+    posts = sorted(folder.glob("post_*.h5"))
+    val, test = folder / "data" / "server_val.h5", read_silo(folder / "data" / "test.h5")
+    rows = []
+    for label, settings, with_val in ROWS:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            inputs, result, meta = fuse(posts, "fedbens", FusionOptions(progress=False), {**settings, "laplace": False},
+                                        val_path=val if with_val else None)
+        seconds = time.perf_counter() - t0
+        metrics = evaluate_members(inputs.spec, result.members, test)
+        rows.append({"label": label, "settings": settings, "validation": with_val, "resolved": meta["resolved"],
+                     "fuse_seconds": round(seconds, 2), "accuracy": metrics["accuracy"], "nll": metrics["nll"],
+                     "ece": metrics["ece"], "warnings": sorted({str(w.message)[:160] for w in caught})})
+        print(f"{folder.name}: {label}: {100 * metrics['accuracy']:.2f} % NLL {metrics['nll']:.3f} "
+              f"ECE {metrics['ece']:.3f} ({seconds:.1f} s)", flush=True)
+    return {"folder": str(folder), "torch_threads": torch.get_num_threads(), "rows": rows}
+
+
+def report(paths: list[str]) -> None:
+    """Markdown: per row, accuracy per set and the mean ± std over seeds per α, NLL / ECE means."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    alphas = sorted({Path(r["folder"]).name.split("_")[0] for r in runs})
+    print("| fedbens | " + " | ".join(f"α = {a[1:]} accuracy % (seeds) | mean ± std | NLL / ECE" for a in alphas) + " |")
+    print("|---|" + "---|---|---|" * len(alphas))
+    for i, (label, _, _) in enumerate(ROWS):
+        cells = []
+        for a in alphas:
+            mine = sorted((r for r in runs if Path(r["folder"]).name.split("_")[0] == a), key=lambda r: r["folder"])
+            acc = [100 * r["rows"][i]["accuracy"] for r in mine]
+            sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
+            cells += [" / ".join(f"{v:.2f}" for v in acc), f"{statistics.mean(acc):.2f} ± {sd:.2f}",
+                      f"{statistics.mean(r['rows'][i]['nll'] for r in mine):.3f} / "
+                      f"{statistics.mean(r['rows'][i]['ece'] for r in mine):.3f}"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folders", nargs="+", help="pfuse demo output folders (post_*.h5, data/server_val.h5, data/test.h5)")
+    ap.add_argument("--json", help="write the rows here (one folder)")
+    ap.add_argument("--report", action="store_true", help="the arguments are JSON files of this script: print the table")
+    args = ap.parse_args()
+    if args.report:
+        report(args.folders)
+        return
+    if args.json and len(args.folders) != 1:
+        sys.exit("--json takes one folder")
+    for folder in args.folders:
+        out = run(Path(folder))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
