@@ -160,9 +160,11 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
     write_fused(out, inputs, result, meta)
     if as_json:
         echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"],
-                   "settings": meta["settings"]})
+                   "settings": meta["settings"], **({"resolved": meta["resolved"]} if "resolved" in meta else {})})
         return
     say(f"wrote {out}: {method}, {len(result.members)} members, {meta['fuse_seconds']:.1f}s")
+    if "resolved" in meta:  # what a method's 'auto' settings became
+        say("  ran with " + ", ".join(f"{k}={v}" for k, v in meta["resolved"].items()))
     for k, hist in enumerate(meta.get("history", [])):
         best = max(hist, key=lambda h: h.get("val_accuracy", -h["objective"]))
         extra = f" val acc {best['val_accuracy']:.4f}" if "val_accuracy" in best else ""

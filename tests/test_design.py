@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,11 @@ def test_cli_set_and_help_method(tmp_path, two_clients):
     g = posterior_fusion.load(out)
     assert g.metadata["settings"]["steps"] == 3 and len(g.members) == 1
     assert [h["step"] for h in g.metadata["history"][0]][-1] == 3
+    assert json.loads(r.stdout)["resolved"] == {"solver": "adam", "prior_centre": "zero", "server_prior": "clients"}
+    # the names a method renamed: one line with the new name, exit 2
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedfisher", "--set", "damping=0.1",
+                                   "--out", str(tmp_path / "f.h5")])
+    assert r.exit_code == 2 and "'damping' is now 'prior_scale'" in r.stderr and r.stderr.count("\n") == 1
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedavg", "--set", "steps=3",
                                    "--out", str(tmp_path / "h.h5")])
     assert r.exit_code == 2 and "method 'fedavg' has no setting 'steps'" in r.stderr and r.stderr.count("\n") == 1
