@@ -404,12 +404,13 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
                       f"{rounds[-1]['scale']:.3g} -> {rounds[-1]['next']:.3g}); the last round's modes are kept",
                       stacklevel=3)
     elif at_bound:
+        upper = rho >= hi * (1 - 1e-6)
+        why = ("the clients disagree more than their curvature explains, and the modes sit at the prior centre"
+               if upper else "the prior is as weak as the curvature's float32 resolution or the artifacts' range "
+               "allows; a client whose curvature is far out of scale with the others' does this (see --robust)")
         warnings.warn(f"fedbens server_prior=evidence: the evidence has no maximum inside the prior precisions "
-                      f"the artifacts allow; ρ = {rho:.3g} is at its {'upper' if rho >= hi * (1 - 1e-6) else 'lower'} "
-                      f"bound (upper: the clients disagree more than their curvature explains, and the modes sit at "
-                      f"the prior centre; lower: the prior is as weak as the curvature's float32 resolution or the "
-                      f"artifacts' range allows — a client whose curvature is far out of scale with the others' does "
-                      f"this, see --robust)", stacklevel=3)
+                      f"the artifacts allow; ρ = {rho:.3g} is at its {'upper' if upper else 'lower'} bound: {why}",
+                      stacklevel=3)
     return block_lams(rho), W, history, {"block_scales": scales, "rounds": rounds, "converged": converged,
                                          "at_bound": at_bound}, laplace_step
 
