@@ -58,9 +58,9 @@ def one(setting: str, threads: int, artifacts: str | None) -> dict:
         from posterior_fusion.fusion import FusionOptions, fuse_clients
 
         clients = [posterior_fusion.load(p) for p in sorted(glob.glob(artifacts))]
-        fuse_clients(clients, "fedbens", FusionOptions(progress=False), {"steps": 3, "laplace": False})
+        fuse_clients(clients, "fedbens", FusionOptions(progress=False), {"steps": 3, "laplace": False, "solver": "adam"})
         out["fuse"] = timed(lambda: fuse_clients(clients, "fedbens", FusionOptions(progress=False),
-                                                 {"steps": 50, "laplace": False}))
+                                                 {"steps": 50, "laplace": False, "solver": "adam"}))
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 

@@ -80,7 +80,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     _, res, _ = fuse_clients(clients, "fedbens", FusionOptions(progress=False),
-                             {"steps": args.steps, "laplace": False, "clip": 1e9})
+                             {"steps": args.steps, "laplace": False, "clip": 1e9, "solver": "adam"})
     t_ours = time.perf_counter() - t0
     gap = max((a - b).abs().max().item() for a, b in zip(authors_modes, res.members))
     print(f"C = {len(clients)}, M = {c0.num_components}, d = {c0.layout.dim}, {args.steps} Adam steps per mode, "

@@ -28,7 +28,7 @@ from posterior_fusion.fusion import FusionOptions, fuse_clients
 from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior
 from posterior_fusion.metrics import evaluate_members
 
-VARIANTS = [(f"adam {s} steps", {"steps": s, "laplace": False}) for s in (0, 30, 100, 300, 1000)]
+VARIANTS = [(f"adam {s} steps", {"steps": s, "laplace": False, "solver": "adam"}) for s in (0, 30, 100, 300, 1000)]
 VARIANTS += [("em (stationary)", {"solver": "em", "laplace": False}),
              ("em, damping 1", {"solver": "em", "damping": 1.0, "laplace": False})]
 

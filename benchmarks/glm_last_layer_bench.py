@@ -41,7 +41,7 @@ def main() -> None:
         for c in range(3):
             run("fit-local", "--data", work / f"client_{c}.h5", "-M", 2, "--epochs", 5, "--train-seed", c,
                 "--out", work / f"post_{c}.h5")
-        run("fuse", *(work / f"post_{c}.h5" for c in range(3)), "--method", "fedbens", "--set", "steps=100",
+        run("fuse", *(work / f"post_{c}.h5" for c in range(3)), "--method", "fedbens", "--set", "steps=100", "--set", "solver=adam",
             "--out", work / "g.h5")
     rows = []
     for predictive in ("glm-last-layer", "glm"):

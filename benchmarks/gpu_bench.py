@@ -163,7 +163,7 @@ def whole_fuse_rows(clients, steps: int, cpu_threads: int) -> list[dict]:
         sync()
         t0 = time.perf_counter()
         _, res, _ = fuse_clients(clients, "fedbens", FusionOptions(progress=False, device=device, kernel=kernel),
-                                 {"steps": steps, "laplace": False, "clip": 1e9})
+                                 {"steps": steps, "laplace": False, "clip": 1e9, "solver": "adam"})
         sync()
         seconds = time.perf_counter() - t0
         modes[label] = [m.cpu() for m in res.members]

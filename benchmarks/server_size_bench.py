@@ -86,9 +86,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         save_rows(args.json, row)
         return
-    runs = [fuse(paths, work / "g1.h5", [f"steps={s1}", "laplace=false"], args.max_memory),
-            fuse(paths, work / "g2.h5", [f"steps={s2}", "laplace=false"], args.max_memory),
-            fuse(paths, work / "g3.h5", [f"steps={s1}"], args.max_memory)]
+    runs = [fuse(paths, work / "g1.h5", [f"steps={s1}", "laplace=false", "solver=adam"], args.max_memory),
+            fuse(paths, work / "g2.h5", [f"steps={s2}", "laplace=false", "solver=adam"], args.max_memory),
+            fuse(paths, work / "g3.h5", [f"steps={s1}", "solver=adam"], args.max_memory)]
     row["runs"] = runs
     if all(r["exit"] == 0 for r in runs):
         per_step = (runs[1]["seconds"] - runs[0]["seconds"]) / (s2 - s1)

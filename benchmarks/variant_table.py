@@ -36,7 +36,7 @@ from posterior_fusion.local.recapture import recapture
 # "em" are the one-shot globals the refreshed client sets are taken at
 VARIANTS = [
     ("paper", "one-shot, adam, best validation iterate (today's default)", "one-shot", "fedbens", {}, True),
-    ("adam", "one-shot, adam, best objective", "one-shot", "fedbens", {}, False),
+    ("adam", "one-shot, adam, best objective", "one-shot", "fedbens", {"solver": "adam"}, False),
     ("em", "one-shot, em (stationary)", "one-shot", "fedbens", {"solver": "em"}, False),
     ("em_damped", "one-shot, em, damping 0.0316", "one-shot", "fedbens", {"solver": "em", "damping": 0.0316}, False),
     ("refreshed_em", "refreshed at the paper's modes, em", "at_paper_d1.0", "fedbens", {"solver": "em"}, False),
@@ -47,7 +47,7 @@ VARIANTS = [
     ("centred_paper", "one-shot, adam, prior centre clients, best validation iterate", "one-shot", "fedbens",
      {"prior_centre": "clients"}, True),
     ("centred_adam", "one-shot, adam, prior centre clients, best objective", "one-shot", "fedbens",
-     {"prior_centre": "clients"}, False),
+     {"prior_centre": "clients", "solver": "adam"}, False),
     ("centred_em", "one-shot, em, prior centre clients (stationary)", "one-shot", "fedbens",
      {"solver": "em", "prior_centre": "clients"}, False),
     ("centred_em_refresh_em", "em -> refresh -> em, prior centre clients (no validation anywhere)", "at_centred_em",
