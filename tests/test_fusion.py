@@ -910,6 +910,29 @@ def test_an_indefinite_dense_block_is_one_clear_error_not_a_traceback():
     assert isinstance(err.value, PfuseError) and err.value.exit_code == 2
 
 
+def test_an_indefinite_kronecker_block_is_an_error_where_strict():
+    """A Kronecker system shifted below its smallest eigenvalue: with ``strict`` (EM's solves, whose matrix
+    Σ r G + λ0 I is positive definite in exact arithmetic) conjugate gradients stop at the first direction of
+    non-positive curvature with :class:`IndefinitePrecisionError` naming the block; without it (FedFisher's
+    exact solve, which reports an unconverged residual as a warning) they run on and return."""
+    from posterior_fusion.errors import IndefinitePrecisionError
+    from posterior_fusion.fusion.layer_solve import solve_precision_sum
+
+    gen = torch.Generator().manual_seed(5)
+    d = TINY_LAYOUT.dim
+    terms = [(1.0, random_curvature("kron", gen), torch.randn(d, generator=gen, dtype=torch.float64))]
+    top = float(torch.linalg.eigvalsh(terms[0][1].blocks[0].to_dense().double())[-1])
+    shifts = [-2.0 * top, 0.0, 0.0, 0.0]  # W1's system has only negative eigenvalues
+    with pytest.raises(IndefinitePrecisionError, match=r"curvature block 0: .*not positive definite"):
+        solve_precision_sum(terms, shift=shifts, strict=True)
+    w, info = solve_precision_sum(terms, shift=shifts)  # not strict: runs (no math domain error either)
+    assert info["iterations"] > 0 and w.shape == (d,)
+    good, _ = solve_precision_sum(terms, shift=[0.5] * 4, strict=True, tolerance=1e-12)  # positive definite
+    dense = torch.block_diag(*[b.to_dense() for b in terms[0][1].blocks]) + 0.5 * torch.eye(d, dtype=torch.float64)
+    want = torch.linalg.solve(dense, (dense - 0.5 * torch.eye(d, dtype=torch.float64)) @ terms[0][2])
+    torch.testing.assert_close(good, want, rtol=1e-8, atol=1e-8)
+
+
 def test_server_prior_evidence_global_artifact_round_trip(tmp_path, fitted):
     """Real kron artifacts fused with `server_prior=evidence` (prior centre clients): one λ0 per block is
     written, read back and used by every predictive (each block's Laplace precision carries its own

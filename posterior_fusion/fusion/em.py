@@ -96,7 +96,9 @@ class MixtureProduct:
                       if float(r) > 0]
         # the matrix is Σ r Λ − excess·I (λ0 I when Σ_m r_cm = 1, no pull); the centre moves the right-hand side
         rhs = None if centre is None else -self._excess_d * centre.double()
-        out, _ = solve_precision_sum(terms, shift=[-e for e in self.excess], rhs=rhs, start=start, tolerance=tolerance)
+        # Σ r Λ − excess·I = Σ r G + λ0 I is positive definite: a direction without curvature is an error (strict)
+        out, _ = solve_precision_sum(terms, shift=[-e for e in self.excess], rhs=rhs, start=start, tolerance=tolerance,
+                                     strict=True)
         return out
 
 

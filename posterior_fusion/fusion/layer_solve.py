@@ -32,13 +32,15 @@ def _inverse(F: torch.Tensor) -> torch.Tensor:
 
 def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tensor, rhs: torch.Tensor,
                    shift: float = 0.0, start: torch.Tensor | None = None, tolerance: float = 1e-10,
-                   max_iterations: int = 1000) -> tuple[torch.Tensor, int, float]:
+                   max_iterations: int = 1000, strict: bool = False) -> tuple[torch.Tensor, int, float]:
     """``X`` ``(out, in)`` with ``Σ_k w_k B_k X A_kᵀ + shift·X = rhs``; returns ``(X, iterations,
     relative residual)``. ``start``: the first iterate (default: the preconditioner applied to
     ``rhs``). Float64 arithmetic throughout, whatever the factors' dtype: each factor is converted where
     a product uses it, one term at a time, so float32 factors never exist as float64 all at once (for EM at
     C·M = 25 on a 2304-input layer, the copies of every term's ``A`` were 1 GB); ``tolerance`` is on
-    ``‖residual‖ / ‖rhs‖``."""
+    ``‖residual‖ / ‖rhs‖``. ``strict``: a search direction of non-positive curvature (``pᵀ(op p) ≤ 0``: the
+    operator is not positive definite) raises :class:`IndefinitePrecisionError` instead of iterating on
+    (the caller's matrix is positive definite in exact arithmetic, so this is rounding or a bad input)."""
     f64 = torch.float64
 
     def op(X: torch.Tensor) -> torch.Tensor:
@@ -47,7 +49,7 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
 
     Bbar = sum(wk * B.to(f64) for wk, B in zip(w, Bs))
     Abar = sum(wk * A.to(f64) for wk, A in zip(w, As)) / float(sum(w))  # (Σ w B) ⊗ (mean A): exact for one term
-    if shift:
+    if shift > 0:  # a negative shift is left to the conjugate gradients (strict: reported below)
         a = max(float(torch.diagonal(Abar).mean()), 1e-300)
         b = max(float(torch.diagonal(Bbar).mean()), 1e-300)
         sA, sB = math.sqrt(shift * a / b), math.sqrt(shift * b / a)
@@ -67,7 +69,14 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
     it = 0
     while residual > tolerance and it < max_iterations:
         Q = op(P)
-        step = ry / (P * Q).sum()
+        curvature = (P * Q).sum()
+        if strict and curvature <= 0:
+            raise IndefinitePrecisionError(
+                f"a fused Kronecker precision ({rhs.shape[0]} × {rhs.shape[1]} weight) is not positive definite "
+                f"(a direction of curvature {float(curvature):.3g} after {it} conjugate-gradient steps): the clients' "
+                f"curvature there spans more than float32 resolves, or the prior is too weak for it; a client's "
+                f"curvature may be far out of scale with the others' (`--robust` screens such clients)")
+        step = ry / curvature
         X, R = X + step * P, R - step * Q
         residual = float(R.norm()) / norm
         it += 1
@@ -80,7 +89,7 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
 def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shift: float | list[float] = 0.0,
                         rhs: torch.Tensor | None = None, prior_scale: float = 0.0, prior_centre: torch.Tensor | None = None,
                         start: torch.Tensor | None = None, tolerance: float = 1e-10,
-                        desc: str | None = None) -> tuple[torch.Tensor, dict]:
+                        desc: str | None = None, strict: bool = False) -> tuple[torch.Tensor, dict]:
     """``w`` ``(d,)`` float64 solving, block by block (every ``P_k`` block-diagonal alike),
 
         (Σ_k r_k P_k + (shift + ε_j) I) w = Σ_k r_k P_k m_k + rhs + ε_j · prior_centre
@@ -91,8 +100,9 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
     ``prior_centre``; ``prior_centre`` is needed when ``prior_scale`` > 0). A Kronecker block by conjugate gradients (:func:`solve_kron_sum`, from
     ``start`` if given, to ``tolerance``), a diagonal one element-wise, any other through a dense
     Cholesky factor. Each block is converted to float64 where it is used, one at a time. ``desc``: show
-    progress over the blocks under that name. Returns ``(w, info)`` with the conjugate gradients' total
-    ``iterations`` and largest relative ``residual``."""
+    progress over the blocks under that name. ``strict``: a Kronecker system found not positive definite is an
+    :class:`IndefinitePrecisionError` (as a dense one always is) rather than a slow, unconverged solve. Returns
+    ``(w, info)`` with the conjugate gradients' total ``iterations`` and largest relative ``residual``."""
     ref = terms[0][1]
     f64 = torch.float64
     out = torch.empty(ref.dim, dtype=f64)
@@ -114,8 +124,12 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
             w = torch.tensor([r * blk.scale for r, blk, _ in blocks], dtype=f64)
             total_shift = sum(r * blk.shift for r, blk, _ in blocks) + shift_j + eps
             first = None if start is None else start[off: off + dim].double().reshape(shape)
-            X, it, res = solve_kron_sum([blk.B for _, blk, _ in blocks], [blk.A for _, blk, _ in blocks], w,
-                                        b.reshape(shape), shift=total_shift, start=first, tolerance=tolerance)
+            try:
+                X, it, res = solve_kron_sum([blk.B for _, blk, _ in blocks], [blk.A for _, blk, _ in blocks], w,
+                                            b.reshape(shape), shift=total_shift, start=first, tolerance=tolerance,
+                                            strict=strict)
+            except IndefinitePrecisionError as err:
+                raise IndefinitePrecisionError(f"curvature block {j}: {err}") from None
             out[off: off + dim] = X.reshape(-1)
             info["iterations"] += it
             info["residual"] = max(info["residual"], res)
