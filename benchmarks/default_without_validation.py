@@ -4,7 +4,8 @@ the server has validation data and whatever ``steps`` is"), on the artifacts of 
 Per folder, ``pfuse fuse`` through the library at the default settings (``solver=auto``) and at the explicit
 ``solver=adam`` that was the default before session 24, each at ``steps`` 300 and 1,000, without and with the
 server's validation split; every fused model evaluated on the folder's test split (accuracy, NLL, ECE). One JSON
-per folder.
+per folder. The last row runs the kron default's stationary fusion explicitly (for the diag and diag+full
+folders, where ``auto`` is Adam).
 
     for s in "" _s1 _s2; do for a in 0.1 0.4; do
       OMP_NUM_THREADS=1 nice -n 19 .venv/bin/pfuse demo --alpha $a --seed ${s#_s} --out-dir /tmp/s24/a$a$s --methods fedbens
@@ -37,6 +38,8 @@ ROWS = [  # (label, settings, with validation data)
     ("adam (the default before), no validation, 1000 steps", {"solver": "adam", "steps": 1000}, False),
     ("default (auto) = adam, validation, 300 steps", {}, True),
     ("default (auto) = adam, validation, 1000 steps", {"steps": 1000}, True),
+    ("em, prior centre clients, server prior evidence (explicit), no validation, 300 steps",
+     {"solver": "em", "prior_centre": "clients", "server_prior": "evidence"}, False),
 ]
 
 
@@ -66,15 +69,19 @@ def report(paths: list[str]) -> None:
     alphas = sorted({Path(r["folder"]).name.split("_")[0] for r in runs})
     print("| fedbens | " + " | ".join(f"α = {a[1:]} accuracy % (seeds) | mean ± std | NLL / ECE" for a in alphas) + " |")
     print("|---|" + "---|---|---|" * len(alphas))
-    for i, (label, _, _) in enumerate(ROWS):
+    for label, _, _ in ROWS:
         cells = []
         for a in alphas:
             mine = sorted((r for r in runs if Path(r["folder"]).name.split("_")[0] == a), key=lambda r: r["folder"])
-            acc = [100 * r["rows"][i]["accuracy"] for r in mine]
+            got = [row for r in mine for row in r["rows"] if row["label"] == label]  # older runs lack later rows
+            if not got:
+                cells += ["—", "—", "—"]
+                continue
+            acc = [100 * row["accuracy"] for row in got]
             sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
-            cells += [" / ".join(f"{v:.2f}" for v in acc), f"{statistics.mean(acc):.2f} ± {sd:.2f}",
-                      f"{statistics.mean(r['rows'][i]['nll'] for r in mine):.3f} / "
-                      f"{statistics.mean(r['rows'][i]['ece'] for r in mine):.3f}"]
+            cells += [" / ".join(f"{v:.2f}" for v in acc) + " (" + ", ".join(row["resolved"]["solver"] for row in got) + ")",
+                      f"{statistics.mean(acc):.2f} ± {sd:.2f}",
+                      f"{statistics.mean(row['nll'] for row in got):.3f} / {statistics.mean(row['ece'] for row in got):.3f}"]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 

@@ -99,8 +99,8 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output global artifact (HDF5).")
 @click.option("--val", "val_path", default=None, type=click.Path(dir_okay=False),
               help="Server validation data: Adam keeps its best validation iterate per mode [default: none; Adam "
-                   "then keeps its best objective, and fedbens' default solver=auto runs its stationary, "
-                   "validation-free fusion instead].")
+                   "then keeps its best objective, and fedbens' default solver=auto on kron curvature runs its "
+                   "stationary, validation-free fusion instead].")
 @click.option("--unlabeled", default=None, type=click.Path(dir_okay=False),
               help="Unlabeled server data (labels not needed): fedbe's and --distill's distillation set.")
 @click.option("--distill", is_flag=True,

@@ -1012,6 +1012,15 @@ def test_fedbens_default_is_the_validation_free_fusion_without_validation_data(f
     assert resolve_auto(FedBEnsSettings(server_prior="evidence"), True).solver == "em"
     assert resolve_auto(FedBEnsSettings(trust_radius=0.1), True).solver == "em"
     assert resolve_auto(FedBEnsSettings(prior_centre="zero"), False).prior_centre == "zero"  # explicit wins
+    # diagonal curvature: the stationary point predicts far worse than Adam's early iterates (measured), so
+    # auto stays the paper's Adam there, without a warning
+    for structure in ("diag", "diag+full"):
+        assert resolve_auto(FedBEnsSettings(), False, structure).solver == "adam"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, diag_meta = fuse([folder / "diag_0.h5"], "fedbens", opts, {"steps": 2, "laplace": False})
+    assert diag_meta["resolved"]["solver"] == "adam"
+    assert not [w for w in caught if "without validation data" in str(w.message)]
     with pytest.raises(posterior_fusion.errors.ConfigError, match="server_prior=evidence needs solver=em"):
         FedBEnsSettings.from_mapping({"solver": "adam", "server_prior": "evidence"}, "fedbens")
     with pytest.warns(UserWarning, match="solver=auto"):

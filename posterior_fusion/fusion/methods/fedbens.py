@@ -70,9 +70,10 @@ class FedBEnsSettings(OptimiserSettings):
                                       "(relative objective error < tol); 0 = exact.", bounds=(0, 1))
     starts: str = setting("median", "Where the global modes start: 'median' (per component index, the paper), "
                                     "'clients' (every client component's MAP: C·M modes) or 'median+clients'.")
-    solver: str = setting("auto", "auto: 'adam' when the server has validation data (--val), else 'em' with the "
-                                  "validation-free prior (prior_centre and server_prior 'auto' become 'clients' and "
-                                  "'evidence'; also when server_prior=evidence or trust_radius asks for EM); adam: the "
+    solver: str = setting("auto", "auto: 'em' with the validation-free prior (prior_centre and server_prior 'auto' "
+                                  "become 'clients' and 'evidence') when the server has no validation data (--val) and "
+                                  "the curvature is kron, or when server_prior=evidence or trust_radius asks for EM; "
+                                  "else 'adam' (diag and diag+full: Adam's early iterates predict better there); adam: the "
                                   "paper's Adam, best validation iterate (else the best objective, which under strong "
                                   "heterogeneity predicts far worse); em: EM with exact per-layer solves to a stationary "
                                   "point (steps = iterations at most; no step size, no early stopping, no use of "
@@ -415,15 +416,22 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
                                          "at_bound": at_bound}, laplace_step
 
 
-def resolve_auto(settings: FedBEnsSettings, has_val: bool) -> FedBEnsSettings:
-    """``settings`` with every ``auto`` replaced by what runs. ``solver=auto`` is the paper's Adam when the
-    server has validation data (its best validation iterate) and nothing asks for EM; otherwise EM at a
-    stationary point, and then ``prior_centre`` / ``server_prior`` left at ``auto`` take the validation-free
-    fusion's ``clients`` / ``evidence`` (``docs/results/fusion_safety/README.md``: without validation data
-    Adam keeps its best-objective iterate, which under strong heterogeneity predicts far worse). An explicit
-    ``solver`` keeps the paper's ``zero`` centre and the clients' λ0 unless they are set."""
-    auto_em = settings.solver == "auto" and (not has_val or settings.server_prior == "evidence"
-                                             or settings.trust_radius > 0)
+VALIDATION_FREE_STRUCTURES = ("kron",)  # where solver=auto without validation data runs EM (measured better there)
+
+
+def resolve_auto(settings: FedBEnsSettings, has_val: bool, structure: str = "kron") -> FedBEnsSettings:
+    """``settings`` with every ``auto`` replaced by what runs. ``solver=auto`` is EM at a stationary point when
+    the server has no validation data and the clients' curvature is Kronecker (:data:`VALIDATION_FREE_STRUCTURES`),
+    or when a setting asks for EM (``server_prior=evidence``, ``trust_radius``); then ``prior_centre`` /
+    ``server_prior`` left at ``auto`` take the validation-free fusion's ``clients`` / ``evidence``
+    (``docs/results/fusion_safety/README.md``: without validation data Adam keeps its best-objective iterate,
+    which under strong heterogeneity predicts far worse on K-FAC curvature). Otherwise it is the paper's Adam
+    (with validation data its best validation iterate): on diagonal curvature the stationary point predicts
+    far worse than Adam's early iterates, validation or not (measured in session 24). An explicit ``solver``
+    keeps the paper's ``zero`` centre and the clients' λ0 unless they are set."""
+    auto_em = settings.solver == "auto" and (
+        (not has_val and structure in VALIDATION_FREE_STRUCTURES)
+        or settings.server_prior == "evidence" or settings.trust_radius > 0)
     solver = settings.solver if settings.solver != "auto" else ("em" if auto_em else "adam")
     centre = settings.prior_centre if settings.prior_centre != "auto" else ("clients" if auto_em else "zero")
     prior = settings.server_prior if settings.server_prior != "auto" else ("evidence" if auto_em else "clients")
@@ -435,7 +443,7 @@ def resolve_auto(settings: FedBEnsSettings, has_val: bool) -> FedBEnsSettings:
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     """FedBEns on any curvature structure (kron, diag, diag+full); ``auto`` settings resolved by
     :func:`resolve_auto` (what ran is recorded as ``resolved``)."""
-    settings = resolve_auto(settings, inputs.val is not None)
+    settings = resolve_auto(settings, inputs.val is not None, inputs.clients[0].structure)
     resolved = {"solver": settings.solver, "prior_centre": settings.prior_centre, "server_prior": settings.server_prior}
     m = require_equal_components(inputs, "fedbens")
     if not settings.allow_different_inits:
@@ -460,7 +468,7 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
                                  prior_centres=centres)
         info = {"history": history}
     else:
-        if inputs.val is None:
+        if inputs.val is None and inputs.clients[0].structure in VALIDATION_FREE_STRUCTURES:  # adam was asked for
             warnings.warn("fedbens solver=adam without validation data: Adam keeps its best-objective iterate, "
                           "which under strong heterogeneity can predict far worse than the paper's best-validation one "
                           "(docs/results/fusion_safety/); the default solver=auto runs the stationary fusion that "
