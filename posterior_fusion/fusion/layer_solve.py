@@ -25,6 +25,14 @@ from posterior_fusion.progress import progress
 from posterior_fusion.runtime import release_freed_memory
 
 
+def _indefinite(what: str, evidence: str) -> IndefinitePrecisionError:
+    """The one error for a fused precision that is not positive definite: ``what`` it is, ``evidence`` why."""
+    return IndefinitePrecisionError(
+        f"{what} is not positive definite ({evidence}): the clients' curvature there spans more than float32 "
+        f"resolves, or the prior is too weak for it; a client's curvature may be far out of scale with the "
+        f"others' (`--robust` screens such clients)")
+
+
 def _inverse(F: torch.Tensor) -> torch.Tensor:
     """Inverse of an SPD matrix ``(k, k)`` through its Cholesky factor."""
     return torch.cholesky_inverse(torch.linalg.cholesky(F))
@@ -71,11 +79,8 @@ def solve_kron_sum(Bs: list[torch.Tensor], As: list[torch.Tensor], w: torch.Tens
         Q = op(P)
         curvature = (P * Q).sum()
         if strict and curvature <= 0:
-            raise IndefinitePrecisionError(
-                f"a fused Kronecker precision ({rhs.shape[0]} × {rhs.shape[1]} weight) is not positive definite "
-                f"(a direction of curvature {float(curvature):.3g} after {it} conjugate-gradient steps): the clients' "
-                f"curvature there spans more than float32 resolves, or the prior is too weak for it; a client's "
-                f"curvature may be far out of scale with the others' (`--robust` screens such clients)")
+            raise _indefinite(f"the fused Kronecker precision of a {rhs.shape[0]} × {rhs.shape[1]} weight",
+                              f"a direction of curvature {float(curvature):.3g} after {it} conjugate-gradient steps")
         step = ry / curvature
         X, R = X + step * P, R - step * Q
         residual = float(R.norm()) / norm
@@ -141,11 +146,8 @@ def solve_precision_sum(terms: list[tuple[float, BlockDiag, torch.Tensor]], shif
             L, bad = torch.linalg.cholesky_ex(H)
             if bad:
                 ev = torch.linalg.eigvalsh(H)
-                raise IndefinitePrecisionError(
-                    f"the fused precision of curvature block {j} ({dim} parameters) is not positive definite "
-                    f"(eigenvalues from {float(ev[0]):.3g} to {float(ev[-1]):.3g}): the clients' curvature there "
-                    f"spans more than float32 resolves, or the prior is too weak for it; a client's curvature may "
-                    f"be far out of scale with the others' (`--robust` screens such clients)")
+                raise _indefinite(f"the fused precision of curvature block {j} ({dim} parameters)",
+                                  f"eigenvalues from {float(ev[0]):.3g} to {float(ev[-1]):.3g}")
             out[off: off + dim] = torch.cholesky_solve(b[:, None], L)[:, 0]
         del blocks
         release_freed_memory()  # each layer's float64 copies differ in size: kept, they piled up to GBs

@@ -324,24 +324,27 @@ def client_centres(inputs: FusionInputs, components: list[int]) -> torch.Tensor:
     return torch.stack([means[m] for m in components]).float()
 
 
+def per_block_client_sum(clients: list[ClientPosterior], temps: list[float], value) -> list[float]:
+    """Per curvature block j, ``Σ_c mean_m value(G_cm,j) / T_c`` (``value``: a block -> a float)."""
+    blocks = len(clients[0].components[0].curvature.blocks)
+    return [math.fsum(sum(value(comp.curvature.blocks[j]) for comp in c.components) / (c.num_components * t)
+                      for c, t in zip(clients, temps)) for j in range(blocks)]
+
+
 def curvature_scales(clients: list[ClientPosterior], temps: list[float]) -> list[float]:
     """Per curvature block j, ``c_j``: the mean diagonal entry of the clients' summed tempered curvature
     ``Σ_c mean_m G_cm / T_c`` over the block (how much curvature the block has per parameter)."""
-    blocks = len(clients[0].components[0].curvature.blocks)
-    return [math.fsum(sum(float(comp.curvature.blocks[j].diagonal().double().mean()) for comp in c.components)
-                      / (c.num_components * t) for c, t in zip(clients, temps)) for j in range(blocks)]
+    return per_block_client_sum(clients, temps, lambda block: float(block.diagonal().double().mean()))
 
 
 def curvature_tops(clients: list[ClientPosterior], temps: list[float]) -> list[float]:
-    """Per curvature block j, ``Σ_c mean_m λ_max(G_cm) / T_c`` over the block: an upper bound of the largest
-    eigenvalue of the clients' summed tempered curvature (float64, from each block's clamped spectrum)."""
+    """Per curvature block j, ``Σ_c mean_m λ_max(G_cm) / T_c``: an upper bound of the largest eigenvalue of the
+    clients' summed tempered curvature (float64, from each block's clamped, cached spectrum)."""
     def top(block) -> float:
         values, other = block.spectrum()
         return float(values.max()) * (float(other.max()) if other is not None else 1.0)
 
-    blocks = len(clients[0].components[0].curvature.blocks)
-    return [math.fsum(sum(top(comp.curvature.blocks[j]) for comp in c.components) / (c.num_components * t)
-                      for c, t in zip(clients, temps)) for j in range(blocks)]
+    return per_block_client_sum(clients, temps, top)
 
 
 def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], lams: list[float], lam0: float,
@@ -428,16 +431,20 @@ def resolve_auto(settings: FedBEnsSettings, has_val: bool, structure: str = "kro
     which under strong heterogeneity predicts far worse on K-FAC curvature). Otherwise it is the paper's Adam
     (with validation data its best validation iterate): on diagonal curvature the stationary point predicts
     far worse than Adam's early iterates, validation or not (measured in session 24). An explicit ``solver``
-    keeps the paper's ``zero`` centre and the clients' λ0 unless they are set."""
-    auto_em = settings.solver == "auto" and (
-        (not has_val and structure in VALIDATION_FREE_STRUCTURES)
-        or settings.server_prior == "evidence" or settings.trust_radius > 0)
+    keeps the paper's ``zero`` centre and the clients' λ0 unless they are set; an explicit ``adam`` where
+    ``auto`` would run the validation-free fusion is warned about once."""
+    validation_free = not has_val and structure in VALIDATION_FREE_STRUCTURES
+    if settings.solver == "adam" and validation_free:
+        warnings.warn("fedbens solver=adam without validation data: Adam keeps its best-objective iterate, "
+                      "which under strong heterogeneity can predict far worse than the paper's best-validation one "
+                      "(docs/results/fusion_safety/); the default solver=auto runs the stationary fusion that "
+                      "needs no validation data (EM, prior_centre=clients, server_prior=evidence)", stacklevel=4)
+    auto_em = settings.solver == "auto" and (validation_free or settings.server_prior == "evidence"
+                                             or settings.trust_radius > 0)
     solver = settings.solver if settings.solver != "auto" else ("em" if auto_em else "adam")
     centre = settings.prior_centre if settings.prior_centre != "auto" else ("clients" if auto_em else "zero")
     prior = settings.server_prior if settings.server_prior != "auto" else ("evidence" if auto_em else "clients")
-    out = dataclasses.replace(settings, solver=solver, prior_centre=centre, server_prior=prior)
-    out.validate()
-    return out
+    return dataclasses.replace(settings, solver=solver, prior_centre=centre, server_prior=prior)
 
 
 def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
@@ -468,11 +475,6 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
                                  prior_centres=centres)
         info = {"history": history}
     else:
-        if inputs.val is None and inputs.clients[0].structure in VALIDATION_FREE_STRUCTURES:  # adam was asked for
-            warnings.warn("fedbens solver=adam without validation data: Adam keeps its best-objective iterate, "
-                          "which under strong heterogeneity can predict far worse than the paper's best-validation one "
-                          "(docs/results/fusion_safety/); the default solver=auto runs the stationary fusion that "
-                          "needs no validation data (EM, prior_centre=clients, server_prior=evidence)", stacklevel=3)
         objective = GlobalLogPosterior(clients, temps, lams, lam0, lowrank_tol=settings.lowrank_tol,
                                        kernel=inputs.options.kernel, device=inputs.options.device,
                                        show_progress=inputs.options.progress, prior_centres=centres)
