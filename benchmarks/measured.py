@@ -9,19 +9,33 @@ import subprocess
 import sys
 import time
 
-WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('VMHWM %s\\n' % next("
-           "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
-           "from posterior_fusion.cli.main import main; main()")
+WRAPPER = """
+import atexit, sys
+
+def _report():
+    peak = next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM'))
+    sys.stderr.write('VMHWM %s\\n' % peak)
+    torch = sys.modules.get('torch')
+    if torch is not None and torch.cuda.is_initialized():  # the GPU's peak, where the command used one
+        sys.stderr.write('CUDAPEAK %d\\n' % torch.cuda.max_memory_allocated())
+
+atexit.register(_report)
+from posterior_fusion.cli.main import main
+main()
+"""
 
 
 def run_measured(*args) -> dict:
-    """``{"exit", "seconds", "peak_mib", "error", "stdout"}`` of ``pfuse ARGS…``."""
+    """``{"exit", "seconds", "peak_mib", "gpu_peak_mib", "error", "stdout"}`` of ``pfuse ARGS…``
+    (``gpu_peak_mib``: ``torch.cuda.max_memory_allocated`` where the command used the GPU, else None)."""
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-c", WRAPPER, *map(str, args)], capture_output=True, text=True)
     peak = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("VMHWM ")]
+    gpu = [int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("CUDAPEAK ")]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     return {"exit": proc.returncode, "seconds": round(time.time() - t0, 1),
-            "peak_mib": round(peak[-1] / 1024) if peak else None, "error": errors[-1][:200] if errors else None,
+            "peak_mib": round(peak[-1] / 1024) if peak else None,
+            "gpu_peak_mib": round(gpu[-1] / 2**20) if gpu else None, "error": errors[-1][:200] if errors else None,
             "stdout": proc.stdout}
 
 
