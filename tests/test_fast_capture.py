@@ -133,6 +133,17 @@ def test_the_shifted_gram_is_chosen_only_where_it_pays():
     assert not fastcapture._shift_gram_pays(nn.Conv2d(6, 16, 5), x[:, :6, :12, :12])
 
 
+def test_off_the_cpu_the_input_factor_is_the_patches_gram():
+    """The pixel and shifted paths pay on a CPU only; an input elsewhere (here the meta device: the rule
+    reads shapes and the device alone) takes the patches' GEMMs, for the layers where the CPU takes each."""
+    conv, pixel = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(1, 4, 3, padding=1)
+    x, small = torch.zeros(256, 16, 28, 28), torch.zeros(256, 1, 6, 6)
+    assert fastcapture.input_gram_path(conv, x) == "shifted" and fastcapture.input_gram_path(pixel, small) == "pixel"
+    assert fastcapture.input_gram_path(conv, x.to("meta")) == "patches"
+    assert fastcapture.input_gram_path(pixel, small.to("meta")) == "patches"
+    assert fastcapture.input_gram_path(nn.Linear(3, 2), torch.zeros(4, 3)) == "patches"
+
+
 @pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
 @pytest.mark.parametrize("name,kwargs", MODELS)
 def test_fast_equals_laplace_float32(fmnist_train, name, kwargs, structure):

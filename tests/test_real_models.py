@@ -448,6 +448,25 @@ def test_memory_bounded_capture_passes_change_nothing(monkeypatch, ggn):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_capture_passes_on_a_gpu_take_a_share_of_its_free_memory(monkeypatch):
+    """On a GPU a pass may keep GPU_PASS_SHARE of the memory free there (not the CPU's PASS_BYTES, which
+    left an H200 waiting on launches of 20-sample passes); on the CPU the host bound stays. Sample counts
+    follow from the same per-sample estimate either way."""
+    from posterior_fusion.local import fastcapture
+
+    free = {"bytes": 8 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    assert fastcapture.pass_bytes(torch.device("cuda")) == 2 * 2**30
+    assert fastcapture.pass_bytes(torch.device("cpu")) == fastcapture.PASS_BYTES == 384 * 2**20
+    free["bytes"] = 2**20  # a nearly full GPU: passes shrink (to one sample), never beyond the free share
+    assert fastcapture.pass_bytes(torch.device("cuda")) == 2**18
+    model = convnet().double().eval()
+    x, _ = _data(30)
+    per_sample = 2 * sum(fastcapture.output_bytes(model, x[:1]))
+    monkeypatch.setattr(fastcapture, "PASS_BYTES", 5 * per_sample)
+    assert fastcapture._pass_size(model, x, 30) == 5  # x on the CPU: the host bound
+
+
 def test_warnings_are_one_line(tmp_path):
     """A library warning (SWAG with fewer snapshots than its rank) reaches the terminal as one
     `warning:` line, without Python's category path and source line."""

@@ -301,11 +301,27 @@ def _conv_input_gram_shifted(module: nn.Conv2d, x: torch.Tensor) -> tuple[torch.
     return out.reshape(C * kh * kw, C * kh * kw), Ho * Wo
 
 
+def input_gram_path(module: nn.Module, x: torch.Tensor) -> str:
+    """How :func:`_input_gram` forms a layer's input factor for the input ``x``: ``"pixel"``
+    (:func:`_conv_input_gram`), ``"shifted"`` (:func:`_conv_input_gram_shifted`) or ``"patches"`` (the
+    unfolded patches' Gram, a few batched GEMMs). The first two trade the patches' multiply-adds for
+    many small products, which pays on a CPU only: on a GPU each product is a kernel launch, and the
+    shifted path's ≈ 32,000 operations per pass at ResNet-20 width 64 (7 µs each, measured on an H200)
+    cost far more than the patches' GEMMs (docs/benchmarks.md, "On a GPU: models at real size")."""
+    if not isinstance(module, nn.Conv2d) or x.device.type != "cpu":
+        return "patches"
+    if _pixel_gram_pays(module, x):
+        return "pixel"
+    return "shifted" if _shift_gram_pays(module, x) else "patches"
+
+
 def _input_gram(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """K-FAC's input factor before scaling: ``(Σ u uᵀ (I, I) float64, positions per sample)``."""
-    if isinstance(module, nn.Conv2d) and _pixel_gram_pays(module, x):
+    """K-FAC's input factor before scaling: ``(Σ u uᵀ (I, I) float64, positions per sample)``, by the
+    path :func:`input_gram_path` chooses (the same sum in each; tested against the patches)."""
+    path = input_gram_path(module, x)
+    if path == "pixel":
         return _conv_input_gram(module, x)
-    if isinstance(module, nn.Conv2d) and _shift_gram_pays(module, x):
+    if path == "shifted":
         return _conv_input_gram_shifted(module, x)
     X = _input_columns(module, x)
     return _gram(X), X.shape[1] // x.shape[0]
@@ -568,17 +584,29 @@ def _no_param_grads(model: nn.Module):
     return _Ctx()
 
 
-PASS_BYTES = 384 * 2**20  # bound of the activations one capture pass keeps for its backward passes
+PASS_BYTES = 384 * 2**20  # on the CPU: bound of the activations one capture pass keeps for its backward passes
+GPU_PASS_SHARE = 0.25  # on a GPU: the share of its memory free at capture time that one pass may keep
+
+
+def pass_bytes(device: torch.device) -> int:
+    """Bytes of activations one capture pass may keep: :data:`PASS_BYTES` of host memory on the CPU
+    (what bounds ``fit-local``'s resident peak); on a GPU :data:`GPU_PASS_SHARE` of the memory free on it
+    now. A GPU held to the CPU's bound runs many small passes and waits on their kernel launches: ResNet-20
+    at width 64 was captured in 52 passes of 20 samples on an H200, K-FAC-reduce with the MC GGN costing
+    11 epochs (docs/benchmarks.md, "On a GPU: models at real size")."""
+    if device.type == "cuda":
+        return int(GPU_PASS_SHARE * torch.cuda.mem_get_info(device)[0])
+    return PASS_BYTES
 
 
 def _pass_size(model: nn.Module, x: torch.Tensor, batch_size: int) -> int:
     """Samples per capture pass: ``batch_size``, or fewer where the activations the pass keeps for
     its C − 1 backward passes (estimated as twice every module output of one sample, the graph's
-    saved tensors and the output gradients) would exceed :data:`PASS_BYTES`. The captured sums do
-    not depend on how the samples are grouped (MC labels are drawn row by row from the same
-    generator), so this bounds the peak memory of large models without changing the result."""
+    saved tensors and the output gradients) would exceed :func:`pass_bytes` on ``x``'s device. The
+    captured sums do not depend on how the samples are grouped (MC labels are drawn row by row from
+    the same generator), so this bounds the peak memory of large models without changing the result."""
     per_sample = max(1, 2 * sum(output_bytes(model, x[:1])))
-    return max(1, min(batch_size, PASS_BYTES // per_sample))
+    return max(1, min(batch_size, pass_bytes(x.device) // per_sample))
 
 
 def output_bytes(model: nn.Module, x: torch.Tensor) -> list[int]:
