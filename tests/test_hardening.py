@@ -116,7 +116,8 @@ def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, 
     """A client whose curvature is 1e6× the others' (float32 storage: its rounding is ~1e-8 of its largest
     eigenvalue, far above a weak prior) used to make EM's summed precision indefinite under the evidence's
     prior (a LinAlgError from the default fusion without validation data, on these clients). Each λ0_j now stays ≥ RESOLUTION ×
-    the block's largest summed curvature (an upper bound computed independently here from dense eigenvalues),
+    the block's largest summed curvature (an upper bound computed independently here from eigenvalues: dense ones,
+    or a Kronecker factor pair's),
     and the default fusion runs."""
     import warnings
 
@@ -130,9 +131,14 @@ def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, 
     assert meta["resolved"]["server_prior"] == "evidence"
     clients = [posterior_fusion.load(p) for p in [scaled, *paths[1:]]]
     lam0 = meta["laplace"]["server_prior_precision"]
+    def largest(block) -> float:  # of a PSD block; a Kronecker product's is the product of its factors' largest
+        if isinstance(block, Kron):
+            return float(torch.linalg.eigvalsh(block.B.double())[-1] * torch.linalg.eigvalsh(block.A.double())[-1])
+        return float(torch.linalg.eigvalsh(block.to_dense().double())[-1])
+
     for j in range(len(lam0)):
-        top = sum(sum(float(torch.linalg.eigvalsh(comp.curvature.blocks[j].to_dense().double())[-1])
-                      for comp in c.components) / (c.num_components * c.temperature) for c in clients)
+        top = sum(sum(largest(comp.curvature.blocks[j]) for comp in c.components)
+                  / (c.num_components * c.temperature) for c in clients)
         assert lam0[j] >= RESOLUTION * top * (1 - 1e-6) or meta["server_prior_search"]["block_scales"][j] == 0
     assert all(torch.isfinite(w).all() for w in res.members)
 
