@@ -6,13 +6,13 @@
 #
 #     bash benchmarks/gpu_real_size.sh            # writes its logs and JSON under $OUT
 #
-# Parts, each under its own time limit so that one failure leaves the others' figures:
-#   1. the CUDA tests (tests/test_kernels.py on the GPU, test_fit_on_cuda_equals_cpu);
-#   2. the capture table on the GPU: ResNet-20 widths 16 / 32 / 64 (benchmarks/real_size_bench.py --device cuda);
-#   3. whole fedbens CPU vs GPU on width-64 compressed artifacts, C = 5, M = 5 (server_size_bench.py
+# Parts, each under its own time limit so that one failure leaves the others' figures (≈ 10 minutes in all):
+#   1. the capture table on the GPU: ResNet-20 widths 16 / 32 / 64 (benchmarks/real_size_bench.py --device cuda);
+#   2. whole fedbens CPU vs GPU on width-64 compressed artifacts, C = 5, M = 5 (server_size_bench.py
 #      --devices cuda,cpu): set-up, seconds per step, Laplace step, peak RSS, GPU peak against fuse's estimate;
-#   4. whole fedbens on the GPU on width-64 plain artifacts, C = 5, M = 5, the paper's 300 Adam steps with the
-#      Laplace step (the CPU needs ≈ 62 min for this on 2 cores, docs/benchmarks.md).
+#   3. whole fedbens on the GPU on width-64 plain artifacts, C = 5, M = 5, the paper's 300 Adam steps with the
+#      Laplace step (the CPU needs ≈ 62 min for this on 2 cores, docs/benchmarks.md);
+#   4. the CUDA tests (tests/test_kernels.py on the GPU, test_fit_on_cuda_equals_cpu).
 # At most eight files under $OUT (what the device tool brings back). DRY=1 runs every part small on the CPU (a check of this script where there is no GPU).
 set -u
 OUT=${OUT:-/tmp/gpu_real_size}
@@ -28,7 +28,7 @@ PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
     DEV=cpu; WIDTHS=4; N=128; SW=4; SN=64; TESTS="tests/test_kernels.py -k cuda_graph"; PLAIN_STEPS=3; XDIST=""
 else
-    DEV=cuda; WIDTHS=16,32,64; N=1024; SW=64; SN=256; TESTS="tests/test_kernels.py tests/test_real_models.py::test_fit_on_cuda_equals_cpu"; PLAIN_STEPS=300; XDIST="-n 6"
+    DEV=cuda; WIDTHS=16,32,64; N=1024; SW=64; SN=256; TESTS="tests/test_kernels.py tests/test_real_models.py::test_fit_on_cuda_equals_cpu"; PLAIN_STEPS=300; XDIST="-n 8"
 fi
 THREADS=$(nproc)
 { date -u; nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
@@ -45,12 +45,14 @@ part() {  # part NAME SECONDS COMMAND...: one part under its own limit, its exit
     tail -n 4 "$OUT/$name.log"
 }
 
-# shellcheck disable=SC2086
-part tests 120 $PY -m pytest -q -p no:cacheprovider $XDIST --durations=5 $TESTS
+# capture first (session 25 found it launch-bound and changed it; its re-measure is what is owed), then the
+# servers, then the tests (their slowest are CPU tests: two threads per worker keeps 8 workers off each other)
 part capture 120 $PY benchmarks/real_size_bench.py --device "$DEV" --widths "$WIDTHS" --n "$N" --threads "$THREADS" \
     --json "$OUT/capture_gpu.json"
 part server_compressed 150 $PY benchmarks/server_size_bench.py --width "$SW" --clients 5 --components 5 --n "$SN" \
-    --steps 5,15 --compress 0.05 --devices "$DEV,cpu" --max-memory 64G --json "$OUT/server_w64_c5_m5_compress0.05.json"
+    --steps 3,9 --compress 0.05 --devices "$DEV,cpu" --max-memory 64G --json "$OUT/server_w64_c5_m5_compress0.05.json"
 part server_plain 130 $PY benchmarks/server_size_bench.py --width "$SW" --clients 5 --components 5 --n "$SN" \
     --whole "steps=$PLAIN_STEPS,solver=adam" --devices "$DEV" --max-memory 64G --json "$OUT/server_w64_c5_m5_plain_whole.json"
+# shellcheck disable=SC2086
+OMP_NUM_THREADS=2 part tests 150 $PY -m pytest -q -p no:cacheprovider $XDIST --durations=5 $TESTS
 grep "^part " "$OUT/summary.txt"
