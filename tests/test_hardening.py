@@ -131,6 +131,7 @@ def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, 
     assert meta["resolved"]["server_prior"] == "evidence"
     clients = [posterior_fusion.load(p) for p in [scaled, *paths[1:]]]
     lam0 = meta["laplace"]["server_prior_precision"]
+
     def largest(block) -> float:  # of a PSD block; a Kronecker product's is the product of its factors' largest
         if isinstance(block, Kron):
             return float(torch.linalg.eigvalsh(block.B.double())[-1] * torch.linalg.eigvalsh(block.A.double())[-1])
