@@ -89,3 +89,44 @@ def test_stacking_holds_the_factors_once():
     # the stack itself replaces the originals: what grows is the stacked MAPs, B·μ and the spectra (0.25× the
     # factors here); without the release the stack came on top of the freed originals (1.2×)
     assert int(grown) < 0.5 * int(factors), (grown, factors)
+
+
+def test_training_reads_its_sums_once_per_epoch_not_per_step(monkeypatch):
+    """A read of a tensor's value per step makes a GPU wait for each step before launching the next: the
+    epoch's loss and accuracy sums stay on the device and are read once per epoch (two reads), and the
+    reported loss is bit for bit the per-step float64 sum (recomputed here with Python floats on the same
+    steps: same shuffles, same model start)."""
+    import copy
+
+    import torch
+
+    from posterior_fusion.local.config import TrainConfig
+    from posterior_fusion.local.train import train_map
+    from posterior_fusion.models import ModelSpec
+
+    torch.manual_seed(0)
+    x, y = torch.rand(200, 1, 28, 28), torch.randint(0, 10, (200,))
+    model = ModelSpec("lenet", {}).build()
+    twin = copy.deepcopy(model)
+    cfg = TrainConfig(epochs=2, batch_size=32, weight_decay=0.0)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))
+    res = train_map(model, x, y, cfg, seed=3)
+    monkeypatch.undo()
+    assert len(reads) == 2 * cfg.epochs  # 7 steps per epoch: a read per step would be 28
+    gen = torch.Generator().manual_seed(3)  # the same loop by hand, sums as Python floats
+    opt = torch.optim.SGD(twin.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=0.0)
+    twin.train()
+    for _ in range(cfg.epochs):
+        perm, loss_sum, correct = torch.randperm(200, generator=gen), 0.0, 0
+        for s in range(0, 200, 32):
+            idx = perm[s : s + 32]
+            out = twin(x[idx])
+            loss = torch.nn.functional.cross_entropy(out, y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.item() * len(idx)
+            correct += int((out.argmax(-1) == y[idx]).sum())
+    assert res.final_loss == loss_sum / 200 and res.final_accuracy == correct / 200

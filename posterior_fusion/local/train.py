@@ -45,10 +45,13 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
     count = 0
     loss_sum = correct = 0.0
     model.train()
+    # the epoch's sums stay on x's device (float64: the same arithmetic as Python floats) and are read once per
+    # epoch — a read per step would make a GPU wait for every step before launching the next
     bar = progress(range(cfg.epochs), f"{desc} training")
     for epoch in bar:
         perm = torch.randperm(n, generator=gen).to(x.device)
-        loss_sum, correct = 0.0, 0.0
+        loss_acc = torch.zeros((), dtype=torch.float64, device=x.device)
+        correct_acc = torch.zeros((), dtype=torch.int64, device=x.device)
         collect = epoch >= cfg.epochs - swag_epochs
         for step in range(steps):
             idx = perm[step * cfg.batch_size : (step + 1) * cfg.batch_size]
@@ -60,8 +63,8 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            loss_sum += loss.item() * len(idx)
-            correct += (out.argmax(-1) == y[idx]).sum().item()
+            loss_acc += loss.detach().double() * len(idx)
+            correct_acc += (out.argmax(-1) == y[idx]).sum()
             if collect and (step + 1) % snap_every == 0:
                 w = parameters_to_vector(model.parameters()).detach().double()
                 count += 1
@@ -69,6 +72,7 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
                 sq = w.square() if sq is None else sq + (w.square() - sq) / count
                 devs.append((w - mean).float())
                 devs = devs[-cfg.swag_rank :]
+        loss_sum, correct = loss_acc.item(), float(correct_acc.item())
         bar.set_postfix(loss=f"{loss_sum / n:.4f}", acc=f"{correct / n:.3f}")
     model.eval()
     swag = None
