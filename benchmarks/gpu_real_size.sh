@@ -22,7 +22,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 # the package maps posterior_fusion.cli to cli/ (pyproject.toml); importing from the tree needs the same
-[ -e posterior_fusion/cli ] || ln -s ../cli posterior_fusion/cli
+if [ ! -e posterior_fusion/cli ]; then ln -s ../cli posterior_fusion/cli; trap 'rm -f posterior_fusion/cli' EXIT; fi
 export PYTHONPATH=$PWD:/tmp/site
 PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
