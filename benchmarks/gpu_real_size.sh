@@ -46,7 +46,8 @@ part() {  # part NAME SECONDS COMMAND...: one part under its own limit, its exit
 }
 
 # capture first (session 25 found it launch-bound and changed it; its re-measure is what is owed), then the
-# servers, then the tests (their slowest are CPU tests: two threads per worker keeps 8 workers off each other)
+# servers, then the tests (their slowest are CPU tests: two threads per worker keeps 8 workers off each other;
+# -v names each result as it comes, so a run stopped at its limit still says which test failed)
 part capture 120 $PY benchmarks/real_size_bench.py --device "$DEV" --widths "$WIDTHS" --n "$N" --threads "$THREADS" \
     --json "$OUT/capture_gpu.json"
 part server_compressed 150 $PY benchmarks/server_size_bench.py --width "$SW" --clients 5 --components 5 --n "$SN" \
@@ -54,5 +55,5 @@ part server_compressed 150 $PY benchmarks/server_size_bench.py --width "$SW" --c
 part server_plain 130 $PY benchmarks/server_size_bench.py --width "$SW" --clients 5 --components 5 --n "$SN" \
     --whole "steps=$PLAIN_STEPS,solver=adam" --devices "$DEV" --max-memory 64G --json "$OUT/server_w64_c5_m5_plain_whole.json"
 # shellcheck disable=SC2086
-OMP_NUM_THREADS=2 part tests 150 $PY -m pytest -q -p no:cacheprovider $XDIST --durations=5 $TESTS
+OMP_NUM_THREADS=2 part tests 150 $PY -m pytest -v --tb=short -p no:cacheprovider $XDIST --durations=5 $TESTS
 grep "^part " "$OUT/summary.txt"
