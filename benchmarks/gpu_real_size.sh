@@ -6,7 +6,7 @@
 #
 #     bash benchmarks/gpu_real_size.sh            # writes its logs and JSON under $OUT
 #
-# Parts, each under its own time limit so that one failure leaves the others' figures (≈ 10 minutes in all):
+# Parts, each under its own time limit so that one failure leaves the others' figures (at most 560 s; the device tool allows 600 s a call):
 #   1. the capture table on the GPU: ResNet-20 widths 16 / 32 / 64 (benchmarks/real_size_bench.py --device cuda);
 #   2. whole fedbens CPU vs GPU on width-64 compressed artifacts, C = 5, M = 5 (server_size_bench.py
 #      --devices cuda,cpu): set-up, seconds per step, Laplace step, peak RSS, GPU peak against fuse's estimate;
@@ -48,9 +48,9 @@ part() {  # part NAME SECONDS COMMAND...: one part under its own limit, its exit
 # capture first (session 25 found it launch-bound and changed it; its re-measure is what is owed), then the
 # servers, then the tests (their slowest are CPU tests: two threads per worker keeps 8 workers off each other;
 # -v names each result as it comes, so a run stopped at its limit still says which test failed)
-part capture 120 $PY benchmarks/real_size_bench.py --device "$DEV" --widths "$WIDTHS" --n "$N" --threads "$THREADS" \
+part capture 100 $PY benchmarks/real_size_bench.py --device "$DEV" --widths "$WIDTHS" --n "$N" --threads "$THREADS" \
     --json "$OUT/capture_gpu.json"
-part server_compressed 150 $PY benchmarks/server_size_bench.py --width "$SW" --clients 5 --components 5 --n "$SN" \
+part server_compressed 180 $PY benchmarks/server_size_bench.py --width "$SW" --clients 5 --components 5 --n "$SN" \
     --steps 3,9 --compress 0.05 --devices "$DEV,cpu" --max-memory 64G --json "$OUT/server_w64_c5_m5_compress0.05.json"
 part server_plain 130 $PY benchmarks/server_size_bench.py --width "$SW" --clients 5 --components 5 --n "$SN" \
     --whole "steps=$PLAIN_STEPS,solver=adam" --devices "$DEV" --max-memory 64G --json "$OUT/server_w64_c5_m5_plain_whole.json"
