@@ -101,7 +101,7 @@ def main() -> None:
     for device in devices:
         rows.append(dict(row, device=device, **fuse_runs(paths, work, args, s1, s2, device)))
         print(json.dumps(rows[-1]), flush=True)
-    save_rows(args.json, rows[0] if len(rows) == 1 else rows)
+        save_rows(args.json, rows[0] if len(rows) == 1 else rows)  # after each device: a stopped run keeps its rows
 
 
 def fuse_runs(paths: list[Path], work: Path, args, s1: int, s2: int, device: str) -> dict:
