@@ -31,7 +31,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.metrics import evaluate_members
 
-ROWS = [  # (label, settings, with validation data)
+ROWS = [  # (label, settings, with validation data); run() also takes a server temperature as a fourth entry
     ("default (auto), no validation, 300 steps", {}, False),
     ("default (auto), no validation, 1000 steps", {"steps": 1000}, False),
     ("adam (the default before), no validation, 300 steps", {"solver": "adam"}, False),
@@ -43,45 +43,55 @@ ROWS = [  # (label, settings, with validation data)
 ]
 
 
-def run(folder: Path) -> dict:
+def run(folder: Path, rows: list[tuple] = ROWS) -> dict:
+    """Each of ``rows`` — ``(label, settings, with validation data[, server temperature T])``, T as ``fuse
+    --temperature`` (absent or None: the clients' own) — fused and evaluated on the folder's test split."""
     posts = sorted(folder.glob("post_*.h5"))
     val, test = folder / "data" / "server_val.h5", read_silo(folder / "data" / "test.h5")
-    rows = []
-    for label, settings, with_val in ROWS:
+    out = []
+    for label, settings, with_val, *temperature in rows:
+        temperature = temperature[0] if temperature else None
         t0 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            inputs, result, meta = fuse(posts, "fedbens", FusionOptions(progress=False), {**settings, "laplace": False},
-                                        val_path=val if with_val else None)
+            inputs, result, meta = fuse(posts, "fedbens", FusionOptions(progress=False, temperature=temperature),
+                                        {**settings, "laplace": False}, val_path=val if with_val else None)
         seconds = time.perf_counter() - t0
         metrics = evaluate_members(inputs.spec, result.members, test)
-        rows.append({"label": label, "settings": settings, "validation": with_val, "resolved": meta["resolved"],
-                     "fuse_seconds": round(seconds, 2), "accuracy": metrics["accuracy"], "nll": metrics["nll"],
-                     "ece": metrics["ece"], "warnings": sorted({str(w.message)[:160] for w in caught})})
+        out.append({"label": label, "settings": settings, "validation": with_val, "temperature": temperature,
+                    "resolved": meta["resolved"], "fuse_seconds": round(seconds, 2), "accuracy": metrics["accuracy"],
+                    "nll": metrics["nll"], "ece": metrics["ece"],
+                    "warnings": sorted({str(w.message)[:160] for w in caught})})
         print(f"{folder.name}: {label}: {100 * metrics['accuracy']:.2f} % NLL {metrics['nll']:.3f} "
               f"ECE {metrics['ece']:.3f} ({seconds:.1f} s)", flush=True)
-    return {"folder": str(folder), "torch_threads": torch.get_num_threads(), "rows": rows}
+    return {"folder": str(folder), "torch_threads": torch.get_num_threads(), "rows": out}
 
 
-def report(paths: list[str]) -> None:
-    """Markdown: per row, accuracy per set and the mean ± std over seeds per α, NLL / ECE means."""
+def report(paths: list[str], rows: list[tuple] = ROWS, reference: str | None = None) -> None:
+    """Markdown: per row, accuracy per set (the solver that ran in brackets) and the mean ± std over seeds per α,
+    with ``reference`` (a row's label) the mean paired difference to that row, and NLL / ECE means."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     alphas = sorted({Path(r["folder"]).name.split("_")[0] for r in runs})
-    print("| fedbens | " + " | ".join(f"α = {a[1:]} accuracy % (seeds) | mean ± std | NLL / ECE" for a in alphas) + " |")
-    print("|---|" + "---|---|---|" * len(alphas))
-    for label, _, _ in ROWS:
+    extra = " | − reference" if reference else ""
+    print("| fedbens | " + " | ".join(f"α = {a[1:]} accuracy % (seeds) | mean ± std{extra} | NLL / ECE"
+                                       for a in alphas) + " |")
+    print("|---|" + ("---|---|---|---|" if reference else "---|---|---|") * len(alphas))
+    for label, *_ in rows:
         cells = []
         for a in alphas:
             mine = sorted((r for r in runs if Path(r["folder"]).name.split("_")[0] == a), key=lambda r: r["folder"])
             got = [row for r in mine for row in r["rows"] if row["label"] == label]  # older runs lack later rows
             if not got:
-                cells += ["—", "—", "—"]
+                cells += ["—"] * (4 if reference else 3)
                 continue
             acc = [100 * row["accuracy"] for row in got]
             sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
             cells += [" / ".join(f"{v:.2f}" for v in acc) + " (" + ", ".join(row["resolved"]["solver"] for row in got) + ")",
-                      f"{statistics.mean(acc):.2f} ± {sd:.2f}",
-                      f"{statistics.mean(row['nll'] for row in got):.3f} / {statistics.mean(row['ece'] for row in got):.3f}"]
+                      f"{statistics.mean(acc):.2f} ± {sd:.2f}"]
+            if reference:
+                ref = [row for r in mine for row in r["rows"] if row["label"] == reference]
+                cells.append(f"{statistics.mean(100 * (g['accuracy'] - f['accuracy']) for g, f in zip(got, ref)):+.2f}")
+            cells.append(f"{statistics.mean(row['nll'] for row in got):.3f} / {statistics.mean(row['ece'] for row in got):.3f}")
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
