@@ -95,19 +95,20 @@ def report(paths: list[str], rows: list[tuple] = ROWS, reference: str | None = N
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(rows: list[tuple] = ROWS, reference: str | None = None, description: str | None = __doc__) -> None:
+    """The command line of this script and of those that measure other ``rows`` the same way."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", help="pfuse demo output folders (post_*.h5, data/server_val.h5, data/test.h5)")
     ap.add_argument("--json", help="write the rows here (one folder)")
     ap.add_argument("--report", action="store_true", help="the arguments are JSON files of this script: print the table")
     args = ap.parse_args()
     if args.report:
-        report(args.folders)
+        report(args.folders, rows, reference)
         return
     if args.json and len(args.folders) != 1:
         sys.exit("--json takes one folder")
     for folder in args.folders:
-        out = run(Path(folder))
+        out = run(Path(folder), rows)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(out, indent=1))

@@ -14,33 +14,12 @@ One JSON per folder.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-from default_without_validation import report, run
+import default_without_validation
 
 TEMPERATURES = (None, 0.03, 0.3, 1.0)  # None: the clients' own T (0.1 in the demo)
 REFERENCE = "adam, best validation iterate, clients' T"
 ROWS = [(f"default, no validation, T = {'clients' if t is None else t}", {}, False, t) for t in TEMPERATURES] + [
     (REFERENCE, {"solver": "adam"}, True, None)]
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folders", nargs="*", help="pfuse demo output folders (post_*.h5, data/server_val.h5, data/test.h5)")
-    ap.add_argument("--json", help="write the folder's rows here (one folder)")
-    ap.add_argument("--report", nargs="+", help="JSON files of earlier runs: print the markdown table")
-    args = ap.parse_args()
-    if args.report:
-        report(args.report, ROWS, REFERENCE)
-        return
-    for folder in args.folders:
-        out = run(Path(folder), ROWS)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-
-
 if __name__ == "__main__":
-    main()
+    default_without_validation.main(ROWS, REFERENCE, __doc__)
