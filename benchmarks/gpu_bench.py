@@ -44,12 +44,8 @@ from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.kernels import kron_direct_forms_and_vjp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measured import sync  # noqa: E402  (sibling benchmarks)
 from server_step_bench import repeat_components, rotated_step  # noqa: E402  (a sibling benchmark: the same steps)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def median_ms(step, min_calls: int = 20, min_ms: float = 300.0) -> float:

@@ -39,6 +39,14 @@ def run_measured(*args) -> dict:
             "stdout": proc.stdout}
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (timings of GPU code around it); nothing without a GPU in use."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def save_rows(path: str | None, rows) -> None:
     """Write a benchmark's rows as indented JSON to ``path`` (its folder made), when one is given."""
     if path:

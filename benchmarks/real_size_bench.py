@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from measured import run_measured, save_rows
+from measured import run_measured, save_rows, sync
 
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.curvature.lowrank import Compression
@@ -49,10 +49,6 @@ def fit_local_peak(data: Path, width: int, out: Path, device: str = "cpu") -> di
     r = run_measured(*args)
     return {k: r[k] for k in ("exit", "seconds", "peak_mib", "gpu_peak_mib", "error")}
 
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -83,19 +79,19 @@ def main() -> None:
         train_map(model, x[:128], y[:128], TrainConfig(epochs=1, batch_size=64, weight_decay=0.0), 0)  # warm-up
         epochs = []
         for _ in range(2):  # the faster of two epochs: the machine is shared
-            sync(dev)
+            sync()
             t0 = time.perf_counter()
             train_map(model, x, y, TrainConfig(epochs=1, batch_size=64, weight_decay=0.0), 0, desc=f"width {width}")
-            sync(dev)
+            sync()
             epochs.append(time.perf_counter() - t0)
         epoch = min(epochs)
         row = {"width": width, "parameters": d, "n": args.n, "epoch_s": round(epoch, 2), "threads": args.threads, "device": dev}
         curv = None
         for kfac, ggn in CAPTURES:
-            sync(dev)
+            sync()
             t0 = time.perf_counter()
             c, how = capture("kron", model, x, y, 256, ggn, "fast", torch.Generator().manual_seed(0), kfac=kfac)
-            sync(dev)
+            sync()
             row[f"capture_{kfac}_{ggn}_how"] = how
             row[f"capture_{kfac}_{ggn}_s"] = round(time.perf_counter() - t0, 2)
             row[f"capture_{kfac}_{ggn}_per_epoch"] = round(row[f"capture_{kfac}_{ggn}_s"] / epoch, 2)
