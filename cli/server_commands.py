@@ -165,10 +165,14 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
     say(f"wrote {out}: {method}, {len(result.members)} members, {meta['fuse_seconds']:.1f}s")
     if "resolved" in meta:  # what a method's 'auto' settings became
         say("  ran with " + ", ".join(f"{k}={v}" for k, v in meta["resolved"].items()))
+    merged = meta.get("members_from_starts")
+    if merged:  # several starts ended on one mode: one member each (what a reader of the history needs)
+        say(f"  {sum(map(len, merged))} starts reached {len(merged)} distinct modes; each is one member weighted by its "
+            "starts' share (members_from_starts)")
     for k, hist in enumerate(meta.get("history", [])):
         best = max(hist, key=lambda h: h.get("val_accuracy", -h["objective"]))
         extra = f" val acc {best['val_accuracy']:.4f}" if "val_accuracy" in best else ""
-        say(f"  mode {k}: best step {best['step']} objective {best['objective']:.6g}{extra}")
+        say(f"  {'start' if merged else 'mode'} {k}: best step {best['step']} objective {best['objective']:.6g}{extra}")
 
 
 predictive_options = [

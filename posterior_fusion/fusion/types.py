@@ -100,8 +100,9 @@ class FusionResult:
     info: dict[str, Any] = field(default_factory=dict)
     curvatures: list[BlockDiag] | None = None  # raw Laplace curvature per member (precision = curvature + λ0 I)
 
-    # info fields indexed by member: how the members' predictions combine (they go with the members)
-    COMBINATION_KEYS = ("mode_weights", "pooling")
+    # info fields indexed by member: how the members' predictions combine and where they came from (they go
+    # with the members)
+    COMBINATION_KEYS = ("mode_weights", "pooling", "members_from_starts")
 
     @property
     def mode_weights(self) -> torch.Tensor | None:

@@ -317,6 +317,29 @@ def start_rows(inputs: FusionInputs, starts: str, modes: int) -> tuple[torch.Ten
     return torch.cat([w for w, _ in rows]), [m for _, ms in rows for m in ms]
 
 
+MERGE_TOLERANCE = 1e-5  # rows within this relative distance of an earlier one are the same mode
+
+
+def coinciding_rows(W: torch.Tensor, keys: list[int], tolerance: float) -> list[list[int]]:
+    """Rows of ``W`` ``(K, d)`` that are one mode: groups (in row order, each led by its first row) of rows with
+    the same ``keys`` entry (the objective a row was optimised against: its prior centre's component index)
+    within ``tolerance`` of the group's first row, relative to the larger norm. EM's stationary point does not
+    depend on the start (measured: every start of one component index reaches the same point to ≈ 1e-8), so
+    several starts can end on one mode; a row joins the first group it fits."""
+    W = W.detach().double()
+    norms = W.norm(dim=1)
+    groups: list[list[int]] = []
+    for k in range(W.shape[0]):
+        for g in groups:
+            j = g[0]
+            if keys[j] == keys[k] and float((W[k] - W[j]).norm()) <= tolerance * max(float(norms[j]), float(norms[k])):
+                g.append(k)
+                break
+        else:
+            groups.append([k])
+    return groups
+
+
 def client_centres(inputs: FusionInputs, components: list[int]) -> torch.Tensor:
     """``(K, d)``: for each start row's component index m, ``Σ_c λ_c ŵ_cm / Σ_c λ_c``."""
     lams = torch.tensor([inputs.prior_precision(c) for c in inputs.clients], dtype=torch.float64)
@@ -482,6 +505,18 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         info = {"history": history, "kron_ranks": objective.stack.ranks}
         del objective  # the stacks: the Laplace step below works from the clients' blocks
     info["resolved"] = resolved
+    # several starts may end on one mode (EM: always, per component index): one member each, its starts' weight
+    groups = coinciding_rows(best, components if centres is not None else [0] * len(components), MERGE_TOLERANCE)
+    share = torch.tensor([len(g) for g in groups], dtype=torch.float64) / len(components)  # (K',) starts' share
+    if len(groups) < len(components):
+        keep = [g[0] for g in groups]
+        best = best[keep]
+        centres = None if centres is None else centres[keep]
+        if laplace_step is not None:
+            laplace_step = ([laplace_step[0][k] for k in keep], [laplace_step[1][k] for k in keep])
+        info["members_from_starts"] = groups
+        if not settings.laplace:
+            info["mode_weights"] = share.tolist()
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
     curvatures, errors = laplace_step or mode_precisions(clients, temps, lams, lam0, best, inputs.options.progress)
@@ -492,8 +527,11 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         delta, evidence = evidence_prior_precision(list(best), curvatures)
         laplace.update({"prior_precision": delta, "log_evidence_terms": evidence})
     precisions = [c.precision(1.0, laplace["prior_precision"]) for c in curvatures]
-    weights = (laplace_mode_weights(values, precisions) if settings.mode_weights == "laplace"
-               else uniform_weights(len(precisions)))
+    if settings.mode_weights == "laplace":  # a mode reached from several starts keeps the mass of its rows
+        weights = laplace_mode_weights(values, precisions)
+        weights = weights if len(groups) == len(components) else weights * share / (weights * share).sum()
+    else:
+        weights = uniform_weights(len(precisions)) if len(groups) == len(components) else share
     info.update({"laplace": {**laplace, "block_relative_errors": errors, "objective_at_modes": values.tolist()},
                  "mode_weights": weights.tolist()})
     return FusionResult([w.clone() for w in best], info, curvatures)
