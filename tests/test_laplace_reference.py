@@ -63,3 +63,34 @@ def test_diag_full_last_block_is_exact_ggn(small_silo):
         ref += torch.kron(L, torch.outer(h, h))
     torch.testing.assert_close(H.double(), ref, rtol=1e-6, atol=1e-8)
     assert curv.blocks[0].dim == parameters_to_vector(net.parameters()).numel() - 80
+
+
+@pytest.mark.parametrize("model,kwargs", [("lenet", {}), ("mlp", {"hidden": 12, "bias": True})])
+def test_last_layer_glm_equals_laplace_torch(small_silo, model, kwargs):
+    """`glm-last-layer` equals laplace-torch's last-layer GLM predictive (``subset_of_weights="last_layer"``, full
+    Hessian) on the same MAP and precision: laplace-torch's own posterior precision over the last layer becomes the
+    last block of ours (``Λ = H_factor·H + λ I``), the rest of the network any diagonal (it is not read). Logit
+    means and covariances against ``_glm_predictive_distribution``, probit probabilities against ``la(x)``."""
+    from posterior_fusion.curvature import BlockDiag, Dense, Diag
+    from posterior_fusion.predictive import last_layer_moments, probit
+
+    spec = ModelSpec(model, kwargs)
+    torch.manual_seed(0)
+    net = spec.build()
+    x, y = small_silo.tensors()
+    T, lam = 0.1, 10.0
+    la = Laplace(copy.deepcopy(net), "classification", subset_of_weights="last_layer", hessian_structure="full",
+                 temperature=T, prior_precision=lam)
+    la.fit(_loader(x[:200], y[:200], 64))
+    raw_ll = (la._H_factor * la.H).double()  # (p, p): the last layer's tempered GGN, weight row-major then bias
+    w = parameters_to_vector(net.parameters()).detach()
+    rest = w.numel() - raw_ll.shape[0]
+    prec = BlockDiag([Diag(torch.ones(rest, dtype=torch.float64)), Dense(raw_ll)]).precision(1.0, lam)
+    torch.testing.assert_close(prec.blocks[-1].to_dense().double(), la.posterior_precision.double(), rtol=1e-6, atol=1e-6)
+    xt = x[200:264]
+    mean, cov = last_layer_moments(spec, w, prec, xt, batch_size=16)
+    f_mu, f_var = la._glm_predictive_distribution(xt)
+    torch.testing.assert_close(mean, f_mu.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cov, f_var.double(), rtol=1e-4, atol=1e-6)
+    ref = la(xt, pred_type="glm", link_approx="probit")
+    torch.testing.assert_close(probit(mean, cov).float(), ref.float(), rtol=1e-4, atol=1e-6)
