@@ -69,7 +69,8 @@ def run(folder: Path, rows: list[tuple] = ROWS) -> dict:
 
 def report(paths: list[str], rows: list[tuple] = ROWS, reference: str | None = None) -> None:
     """Markdown: per row, accuracy per set (the solver that ran in brackets) and the mean ± std over seeds per α,
-    with ``reference`` (a row's label) the mean paired difference to that row, and NLL / ECE means."""
+    with ``reference`` (a row's label) the mean paired difference to that row ± its standard error, and NLL / ECE
+    means."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     alphas = sorted({Path(r["folder"]).name.split("_")[0] for r in runs})
     extra = " | − reference" if reference else ""
@@ -90,7 +91,9 @@ def report(paths: list[str], rows: list[tuple] = ROWS, reference: str | None = N
                       f"{statistics.mean(acc):.2f} ± {sd:.2f}"]
             if reference:
                 ref = [row for r in mine for row in r["rows"] if row["label"] == reference]
-                cells.append(f"{statistics.mean(100 * (g['accuracy'] - f['accuracy']) for g, f in zip(got, ref)):+.2f}")
+                diff = [100 * (g["accuracy"] - f["accuracy"]) for g, f in zip(got, ref)]
+                se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
+                cells.append(f"{statistics.mean(diff):+.2f} ± {se:.2f}")
             cells.append(f"{statistics.mean(row['nll'] for row in got):.3f} / {statistics.mean(row['ece'] for row in got):.3f}")
         print(f"| {label} | " + " | ".join(cells) + " |")
 
