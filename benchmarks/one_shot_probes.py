@@ -15,6 +15,8 @@ is a library setting — this script builds each from the library's parts:
         >> docs/results/fusion_safety/probes_s26/probes.jsonl
 
 One JSON line per folder and probe: test accuracy, NLL, ECE (``map`` predictive) of the default and of the probe.
+
+    .venv/bin/python benchmarks/one_shot_probes.py --report docs/results/fusion_safety/probes_s26/probes.jsonl
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -101,12 +104,41 @@ def with_logit_damping(clients, factors, eps: float):
         for comp, per in zip(client.components, parts))) for client, parts in zip(clients, factors)]
 
 
+def report(path: str) -> None:
+    """Markdown: per probe (and ε) and α, the default's and the probe's mean accuracy, the paired difference ± its
+    standard error, the sets where the probe is ahead, and the mean NLL / ECE of both."""
+    rows: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        alpha = r["set"].split("_")[0][1:]
+        probes = ([(r["probe"], r["probe_scores"])] if "probe_scores" in r
+                  else [(f"{r['probe']} ε = {x['eps']:g}", x) for x in r["rows"]])
+        for name, got in probes:
+            rows.setdefault((name, alpha), []).append((r["default"], got))
+    print("| probe | α | sets | default accuracy % | probe accuracy % | difference ± s.e. | probe ahead | NLL / ECE default | NLL / ECE probe |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (name, alpha), pairs in rows.items():
+        diff = [100 * (g["accuracy"] - d["accuracy"]) for d, g in pairs]
+        se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
+        mean = {(k, i): statistics.mean(pair[i][k] for pair in pairs) for k in ("accuracy", "nll", "ece") for i in (0, 1)}
+        print(f"| {name} | {alpha} | {len(pairs)} | {100 * mean['accuracy', 0]:.2f} | {100 * mean['accuracy', 1]:.2f} | "
+              f"{statistics.mean(diff):+.2f} ± {se:.2f} | {sum(x > 0 for x in diff)} | {mean['nll', 0]:.3f} / "
+              f"{mean['ece', 0]:.3f} | {mean['nll', 1]:.3f} / {mean['ece', 1]:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", help="a pfuse demo folder (post_*.h5, data/client_*.h5, data/test.h5)")
-    ap.add_argument("--probe", required=True, choices=("perblock", "median-centre", "logit-damping"))
+    ap.add_argument("folder", help="a pfuse demo folder (post_*.h5, data/client_*.h5, data/test.h5); with --report, "
+                                   "a JSON-lines file of this script")
+    ap.add_argument("--probe", choices=("perblock", "median-centre", "logit-damping"), help="the lever to measure")
+    ap.add_argument("--report", action="store_true", help="print the summary table of the given JSON-lines file")
     ap.add_argument("--eps", default="0.0001,0.001,0.01,0.1,1", help="logit-damping: the ε to try [default: %(default)s]")
     args = ap.parse_args()
+    if args.report:
+        report(args.folder)
+        return
+    if args.probe is None:
+        ap.error("--probe is required (or --report)")
     folder = Path(args.folder)
     test = read_silo(folder / "data" / "test.h5")
     clients = [posterior_fusion.load(p) for p in sorted(folder.glob("post_*.h5"))]
