@@ -67,10 +67,16 @@ def run(folder: Path, rows: list[tuple] = ROWS) -> dict:
     return {"folder": str(folder), "torch_threads": torch.get_num_threads(), "rows": out}
 
 
+def seed(run: dict) -> int:
+    """The seed of a run's folder (``…/a0.1_s12`` -> 12; a folder without one, as session 24's ``a0.1``, is seed 0)."""
+    name = Path(run["folder"]).name
+    return int(name.split("_s")[1]) if "_s" in name else 0
+
+
 def report(paths: list[str], rows: list[tuple] = ROWS, reference: str | None = None) -> None:
-    """Markdown: per row, accuracy per set (the solver that ran in brackets) and the mean ± std over seeds per α,
-    with ``reference`` (a row's label) the mean paired difference to that row ± its standard error, and NLL / ECE
-    means."""
+    """Markdown: per row, accuracy per set in seed order (the solver that ran in brackets) and the mean ± std over
+    seeds per α, with ``reference`` (a row's label) the mean paired difference to that row ± its standard error, and
+    NLL / ECE means."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     alphas = sorted({Path(r["folder"]).name.split("_")[0] for r in runs})
     extra = " | − reference" if reference else ""
@@ -80,7 +86,7 @@ def report(paths: list[str], rows: list[tuple] = ROWS, reference: str | None = N
     for label, *_ in rows:
         cells = []
         for a in alphas:
-            mine = sorted((r for r in runs if Path(r["folder"]).name.split("_")[0] == a), key=lambda r: r["folder"])
+            mine = sorted((r for r in runs if Path(r["folder"]).name.split("_")[0] == a), key=seed)
             got = [row for r in mine for row in r["rows"] if row["label"] == label]  # older runs lack later rows
             if not got:
                 cells += ["—"] * (4 if reference else 3)
