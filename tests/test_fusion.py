@@ -481,8 +481,19 @@ def test_starts_that_end_on_one_mode_are_one_member_weighted_by_their_share(fitt
     plain = fedbens(inputs, dataclasses.replace(settings, laplace=False))  # without the Laplace step: the same members
     assert plain.info["members_from_starts"] == merged.info["members_from_starts"]
     torch.testing.assert_close(plain.mode_weights, merged.mode_weights)
+    # Laplace weights: a mode keeps its rows' mass. Here they are one-hot (modes far apart in the objective), so the
+    # check flattens them — the same softmax of the objective per mode, at the distinct modes' own spread
+    values = merged.info["laplace"]["objective_at_modes"]
+    spread = abs(values[0] - values[1]) or 1.0
+    monkeypatch.setattr(fedbens_module, "laplace_mode_weights",
+                        lambda v, precisions: torch.softmax(-(v.double() - v.double().min()) / spread, 0))
+    by_mass = fedbens(inputs, dataclasses.replace(settings, mode_weights="laplace"))
+    assert float(by_mass.mode_weights.min()) > 0.05
     monkeypatch.setattr(fedbens_module, "MERGE_TOLERANCE", 0.0)
     rows = fedbens(inputs, settings)
+    rows_by_mass = fedbens(inputs, dataclasses.replace(settings, mode_weights="laplace"))
+    for k, group in enumerate(merged.info["members_from_starts"]):
+        torch.testing.assert_close(by_mass.mode_weights[k], rows_by_mass.mode_weights[group].sum())
     # row 0: the median of component 0; rows 1..6: client-major, component m = (row - 1) % 2
     assert merged.info["members_from_starts"] == [[0, 1, 3, 5], [2, 4, 6]]
     assert len(rows.members) == 7 and "members_from_starts" not in rows.info

@@ -510,10 +510,12 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         info = {"history": history, "kron_ranks": objective.stack.ranks}
         del objective  # the stacks: the Laplace step below works from the clients' blocks
     info["resolved"] = resolved
-    # several starts may end on one mode (EM: always, per component index): one member each, its starts' weight
+    # several starts may end on one mode (with EM, measured: every start of one component index): one member
+    # each, weighted by its share of the starts — the predictive of the duplicated rows, once per mode
     groups = coinciding_rows(best, components if centres is not None else [0] * len(components), MERGE_TOLERANCE)
     share = torch.tensor([len(g) for g in groups], dtype=torch.float64) / len(components)  # (K',) starts' share
-    if len(groups) < len(components):
+    merged = len(groups) < len(components)
+    if merged:
         keep = [g[0] for g in groups]
         best = best[keep]
         centres = None if centres is None else centres[keep]
@@ -532,11 +534,12 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         delta, evidence = evidence_prior_precision(list(best), curvatures)
         laplace.update({"prior_precision": delta, "log_evidence_terms": evidence})
     precisions = [c.precision(1.0, laplace["prior_precision"]) for c in curvatures]
-    if settings.mode_weights == "laplace":  # a mode reached from several starts keeps the mass of its rows
+    if settings.mode_weights == "laplace":
         weights = laplace_mode_weights(values, precisions)
-        weights = weights if len(groups) == len(components) else weights * share / (weights * share).sum()
+        if merged:  # a mode reached from several starts keeps the mass of its rows
+            weights = weights * share / (weights * share).sum()
     else:
-        weights = uniform_weights(len(precisions)) if len(groups) == len(components) else share
+        weights = share if merged else uniform_weights(len(precisions))
     info.update({"laplace": {**laplace, "block_relative_errors": errors, "objective_at_modes": values.tolist()},
                  "mode_weights": weights.tolist()})
     return FusionResult([w.clone() for w in best], info, curvatures)
