@@ -124,7 +124,9 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--robust", is_flag=True,
               help="Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from the others' median.")
 @max_memory_option
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON summary: out, method, members, fuse_seconds, settings and, where they apply, resolved "
+                   "(what 'auto' settings became) and members_from_starts (the start rows of each member).")
 @legacy_settings
 @old_spellings("fuse")
 @handle_errors
@@ -160,7 +162,8 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
     write_fused(out, inputs, result, meta)
     if as_json:
         echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"],
-                   "settings": meta["settings"], **({"resolved": meta["resolved"]} if "resolved" in meta else {})})
+                   "settings": meta["settings"],
+                   **{k: meta[k] for k in ("resolved", "members_from_starts") if k in meta}})
         return
     say(f"wrote {out}: {method}, {len(result.members)} members, {meta['fuse_seconds']:.1f}s")
     if "resolved" in meta:  # what a method's 'auto' settings became

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -524,6 +525,12 @@ def test_fuse_says_when_starts_merged_and_the_artifact_keeps_their_weights(fitte
     g = posterior_fusion.load(out)
     assert len(g.members) == 2 and g.metadata["members_from_starts"] == [[0, 1, 3, 5], [2, 4, 6]]
     torch.testing.assert_close(g.mode_weights, torch.tensor([4 / 7, 3 / 7], dtype=torch.float64))
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--out", str(tmp_path / "j.h5"),
+                                   "--set", "solver=em", "--set", "starts=median+clients", "--set", "modes=1",
+                                   "--set", "server_prior=clients", "--set", "laplace=false", "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["members"] == 2 and got["members_from_starts"] == [[0, 1, 3, 5], [2, 4, 6]]
 
 
 def test_fuse_memory_estimate_follows_the_fedbens_chunks():
