@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from measured import paired_difference
 
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
@@ -97,9 +98,7 @@ def report(paths: list[str], rows: list[tuple] = ROWS, reference: str | None = N
                       f"{statistics.mean(acc):.2f} ± {sd:.2f}"]
             if reference:
                 ref = [row for r in mine for row in r["rows"] if row["label"] == reference]
-                diff = [100 * (g["accuracy"] - f["accuracy"]) for g, f in zip(got, ref)]
-                se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
-                cells.append(f"{statistics.mean(diff):+.2f} ± {se:.2f}")
+                cells.append(paired_difference([100 * (g["accuracy"] - f["accuracy"]) for g, f in zip(got, ref)]))
             cells.append(f"{statistics.mean(row['nll'] for row in got):.3f} / {statistics.mean(row['ece'] for row in got):.3f}")
         print(f"| {label} | " + " | ".join(cells) + " |")
 

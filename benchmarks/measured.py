@@ -47,6 +47,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def paired_difference(diff: list[float]) -> str:
+    """``"+m ± se"``: the mean of paired differences and its standard error (0 for one pair)."""
+    import statistics
+
+    se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
+    return f"{statistics.mean(diff):+.2f} ± {se:.2f}"
+
+
 def save_rows(path: str | None, rows) -> None:
     """Write a benchmark's rows as indented JSON to ``path`` (its folder made), when one is given."""
     if path:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from measured import paired_difference
 
 import posterior_fusion
 from posterior_fusion.curvature import BlockDiag, Kron
@@ -119,10 +120,9 @@ def report(path: str) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for (name, alpha), pairs in rows.items():
         diff = [100 * (g["accuracy"] - d["accuracy"]) for d, g in pairs]
-        se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
         mean = {(k, i): statistics.mean(pair[i][k] for pair in pairs) for k in ("accuracy", "nll", "ece") for i in (0, 1)}
         print(f"| {name} | {alpha} | {len(pairs)} | {100 * mean['accuracy', 0]:.2f} | {100 * mean['accuracy', 1]:.2f} | "
-              f"{statistics.mean(diff):+.2f} ± {se:.2f} | {sum(x > 0 for x in diff)} | {mean['nll', 0]:.3f} / "
+              f"{paired_difference(diff)} | {sum(x > 0 for x in diff)} | {mean['nll', 0]:.3f} / "
               f"{mean['ece', 0]:.3f} | {mean['nll', 1]:.3f} / {mean['ece', 1]:.3f} |")
 
 

@@ -50,7 +50,6 @@ def fit_local_peak(data: Path, width: int, out: Path, device: str = "cpu") -> di
     return {k: r[k] for k in ("exit", "seconds", "peak_mib", "gpu_peak_mib", "error")}
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--widths", default="16,32,64")

@@ -125,10 +125,6 @@ def laplace_mode_weights(objective_values: torch.Tensor, precisions: list[BlockD
     return torch.softmax(logits, dim=0)
 
 
-def uniform_weights(k: int) -> torch.Tensor:
-    return torch.full((k,), 1.0 / k, dtype=torch.float64)
-
-
 EVIDENCE_RANGE = (1e-8, 1e8)  # the prior precisions the evidence is maximised over
 _GOLDEN = (math.sqrt(5) - 1) / 2
 

@@ -40,7 +40,6 @@ from posterior_fusion.fusion.mode_laplace import (
     laplace_mode_weights,
     mode_precisions,
     negative_log_posterior,
-    uniform_weights,
 )
 from posterior_fusion.fusion.optimise import OptimiserSettings, optimise_modes
 from posterior_fusion.fusion.settings import setting
@@ -538,8 +537,8 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
         weights = laplace_mode_weights(values, precisions)
         if merged:  # a mode reached from several starts keeps the mass of its rows
             weights = weights * share / (weights * share).sum()
-    else:
-        weights = share if merged else uniform_weights(len(precisions))
+    else:  # equal per start: uniform over the members when no start merged
+        weights = share
     info.update({"laplace": {**laplace, "block_relative_errors": errors, "objective_at_modes": values.tolist()},
                  "mode_weights": weights.tolist()})
     return FusionResult([w.clone() for w in best], info, curvatures)
