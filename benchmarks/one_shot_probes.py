@@ -1,6 +1,6 @@
-"""Three more one-shot, validation-free levers for fedbens at stationarity (issue 29, item 2), each against the
-default (EM, prior centre at the clients, server prior from the evidence) on a ``pfuse demo`` folder; none of them
-is a library setting — this script builds each from the library's parts:
+"""One-shot, validation-free levers for fedbens at stationarity (issue 29, item 2), each against the default (EM,
+prior centre at the clients, server prior from the evidence) on a ``pfuse demo`` folder; none of them is a library
+setting — this script builds each from the library's parts:
 
 - ``perblock``: the server prior's precision chosen by the evidence for every curvature block on its own (MacKay's
   fixed point per block, λ0_j = γ_j / Σ_k ‖w*_kj − μ_kj‖²: laplace-torch's per-layer prior precision) instead of one
@@ -9,14 +9,22 @@ is a library setting — this script builds each from the library's parts:
   paper's Adam starts) instead of their λ-weighted mean;
 - ``logit-damping``: each client's K-FAC GGN with its logit Hessian damped, ``H + εI`` — ``Kron(B_H + ε B_I, A)``,
   ``B_I`` the output factor of JᵀJ (``fast_kron(ggn="jacobian")`` on the client's own data, at each component's
-  MAP; the input factor is the same) — a functional anchor to each client's predictions on its data.
+  MAP; the input factor is the same) — a functional anchor to each client's predictions on its data;
+- ``loco``: the scale ρ chosen by leaving one client out (the others' modes scored by the held-out client's own
+  Gaussian), from a grid (``--rhos``); each ρ of the grid is also scored on the test set (``rho-grid``: only that);
+- ``rho-mixture``: the modes at several multiples of the evidence's ρ (``--factors``) as one ensemble.
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/one_shot_probes.py /tmp/s25/a0.1_s1 --probe perblock \\
         >> docs/results/fusion_safety/probes_s26/probes.jsonl
 
 One JSON line per folder and probe: test accuracy, NLL, ECE (``map`` predictive) of the default and of the probe.
 
-    .venv/bin/python benchmarks/one_shot_probes.py --report docs/results/fusion_safety/probes_s26/probes.jsonl
+    .venv/bin/python benchmarks/one_shot_probes.py --report docs/results/fusion_safety/probes_s26/probes.jsonl \\
+        [--reference docs/results/fusion_safety/retemper_s2[56]/*.json]
+
+prints the table (with ``--reference``, ``retemper_without_validation.py``'s JSON per set, also the paper's
+best-validation iterate; with ``loco`` / ``rho-grid`` lines, every fixed ρ and the grid's best ρ per set read on the
+test set).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -39,7 +48,7 @@ from posterior_fusion.fusion import FusionInputs, FusionOptions
 from posterior_fusion.fusion.em import MixtureProduct, em_modes
 from posterior_fusion.fusion.from_posteriors import fuse_clients
 from posterior_fusion.fusion.methods import fedbens as fb
-from posterior_fusion.fusion.mode_laplace import evidence_prior_precision, mode_precisions
+from posterior_fusion.fusion.mode_laplace import evidence_prior_precision, mode_precisions, quadratic_form64
 from posterior_fusion.local.fastcapture import JACOBIAN, fast_kron
 from posterior_fusion.metrics import evaluate_members
 
@@ -83,6 +92,56 @@ def median_centre(clients, inputs, record) -> tuple[torch.Tensor, dict]:
     return W, {"server_prior_scale": search["rounds"][-1]["scale"] if search["rounds"] else None}
 
 
+def fixed_scale_modes(clients, opts, rho: float) -> tuple[torch.Tensor, list[int]]:
+    """EM at stationarity, prior centre at the clients, the server prior ``λ0_j = ρ c_j`` (the default's form
+    with its scale fixed at ρ; ``c_j`` from these clients): the modes ``(M, d)`` and their component index."""
+    inputs = FusionInputs(clients, opts)
+    temps = [inputs.temperature(c) for c in clients]
+    lams = [inputs.prior_precision(c) for c in clients]
+    lam0 = inputs.server_prior_precision()
+    lams0 = [rho * c if c > 0 else lam0 for c in fb.curvature_scales(clients, temps)]
+    W0, components = fb.start_rows(inputs, "median", clients[0].num_components)
+    W, _ = em_modes(MixtureProduct(clients, temps, lams, lams0), W0, STEPS, show_progress=False,
+                    prior_centres=fb.client_centres(inputs, components))
+    return W, components
+
+
+def loco(clients, opts, test, spec, rhos: list[float], held_out: bool = True) -> tuple[torch.Tensor | None, dict]:
+    """The server prior's scale ρ chosen by leaving one client out, from the artifacts alone: for each ρ and
+    client c, the modes of the other C − 1 clients, scored by client c's own Gaussian (its posterior precision
+    ``Λ_cm`` at its MAP ``ŵ_cm``): ``Σ_c Σ_m ½ (w*_{−c,m} − ŵ_cm)ᵀ Λ_cm (w*_{−c,m} − ŵ_cm)`` per sample of the
+    held-out client (the smallest wins); each ρ's full fusion is scored on the test set too (the oracle curve).
+    ``held_out=False`` (``--probe rho-grid``): only that curve, no choice (modes None)."""
+    rows = []
+    for rho in rhos:
+        row: dict = {"rho": rho}
+        if held_out:
+            row["held_out_nats"] = []
+            for c, client in enumerate(clients):
+                W, components = fixed_scale_modes([o for i, o in enumerate(clients) if i != c], opts, rho)
+                inputs = FusionInputs([client], opts)
+                t, lam = inputs.temperature(client), inputs.prior_precision(client)
+                q = sum(float(quadratic_form64(client.components[m].curvature.precision(t, lam),
+                                               W[k].double() - client.components[m].map.double()))
+                        for k, m in enumerate(components))
+                row["held_out_nats"].append(0.5 * q / client.n_data)
+            row["loco"] = sum(row["held_out_nats"])
+        W, _ = fixed_scale_modes(clients, opts, rho)
+        rows.append({**row, **scores(spec, W, test)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if not held_out:
+        return None, {"per_rho": rows}
+    best = min(rows, key=lambda r: r["loco"])
+    W, _ = fixed_scale_modes(clients, opts, best["rho"])
+    return W, {"rho_chosen": best["rho"], "per_rho": rows}
+
+
+def rho_mixture(clients, opts, rho: float, factors: list[float]) -> tuple[torch.Tensor, dict]:
+    """The predictive averaged over the server prior's strength instead of one ρ: the M modes at each
+    ``ρ · f`` (``f`` in ``factors``, around the evidence's ρ) as one equally weighted ensemble ``(M·F, d)``."""
+    return torch.cat([fixed_scale_modes(clients, opts, rho * f)[0] for f in factors]), {"rhos": [rho * f for f in factors]}
+
+
 def logit_damped(folder: Path, clients) -> list[torch.Tensor]:
     """Per client and component, the K-FAC output factors B_I of JᵀJ on the client's data at the component's MAP."""
     out = []
@@ -105,15 +164,33 @@ def with_logit_damping(clients, factors, eps: float):
         for comp, per in zip(client.components, parts))) for client, parts in zip(clients, factors)]
 
 
-def report(path: str) -> None:
+PAPER = "adam, best validation iterate, clients' T"  # the reference row of retemper_without_validation.py's JSON
+
+
+def report(path: str, references: list[str]) -> None:
     """Markdown: per probe (and ε) and α, the default's and the probe's mean accuracy, the paired difference ± its
-    standard error, the sets where the probe is ahead, and the mean NLL / ECE of both."""
+    standard error, the sets where the probe is ahead, and the mean NLL / ECE of both. A ``loco`` line also gives
+    each fixed ρ of its grid and the grid's best ρ per set read on the test set (an oracle); ``references``
+    (``retemper_without_validation.py`` JSON files, named by set) add the paper's best-validation iterate."""
+    paper = {Path(f).stem: next(x for x in json.loads(Path(f).read_text())["rows"] if x["label"] == PAPER)
+             for f in references}
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    grid: dict[str, dict[float, dict]] = {}  # per set, every fixed ρ of its loco / rho-grid lines
+    for r in lines:
+        grid.setdefault(r["set"], {}).update({x["rho"]: x for x in r.get("per_rho", [])})
     rows: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line)
+    for i, r in enumerate(lines):
         alpha = r["set"].split("_")[0][1:]
-        probes = ([(r["probe"], r["probe_scores"])] if "probe_scores" in r
+        probes = ([] if r["probe"] == "rho-grid" else [(r["probe"], r["probe_scores"])] if "probe_scores" in r
                   else [(f"{r['probe']} ε = {x['eps']:g}", x) for x in r["rows"]])
+        if next(j for j, o in enumerate(lines) if o["set"] == r["set"]) == i:  # once per set
+            rhos = grid[r["set"]]
+            probes += [(f"fixed ρ = {rho:g}", rhos[rho]) for rho in sorted(rhos)]
+            if rhos:
+                probes.append(("best ρ of the grid per set, read on the test set (oracle)",
+                               max(rhos.values(), key=lambda x: x["accuracy"])))
+            if r["set"] in paper:
+                probes.append(("the paper: Adam, best validation iterate (validation data)", paper[r["set"]]))
         for name, got in probes:
             rows.setdefault((name, alpha), []).append((r["default"], got))
     print("| probe | α | sets | default accuracy % | probe accuracy % | difference ± s.e. | probe ahead | NLL / ECE default | NLL / ECE probe |")
@@ -130,12 +207,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", help="a pfuse demo folder (post_*.h5, data/client_*.h5, data/test.h5); with --report, "
                                    "a JSON-lines file of this script")
-    ap.add_argument("--probe", choices=("perblock", "median-centre", "logit-damping"), help="the lever to measure")
+    ap.add_argument("--probe", choices=("perblock", "median-centre", "logit-damping", "loco", "rho-grid", "rho-mixture"), help="the lever to measure")
     ap.add_argument("--report", action="store_true", help="print the summary table of the given JSON-lines file")
+    ap.add_argument("--reference", nargs="*", default=[],
+                    help="with --report: retemper_without_validation.py JSON files (SET.json) whose best-validation "
+                         "row joins the table [default: none]")
+    ap.add_argument("--rhos", default="0.03,0.1,0.2,0.3,0.5,1,2",
+                    help="loco, rho-grid: the server prior scales ρ (λ0_j = ρ c_j) [default: %(default)s]")
+    ap.add_argument("--factors", default="0.333,1,3",
+                    help="rho-mixture: multiples of the evidence's ρ whose modes join the ensemble [default: %(default)s]")
     ap.add_argument("--eps", default="0.0001,0.001,0.01,0.1,1", help="logit-damping: the ε to try [default: %(default)s]")
     args = ap.parse_args()
     if args.report:
-        report(args.folder)
+        report(args.folder, args.reference)
         return
     if args.probe is None:
         ap.error("--probe is required (or --report)")
@@ -152,6 +236,16 @@ def main() -> None:
         for eps in (float(e) for e in args.eps.split(",")):
             i, r, _ = fuse_clients(with_logit_damping(clients, factors, eps), "fedbens", opts, {"laplace": False})
             row["rows"].append({"eps": eps, **scores(i.spec, r.members, test)})
+    elif args.probe in ("loco", "rho-grid"):
+        W, extra = loco(clients, opts, test, inputs.spec, [float(r) for r in args.rhos.split(",")],
+                        held_out=args.probe == "loco")
+        extra["rho_default"] = record["server_prior_search"]["rounds"][-1]["scale"]
+        row.update({"probe_scores": scores(inputs.spec, W, test)} if W is not None else {})
+        row.update(extra)
+    elif args.probe == "rho-mixture":
+        rho = record["server_prior_search"]["rounds"][-1]["scale"]
+        W, extra = rho_mixture(clients, opts, rho, [float(f) for f in args.factors.split(",")])
+        row.update({"probe_scores": scores(inputs.spec, W, test), **extra})
     else:
         W, extra = (perblock if args.probe == "perblock" else median_centre)(clients, FusionInputs(clients, opts), record)
         row.update({"probe_scores": scores(inputs.spec, W, test), **extra})
