@@ -12,7 +12,9 @@ setting — this script builds each from the library's parts:
   MAP; the input factor is the same) — a functional anchor to each client's predictions on its data;
 - ``loco``: the scale ρ chosen by leaving one client out (the others' modes scored by the held-out client's own
   Gaussian), from a grid (``--rhos``); each ρ of the grid is also scored on the test set (``rho-grid``: only that);
-- ``rho-mixture``: the modes at several multiples of the evidence's ρ (``--factors``) as one ensemble.
+- ``rho-mixture``: the modes at several multiples of the evidence's ρ (``--factors``) as one ensemble;
+- ``adam-oracle``: not a lever but the ceiling of the paper's own protocol — its Adam path with the test set in
+  place of the 500 validation images, every 10 steps (the iterate per mode with the best test accuracy).
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/one_shot_probes.py /tmp/s25/a0.1_s1 --probe perblock \\
         >> docs/results/fusion_safety/probes_s26/probes.jsonl
@@ -207,7 +209,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", help="a pfuse demo folder (post_*.h5, data/client_*.h5, data/test.h5); with --report, "
                                    "a JSON-lines file of this script")
-    ap.add_argument("--probe", choices=("perblock", "median-centre", "logit-damping", "loco", "rho-grid", "rho-mixture"), help="the lever to measure")
+    ap.add_argument("--probe", choices=("perblock", "median-centre", "logit-damping", "loco", "rho-grid", "rho-mixture",
+                                        "adam-oracle"), help="the lever to measure")
     ap.add_argument("--report", action="store_true", help="print the summary table of the given JSON-lines file")
     ap.add_argument("--reference", nargs="*", default=[],
                     help="with --report: retemper_without_validation.py JSON files (SET.json) whose best-validation "
@@ -242,6 +245,10 @@ def main() -> None:
         extra["rho_default"] = record["server_prior_search"]["rounds"][-1]["scale"]
         row.update({"probe_scores": scores(inputs.spec, W, test)} if W is not None else {})
         row.update(extra)
+    elif args.probe == "adam-oracle":
+        i, r, _ = fuse_clients(clients, "fedbens", opts, {"solver": "adam", "val_every": 10, "laplace": False},
+                               val=test)
+        row["probe_scores"] = scores(i.spec, r.members, test)
     elif args.probe == "rho-mixture":
         rho = record["server_prior_search"]["rounds"][-1]["scale"]
         W, extra = rho_mixture(clients, opts, rho, [float(f) for f in args.factors.split(",")])
