@@ -13,6 +13,8 @@ setting — this script builds each from the library's parts:
 - ``loco``: the scale ρ chosen by leaving one client out (the others' modes scored by the held-out client's own
   Gaussian), from a grid (``--rhos``); each ρ of the grid is also scored on the test set (``rho-grid``: only that);
 - ``rho-mixture``: the modes at several multiples of the evidence's ρ (``--factors``) as one ensemble;
+- ``agreement``: ρ chosen with unlabelled server inputs (the server split's images without their labels): the
+  modes' prediction closest to the client ensemble's (cross-entropy), from the grid ``--rhos``;
 - ``adam-oracle``: not a lever but the ceiling of the paper's own protocol — its Adam path with the test set in
   place of the 500 validation images, every 10 steps (the iterate per mode with the best test accuracy).
 
@@ -52,7 +54,7 @@ from posterior_fusion.fusion.from_posteriors import fuse_clients
 from posterior_fusion.fusion.methods import fedbens as fb
 from posterior_fusion.fusion.mode_laplace import evidence_prior_precision, mode_precisions, quadratic_form64
 from posterior_fusion.local.fastcapture import JACOBIAN, fast_kron
-from posterior_fusion.metrics import evaluate_members
+from posterior_fusion.metrics import ensemble_probabilities, evaluate_members
 
 STEPS = 300  # EM iterations at most (the default's steps)
 
@@ -144,6 +146,26 @@ def rho_mixture(clients, opts, rho: float, factors: list[float]) -> tuple[torch.
     return torch.cat([fixed_scale_modes(clients, opts, rho * f)[0] for f in factors]), {"rhos": [rho * f for f in factors]}
 
 
+def agreement(clients, opts, test, spec, x: torch.Tensor, rhos: list[float]) -> tuple[torch.Tensor, dict]:
+    """ρ chosen with unlabelled server inputs ``x`` ``(n, ...)`` (no labels: FedBE's assumption, weaker than
+    validation data): the ρ whose modes' mean prediction has the smallest cross-entropy against the client
+    ensemble's (every client component's MAP, softmax-averaged) — the distillation loss. Each ρ is scored on the
+    test set too, and the ρ with the highest top-1 agreement is recorded beside it."""
+    ens, _ = ensemble_probabilities(spec, [comp.map for c in clients for comp in c.components], x)
+    rows, modes = [], {}
+    for rho in rhos:
+        modes[rho], _ = fixed_scale_modes(clients, opts, rho)
+        p, _ = ensemble_probabilities(spec, modes[rho], x)
+        rows.append({"rho": rho, "soft_ce": float(-(ens * p.clamp_min(1e-12).log()).sum(1).mean()),
+                     "agreement": float((p.argmax(1) == ens.argmax(1)).float().mean()),
+                     **scores(spec, modes[rho], test)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    best = min(rows, key=lambda r: r["soft_ce"])
+    top1 = max(rows, key=lambda r: (r["agreement"], -r["soft_ce"]))
+    return modes[best["rho"]], {"rho_chosen": best["rho"], "rho_by_agreement": top1["rho"],
+                                "by_agreement": {k: top1[k] for k in ("accuracy", "nll", "ece")}, "per_rho": rows}
+
+
 def logit_damped(folder: Path, clients) -> list[torch.Tensor]:
     """Per client and component, the K-FAC output factors B_I of JᵀJ on the client's data at the component's MAP."""
     out = []
@@ -185,6 +207,8 @@ def report(path: str, references: list[str]) -> None:
         alpha = r["set"].split("_")[0][1:]
         probes = ([] if r["probe"] == "rho-grid" else [(r["probe"], r["probe_scores"])] if "probe_scores" in r
                   else [(f"{r['probe']} ε = {x['eps']:g}", x) for x in r["rows"]])
+        if "by_agreement" in r:
+            probes.append(("agreement by top-1 instead of cross-entropy", r["by_agreement"]))
         if next(j for j, o in enumerate(lines) if o["set"] == r["set"]) == i:  # once per set
             rhos = grid[r["set"]]
             probes += [(f"fixed ρ = {rho:g}", rhos[rho]) for rho in sorted(rhos)]
@@ -210,13 +234,13 @@ def main() -> None:
     ap.add_argument("folder", help="a pfuse demo folder (post_*.h5, data/client_*.h5, data/test.h5); with --report, "
                                    "a JSON-lines file of this script")
     ap.add_argument("--probe", choices=("perblock", "median-centre", "logit-damping", "loco", "rho-grid", "rho-mixture",
-                                        "adam-oracle"), help="the lever to measure")
+                                        "adam-oracle", "agreement"), help="the lever to measure")
     ap.add_argument("--report", action="store_true", help="print the summary table of the given JSON-lines file")
     ap.add_argument("--reference", nargs="*", default=[],
                     help="with --report: retemper_without_validation.py JSON files (SET.json) whose best-validation "
                          "row joins the table [default: none]")
     ap.add_argument("--rhos", default="0.03,0.1,0.2,0.3,0.5,1,2",
-                    help="loco, rho-grid: the server prior scales ρ (λ0_j = ρ c_j) [default: %(default)s]")
+                    help="loco, rho-grid, agreement: the server prior scales ρ (λ0_j = ρ c_j) [default: %(default)s]")
     ap.add_argument("--factors", default="0.333,1,3",
                     help="rho-mixture: multiples of the evidence's ρ whose modes join the ensemble [default: %(default)s]")
     ap.add_argument("--eps", default="0.0001,0.001,0.01,0.1,1", help="logit-damping: the ε to try [default: %(default)s]")
@@ -245,6 +269,11 @@ def main() -> None:
         extra["rho_default"] = record["server_prior_search"]["rounds"][-1]["scale"]
         row.update({"probe_scores": scores(inputs.spec, W, test)} if W is not None else {})
         row.update(extra)
+    elif args.probe == "agreement":
+        x = read_silo(folder / "data" / "server_val.h5").tensors()[0]  # inputs only: the labels are not read
+        W, extra = agreement(clients, opts, test, inputs.spec, x, [float(r) for r in args.rhos.split(",")])
+        extra["rho_default"] = record["server_prior_search"]["rounds"][-1]["scale"]
+        row.update({"probe_scores": scores(inputs.spec, W, test), **extra})
     elif args.probe == "adam-oracle":
         i, r, _ = fuse_clients(clients, "fedbens", opts, {"solver": "adam", "val_every": 10, "laplace": False},
                                val=test)
