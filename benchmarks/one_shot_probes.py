@@ -102,42 +102,45 @@ def fixed_scale_modes(clients, opts, rho: float) -> tuple[torch.Tensor, list[int
     inputs = FusionInputs(clients, opts)
     temps = [inputs.temperature(c) for c in clients]
     lams = [inputs.prior_precision(c) for c in clients]
-    lam0 = inputs.server_prior_precision()
-    lams0 = [rho * c if c > 0 else lam0 for c in fb.curvature_scales(clients, temps)]
+    lams0 = fb.server_prior_blocks(fb.curvature_scales(clients, temps), rho, inputs.server_prior_precision())
     W0, components = fb.start_rows(inputs, "median", clients[0].num_components)
     W, _ = em_modes(MixtureProduct(clients, temps, lams, lams0), W0, STEPS, show_progress=False,
                     prior_centres=fb.client_centres(inputs, components))
     return W, components
 
 
-def loco(clients, opts, test, spec, rhos: list[float], held_out: bool = True) -> tuple[torch.Tensor | None, dict]:
+def sweep(clients, opts, test, spec, rhos: list[float], criterion=None) -> tuple[dict[float, torch.Tensor], list[dict]]:
+    """The modes at each fixed ρ (``{ρ: (M, d)}``) and a row per ρ: its test scores (the oracle curve) and what
+    ``criterion(ρ, W)`` (a dict, optional) says of it."""
+    modes, rows = {}, []
+    for rho in rhos:
+        modes[rho], _ = fixed_scale_modes(clients, opts, rho)
+        rows.append({"rho": rho, **(criterion(rho, modes[rho]) if criterion else {}), **scores(spec, modes[rho], test)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return modes, rows
+
+
+def loco(clients, opts, test, spec, rhos: list[float]) -> tuple[torch.Tensor, dict]:
     """The server prior's scale ρ chosen by leaving one client out, from the artifacts alone: for each ρ and
     client c, the modes of the other C − 1 clients, scored by client c's own Gaussian (its posterior precision
     ``Λ_cm`` at its MAP ``ŵ_cm``): ``Σ_c Σ_m ½ (w*_{−c,m} − ŵ_cm)ᵀ Λ_cm (w*_{−c,m} − ŵ_cm)`` per sample of the
-    held-out client (the smallest wins); each ρ's full fusion is scored on the test set too (the oracle curve).
-    ``held_out=False`` (``--probe rho-grid``): only that curve, no choice (modes None)."""
-    rows = []
-    for rho in rhos:
-        row: dict = {"rho": rho}
-        if held_out:
-            row["held_out_nats"] = []
-            for c, client in enumerate(clients):
-                W, components = fixed_scale_modes([o for i, o in enumerate(clients) if i != c], opts, rho)
-                inputs = FusionInputs([client], opts)
-                t, lam = inputs.temperature(client), inputs.prior_precision(client)
-                q = sum(float(quadratic_form64(client.components[m].curvature.precision(t, lam),
-                                               W[k].double() - client.components[m].map.double()))
-                        for k, m in enumerate(components))
-                row["held_out_nats"].append(0.5 * q / client.n_data)
-            row["loco"] = sum(row["held_out_nats"])
-        W, _ = fixed_scale_modes(clients, opts, rho)
-        rows.append({**row, **scores(spec, W, test)})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    if not held_out:
-        return None, {"per_rho": rows}
+    held-out client (the smallest wins)."""
+    inputs = FusionInputs(clients, opts)
+
+    def held_out(rho: float, _W) -> dict:
+        nats = []
+        for c, client in enumerate(clients):
+            W, components = fixed_scale_modes([o for i, o in enumerate(clients) if i != c], opts, rho)
+            t, lam = inputs.temperature(client), inputs.prior_precision(client)
+            q = sum(float(quadratic_form64(client.components[m].curvature.precision(t, lam),
+                                           W[k].double() - client.components[m].map.double()))
+                    for k, m in enumerate(components))
+            nats.append(0.5 * q / client.n_data)
+        return {"held_out_nats": nats, "loco": sum(nats)}
+
+    modes, rows = sweep(clients, opts, test, spec, rhos, held_out)
     best = min(rows, key=lambda r: r["loco"])
-    W, _ = fixed_scale_modes(clients, opts, best["rho"])
-    return W, {"rho_chosen": best["rho"], "per_rho": rows}
+    return modes[best["rho"]], {"rho_chosen": best["rho"], "per_rho": rows}
 
 
 def rho_mixture(clients, opts, rho: float, factors: list[float]) -> tuple[torch.Tensor, dict]:
@@ -149,17 +152,16 @@ def rho_mixture(clients, opts, rho: float, factors: list[float]) -> tuple[torch.
 def agreement(clients, opts, test, spec, x: torch.Tensor, rhos: list[float]) -> tuple[torch.Tensor, dict]:
     """ρ chosen with unlabelled server inputs ``x`` ``(n, ...)`` (no labels: FedBE's assumption, weaker than
     validation data): the ρ whose modes' mean prediction has the smallest cross-entropy against the client
-    ensemble's (every client component's MAP, softmax-averaged) — the distillation loss. Each ρ is scored on the
-    test set too, and the ρ with the highest top-1 agreement is recorded beside it."""
+    ensemble's (every client component's MAP, softmax-averaged) — the distillation loss. The ρ with the highest
+    top-1 agreement is recorded beside it."""
     ens, _ = ensemble_probabilities(spec, [comp.map for c in clients for comp in c.components], x)
-    rows, modes = [], {}
-    for rho in rhos:
-        modes[rho], _ = fixed_scale_modes(clients, opts, rho)
-        p, _ = ensemble_probabilities(spec, modes[rho], x)
-        rows.append({"rho": rho, "soft_ce": float(-(ens * p.clamp_min(1e-12).log()).sum(1).mean()),
-                     "agreement": float((p.argmax(1) == ens.argmax(1)).float().mean()),
-                     **scores(spec, modes[rho], test)})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+    def against_ensemble(_rho: float, W) -> dict:
+        p, _ = ensemble_probabilities(spec, W, x)
+        return {"soft_ce": float(-(ens * p.clamp_min(1e-12).log()).sum(1).mean()),
+                "agreement": float((p.argmax(1) == ens.argmax(1)).float().mean())}
+
+    modes, rows = sweep(clients, opts, test, spec, rhos, against_ensemble)
     best = min(rows, key=lambda r: r["soft_ce"])
     top1 = max(rows, key=lambda r: (r["agreement"], -r["soft_ce"]))
     return modes[best["rho"]], {"rho_chosen": best["rho"], "rho_by_agreement": top1["rho"],
@@ -193,8 +195,8 @@ PAPER = "adam, best validation iterate, clients' T"  # the reference row of rete
 
 def report(path: str, references: list[str]) -> None:
     """Markdown: per probe (and ε) and α, the default's and the probe's mean accuracy, the paired difference ± its
-    standard error, the sets where the probe is ahead, and the mean NLL / ECE of both. A ``loco`` line also gives
-    each fixed ρ of its grid and the grid's best ρ per set read on the test set (an oracle); ``references``
+    standard error, the sets where the probe is ahead, and the mean NLL / ECE of both; once per set, every fixed ρ
+    of its ``loco`` / ``rho-grid`` / ``agreement`` lines together and their best ρ read on the test set (an oracle); ``references``
     (``retemper_without_validation.py`` JSON files, named by set) add the paper's best-validation iterate."""
     paper = {Path(f).stem: next(x for x in json.loads(Path(f).read_text())["rows"] if x["label"] == PAPER)
              for f in references}
@@ -203,13 +205,15 @@ def report(path: str, references: list[str]) -> None:
     for r in lines:
         grid.setdefault(r["set"], {}).update({x["rho"]: x for x in r.get("per_rho", [])})
     rows: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
-    for i, r in enumerate(lines):
+    done: set[str] = set()  # sets whose ρ grid and reference rows are in
+    for r in lines:
         alpha = r["set"].split("_")[0][1:]
         probes = ([] if r["probe"] == "rho-grid" else [(r["probe"], r["probe_scores"])] if "probe_scores" in r
                   else [(f"{r['probe']} ε = {x['eps']:g}", x) for x in r["rows"]])
         if "by_agreement" in r:
             probes.append(("agreement by top-1 instead of cross-entropy", r["by_agreement"]))
-        if next(j for j, o in enumerate(lines) if o["set"] == r["set"]) == i:  # once per set
+        if r["set"] not in done:
+            done.add(r["set"])
             rhos = grid[r["set"]]
             probes += [(f"fixed ρ = {rho:g}", rhos[rho]) for rho in sorted(rhos)]
             if rhos:
@@ -256,35 +260,36 @@ def main() -> None:
     opts = FusionOptions(progress=False)
     inputs, result, record = fuse_clients(clients, "fedbens", opts, {"laplace": False})
     row = {"set": folder.name, "probe": args.probe, "default": scores(inputs.spec, result.members, test)}
+    rho_default = record["server_prior_search"]["rounds"][-1]["scale"]  # the evidence's ρ
+    rhos = [float(r) for r in args.rhos.split(",")]
     t0 = time.perf_counter()
+    W, extra = None, {}
     if args.probe == "logit-damping":
         factors = logit_damped(folder, clients)
         row["rows"] = []
         for eps in (float(e) for e in args.eps.split(",")):
             i, r, _ = fuse_clients(with_logit_damping(clients, factors, eps), "fedbens", opts, {"laplace": False})
             row["rows"].append({"eps": eps, **scores(i.spec, r.members, test)})
-    elif args.probe in ("loco", "rho-grid"):
-        W, extra = loco(clients, opts, test, inputs.spec, [float(r) for r in args.rhos.split(",")],
-                        held_out=args.probe == "loco")
-        extra["rho_default"] = record["server_prior_search"]["rounds"][-1]["scale"]
-        row.update({"probe_scores": scores(inputs.spec, W, test)} if W is not None else {})
-        row.update(extra)
+    elif args.probe == "rho-grid":
+        extra = {"per_rho": sweep(clients, opts, test, inputs.spec, rhos)[1], "rho_default": rho_default}
+    elif args.probe == "loco":
+        W, extra = loco(clients, opts, test, inputs.spec, rhos)
+        extra["rho_default"] = rho_default
     elif args.probe == "agreement":
         x = read_silo(folder / "data" / "server_val.h5").tensors()[0]  # inputs only: the labels are not read
-        W, extra = agreement(clients, opts, test, inputs.spec, x, [float(r) for r in args.rhos.split(",")])
-        extra["rho_default"] = record["server_prior_search"]["rounds"][-1]["scale"]
-        row.update({"probe_scores": scores(inputs.spec, W, test), **extra})
+        W, extra = agreement(clients, opts, test, inputs.spec, x, rhos)
+        extra["rho_default"] = rho_default
     elif args.probe == "adam-oracle":
-        i, r, _ = fuse_clients(clients, "fedbens", opts, {"solver": "adam", "val_every": 10, "laplace": False},
+        _, r, _ = fuse_clients(clients, "fedbens", opts, {"solver": "adam", "val_every": 10, "laplace": False},
                                val=test)
-        row["probe_scores"] = scores(i.spec, r.members, test)
+        W = torch.stack(list(r.members))
     elif args.probe == "rho-mixture":
-        rho = record["server_prior_search"]["rounds"][-1]["scale"]
-        W, extra = rho_mixture(clients, opts, rho, [float(f) for f in args.factors.split(",")])
-        row.update({"probe_scores": scores(inputs.spec, W, test), **extra})
+        W, extra = rho_mixture(clients, opts, rho_default, [float(f) for f in args.factors.split(",")])
     else:
         W, extra = (perblock if args.probe == "perblock" else median_centre)(clients, FusionInputs(clients, opts), record)
-        row.update({"probe_scores": scores(inputs.spec, W, test), **extra})
+    if W is not None:
+        row["probe_scores"] = scores(inputs.spec, W, test)
+    row.update(extra)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(row), flush=True)
 

@@ -374,6 +374,12 @@ def curvature_tops(clients: list[ClientPosterior], temps: list[float]) -> list[f
     return per_block_client_sum(clients, temps, top)
 
 
+def server_prior_blocks(scales: list[float], rho: float, lam0: float) -> list[float]:
+    """The server prior's precision per curvature block at scale ρ: ``λ0_j = ρ c_j`` (``scales``: the blocks'
+    ``c_j``, :func:`curvature_scales`); a block without curvature (``c_j ≤ 0``) keeps the clients' ``lam0``."""
+    return [rho * c if c > 0 else lam0 for c in scales]
+
+
 def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], lams: list[float], lam0: float,
                           W0: torch.Tensor, centres: torch.Tensor | None, settings: FedBEnsSettings,
                           show_progress: bool = True) -> tuple[list[float], torch.Tensor, list, dict, tuple | None]:
@@ -408,12 +414,9 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
     hi = min(ranges.PRIOR_PRECISION[1] / max(scales, default=1.0), EVIDENCE_RANGE[1])
     rho = min(max(lam0 / weighted if weighted > 0 else 1.0, lo), hi)
 
-    def block_lams(r: float) -> list[float]:
-        return [r * c if ok else lam0 for c, ok in zip(scales, seen)]
-
     W, rounds, history, converged, laplace_step = W0, [], [], False, None
     for i in progress(range(EVIDENCE_ROUNDS), "server prior (evidence)", EVIDENCE_ROUNDS, show=show_progress):
-        lams0 = block_lams(rho)
+        lams0 = server_prior_blocks(scales, rho, lam0)
         W, history = em_modes(MixtureProduct(clients, temps, lams, lams0), W, settings.steps, show_progress=False,
                               trust_radius=settings.trust_radius, prior_centres=centres)
         if not any(seen):
@@ -442,7 +445,7 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
         warnings.warn(f"fedbens server_prior=evidence: the evidence has no maximum inside the prior precisions "
                       f"the artifacts allow; ρ = {rho:.3g} is at its {'upper' if upper else 'lower'} bound: {why}",
                       stacklevel=3)
-    return block_lams(rho), W, history, {"block_scales": scales, "rounds": rounds, "converged": converged,
+    return server_prior_blocks(scales, rho, lam0), W, history, {"block_scales": scales, "rounds": rounds, "converged": converged,
                                          "at_bound": at_bound}, laplace_step
 
 
