@@ -1,7 +1,7 @@
 """glibc's default allocator against :func:`posterior_fusion.runtime.keep_freed_memory`, side by side.
 
     .venv/bin/python benchmarks/allocator_bench.py --threads 1 --rounds 3 \
-        --artifacts '/work/runs/table1_seeds12/clients/80b78048283034d5/post_*.h5'
+        --artifacts 'runs/table1_seeds12/clients/80b78048283034d5/post_*.h5'
 
 Each round runs one fresh process per setting (``default`` = glibc as it comes, ``keep`` =
 ``keep_freed_memory()`` first), alternating, and each process times, after a warm-up: one LeNet

@@ -1,7 +1,7 @@
 """Whole fedbens server optimisation, ours vs the FedBEns authors' way, side by side in one run.
 
     .venv/bin/python benchmarks/authors_loop_bench.py \
-        --artifacts '/work/runs/table1_seeds12/clients/80b78048283034d5/post_*.h5' --steps 100 --threads 1
+        --artifacts 'runs/table1_seeds12/clients/80b78048283034d5/post_*.h5' --steps 100 --threads 1
 
 "authors": as their server (``One_shot_FL``): one global mode at a time (M sequential runs), each
 Adam step evaluating −log p(w|D) with a Python loop over the C·M client components, each through
@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import glob
-import sys
 import time
-from pathlib import Path
 
 import torch
+from kron_bench import kron_decomposed
 
 import posterior_fusion
 from posterior_fusion.fusion import FusionInputs, FusionOptions, fuse_clients
 from posterior_fusion.fusion.methods.fedbens import median_starts
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kron_bench import kron_decomposed  # noqa: E402  (a sibling benchmark: one way to build laplace-torch's factors)
 
 
 def authors_objective(clients, temperature: float, lam: float):

@@ -19,8 +19,10 @@ import time
 
 import torch
 
-from posterior_fusion.local import fastcapture as fc
+from posterior_fusion.local.capture.fast import fast_kron
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.jacobians import batch_pass, no_param_grads
+from posterior_fusion.models.layers import captured_layers
 
 
 def best(fn, rounds: int) -> float:
@@ -70,14 +72,14 @@ def main() -> None:
                 model(x[i : i + args.batch])
 
     def passes(ggn, low=None):
-        layers = fc._layers(model)
+        layers = captured_layers(model)
         gen = torch.Generator().manual_seed(0)
-        with fc._no_param_grads(model):
+        with no_param_grads(model):
             for i in range(0, args.n, args.batch):
-                fc._batch_pass(model, layers, x[i : i + args.batch], ggn, gen, lambda r, inputs, grads: None, low)
+                batch_pass(model, layers, x[i : i + args.batch], ggn, gen, lambda r, inputs, grads: None, low)
 
     def capture(ggn, low=None, kfac="expand"):
-        fc.fast_kron(model, x, y, args.batch, ggn, torch.Generator().manual_seed(0), kfac=kfac, compute_dtype=low)
+        fast_kron(model, x, y, args.batch, ggn, torch.Generator().manual_seed(0), kfac=kfac, compute_dtype=low)
 
     epoch()  # warm-up
     e = best(epoch, args.rounds)

@@ -16,7 +16,7 @@ import time
 import torch
 
 import posterior_fusion
-from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 
 
 def step_ms(stack, W, chunk, reps=3):

@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
-import sys
 import time
 
 if __name__ == "__main__":
-    cmd = sys.argv[1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="the command to time, with its arguments")
+    cmd = ap.parse_args().command
     for _ in range(3):
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

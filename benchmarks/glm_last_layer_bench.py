@@ -2,7 +2,7 @@
 side on one fedbens artifact: seconds, peak resident memory (a fresh ``pfuse evaluate`` process per
 predictive) and the metrics.
 
-    nice -n 19 .venv/bin/python benchmarks/glm_last_layer_bench.py --work /tmp/glmll \
+    nice -n 19 .venv/bin/python benchmarks/glm_last_layer_bench.py --work runs/glmll \
         --json docs/results/predictive/glm_last_layer.json
 
 Three LeNet clients (α = 0.5, M = 2, kron, 5 epochs) on 9,000 Fashion-MNIST training images (the
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from measured import run_measured, save_rows
+from posterior_fusion.experiment.measure import run_measured, save_rows
 
 CLI = [sys.executable, "-c", "from posterior_fusion.cli.main import main; main()"]
 
@@ -31,7 +31,7 @@ def run(*args) -> subprocess.CompletedProcess:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", default="/tmp/glmll")
+    ap.add_argument("--work", default="runs/glmll")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work = Path(args.work)

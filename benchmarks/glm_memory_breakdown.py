@@ -20,7 +20,7 @@ import json
 import subprocess
 import sys
 
-from measured import save_rows
+from posterior_fusion.experiment.measure import save_rows
 
 CHILD = """
 import json, sys, time, torch

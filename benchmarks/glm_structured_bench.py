@@ -5,14 +5,14 @@ peak resident memory of each in a fresh process, and its working set (the peak d
 prediction over the resident memory before it: ``/proc/self/clear_refs`` restarts the peak), beside
 the map predictive's; and the largest difference of the two GLM paths' probabilities.
 
-    nice -n 5 .venv/bin/python benchmarks/glm_structured_bench.py --work /tmp/glmll \
+    nice -n 5 .venv/bin/python benchmarks/glm_structured_bench.py --work runs/glmll \
         --json docs/results/predictive/glm_structured.json
 
 ``--batch-sizes 1,16,32,64``: instead, the memory one batch of ``b`` samples costs each GLM path at the
 same ``b`` (one mode, a fresh process per path and size, both paths warmed on one sample first so the
 first backward pass's one-time allocations are left out), and its seconds:
 
-    nice -n 5 .venv/bin/python benchmarks/glm_structured_bench.py --work /tmp/glmll --batch-sizes 1,16,32,64 \
+    nice -n 5 .venv/bin/python benchmarks/glm_structured_bench.py --work runs/glmll --batch-sizes 1,16,32,64 \
         --json docs/results/predictive/glm_structured_per_batch.json
 
 The artifact is ``benchmarks/glm_last_layer_bench.py``'s (three LeNet clients, α = 0.5, M = 2, kron,
@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from measured import save_rows
+
+from posterior_fusion.experiment.measure import save_rows
 
 CHILD = """
 import json, sys, time, numpy as np
@@ -100,7 +101,7 @@ def per_batch(work: Path, sizes: list[int], out: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", default="/tmp/glmll")
+    ap.add_argument("--work", default="runs/glmll")
     ap.add_argument("--n", type=int, default=10_000, help="test images (default: all 10,000)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--batch-sizes", default=None,

@@ -31,21 +31,17 @@ import argparse
 import glob
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from server_step_bench import repeat_components, rotated_step
 
 import posterior_fusion
+from posterior_fusion.experiment.measure import sync
 from posterior_fusion.fusion import FusionOptions, fuse_clients
+from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior
-from posterior_fusion.fusion.stack import StackedGaussians
 from posterior_fusion.kernels import kron_direct_forms_and_vjp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measured import sync  # noqa: E402  (sibling benchmarks)
-from server_step_bench import repeat_components, rotated_step  # noqa: E402  (a sibling benchmark: the same steps)
 
 
 def median_ms(step, min_calls: int = 20, min_ms: float = 300.0) -> float:

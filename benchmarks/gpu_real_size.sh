@@ -15,15 +15,15 @@
 #   4. the CUDA tests (tests/test_kernels.py on the GPU, test_fit_on_cuda_equals_cpu).
 # At most eight files under $OUT (what the device tool brings back). DRY=1 runs every part small on the CPU (a check of this script where there is no GPU).
 set -u
-OUT=${OUT:-/tmp/gpu_real_size}
+OUT=${OUT:-runs/gpu_real_size}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target runs/site .whl/*.whl || exit 1
 fi
 # the package maps posterior_fusion.cli to cli/ (pyproject.toml); importing from the tree needs the same
 if [ ! -e posterior_fusion/cli ]; then ln -s ../cli posterior_fusion/cli; trap 'rm -f posterior_fusion/cli' EXIT; fi
-export PYTHONPATH=$PWD:/tmp/site
+export PYTHONPATH=$PWD:runs/site
 PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
     DEV=cpu; WIDTHS=4; N=128; SW=4; SN=64; TESTS="tests/test_kernels.py -k cuda_graph"; PLAIN_STEPS=3; XDIST=""

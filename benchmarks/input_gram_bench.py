@@ -7,12 +7,15 @@ forward pass; process CPU time, best of three, one thread; and which one ``_shif
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 from torch import nn
 
-from posterior_fusion.local import fastcapture as fc
+from posterior_fusion.local.capture import inputs
+from posterior_fusion.local.capture.gram import float64_gram
+from posterior_fusion.models.layers import input_columns
 
 SHAPES = [  # (channels, image side, kernel, padding, batch)
     (1, 28, 5, 0, 256), (6, 12, 5, 0, 256), (3, 32, 3, 1, 256), (16, 32, 3, 1, 256), (1, 28, 3, 1, 256),
@@ -30,16 +33,17 @@ def best(fn) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     print("| C | side | kernel | padding | batch | patches s | shifted s | conv forward s | rule picks | right |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for C, H, k, p, M in SHAPES:
         conv = nn.Conv2d(C, C, k, padding=p)
         x = torch.randn(M, C, H, H)
-        patches = best(lambda conv=conv, x=x: fc._gram(fc._input_columns(conv, x)))
-        shifted = best(lambda conv=conv, x=x: fc._conv_input_gram_shifted(conv, x))
+        patches = best(lambda conv=conv, x=x: float64_gram(input_columns(conv, x)))
+        shifted = best(lambda conv=conv, x=x: inputs._conv_input_gram_shifted(conv, x))
         forward = best(lambda conv=conv, x=x: conv(x))
-        pick = fc._shift_gram_pays(conv, x)
+        pick = inputs._shift_gram_pays(conv, x)
         print(f"| {C} | {H} | {k} | {p} | {M} | {patches:.4f} | {shifted:.4f} | {forward:.4f} | "
               f"{'shifted' if pick else 'patches'} | {'yes' if pick == (shifted < patches) else 'no'} |", flush=True)
 

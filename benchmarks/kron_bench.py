@@ -6,7 +6,7 @@
 Compares, for one point w against N components (the cost of one Adam step of one mode):
   loop     laplace-torch's KronDecomposed, one component at a time (the naive per-component loop)
   batched  posterior_fusion.kernels torch reference, all N components at once (exact)
-  lowrank  batched with the exact low-rank shortcut at each of --lowrank-tols
+  lowrank  batched with the exact low-rank shortcut at each of --spectral-cutoffs
   triton   fused Triton kernels (only when a CUDA GPU is present)
 LeNet shapes use the real K-FAC factors of the given client artifacts (repeated cyclically
 to reach N); the CNN layer (fc 1600->512) uses random orthogonal bases with a decaying
@@ -27,7 +27,7 @@ import torch
 
 import posterior_fusion
 from posterior_fusion.curvature import BlockDiag, Kron
-from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.kernels import triton_available
 from posterior_fusion.posterior import Component
 
@@ -90,7 +90,7 @@ def bench(name: str, components: list[Component], reps: int, tols: list[float], 
     rows = []
     loop = laplace_loop(components)
     exact = StackedGaussians(components, 1 / T, LAM, torch.float32, kernel="torch")
-    lows = {tol: StackedGaussians(components, 1 / T, LAM, torch.float32, lowrank_tol=tol, kernel="torch") for tol in tols}
+    lows = {tol: StackedGaussians(components, 1 / T, LAM, torch.float32, spectral_cutoff=tol, kernel="torch") for tol in tols}
 
     def run(obj):
         def f():
@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="5,25,100,200")
     ap.add_argument("--cnn-sizes", default="5,25")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--lowrank-tols", default="1e-3,1e-2,1e-1")
+    ap.add_argument("--spectral-cutoffs", default="1e-3,1e-2,1e-1")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     tols = [float(t) for t in args.lowrank_tols.split(",")]

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-from measured import save_rows
 
 import posterior_fusion
 from posterior_fusion.curvature import Kron
+from posterior_fusion.experiment.measure import save_rows
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
 
 TRIED = "c5e70a8"

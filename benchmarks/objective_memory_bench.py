@@ -5,7 +5,7 @@ backward pass) against the default client chunks (each chunk's gradient computed
 released before the next chunk). Each configuration runs in its own process so its peak is its own.
 
     .venv/bin/python benchmarks/objective_memory_bench.py \\
-        --artifacts '/work/runs/table1_seeds12/clients/35536602f69eedad/post_*.h5' --threads 1
+        --artifacts 'runs/table1_seeds12/clients/35536602f69eedad/post_*.h5' --threads 1
 
 Real client artifacts (M = 5 components each) are repeated to reach C clients. Prints the resident
 memory once the objective is built ("held": the stacked artifacts themselves), the step's extra

@@ -1,7 +1,7 @@
 """Peak resident memory (VmHWM) of every pfuse command on its largest honest input here (full
 Fashion-MNIST, LeNet) and on hostile inputs over a 256 MiB budget (docs/security.md).
 
-    nice -n 19 .venv/bin/python benchmarks/peak_rss.py --work /tmp/rss [--json docs/results/security/peak_rss.json]
+    nice -n 19 .venv/bin/python benchmarks/peak_rss.py --work runs/rss [--json docs/results/security/peak_rss.json]
 
 Each command runs in its own process; its peak is read from /proc/self/status at exit (getrusage
 would include the size of the process that forked it).
@@ -19,7 +19,8 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-from measured import run_measured
+
+from posterior_fusion.experiment.measure import run_measured
 
 
 def run(*args: str | Path) -> dict:
@@ -100,7 +101,7 @@ def hostile(work: Path) -> list[tuple[str, list]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/pfuse-rss"))
+    ap.add_argument("--work", type=Path, default=Path("runs/pfuse-rss"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cases", default="", help="Only the cases whose label contains this text [default: all].")
     args = ap.parse_args()
@@ -136,7 +137,7 @@ def main() -> None:
                                                                  "--max-memory", "1G"]),
         ("evaluate (glm, PFUSE_MALLOC=default)", ["evaluate", work / "g.h5", "--data", split / "test.h5",
                                                   "--predictive", "glm", "--max-memory", "1G"]),
-        ("experiment (benchmarks/smoke.toml: 8 fits, 32 fusions)", ["experiment", "benchmarks/smoke.toml",
+        ("experiment (tests/smoke.toml: 8 fits, 32 fusions)", ["experiment", "tests/smoke.toml",
                                                                     "--out-dir", work / "smoke"]),
     ]
     rows = []

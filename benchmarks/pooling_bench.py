@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from posterior_fusion.models import ModelSpec, functional, pooling
+from posterior_fusion.models import ModelSpec, functional, maxpool
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     W = torch.randn(args.members, d, generator=gen) * 0.05
     x = torch.randn(args.n, 1, 28, 28, generator=gen)
-    views_pooling = pooling.fast_max_pooling
+    views_pooling = maxpool.fast_max_pooling
     times: dict[str, list[float]] = {"views": [], "torch": []}
     out = {}
     try:

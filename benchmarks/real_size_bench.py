@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from measured import run_measured, save_rows, sync
 
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.curvature.lowrank import Compression
+from posterior_fusion.curvature.compressed import Compression
+from posterior_fusion.experiment.measure import run_measured, save_rows, sync
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import TrainConfig

@@ -24,11 +24,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from measured import run_measured, save_rows
 
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.curvature import BlockDiag, Kron
-from posterior_fusion.curvature.lowrank import COMPRESS_METRICS, VECTOR_DTYPES, Compression
+from posterior_fusion.curvature.compressed import COMPRESS_METRICS, VECTOR_DTYPES, Compression
+from posterior_fusion.experiment.measure import run_measured, save_rows
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.models import ModelSpec

@@ -73,8 +73,8 @@ def one(artifacts: list[str], C: int, M: int, form: str, threads: int, keep: boo
 
     if keep:
         keep_freed_memory()
+    from posterior_fusion.fusion.gaussian_stack import StackedGaussians
     from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior
-    from posterior_fusion.fusion.stack import StackedGaussians
 
     torch.set_num_threads(threads)
     clients = [posterior_fusion.load(p) for p in artifacts]

@@ -9,13 +9,13 @@ import click
 
 from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
-from posterior_fusion.curvature.lowrank import Compression
+from posterior_fusion.curvature.compressed import Compression
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture import CAPTURE_METHODS
+from posterior_fusion.local.capture.policy import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import initial_weights

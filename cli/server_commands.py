@@ -9,20 +9,21 @@ from typing import Any
 import click
 
 from posterior_fusion.artifact import load_global
+from posterior_fusion.artifact.writer import write_predictions
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
 from posterior_fusion.compat import FUSE_FLAGS_TO_SETTINGS
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.demo import DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
+from posterior_fusion.demo import DEFAULT_ROW, DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output, output_lock
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, get_method, write_fused
 from posterior_fusion.fusion.distill import DistillConfig
-from posterior_fusion.fusion.registry import DEFAULT_METHOD, QUICK
+from posterior_fusion.fusion.registry import DEFAULT_METHOD, DEFAULT_SETTINGS, QUICK, resolve_default
 from posterior_fusion.fusion.settings import parse_pairs
 from posterior_fusion.fusion.tuning import parse_tune
 from posterior_fusion.local.config import STRUCTURES
 from posterior_fusion.metrics import check_data, choose_scale, evaluate_posterior, reliability_plot
-from posterior_fusion.predictive import LINKS, PREDICTIVES, write_predictions
+from posterior_fusion.predictive import LINKS, PREDICTIVES
 
 
 def legacy_settings(fn: Callable) -> Callable:
@@ -90,7 +91,9 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 
 @click.command("fuse", epilog=settings_epilog())
 @click.argument("clients", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--method", default=DEFAULT_METHOD, show_default=True, type=click.Choice(list(METHODS)), help="Fusion method.")
+@click.option("--method", default=None, type=click.Choice(list(METHODS)),
+              help="Fusion method [default: the one docs/choosing.md recommends when nothing else is known: "
+                   f"{DEFAULT_METHOD} with {', '.join(f'{k}={v}' for k, v in DEFAULT_SETTINGS.items())}].")
 @click.option("--set", "set_values", multiple=True, metavar="KEY=VALUE",
               help="A setting of the chosen method, repeatable (list them with --help-method NAME), "
                    "e.g. --set steps=300 --set adam_lr=1e-3 [default: the method's defaults].")
@@ -134,7 +137,8 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
              component, sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
              as_json, legacy):
     """Validate client artifacts and fuse them into a global ensemble."""
-    overrides = applicable_settings(method, legacy)
+    method, defaults = resolve_default(method, None)
+    overrides = {**defaults, **applicable_settings(method, legacy)}
     for k in sorted(set(legacy) - set(overrides)):
         log_to_stderr(f"warning: method {method!r} has no setting {k!r}; ignored")
     overrides.update(parse_pairs(set_values))
@@ -287,8 +291,8 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @click.option("--structure", default="kron", show_default=True, type=click.Choice(STRUCTURES), help="Curvature structure.")
 @click.option("--steps", default=300, show_default=True, type=int, help="Server Adam steps (fedbens, fedfisher).")
 @click.option("--methods", default=None,
-              help=f"Comma-separated fusion methods [default: those of {','.join(DEMO_METHODS)} that apply to "
-                   "--structure].")
+              help=f"Comma-separated fusion methods ('{DEFAULT_ROW}': what fuse runs without --method) [default: "
+                   f"{DEFAULT_ROW} and those of {','.join(DEMO_METHODS)} that apply to --structure].")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Run seed: the partition, init and training seeds of the demo all equal it.")
 @click.option("--quick", is_flag=True,
@@ -305,7 +309,8 @@ def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs,
         clients, components, epochs, steps, chosen, max_train = 3, 2, 1, 20, QUICK, 600
         subset = True
     for m in chosen or ():
-        get_method(m)
+        if m != DEFAULT_ROW:
+            get_method(m)
     if full:
         say("warning: --full is deprecated: the full Fashion-MNIST is the default when installed", err=True)
     rows = run_demo(out_dir, subset, clients, alpha, components, epochs, structure, seed, chosen, steps, max_train,
@@ -322,5 +327,6 @@ def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs,
                "\nis better). members = models served per prediction (the serving cost).")
     for r in rows:
         say(f"  {r['method']:<13} {LEGEND.get(r['method'], '')}")
+    say("Recommended when nothing else is known: the 'default' row (what `pfuse fuse` runs without --method).")
     say("A demo-sized run (few epochs, M small); the full-data tables with spread over seeds are in"
-               "\ndocs/results/ (table1_*, vs_paper.md).")
+               "\ndocs/choosing.md (which method for which situation) and docs/results/ (every study).")

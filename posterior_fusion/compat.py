@@ -25,10 +25,14 @@ RENAMED_OPTIONS: dict[str, dict[str, tuple[str, str, str]]] = {
 FUSE_FLAGS_TO_SETTINGS: dict[str, tuple[str, str]] = {
     "--steps": ("steps", "int"), "--lr": ("adam_lr", "float"), "--clip": ("clip", "float"),
     "--val-every": ("val_every", "int"), "--modes": ("modes", "int"), "--num-samples": ("num_samples", "int"),
-    "--regmean-alpha": ("alpha", "float"), "--lowrank-tol": ("lowrank_tol", "float")}
+    "--regmean-alpha": ("alpha", "float"), "--lowrank-tol": ("spectral_cutoff", "float")}
 # Keys of the experiment TOML and of the Flower run config: old -> new.
 RENAMED_TOML_KEYS = {"mixtures": "components"}
 RENAMED_RUN_CONFIG_KEYS = {"mixtures": "components", "seed": "train-seed"}
+# Method settings (``--set``): old name -> its name now. Not accepted: a configuration that uses an
+# old name is refused in one line that gives the new one (where the method has the new name).
+RENAMED_METHOD_SETTINGS = {"damping": "prior_scale", "tune_damping": "tune_prior_scale",
+                           "lowrank_tol": "spectral_cutoff"}
 
 
 def rename_keys(values: Mapping[str, Any], table: Mapping[str, str], where: str,

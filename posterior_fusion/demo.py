@@ -12,7 +12,7 @@ from posterior_fusion.data.prepare import import_data, partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, write_fused
-from posterior_fusion.fusion.registry import DEMO
+from posterior_fusion.fusion.registry import DEFAULT_METHOD, DEFAULT_SETTINGS, DEMO
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_silo_file
 from posterior_fusion.metrics import evaluate_members
@@ -20,8 +20,11 @@ from posterior_fusion.models import ModelSpec
 
 DEMO_METHODS = DEMO
 DEMO_DATASETS = ("fmnist", "digits")
+DEFAULT_ROW = "default"  # the demo's row of what `pfuse fuse` runs without --method
 # one line per method, as each method states it (``FusionMethod.summary``)
 LEGEND = {name: m.summary for name, m in METHODS.items()}
+LEGEND[DEFAULT_ROW] = (f"what `pfuse fuse` runs without --method: {DEFAULT_METHOD} with "
+                       f"{', '.join(f'{k}={v}' for k, v in DEFAULT_SETTINGS.items())} (docs/choosing.md)")
 
 
 def fmnist_source(subset: bool = False) -> tuple[Path, str]:
@@ -48,9 +51,9 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
     ``seed`` is the run seed: partition, init and training seeds all equal it. ``dataset``:
     ``fmnist`` (LeNet; the installed full set, or the embedded subset with ``subset`` or when the
     full set is not installed) or ``digits`` (scikit-learn's 8x8 handwritten digits, an MLP).
-    ``methods`` None: the demo's methods that apply to ``structure``."""
+    ``methods`` None: the default fusion (row ``default``) and the demo's methods that apply to ``structure``."""
     if methods is None:
-        methods = demo_methods(structure)
+        methods = (DEFAULT_ROW, *demo_methods(structure))
     out = Path(out_dir)
     t0 = time.perf_counter()
     if dataset == "digits":
@@ -80,8 +83,10 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
     rows = []
     for method in methods:
         try:
-            inputs, result, meta = fuse(paths, method, FusionOptions(sampling_seed=seed),
-                                   applicable_settings(method, {"steps": steps}), val_path=summary["server_val"])
+            named = None if method == DEFAULT_ROW else method
+            inputs, result, meta = fuse(paths, named, FusionOptions(sampling_seed=seed),
+                                        applicable_settings(named, {"steps": steps}) if named else None,
+                                        val_path=summary["server_val"])
         except MethodNotApplicableError as exc:
             log(f"{method}: skipped ({exc})")
             continue

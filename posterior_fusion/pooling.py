@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from posterior_fusion import ranges
-from posterior_fusion.artifact.jsonattr import _is_int
 from posterior_fusion.errors import ConfigError
 
 POOLINGS = ("average", "label-shift")
@@ -89,16 +88,16 @@ class Pooling:
         if set(raw) != fields:
             raise ConfigError(f"{where}: {raw['rule']} needs exactly the fields {', '.join(sorted(fields))}")
         groups, counts = raw["groups"], raw["class_counts"]
-        if not isinstance(groups, list) or len(groups) != num_members or not all(map(_is_int, groups)):
+        if not isinstance(groups, list) or len(groups) != num_members or not all(map(ranges.is_int, groups)):
             raise ConfigError(f"{where}: groups must list the client (an integer) of each of the {num_members} members")
         if (not isinstance(counts, list) or not 1 <= len(counts) <= num_members
-                or not all(isinstance(r, list) and len(r) == num_classes and all(map(_is_int, r)) for r in counts)):
+                or not all(isinstance(r, list) and len(r) == num_classes and all(map(ranges.is_int, r)) for r in counts)):
             raise ConfigError(f"{where}: class_counts must hold 1 to {num_members} rows of {num_classes} integers")
         if max(max(r) for r in counts) > ranges.N_DATA[1]:
             raise ConfigError(f"{where}: a class count exceeds {ranges.N_DATA[1]:g}")
         smoothing, iterations = raw["smoothing"], raw["iterations"]
         ranges.check(f"{where}: smoothing", smoothing, ranges.POOLING_SMOOTHING)
-        if not _is_int(iterations):
+        if not ranges.is_int(iterations):
             raise ConfigError(f"{where}: iterations must be an integer")
         out = cls(raw["rule"], tuple(groups), tuple(tuple(r) for r in counts), float(smoothing), iterations, where)
         out.validate(num_members, num_classes)

@@ -23,27 +23,23 @@ validation data tempers the predictive). Shapes: ``x`` ``(n, ...)``, probabiliti
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import h5py
-import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from posterior_fusion import budget, ranges
 from posterior_fusion.curvature import BlockDiag, Diag, Kron, Precision
-from posterior_fusion.errors import ConfigError, NonFiniteOutputError
-from posterior_fusion.files import atomic_h5_write
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.runtime import release_freed_memory
 
 if TYPE_CHECKING:
-    from posterior_fusion.local.fastcapture import FactoredJacobian
+    from posterior_fusion.models.jacobians import FactoredJacobian
 
 PREDICTIVES = ("map", "mc", "glm", "glm-last-layer")
 LINKS = ("probit", "mc")
@@ -85,7 +81,7 @@ def logit_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: tor
     layer by layer from the precision's blocks (:func:`structured_moments`) where every parameter
     sits in a Linear/Conv2d/normalisation layer, else from per-sample full Jacobians
     (:func:`jacobian_moments`; the same numbers, slower and larger)."""
-    from posterior_fusion.local.fastcapture import jacobian_problem
+    from posterior_fusion.models.jacobians import jacobian_problem
 
     model = spec.build()
     if jacobian_problem(model.eval(), x[:1]) is None:
@@ -144,7 +140,7 @@ def _kron_covariance(block: Kron, J: FactoredJacobian) -> torch.Tensor:
     return torch.bmm(Z, Z.transpose(1, 2)).double()
 
 
-STRUCTURED_BATCH = 64  # samples per pass at most (larger batches were slower on 2 cores: docs/results/predictive)
+STRUCTURED_BATCH = 64  # samples per pass at most (larger batches were slower on 2 cores: benchmarks/glm_structured_bench.py)
 
 
 def structured_batch_size(model: nn.Module, x: torch.Tensor, num_classes: int, largest_parameter: int,
@@ -153,7 +149,7 @@ def structured_batch_size(model: nn.Module, x: torch.Tensor, num_classes: int, l
     quarter of the memory budget for what one sample keeps: C output gradients of every layer
     (float32) beside the activations, and one parameter's Jacobian ``(C, numel)`` with its whitened
     float64 copy; refuses (one line) when one sample does not fit."""
-    from posterior_fusion.local.fastcapture import output_bytes
+    from posterior_fusion.models.jacobians import output_bytes
 
     per_sample = (num_classes + 2) * sum(output_bytes(model, x[:1])) + 12 * num_classes * largest_parameter
     return batch_within_budget(per_sample, STRUCTURED_BATCH, "the GLM predictive (one sample's layer Jacobians)",
@@ -168,7 +164,7 @@ def structured_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
     each block of ``Λ`` whitens its own parameters' Jacobians (a Kronecker block by its factors'
     eigenbases, no dense matrix) and ``J Λ⁻¹ Jᵀ = Σ_blocks (Λ_b^{-½} J_b)(Λ_b^{-½} J_b)ᵀ``, so one
     block's Jacobians are held at a time, never the ``(b, C, d)`` Jacobian."""
-    from posterior_fusion.local.fastcapture import FactoredJacobian, logit_jacobians
+    from posterior_fusion.models.jacobians import FactoredJacobian, logit_jacobians
 
     model = spec.build()
     torch.nn.utils.vector_to_parameters(w.detach().clone().to(torch.float32), model.parameters())
@@ -360,21 +356,3 @@ def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, p
                 yield probit(mean, cov) if link == "probit" else sampled_link(mean, cov, samples, gen)
 
     return pooling.combine(member_probs(), pi).float()
-
-
-def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[str, str | float]) -> None:
-    """Write ``probs`` ``(n, classes)`` to the HDF5 file ``path`` (``/probs`` and ``attrs``) atomically,
-    after checking they are probabilities: finite, in [0, 1], each row summing to 1."""
-    p = probs.detach().double()
-    rows = p.sum(-1)
-    if not torch.isfinite(p).all() or p.min() < 0 or p.max() > 1 + 1e-6 or not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
-        raise NonFiniteOutputError(f"{path}: not written: the predictive ({attrs.get('predictive', '?')}) produced "
-                                   "values that are not probabilities (NaN/Inf, outside [0, 1] or rows not summing to 1)")
-
-    def fill(f: h5py.File) -> None:
-        f.attrs["format"] = "posterior-fusion-predictions"
-        for key, value in attrs.items():
-            f.attrs[key] = value
-        f.create_dataset("probs", data=probs.detach().cpu().numpy().astype(np.float32))
-
-    atomic_h5_write(path, fill)

@@ -26,6 +26,11 @@ POOLING_SMOOTHING = (1e-6, 1e6)    # s added to every class count by the label-s
 POOLING_ITERATIONS = (1, 1000)     # the label-shift pooling's fixed-point rounds at most
 
 
+def is_int(value: object) -> bool:
+    """An integer that is not a boolean (what a JSON count or index must be)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check(name: str, value: float | int, bounds: tuple[float, float]) -> None:
     """Raise :class:`ConfigError` unless ``value`` is a finite number in ``bounds`` (inclusive)."""
     lo, hi = bounds

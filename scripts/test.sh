@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check posterior_fusion cli tests benchmarks scripts
-.venv/bin/python -m pytest -q tests "$@"
+.venv/bin/ruff check posterior_fusion cli tests benchmarks experiments scripts
+.venv/bin/python -m pytest -q -n "${PFUSE_TEST_WORKERS:-2}" --durations=25 tests "$@"

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-import torch as _torch
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs one worker per core: one thread each (and in the
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # commands the tests start), not two workers × all cores
+import torch as _torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _torch.set_num_threads(1)
 
 # Triton kernels run on the CPU through Triton's interpreter (set before triton is imported);
 # on a machine with a GPU they run for real.

@@ -14,8 +14,8 @@ import posterior_fusion
 from cli.main import pfuse
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import capture
+from posterior_fusion.local.capture.fast import fast_diag_vector, fast_kron
 from posterior_fusion.local.config import FitConfig
-from posterior_fusion.local.fastcapture import fast_diag_vector, fast_kron
 
 
 def _net() -> nn.Module:

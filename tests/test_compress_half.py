@@ -19,8 +19,8 @@ from cli.main import pfuse
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.blocks import ENCODINGS
 from posterior_fusion.artifact.writer import text_attr
-from posterior_fusion.curvature import BlockDiag, Kron, LowRankKron
-from posterior_fusion.curvature.lowrank import (
+from posterior_fusion.curvature import BlockDiag, CompressedKron, Kron
+from posterior_fusion.curvature.compressed import (
     HALF_SHARE,
     ROUNDING_SHARE,
     Compression,
@@ -87,7 +87,7 @@ def test_half_vectors_record_the_error_of_the_stored_form(floor, budget):
     B, A = _ill(12, 1).float(), (_ill(60, 2) if floor is None else _spiky(60, 2)).float()
     block = Kron(B, A, scale=2.0)
     prior = None if floor is None else 2.0 * floor * float(torch.linalg.eigvalsh(B.double())[-1])  # A's floor
-    c = LowRankKron.from_kron(block, budget, prior, half=True)
+    c = CompressedKron.from_kron(block, budget, prior, half=True)
     assert c.half_counts[1] > 0
     tensors = c.to_tensors()
     assert tensors["lowrank_A_half_vectors"].dtype == torch.float16
@@ -146,7 +146,7 @@ def test_split_keeps_the_fewest_leading_vectors_in_float32():
 def test_a_factor_whose_rounded_form_misses_the_budget_stays_float32():
     """A budget below float16's rounding: no factor is stored in half precision."""
     F = _psd(40, 0.9, 4).float()
-    c = LowRankKron.from_kron(Kron(F[:10, :10] @ F[:10, :10].T + torch.eye(10), F), 1e-6, None, half=True)
+    c = CompressedKron.from_kron(Kron(F[:10, :10] @ F[:10, :10].T + torch.eye(10), F), 1e-6, None, half=True)
     assert c.stored == (None, None) and c.half_counts == (0, 0)
     assert all(t.dtype == torch.float32 for t in c.to_tensors().values())
 
@@ -202,8 +202,8 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
         assert halves > 0 and loaded == on_disk + 2 * halves
     art = posterior_fusion.load(paths["float16"])
     blk = art.components[0].curvature.blocks[0]
-    assert isinstance(blk, LowRankKron) and blk.half_counts[1] > 0
-    want = LowRankKron.from_kron(comp.curvature.blocks[0], 0.05, 10.0 * 0.1, half=True)
+    assert isinstance(blk, CompressedKron) and blk.half_counts[1] > 0
+    want = CompressedKron.from_kron(comp.curvature.blocks[0], 0.05, 10.0 * 0.1, half=True)
     torch.testing.assert_close(blk.UA, want.UA, rtol=0, atol=0)
     assert list(blk.errors) == pytest.approx(list(want.errors), rel=1e-12)
     other = tmp_path / "other.h5"

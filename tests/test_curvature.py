@@ -62,10 +62,10 @@ def test_against_dense_float64(kind):
 def test_spectrum_is_the_dense_eigenvalues_without_the_shift(kind):
     """``spectrum()`` of the precision ``G/T + λ0 I``: the eigenvalues of ``G/T`` (dense float64
     eigvalsh), factored for Kronecker blocks (``b_i a_j``)."""
-    from posterior_fusion.curvature import LowRankKron
+    from posterior_fusion.curvature import CompressedKron
 
     gen = torch.Generator().manual_seed(4)
-    raw = LowRankKron.from_kron(make("kron", gen), 0.05) if kind == "lowrank" else make(kind, gen)
+    raw = CompressedKron.from_kron(make("kron", gen), 0.05) if kind == "lowrank" else make(kind, gen)
     prec = raw.precision(T, LAM)
     b, a = prec.spectrum()
     assert b.dtype == torch.float64 and (a is None) == (kind not in ("kron", "lowrank"))

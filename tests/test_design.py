@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,14 +17,14 @@ import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.blocks import ENCODINGS, BlockEncoding
 from posterior_fusion.cli.main import pfuse
-from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, Dense, Diag, Kron, LowRankKron, Precision
+from posterior_fusion.curvature import BLOCK_TYPES, BlockDiag, CompressedKron, Dense, Diag, Kron, Precision
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion import METHODS, FusionMethod, FusionResult, fuse
+from posterior_fusion.fusion.block_stacks import STACKERS
+from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior
 from posterior_fusion.fusion.settings import MethodSettings, setting
-from posterior_fusion.fusion.stack import StackedGaussians
-from posterior_fusion.fusion.stacked import STACKERS
 from posterior_fusion.posterior import Component
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def test_settings_records_parse_validate_and_describe():
         FedBEnsSettings.from_mapping({"adam_lr": "inf"}, "fedbens")
     names = [r["name"] for r in FedBEnsSettings.describe()]
     assert names == ["steps", "adam_lr", "clip", "val_every", "modes", "laplace", "laplace_prior", "mode_weights",
-                     "allow_different_inits", "lowrank_tol", "starts", "solver", "damping", "trust_radius",
+                     "allow_different_inits", "spectral_cutoff", "starts", "solver", "damping", "trust_radius",
                      "prior_centre", "server_prior"]
     assert all(r["help"] for r in FedBEnsSettings.describe())
     with pytest.raises(ConfigError, match="solver must be one of"):
@@ -167,7 +168,7 @@ ISO_ENCODING = BlockEncoding(("iso",), lambda size, header: {"iso": (1,)},
 
 
 
-def stack_iso(blocks, offset, mu, scales, shifts, dtype, lowrank_tol=0.0, kernel=None):
+def stack_iso(blocks, offset, mu, scales, shifts, dtype, spectral_cutoff=0.0, kernel=None):
     """Iso's batched evaluation: fusion's table entry (as a diagonal)."""
     return STACKERS["diag"]([Diag(b.g.expand(b.size).to(dtype)) for b in blocks], offset, mu, scales, shifts, dtype)
 
@@ -207,7 +208,7 @@ def test_every_table_entry_round_trips_and_matches_dense(kind):
     make = {"diag": lambda: Diag(torch.rand(12, generator=gen, dtype=torch.float64)),
             "dense": lambda: Dense(random_psd(12, gen)),
             "kron": lambda: Kron(random_psd(3, gen), random_psd(4, gen)),
-            "kron_lowrank": lambda: LowRankKron.from_kron(Kron(random_psd(3, gen), random_psd(4, gen)), 0.3)}
+            "kron_lowrank": lambda: CompressedKron.from_kron(Kron(random_psd(3, gen), random_psd(4, gen)), 0.3)}
     blocks = [make[kind]() for _ in range(3)]
     cls, enc = BLOCK_TYPES[kind], ENCODINGS[kind]
     assert isinstance(blocks[0], cls)
@@ -422,7 +423,7 @@ def test_one_mixture_type_against_torch_distributions(structure):
 
 def test_curvature_is_algebra_and_imports_nothing_above_it():
     """``curvature/`` is the maths of one precision: it imports nothing from fusion, kernels,
-    artifact (nor any other layer above it); batched evaluation lives in ``fusion/stacked.py``."""
+    artifact (nor any other layer above it); batched evaluation lives in ``fusion/block_stacks.py``."""
     above = ("posterior_fusion.fusion", "posterior_fusion.kernels", "posterior_fusion.artifact",
              "posterior_fusion.local", "posterior_fusion.data", "posterior_fusion.models")
     found = []
@@ -434,7 +435,7 @@ def test_curvature_is_algebra_and_imports_nothing_above_it():
     assert not found, found
     from posterior_fusion.artifact.blocks import ENCODINGS as encodings
     from posterior_fusion.curvature import BLOCK_TYPES as kinds
-    from posterior_fusion.fusion.stacked import STACKERS as stackers
+    from posterior_fusion.fusion.block_stacks import STACKERS as stackers
 
     assert set(kinds) == set(stackers) == set(encodings)  # every block kind is stored and evaluated in batches
 
@@ -449,9 +450,9 @@ def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypa
     from posterior_fusion.experiment.config import ExperimentConfig
     from posterior_fusion.flower.federation import FederatedSettings
     from posterior_fusion.local import config
-    from posterior_fusion.local.fields import fit_field
+    from posterior_fusion.settings import setting
 
-    extended = make_dataclass("TrainConfig", [("label_smoothing", float, fit_field(0.0, "Label smoothing (a test)."))],
+    extended = make_dataclass("TrainConfig", [("label_smoothing", float, setting(0.0, "Label smoothing (a test)."))],
                               bases=(config.TrainConfig,), frozen=True)
     monkeypatch.setattr(config, "TrainConfig", extended)
     try:
@@ -473,3 +474,164 @@ def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypa
         monkeypatch.undo()
         importlib.reload(local_commands)
     assert "--label-smoothing" not in CliRunner().invoke(pfuse, ["fit-local", "--help"]).stdout
+
+
+# The package-level layers, bottom to top (docs/architecture.md): a package may import its own layer
+# and the layers below it, never one above. The small shared modules sit at the bottom.
+LAYERS = [
+    {"errors", "files", "ranges", "budget", "progress", "layout", "runtime", "compat", "hdf5_safety", "settings",
+     "__init__"},
+    {"curvature", "kernels", "data", "pooling"},
+    {"models"},
+    {"predictive"},
+    {"artifact", "posterior", "mixture", "summary"},
+    {"local", "fusion", "metrics"},
+    {"experiment", "flower", "demo"},
+    {"cli"},
+]
+
+
+def _package_of(module: str) -> str:
+    """``posterior_fusion.fusion.methods.fedbens`` -> ``fusion``; ``posterior_fusion`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_packages_import_only_their_layer_and_the_layers_below():
+    rank = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+    found, edges = [], set()
+    for path in sorted([*(ROOT / "posterior_fusion").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]):
+        rel = path.relative_to(ROOT).with_suffix("").parts
+        src = "cli" if rel[0] == "cli" else (rel[1] if len(rel) > 1 else "__init__")
+        assert src in rank, f"{path.relative_to(ROOT)}: package {src!r} has no layer in LAYERS"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("posterior_fusion")):
+                continue
+            targets = ([f"posterior_fusion.{a.name}" for a in node.names] if node.module == "posterior_fusion"
+                       else [node.module])
+            for target in targets:
+                dst = "cli" if target.startswith("posterior_fusion.cli") else _package_of(target)
+                if dst == "__version__":
+                    dst = "__init__"
+                if dst == src:
+                    continue
+                edges.add((src, dst))
+                if rank[dst] > rank[src]:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {src} (layer {rank[src]}) imports "
+                                 f"{target} (layer {rank[dst]})")
+    assert not found, found
+    # within a layer, no two packages import each other (directly or through others of that layer)
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        if rank[a] == rank[b]:
+            graph.setdefault(a, set()).add(b)
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in graph.get(a, ()))
+
+    assert not [(a, b) for a in graph for b in graph[a] if reaches(b, a, {b})]
+    # loading an artifact does not import the silo's capture code
+    import subprocess
+    import sys
+
+    code = ("import sys, posterior_fusion; posterior_fusion.load; "
+            "import posterior_fusion.artifact, posterior_fusion.predictive; "
+            "print(sorted(m for m in sys.modules if m.startswith(('posterior_fusion.local', 'posterior_fusion.fusion'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_a_compressed_kron_answers_every_operation_from_its_compact_form(monkeypatch):
+    """``CompressedKron`` never rebuilds a ``D × D`` factor behind a caller's back: with ``rebuild`` made to
+    fail, every operation still answers, and each equals the dense float64 reference."""
+    from posterior_fusion.curvature import compressed
+
+    gen = torch.Generator().manual_seed(3)
+    block = compressed.CompressedKron.from_kron(Kron(random_psd(5, gen), random_psd(7, gen)), 0.3).precision(0.5, 0.2)
+    dense = block.to_dense()
+    W = torch.randn(4, block.dim, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(compressed, "rebuild", lambda *a, **k: pytest.fail("a dense factor was rebuilt"))
+    torch.testing.assert_close(block.matvec(W), W @ dense)
+    torch.testing.assert_close(block.solve(W), torch.linalg.solve(dense, W.T).T)
+    u = block.whiten(W)
+    torch.testing.assert_close(u @ u.T, W @ torch.linalg.solve(dense, W.T))
+    torch.testing.assert_close(block.diagonal(), torch.diagonal(dense))
+    torch.testing.assert_close(block.quadratic_form(W), torch.einsum("ki,ij,kj->k", W, dense, W))
+    torch.testing.assert_close(block.logdet(), torch.logdet(dense))
+    draws = block.sample(20000, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(draws.T @ draws / 20000, torch.linalg.inv(dense), rtol=0, atol=0.05)
+
+
+HISTORY = re.compile(r"\b(?:issues?|sessions?)\s*#?\d+|\(issue:|measured in session", re.I)
+
+
+def test_the_product_speaks_of_the_product_not_of_its_history():
+    """No issue or session numbers in the library, the CLI, the README or the docs (a figure a docstring
+    needs points to a benchmark or a test by name; how a result was reached lives in git)."""
+    texts = [*(ROOT / "posterior_fusion").rglob("*.py"), *(ROOT / "cli").rglob("*.py"), ROOT / "README.md",
+             *(p for p in (ROOT / "docs").rglob("*") if p.suffix in (".md", ".toml", ".txt", ".py"))]
+    found = [f"{p.relative_to(ROOT)}:{i} {m.group(0)!r}" for p in texts
+             for i, line in enumerate(p.read_text().splitlines(), 1) for m in [HISTORY.search(line)] if m]
+    assert not found, found
+
+
+def _scripts() -> list[Path]:
+    return sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "experiments").rglob("*.py")])
+
+
+def test_benchmarks_and_studies_name_no_machine_folder():
+    """Every command and path in benchmarks/ and experiments/ runs from a fresh clone: no absolute path."""
+    absolute = re.compile(r"(?<![\w.$~])/(?:tmp|work|home|root|Users|mnt|opt|var)/")
+    files = [*_scripts(), *(ROOT / "benchmarks").glob("*.sh"), *(ROOT / "experiments").rglob("*.sh"),
+             *(ROOT / "experiments").rglob("*.toml"), *(ROOT / "experiments").rglob("*.md")]
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+             if absolute.search(line)]
+    assert not found, found
+
+
+@pytest.mark.parametrize("script", _scripts(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_benchmark_and_study_script_imports_and_answers_help(script, monkeypatch, capsys):
+    """Each script imports from a fresh clone (its helpers are importable modules, siblings beside it)
+    and ``--help`` prints its usage and exits 0 without doing any work."""
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    monkeypatch.syspath_prepend(str(script.parent))
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_info.value.code in (0, None)
+    assert "usage" in capsys.readouterr().out.lower()
+
+
+def test_choosing_page_is_what_its_command_generates():
+    """``docs/choosing.md`` is generated from the studies' committed results by ``experiments/choosing.py``;
+    the committed page equals what the command produces now, and its recommended row is the default
+    ``pfuse fuse`` runs."""
+    import runpy
+
+    from posterior_fusion.fusion.registry import DEFAULT_METHOD, DEFAULT_SETTINGS
+
+    module = runpy.run_path(str(ROOT / "experiments" / "choosing.py"))
+    assert (ROOT / "docs" / "choosing.md").read_text() == module["render"]()
+    first = module["rows"]()[0]
+    assert "default" in first.situation and f"--method {DEFAULT_METHOD}" in first.command
+    assert all(f"{k}={v}" in first.command for k, v in DEFAULT_SETTINGS.items())
+
+
+def test_a_misspelt_boolean_is_one_clear_error_everywhere(tmp_path, two_clients):
+    """``"ture"`` for a boolean setting: one ConfigError naming the setting in a TOML ``[fit]`` table, a
+    Flower run config and ``fuse --set`` (never silently False)."""
+    from posterior_fusion.experiment.config import ExperimentConfig
+    from posterior_fusion.flower.federation import FederatedSettings
+
+    (tmp_path / "g.toml").write_text("[fit]\nswag = \"ture\"\n")
+    with pytest.raises(ConfigError, match=r"swag.*must be bool.*ture"):
+        ExperimentConfig.from_toml(tmp_path / "g.toml")
+    with pytest.raises(ConfigError, match=r"swag.*must be bool.*ture"):
+        FederatedSettings.from_run_config({"swag": "ture"}).fit_config()
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedbens", "--set", "laplace=ture",
+                                   "--out", str(tmp_path / "g.h5")])
+    assert r.exit_code == 2 and "'laplace' must be bool" in r.stderr and r.stderr.count("\n") == 1
+    for word, value in (("yes", True), ("0", False), ("False", False)):
+        assert FederatedSettings.from_run_config({"swag": word}).fit_config().train.swag is value

@@ -130,9 +130,9 @@ def test_fuse_tune_picks_best_validation_point(tmp_path, small_silo):
     assert len(tuning["grid"]) == 4
     best = max(tuning["grid"], key=lambda g: (g["val_accuracy"], -g["val_nll"]))
     assert tuning["chosen"] == best
-    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--tune", "T", "--out", str(tmp_path / "h.h5")])
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--tune", "T", "--out", str(tmp_path / "h.h5")])
     assert r.exit_code != 0 and "needs server validation" in r.stderr
-    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--tune", "lr", "--val", str(tmp_path / "val.h5"),
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--tune", "lr", "--val", str(tmp_path / "val.h5"),
                                    "--out", str(tmp_path / "h.h5")])
     assert r.exit_code != 0 and "--tune takes" in r.stderr
 

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from conftest import install_fake_plugin
 from torch import nn
 
-from posterior_fusion.local import fastcapture
-from posterior_fusion.local.capture import capture
-from posterior_fusion.local.fastcapture import CHUNK_COLUMNS, unsupported_reason
-from posterior_fusion.models import ModelSpec, pooling
+from posterior_fusion.local.capture import capture, inputs, outputs
+from posterior_fusion.local.capture import gram as gram_module
+from posterior_fusion.local.capture.gram import CHUNK_COLUMNS
+from posterior_fusion.models import ModelSpec, jacobians, layers, maxpool
+from posterior_fusion.models.layers import unsupported_reason
 
 PLUGIN = '''
 from torch import nn
@@ -75,7 +76,7 @@ def test_exact_columns_are_a_rank_c_minus_1_square_root_of_the_ce_hessian():
     """Σ_i s_i s_iᵀ = diag(p) − p pᵀ with C − 1 columns, against float64 (confident samples included)."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.cat([torch.randn(40, 10, generator=gen) * 4, torch.tensor([[30.0] + [0.0] * 8 + [-20.0]])])
-    S = fastcapture._columns(logits, "exact", None)
+    S = jacobians.backprop_columns(logits, "exact", None)
     assert S.shape == (9, 41, 10)
     p = logits.double().softmax(-1)
     H = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
@@ -94,11 +95,11 @@ def test_exact_columns_are_a_rank_c_minus_1_square_root_of_the_ce_hessian():
 ])
 def test_output_gram_equals_float64_product(monkeypatch, layer, shape, chunk):
     """Σ g gᵀ over samples and positions, whichever way it is summed, against one float64 product."""
-    monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
+    monkeypatch.setattr(gram_module, "CHUNK_COLUMNS", chunk)
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     cols = (g.transpose(0, 1).reshape(shape[1], -1) if isinstance(layer, nn.Conv2d) else g.reshape(-1, shape[-1]).T)
     ref = cols.double() @ cols.double().T
-    torch.testing.assert_close(fastcapture._output_gram(layer, g), ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(outputs.output_gram(layer, g), ref, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel,padding,dilation,size", [
@@ -109,28 +110,28 @@ def test_shifted_conv_input_gram_equals_the_patches(monkeypatch, kernel, padding
     """The stride-1 input factor from one product per displacement (plus boundary strips) equals the
     Gram of the unfolded patches, in float64 to rounding and in float32 to float32 accuracy: same,
     valid and over-padding, dilation, non-square and even kernels, chunked sums."""
-    monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
+    monkeypatch.setattr(gram_module, "CHUNK_COLUMNS", chunk)
     conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation)
     x = torch.randn(5, 3, *size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     X = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(0, 1).reshape(
         3 * conv.kernel_size[0] * conv.kernel_size[1], -1)
-    gram, positions = fastcapture._conv_input_gram_shifted(conv, x)
+    gram, positions = inputs._conv_input_gram_shifted(conv, x)
     assert positions * 5 == X.shape[1]
     torch.testing.assert_close(gram, X @ X.T, rtol=1e-12, atol=1e-10)
-    gram32, _ = fastcapture._conv_input_gram_shifted(conv, x.float())
+    gram32, _ = inputs._conv_input_gram_shifted(conv, x.float())
     torch.testing.assert_close(gram32, X @ X.T, rtol=1e-5, atol=1e-4)
 
 
 def test_the_shifted_gram_is_chosen_only_where_it_pays():
     """The rule's choices where the measured winner is clear (``docs/benchmarks.md``); a curvature batch of 256."""
     x = torch.zeros(256, 16, 28, 28)
-    assert fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1), x)
-    assert not fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1, stride=2), x)
-    assert not fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 1), x)
+    assert inputs._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1), x)
+    assert not inputs._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1, stride=2), x)
+    assert not inputs._shift_gram_pays(nn.Conv2d(16, 16, 1), x)
     # one channel, a 5x5 kernel without padding (hundreds of boundary strips) or a batch of 4: patches are cheaper
-    assert not fastcapture._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1), x[:4])
-    assert not fastcapture._shift_gram_pays(nn.Conv2d(1, 16, 3, padding=1), x[:, :1])
-    assert not fastcapture._shift_gram_pays(nn.Conv2d(6, 16, 5), x[:, :6, :12, :12])
+    assert not inputs._shift_gram_pays(nn.Conv2d(16, 16, 3, padding=1), x[:4])
+    assert not inputs._shift_gram_pays(nn.Conv2d(1, 16, 3, padding=1), x[:, :1])
+    assert not inputs._shift_gram_pays(nn.Conv2d(6, 16, 5), x[:, :6, :12, :12])
 
 
 def test_off_the_cpu_the_input_factor_is_the_patches_gram():
@@ -138,10 +139,10 @@ def test_off_the_cpu_the_input_factor_is_the_patches_gram():
     reads shapes and the device alone) takes the patches' GEMMs, for the layers where the CPU takes each."""
     conv, pixel = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(1, 4, 3, padding=1)
     x, small = torch.zeros(256, 16, 28, 28), torch.zeros(256, 1, 6, 6)
-    assert fastcapture.input_gram_path(conv, x) == "shifted" and fastcapture.input_gram_path(pixel, small) == "pixel"
-    assert fastcapture.input_gram_path(conv, x.to("meta")) == "patches"
-    assert fastcapture.input_gram_path(pixel, small.to("meta")) == "patches"
-    assert fastcapture.input_gram_path(nn.Linear(3, 2), torch.zeros(4, 3)) == "patches"
+    assert inputs.input_gram_path(conv, x) == "shifted" and inputs.input_gram_path(pixel, small) == "pixel"
+    assert inputs.input_gram_path(conv, x.to("meta")) == "patches"
+    assert inputs.input_gram_path(pixel, small.to("meta")) == "patches"
+    assert inputs.input_gram_path(nn.Linear(3, 2), torch.zeros(4, 3)) == "patches"
 
 
 @pytest.mark.parametrize("structure", ["kron", "diag", "diag+full"])
@@ -179,24 +180,24 @@ def test_conv_input_columns_equal_unfold(monkeypatch, kernel, stride, padding, d
     dilation) and their Gram — one chunk; many chunks in one batched GEMM; one GEMM per chunk —
     against one float64 product; the same Gram from the pixel Gram without unfolding (the samples
     in one chunk, or in chunks of 3)."""
-    monkeypatch.setattr(fastcapture, "CHUNK_COLUMNS", chunk)
-    monkeypatch.setattr(fastcapture, "GRAM_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(gram_module, "CHUNK_COLUMNS", chunk)
+    monkeypatch.setattr(gram_module, "GRAM_GROUP_BYTES", group_bytes)
     conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
     x = torch.randn(7, 3, 13, 11, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     u = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)  # (M, I, S)
-    X = fastcapture._input_columns(conv, x)
+    X = layers.input_columns(conv, x)
     assert torch.equal(X, u.transpose(0, 1).reshape(u.shape[1], -1))
-    torch.testing.assert_close(fastcapture._gram(X), X @ X.T, rtol=1e-12, atol=1e-12)
-    gram, positions = fastcapture._conv_input_gram(conv, x)
+    torch.testing.assert_close(gram_module.float64_gram(X), X @ X.T, rtol=1e-12, atol=1e-12)
+    gram, positions = inputs._conv_input_gram(conv, x)
     assert positions == u.shape[2]
     torch.testing.assert_close(gram, X @ X.T, rtol=1e-12, atol=1e-12)
     x32 = x.float()
     X32 = X.float()
-    gram, positions = fastcapture._input_gram(conv, x32)  # whichever path pays, float32 in, float64 sums
+    gram, positions = inputs.input_gram(conv, x32)  # whichever path pays, float32 in, float64 sums
     assert positions == u.shape[2]
     torch.testing.assert_close(gram, X @ X.T, rtol=2e-6, atol=1e-5)
-    torch.testing.assert_close(fastcapture._conv_input_gram(conv, x32)[0], X32.double() @ X32.double().T, rtol=2e-6, atol=1e-5)
-    lin = fastcapture._input_columns(nn.Linear(11, 2), x)  # a linear layer: every position's inputs, a view
+    torch.testing.assert_close(inputs._conv_input_gram(conv, x32)[0], X32.double() @ X32.double().T, rtol=2e-6, atol=1e-5)
+    lin = layers.input_columns(nn.Linear(11, 2), x)  # a linear layer: every position's inputs, a view
     assert lin.data_ptr() == x.data_ptr() and torch.equal(lin, x.reshape(-1, 11).T)
 
 
@@ -288,19 +289,19 @@ def test_window_max_equals_max_pool2d(dtype, kernel, shape):
     """The strided-view maxima = ``F.max_pool2d``, bit for bit (odd sizes, non-square windows, ties)."""
     gen = torch.Generator().manual_seed(0)
     x = (2 * torch.randn(shape, generator=gen, dtype=dtype)).round().relu()
-    assert torch.equal(pooling.window_max(x, *nn.modules.utils._pair(kernel)), F.max_pool2d(x, kernel))
+    assert torch.equal(maxpool.window_max(x, *nn.modules.utils._pair(kernel)), F.max_pool2d(x, kernel))
 
 
 def test_fast_max_pooling_only_where_exact_and_gradient_free_then_restored():
     model = nn.Sequential(nn.MaxPool2d(2), nn.MaxPool2d(3, stride=2), nn.MaxPool2d(2, padding=1),
                           nn.MaxPool2d(2, ceil_mode=True), nn.MaxPool2d((2, 3)))
-    assert [pooling.covered(m) for m in model] == [(2, 2), None, None, None, (2, 3)]
+    assert [maxpool.covered(m) for m in model] == [(2, 2), None, None, None, (2, 3)]
     x = torch.randn(1, 1, 12, 12)
     calls = []
-    original = pooling.window_max
-    with pooling.fast_max_pooling(model):
+    original = maxpool.window_max
+    with maxpool.fast_max_pooling(model):
         assert "forward" in vars(model[0]) and "forward" not in vars(model[1])
-        pooling.window_max = lambda *a: calls.append(a[1:]) or original(*a)
+        maxpool.window_max = lambda *a: calls.append(a[1:]) or original(*a)
         try:
             with torch.no_grad():
                 assert torch.equal(model[0](x), F.max_pool2d(x, 2))
@@ -309,6 +310,6 @@ def test_fast_max_pooling_only_where_exact_and_gradient_free_then_restored():
             (grad,) = torch.autograd.grad(model[0](v).sum(), v)  # a gradient flows: torch's own pooling
             assert grad.sum() == 36
         finally:
-            pooling.window_max = original
+            maxpool.window_max = original
     assert calls == [(2, 2)]
     assert all("forward" not in vars(m) for m in model)

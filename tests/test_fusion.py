@@ -490,7 +490,7 @@ def test_starts_that_end_on_one_mode_are_one_member_weighted_by_their_share(fitt
                         lambda v, precisions: torch.softmax(-(v.double() - v.double().min()) / spread, 0))
     by_mass = fedbens(inputs, dataclasses.replace(settings, mode_weights="laplace"))
     assert float(by_mass.mode_weights.min()) > 0.05
-    monkeypatch.setattr(fedbens_module, "MERGE_TOLERANCE", 0.0)
+    monkeypatch.setattr(fedbens_module.merging, "MERGE_TOLERANCE", 0.0)
     rows = fedbens(inputs, settings)
     rows_by_mass = fedbens(inputs, dataclasses.replace(settings, mode_weights="laplace"))
     for k, group in enumerate(merged.info["members_from_starts"]):
@@ -934,7 +934,7 @@ def test_server_prior_evidence_out_of_rounds_keeps_modes_and_prior_that_belong_t
     returned modes were solved at (the dense minimiser there), not the next round's."""
     from posterior_fusion.fusion.methods import fedbens as fedbens_module
 
-    monkeypatch.setattr(fedbens_module, "EVIDENCE_ROUNDS", 2)
+    monkeypatch.setattr(fedbens_module.evidence, "EVIDENCE_ROUNDS", 2)
     T = 0.02
     one = _clients("diag+full", C=3, M=1, seed=5)
     mu = torch.stack([c.components[0].map for c in one]).mean(0)

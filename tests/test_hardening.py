@@ -105,8 +105,10 @@ def test_poisoned_curvature_dominates_fedbens_without_screening(tmp_path, honest
     _, paths = honest
     scaled = poisoned_copy(paths[0], tmp_path / "scaled.h5", curvature_scale=1e6)
     opts = FusionOptions(progress=False)
-    _, plain, _ = fuse([scaled, *paths[1:]], "fedbens", opts, {"steps": 40})
-    _, robust, _ = fuse([scaled, *paths[1:]], "fedbens", opts, {"steps": 40}, robust=True)
+    paper = {"steps": 40, "solver": "adam"}  # the paper's solver: the screening, not the solver, is under test
+    with pytest.warns(UserWarning, match="solver=adam without validation data"):
+        _, plain, _ = fuse([scaled, *paths[1:]], "fedbens", opts, paper)
+        _, robust, _ = fuse([scaled, *paths[1:]], "fedbens", opts, paper, robust=True)
     victim = posterior_fusion.load(scaled).components[0].map
     # Without screening the poisoned client pins the first mode to its own MAP.
     assert (plain.members[0] - victim).norm() < 0.5 * (robust.members[0] - victim).norm()

@@ -301,7 +301,7 @@ def test_exact_solver_on_compressed_curvature_solves_the_compressed_quadratic(tm
     solve with each factor as stored (reconstructed), not the plain one's."""
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.curvature import Kron
-    from posterior_fusion.curvature.lowrank import Compression, LowRankKron
+    from posterior_fusion.curvature.compressed import CompressedKron, Compression
 
     plain = _clients(tmp_path, small_silo, "kron")
     compressed = []
@@ -311,7 +311,7 @@ def test_exact_solver_on_compressed_curvature_solves_the_compressed_quadratic(tm
                               Compression(0.3, "frobenius", "float32"))
         compressed.append(posterior_fusion.load(path))
     kinds = [type(b) for c in compressed for b in c.components[0].curvature.blocks if isinstance(b, Kron)]
-    assert kinds and set(kinds) == {LowRankKron}  # every Kronecker block compressed (biases stay dense)
+    assert kinds and set(kinds) == {CompressedKron}  # every Kronecker block compressed (biases stay dense)
     settings = QuadraticSettings(solver="exact", prior_scale=1e-4)
     got = fedfisher(FusionInputs(compressed, FusionOptions(progress=False)), settings).members[0].double()
     want, _ = _fedfisher_dense(compressed, settings.prior_scale)

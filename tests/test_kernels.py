@@ -12,9 +12,9 @@ from conftest import fit_split, random_psd
 import posterior_fusion
 from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.block_stacks import stack_kron
+from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior, fedbens
-from posterior_fusion.fusion.stack import StackedGaussians
-from posterior_fusion.fusion.stacked import stack_kron
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions
 from posterior_fusion.kernels import choose_backend, kron_direct_forms, kron_quadratic_forms, triton_available
 
@@ -115,13 +115,13 @@ def test_lowrank_shortcut_bounded_error_and_smaller_ranks(kron_clients):
                                                                          generator=torch.Generator().manual_seed(0))
     q_exact = exact.quadratic_forms(W)
     for tol in (1e-2, 1e-3):
-        lr = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float64, lowrank_tol=tol)
+        lr = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float64, spectral_cutoff=tol)
         rel = ((lr.quadratic_forms(W) - q_exact).abs() / q_exact).max()
         assert rel <= tol
         torch.testing.assert_close(lr.logdets, exact.logdets)
         kept = sum(r[2] * r[3] for r in lr.ranks)
         assert kept < sum(r[0] * r[1] for r in lr.ranks)  # real K-FAC spectra decay: something is dropped
-    objs = [GlobalLogPosterior(clients, [0.1, 0.1], [10.0, 10.0], 10.0, torch.float64, lowrank_tol=t)(W[:3]) for t in (0.0, 0.0)]
+    objs = [GlobalLogPosterior(clients, [0.1, 0.1], [10.0, 10.0], 10.0, torch.float64, spectral_cutoff=t)(W[:3]) for t in (0.0, 0.0)]
     torch.testing.assert_close(objs[0], objs[1])
 
 
@@ -151,7 +151,7 @@ def test_lowrank_does_not_depend_on_eigenvalue_order():
     W = torch.randn(2, P * Q, generator=g, dtype=torch.float64)
     exact = StackedGaussians(comps[:1], 10.0, 10.0, torch.float64).quadratic_forms(W)
     for comp in comps:
-        low = StackedGaussians([comp], 10.0, 10.0, torch.float64, lowrank_tol=1e-3)
+        low = StackedGaussians([comp], 10.0, 10.0, torch.float64, spectral_cutoff=1e-3)
         assert ((low.quadratic_forms(W) - exact).abs() / exact).max() <= 1e-3
         assert low.ranks[0][2] < P or low.ranks[0][3] < Q
 
@@ -161,7 +161,7 @@ def test_chunked_kron_quadratic_forms_equal_unchunked(kron_clients):
     clients = [posterior_fusion.load(p) for p in kron_clients]
     comps = [c for cl in clients for c in cl.components] * 3
     stack = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float64)
-    low = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float64, lowrank_tol=1e-30)  # the rotated form
+    low = StackedGaussians(comps, 1 / 0.1, 10.0, torch.float64, spectral_cutoff=1e-30)  # the rotated form
     W = torch.stack([c.map.double() for c in comps[:4]]).requires_grad_(True)
     kron = [(b, "direct") for b in stack.blocks if hasattr(b, "rank")]
     kron += [(b, "rotated") for b in low.blocks if hasattr(b, "rank")]
@@ -197,7 +197,7 @@ def test_direct_form_equals_rotated_and_dense_reference(dtype, rtol, K):
         ref[:, n] = torch.einsum("ki,ij,kj->k", V, L, V)
         ref_grad += 2 * g[:, n : n + 1] * (V @ L)
     # the low-rank shortcut at a tolerance that drops nothing: its closed-form shift term is exact
-    low = stack_kron(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype, lowrank_tol=1e-30)
+    low = stack_kron(blocks, 0, mu.to(dtype), scales.to(dtype), shifts.to(dtype), dtype, spectral_cutoff=1e-30)
     assert low.shift is not None
     for stacked, form in ((st, "direct"), (st, "rotated"), (low, "rotated")):
         w = W.to(dtype).requires_grad_(True)
@@ -297,7 +297,7 @@ def test_cuda_graph_objective_lowrank_and_triton_equal_eager(kernel):
     if kernel == "triton" and not triton_available():
         pytest.skip("triton is not installed (pip install posterior-fusion[gpu])")
     clients = random_clients("kron", C=3, M=2, seed=1)
-    opts = dict(dtype=torch.float64, device="cuda", kernel=kernel, lowrank_tol=1e-3 if kernel == "torch" else 0.0)
+    opts = dict(dtype=torch.float64, device="cuda", kernel=kernel, spectral_cutoff=1e-3 if kernel == "torch" else 0.0)
     obj = GlobalLogPosterior(clients, [0.5] * 3, [2.0] * 3, 2.5, **opts)
     eager = GlobalLogPosterior(clients, [0.5] * 3, [2.0] * 3, 2.5, cuda_graphs=False, **opts)
     gen = torch.Generator().manual_seed(6)

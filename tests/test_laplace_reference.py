@@ -13,7 +13,8 @@ from torch.nn.utils import parameters_to_vector
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture import _loader, capture
+from posterior_fusion.local.capture import capture
+from posterior_fusion.local.capture.laplace import _loader
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import Component
 

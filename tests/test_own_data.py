@@ -147,7 +147,7 @@ def test_transform_travels_and_mismatches_are_one_line(tmp_path, digits):
         assert r.exit_code == 0, r.stderr
     art = posterior_fusion.load(tmp_path / "post_0.h5")
     assert InputTransform.from_dict(art.metadata["input_transform"]).key() == t0.key()
-    r = cli("fuse", *[tmp_path / f"post_{c}.h5" for c in range(3)], "--val", part / "server_val.h5",
+    r = cli("fuse", *[tmp_path / f"post_{c}.h5" for c in range(3)], "--method", "fedbens", "--val", part / "server_val.h5",
             "--set", "steps=20", "--out", tmp_path / "g.h5")
     assert r.exit_code == 0, r.stderr
     assert cli("evaluate", tmp_path / "g.h5", "--data", part / "test.h5").exit_code == 0
@@ -180,9 +180,9 @@ def test_shared_starting_points_are_checked(tmp_path, digits):
     for c, seed in enumerate((0, 1)):
         assert cli("fit-local", "--data", part / f"client_{c}.h5", *kw, "--init-seed", seed,
                    "--out", tmp_path / f"p{c}.h5").exit_code == 0
-    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--out", tmp_path / "g.h5")
+    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--method", "fedbens", "--out", tmp_path / "g.h5")
     assert r.exit_code == 2 and "other starting points" in r.stderr and "p1.h5" in r.stderr
-    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--set", "allow_different_inits=true", "--set", "steps=2",
+    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--method", "fedbens", "--set", "allow_different_inits=true", "--set", "steps=2",
             "--out", tmp_path / "g.h5")
     assert r.exit_code == 0, r.stderr
     r = cli("fit-local", "--data", part / "client_0.h5", "--init", tmp_path / "g.h5", "--out", tmp_path / "x.h5")
@@ -216,7 +216,7 @@ def test_entry_point_plugin_end_to_end_and_refused_when_missing(tmp_path, digits
         r = cli("fit-local", "--data", part / f"client_{c}.h5", "--model", "tinynet", "--model-kwargs", '{"width": 6}',
                 "-M", 2, "--epochs", 1, "--structure", "kron", "--train-seed", c, "--out", tmp_path / f"p{c}.h5")
         assert r.exit_code == 0, r.stderr
-    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--set", "steps=5", "--out", tmp_path / "g.h5")
+    r = cli("fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--method", "fedbens", "--set", "steps=5", "--out", tmp_path / "g.h5")
     assert r.exit_code == 0, r.stderr
     r = cli("evaluate", tmp_path / "g.h5", "--data", part / "test.h5", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["accuracy"] > 0.1
@@ -421,7 +421,7 @@ def test_the_readme_python_snippet_runs(tmp_path, monkeypatch, small_silo):
     run.mkdir()
     paths = fit_split(run, small_silo, 2, 100, "kron", name="post")
     inputs, result, meta = fuse(paths, "fedbens", settings={"steps": 5})
-    write_fused(run / "global.h5", inputs, result, meta)
+    write_fused(run / "fedbens.h5", inputs, result, meta)
     write_silo(run / "test.h5", SiloData(small_silo.x[200:260], small_silo.y[200:260], "fmnist", 10))
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)

@@ -137,7 +137,7 @@ def test_tampered_pooling_is_one_line_exit_2(skewed, tmp_path, change):
     folder, paths = skewed
     if change == "curvature":  # a fedbens artifact (with a Laplace posterior) claiming client pooling
         g = tmp_path / "g.h5"
-        assert CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--set", "steps=2", "--set", "modes=2",
+        assert CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--set", "steps=2", "--set", "modes=2",
                                           "--out", str(g)]).exit_code == 0
         pooling = {"rule": "label-shift", "groups": [0, 1], "class_counts": [[1] * 10, [2] * 10], "smoothing": 0.5,
                    "iterations": 10}

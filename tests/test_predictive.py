@@ -325,7 +325,7 @@ def fused(tmp_path_factory, fmnist_train):
     write_silo(folder / "test.h5", SiloData(x[3000:3400], y[3000:3400], "fmnist", 10))
     write_silo(folder / "ood.h5", SiloData((255 - x[3400:3600]).copy(), y[3400:3600], "fmnist", 10))
     for weights in ("equal", "laplace"):
-        r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--set", "steps=30", "--set", f"mode_weights={weights}",
+        r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--set", "steps=30", "--set", f"mode_weights={weights}",
                                        "--val", str(folder / "test.h5"), "--out", str(folder / f"g_{weights}.h5")])
         assert r.exit_code == 0, r.stderr
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--out", str(folder / "ens.h5")])

@@ -14,9 +14,11 @@ import posterior_fusion
 from cli.main import pfuse
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.local.capture import capture
+from posterior_fusion.local.capture.fast import fast_diag_vector, fast_kron
+from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fastcapture import block_policy, fast_diag_vector, fast_kron, unsupported_reason
 from posterior_fusion.models import non_parameter_state
+from posterior_fusion.models.layers import unsupported_reason
 
 
 def convnet() -> nn.Module:
@@ -65,10 +67,10 @@ def test_reduce_factors_equal_curvlinops_and_expand_is_unchanged(ggn):
 def test_expand_factors_through_the_shifted_input_gram_equal_curvlinops(monkeypatch):
     """The same model's expand factors with every stride-1 convolution's input factor taken through
     the shifted Gram (forced; the rule picks it for wide layers and large batches) equal curvlinops'."""
-    from posterior_fusion.local import fastcapture
+    from posterior_fusion.local.capture import inputs
 
-    monkeypatch.setattr(fastcapture, "_pixel_gram_pays", lambda module, x: False)
-    monkeypatch.setattr(fastcapture, "_shift_gram_pays", lambda module, x: module.stride == (1, 1))
+    monkeypatch.setattr(inputs, "_pixel_gram_pays", lambda module, x: False)
+    monkeypatch.setattr(inputs, "_shift_gram_pays", lambda module, x: module.stride == (1, 1))
     torch.manual_seed(0)
     model = convnet().double().eval()
     x, y = _data()
@@ -237,7 +239,7 @@ def _spectrum_psd(D: int, decay: float, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("budget", [0.01, 0.1, 0.3])
 def test_lowrank_truncation_error_is_the_true_error_and_the_rank_is_minimal(budget):
-    from posterior_fusion.curvature.lowrank import rebuild, truncate
+    from posterior_fusion.curvature.compressed import rebuild, truncate
 
     F = _spectrum_psd(40, 0.8, 0)
     U, lam, sigma, err = truncate(F, budget)
@@ -258,8 +260,8 @@ def test_precision_metric_bounds_every_eigenvalue_of_the_precision(budget):
     within the budget (per factor, so 2·budget + budget² for both) of the plain one's — a dense float64
     eigen-decomposition, matched through the shared eigenvectors; the recorded error is the worst
     per-factor ratio; one rank less misses the budget at any isotropic level."""
+    from posterior_fusion.curvature.compressed import CompressedKron, rebuild, truncate
     from posterior_fusion.curvature.kron import Kron
-    from posterior_fusion.curvature.lowrank import LowRankKron, rebuild, truncate
 
     B, A = _spectrum_psd(6, 0.3, 1), _spectrum_psd(9, 0.5, 2)
     scale, T, lam0 = 3.0, 0.1, 2.0
@@ -270,7 +272,7 @@ def test_precision_metric_bounds_every_eigenvalue_of_the_precision(budget):
         return torch.linalg.eigvalsh(torch.kron(Bf, Af) * scale / T + lam0 * torch.eye(54, dtype=torch.float64))
 
     exact = spectrum(B, A)
-    c = LowRankKron.from_kron(block, budget, prior)
+    c = CompressedKron.from_kron(block, budget, prior)
     Bt, At = rebuild(c.UB, c.lB, c.sB, torch.float64), rebuild(c.UA, c.lA, c.sA, torch.float64)
     # the rebuilt factors share F's eigenvectors: compare eigenvalue by eigenvalue in that basis
     lb, QB = torch.linalg.eigh(B)
@@ -308,7 +310,7 @@ def test_compressed_artifacts_record_their_error_fuse_and_shrink(tmp_path, small
 
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.curvature import Kron
-    from posterior_fusion.curvature.lowrank import Compression
+    from posterior_fusion.curvature.compressed import Compression
     from posterior_fusion.layout import ParameterLayout
     from posterior_fusion.local.fit import fit_components
     from posterior_fusion.local.init import initial_weights
@@ -349,11 +351,11 @@ def test_compressed_artifacts_record_their_error_fuse_and_shrink(tmp_path, small
     # the server evaluates the compact form (no D x D factor) and gets the objective of the rebuilt factors
     import dataclasses
 
-    from posterior_fusion.curvature import BlockDiag, LowRankKron
+    from posterior_fusion.curvature import BlockDiag, CompressedKron
     from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior
 
     compact = [posterior_fusion.load(paths[c, 0.1]) for c in range(2)]
-    assert all(isinstance(b, LowRankKron) for b in compact[0].components[0].curvature.blocks)
+    assert all(isinstance(b, CompressedKron) for b in compact[0].components[0].curvature.blocks)
     rebuilt = [dataclasses.replace(cl, components=tuple(
         dataclasses.replace(comp, curvature=BlockDiag([Kron(b.B, b.A) for b in comp.curvature.blocks]))
         for comp in cl.components)) for cl in compact]
@@ -436,13 +438,14 @@ def test_a_broken_laplace_install_is_one_line_and_the_fast_path_never_imports_it
 def test_memory_bounded_capture_passes_change_nothing(monkeypatch, ggn):
     """The capture splits a batch into passes whose kept activations fit PASS_BYTES: one sample per
     pass gives the same factors (and, for MC, the same sampled labels) as one pass for the batch."""
-    from posterior_fusion.local import fastcapture
+
+    from posterior_fusion.local.capture import sizing
 
     model = convnet().double().eval()
     x, y = _data(30)
     one = fast_kron(model, x, y, 30, ggn, torch.Generator().manual_seed(0), kfac="reduce")
-    monkeypatch.setattr(fastcapture, "PASS_BYTES", 1)
-    assert fastcapture._pass_size(model, x, 30) == 1
+    monkeypatch.setattr(sizing, "PASS_BYTES", 1)
+    assert sizing.pass_size(model, x, 30) == 1
     many = fast_kron(model, x, y, 30, ggn, torch.Generator().manual_seed(0), kfac="reduce")
     for a, b in zip(_factors(one), _factors(many)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
@@ -452,19 +455,21 @@ def test_capture_passes_on_a_gpu_take_a_share_of_its_free_memory(monkeypatch):
     """On a GPU a pass may keep GPU_PASS_SHARE of the memory free there (not the CPU's PASS_BYTES, which
     left an H200 waiting on launches of 20-sample passes); on the CPU the host bound stays. Sample counts
     follow from the same per-sample estimate either way."""
-    from posterior_fusion.local import fastcapture
+
+    from posterior_fusion.local.capture import sizing
+    from posterior_fusion.models import jacobians
 
     free = {"bytes": 8 * 2**30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
-    assert fastcapture.pass_bytes(torch.device("cuda")) == 2 * 2**30
-    assert fastcapture.pass_bytes(torch.device("cpu")) == fastcapture.PASS_BYTES == 384 * 2**20
+    assert sizing.pass_bytes(torch.device("cuda")) == 2 * 2**30
+    assert sizing.pass_bytes(torch.device("cpu")) == sizing.PASS_BYTES == 384 * 2**20
     free["bytes"] = 2**20  # a nearly full GPU: passes shrink (to one sample), never beyond the free share
-    assert fastcapture.pass_bytes(torch.device("cuda")) == 2**18
+    assert sizing.pass_bytes(torch.device("cuda")) == 2**18
     model = convnet().double().eval()
     x, _ = _data(30)
-    per_sample = 2 * sum(fastcapture.output_bytes(model, x[:1]))
-    monkeypatch.setattr(fastcapture, "PASS_BYTES", 5 * per_sample)
-    assert fastcapture._pass_size(model, x, 30) == 5  # x on the CPU: the host bound
+    per_sample = 2 * sum(jacobians.output_bytes(model, x[:1]))
+    monkeypatch.setattr(sizing, "PASS_BYTES", 5 * per_sample)
+    assert sizing.pass_size(model, x, 30) == 5  # x on the CPU: the host bound
 
 
 def test_warnings_are_one_line(tmp_path):
@@ -498,7 +503,7 @@ def test_hostile_compressed_blocks_are_one_line(tmp_path):
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.artifact.writer import text_attr
     from posterior_fusion.curvature import BlockDiag, Kron
-    from posterior_fusion.curvature.lowrank import Compression
+    from posterior_fusion.curvature.compressed import Compression
     from posterior_fusion.layout import ParameterLayout
     from posterior_fusion.models import ModelSpec
     from posterior_fusion.posterior import Component, frozen_mapping

@@ -60,7 +60,7 @@ STACK_SCRIPT = """
 import torch
 from posterior_fusion.runtime import keep_freed_memory
 from posterior_fusion.curvature import BlockDiag, Kron
-from posterior_fusion.fusion.stack import StackedGaussians
+from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.posterior import Component
 keep_freed_memory()  # what pfuse does at start-up: freed buffers would otherwise stay with the process
 def rss():

@@ -23,14 +23,13 @@ from conftest import fit_split
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact, write_global_artifact
-from posterior_fusion.artifact.writer import text_attr
+from posterior_fusion.artifact.writer import text_attr, write_predictions
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.errors import ConfigError, NonFiniteOutputError, OutputError, PfuseError, shown, terminal_safe
 from posterior_fusion.experiment.config import ExperimentConfig
 from posterior_fusion.files import atomic_folder, write_atomically
 from posterior_fusion.posterior import Component
-from posterior_fusion.predictive import write_predictions
 
 SECRET = b"precious user data\n"
 # VmHWM (this program's own peak; getrusage's ru_maxrss would include the forking pytest's size)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from posterior_fusion.curvature import Dense, Diag, Kron, LowRankKron, Precision
-from posterior_fusion.curvature.lowrank import Compression, joined
+from posterior_fusion.curvature import CompressedKron, Dense, Diag, Kron, Precision
+from posterior_fusion.curvature.compressed import Compression, joined
 
 SYMMETRY_RTOL = 1e-4
 
@@ -96,10 +96,10 @@ def _lowrank_header(block: Precision) -> dict[str, Any]:
 def _compress_kron(block: Precision, compression: Compression,
                    prior: float | None = None) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
     """A Kronecker block's factors as top-r eigenpairs plus an isotropic remainder
-    (:meth:`LowRankKron.from_kron`), each within the budget — relative Frobenius error, or with
+    (:meth:`CompressedKron.from_kron`), each within the budget — relative Frobenius error, or with
     ``prior = λ0·T`` in the precision metric, eigenvectors float16 where ``compression.half``; the header
     records the ranks, the isotropic levels and each factor's error (of the form as stored)."""
-    compact = LowRankKron.from_kron(block, compression.budget, prior, compression.half)
+    compact = CompressedKron.from_kron(block, compression.budget, prior, compression.half)
     return compact.kind, _lowrank_header(compact), compact.to_tensors()
 
 
@@ -126,7 +126,7 @@ def _lowrank_shapes(size: int, header: Mapping[str, Any]) -> dict[str, tuple[int
     return shapes
 
 
-def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> LowRankKron:
+def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> CompressedKron:
     """The Kronecker block in its compact form (a :class:`Kron` to every fusion method); a factor with
     float16 eigenvectors has them joined to its leading ones and made orthonormal again (float32: the
     form whose error the writer recorded)."""
@@ -146,7 +146,7 @@ def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, An
         if tail is not None:
             U = joined(U, tail).to(U.dtype)
         parts += [U, lam.to(U.dtype), float(sigma)]
-    return LowRankKron(*parts, errors=tuple(header["error"]), stored=tuple(stored))
+    return CompressedKron(*parts, errors=tuple(header["error"]), stored=tuple(stored))
 
 
 ENCODINGS: dict[str, BlockEncoding] = {

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact import schema
 
 
@@ -68,7 +69,7 @@ def parse_json(text: str, where: str, name: str) -> Any:
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return ranges.is_int(v)
 
 
 def _is_number(v: Any) -> bool:

@@ -15,7 +15,7 @@ import torch
 from posterior_fusion.artifact.blocks import ENCODINGS
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
 from posterior_fusion.curvature import BlockDiag
-from posterior_fusion.curvature.lowrank import PLAIN, Compression
+from posterior_fusion.curvature.compressed import PLAIN, Compression
 from posterior_fusion.errors import NonFiniteOutputError
 from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.layout import ParameterLayout
@@ -77,7 +77,7 @@ def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype 
                     prior: float | None = None) -> None:
     """``group/curvature``: one subgroup per block (its class's datasets) and the ``blocks`` header;
     with a ``compression`` budget > 0 the kinds that have a compact encoding use it
-    (``prior = λ0·T``: the precision metric's, :mod:`posterior_fusion.curvature.lowrank`)."""
+    (``prior = λ0·T``: the precision metric's, :mod:`posterior_fusion.curvature.compressed`)."""
     curv = group.create_group("curvature")
     descr: list[dict[str, Any]] = []
     for i, (block, off) in enumerate(zip(curvature.blocks, curvature.offsets)):
@@ -121,7 +121,7 @@ def write_client_artifact(
     ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``. A ``compression``
     budget > 0: Kronecker factors stored as top-r eigenpairs plus an isotropic remainder within that
     relative error per factor, in its metric (``frobenius`` or ``precision``), eigenvectors float16 where
-    asked (:mod:`posterior_fusion.curvature.lowrank`; recorded per block and as metadata ``compress``,
+    asked (:mod:`posterior_fusion.curvature.compressed`; recorded per block and as metadata ``compress``,
     ``compress_metric``, ``compress_vectors``, whatever ``metadata`` said; readers use the compact form)."""
     meta = dict(metadata, num_components=len(components))
     for key in COMPRESSION_KEYS:  # recorded here, from what is written, and only here
@@ -162,5 +162,23 @@ def write_global_artifact(
             member.create_dataset("weights", data=_np(w.to(torch.float32)))
             if precisions is not None:
                 write_curvature(member, precisions[i], torch.float32, "the Laplace approximation at the modes")
+
+    atomic_h5_write(path, fill)
+
+
+def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[str, str | float]) -> None:
+    """Write ``probs`` ``(n, classes)`` to the HDF5 file ``path`` (``/probs`` and ``attrs``) atomically,
+    after checking they are probabilities: finite, in [0, 1], each row summing to 1."""
+    p = probs.detach().double()
+    rows = p.sum(-1)
+    if not torch.isfinite(p).all() or p.min() < 0 or p.max() > 1 + 1e-6 or not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
+        raise NonFiniteOutputError(f"{path}: not written: the predictive ({attrs.get('predictive', '?')}) produced "
+                                   "values that are not probabilities (NaN/Inf, outside [0, 1] or rows not summing to 1)")
+
+    def fill(f: h5py.File) -> None:
+        f.attrs["format"] = "posterior-fusion-predictions"
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.create_dataset("probs", data=probs.detach().cpu().numpy().astype(np.float32))
 
     atomic_h5_write(path, fill)

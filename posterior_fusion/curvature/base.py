@@ -26,7 +26,7 @@ class Precision(ABC):
     Every concrete block type has a ``kind`` (the block-type table
     :data:`posterior_fusion.curvature.BLOCK_TYPES` is keyed by it) and :meth:`to_tensors`. How it
     is stored is the artifact's (:mod:`posterior_fusion.artifact.blocks`); how N of them are
-    evaluated at once is fusion's (:mod:`posterior_fusion.fusion.stacked`).
+    evaluated at once is fusion's (:mod:`posterior_fusion.fusion.block_stacks`).
     """
 
     kind: ClassVar[str] = ""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from posterior_fusion.experiment.config import ExperimentConfig
 from posterior_fusion.files import write_atomically, write_text_atomically
-from posterior_fusion.fusion.registry import DEFAULT_METHOD
+from posterior_fusion.fusion.registry import MODES_METHOD
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -123,9 +123,9 @@ def plot_results(agg: list[dict], work: Path, m_max: int) -> None:
     _savefig(fig, work / ("accuracy_vs_alpha.png" if x_key == "alpha" else "accuracy_vs_clients.png"), dpi=100,
                 bbox_inches="tight")
     plt.close(fig)
-    for name, key, sel in (("accuracy_vs_M.png", "M", lambda a: a["method"] == DEFAULT_METHOD),
+    for name, key, sel in (("accuracy_vs_M.png", "M", lambda a: a["method"] == MODES_METHOD),
                            ("accuracy_vs_temperature.png", "temperature",
-                            lambda a: a["method"] == DEFAULT_METHOD and a["M"] == m_max)):
+                            lambda a: a["method"] == MODES_METHOD and a["M"] == m_max)):
         fig, ax = plt.subplots(figsize=(5, 4))
         for structure, c, alpha in sorted({(a["structure"], a["clients"], a["alpha"]) for a in agg if sel(a)}):
             pts = sorted((a[key], a["accuracy_mean"]) for a in agg

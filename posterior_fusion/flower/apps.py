@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion.flower.federation import FederatedSettings, make_client_app, run_round
 from posterior_fusion.fusion import FusionOptions
-from posterior_fusion.fusion.registry import DEFAULT_METHOD
+from posterior_fusion.fusion.registry import resolve_default
 from posterior_fusion.local.recapture import REFRESH_DAMPING
 
 clientapp = make_client_app()
@@ -30,7 +30,8 @@ def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dic
     """(method, shared options, the method's settings, robust) from a flat Flower run config."""
     settings = {k[len("set."):]: v for k, v in cfg.items() if k.startswith("set.")}
     options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False)
-    return str(cfg.get("method", DEFAULT_METHOD)), options, settings, bool(cfg.get("robust", False))
+    method, settings = resolve_default(str(cfg["method"]) if "method" in cfg else None, settings)
+    return method, options, settings, bool(cfg.get("robust", False))
 
 
 @serverapp.main()

@@ -7,7 +7,7 @@ reader as files (a bad or missing reply is logged and left out, or stops the run
 ``on_bad_reply``), runs :func:`~posterior_fusion.fusion.registry.fuse` and saves the global
 artifact plus the client artifacts it used.
 
-Refresh round (``refresh``, issue 29's "1.5-shot"): the server then sends each accepted node a
+Refresh round (``refresh``, a "1.5-shot" exchange): the server then sends each accepted node a
 training-free ``query`` message with the global artifact and the node's own first artifact; the
 node runs ``pfuse recapture --at`` on its silo (:mod:`posterior_fusion.local.recapture`: GGN and
 gradient at the fused modes, ``refresh_damping``) and replies with the refreshed artifact, which
@@ -41,7 +41,6 @@ from posterior_fusion.compat import RENAMED_RUN_CONFIG_KEYS, rename_keys
 from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
 from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
-from posterior_fusion.fusion.registry import DEFAULT_METHOD
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, PrivateModelConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_silo_file
@@ -341,7 +340,7 @@ def nodes_left_out(ids: list[int], missing: dict[int, str], replies: list[Reply]
     return out
 
 
-def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str = DEFAULT_METHOD,
+def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLike, method: str | None = None,
               options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
               on_bad_reply: str = "skip", min_nodes: int = 1, wait_s: float = 120.0,
               log: Callable[[str], None] = print,
@@ -436,7 +435,7 @@ def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, meth
     return meta
 
 
-def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, method: str = DEFAULT_METHOD,
+def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, method: str | None = None,
                     options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
                     on_bad_reply: str = "skip", min_nodes: int = 1,
                     method_settings: MethodSettings | Mapping[str, Any] | None = None,

@@ -14,7 +14,7 @@ from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, SchemaError
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.from_posteriors import fuse_clients, method_settings
-from posterior_fusion.fusion.registry import get_method
+from posterior_fusion.fusion.registry import get_method, resolve_default
 from posterior_fusion.fusion.resources import estimate_device_bytes, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings import MethodSettings
@@ -22,7 +22,7 @@ from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
 
 
-def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOptions | None = None,
+def fuse(client_paths: list[str | os.PathLike], method: str | None, options: FusionOptions | None = None,
          settings: MethodSettings | Mapping[str, Any] | None = None,
          val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
          log=lambda msg: None, robust: bool = False, max_memory: int | str | None = None,
@@ -31,7 +31,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
          ) -> tuple[FusionInputs, FusionResult, dict]:
     """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
 
-    ``settings``: the method's settings record, or ``key -> value`` overrides of its defaults.
+    ``method`` None: the registry's default (:data:`~posterior_fusion.fusion.registry.DEFAULT_METHOD` with
+    its :data:`~posterior_fusion.fusion.registry.DEFAULT_SETTINGS`). ``settings``: the method's settings
+    record, or ``key -> value`` overrides of its defaults.
     Headers are checked and the memory need estimated first (refused above ``max_memory``
     bytes, default 80% of available memory); then the artifacts are loaded and, with
     ``robust``, outlying clients are screened out (:mod:`posterior_fusion.fusion.robust`).
@@ -41,6 +43,8 @@ def fuse(client_paths: list[str | os.PathLike], method: str, options: FusionOpti
     """
     options = options or FusionOptions()
     options.validate()
+    if method is None:  # the registry's default method with its default settings under those given
+        method, settings = resolve_default(None, None if isinstance(settings, MethodSettings) else settings)
     chosen = method_settings(method, settings)
     if distill is not None:
         distill.validate()

@@ -29,6 +29,7 @@ class OptimiserSettings(MethodSettings):
     val_every: int = setting(30, "With validation data: evaluate every this many steps (and at the last).", bounds=(1, 1_000_000))
 
     def validate(self) -> None:
+        super().validate()
         if self.steps < 0 or self.adam_lr <= 0 or self.clip <= 0 or self.val_every < 1:
             raise ConfigError("settings need steps >= 0, adam_lr > 0, clip > 0 and val_every >= 1")
 

@@ -4,22 +4,19 @@ experiment runner all build (defaults live here and nowhere else)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from posterior_fusion import ranges
-from posterior_fusion.curvature.lowrank import COMPRESS_METRICS, VECTOR_DTYPES, Compression
+from posterior_fusion.curvature.compressed import COMPRESS_METRICS, VECTOR_DTYPES, Compression
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.capture import CAPTURE, CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, capture_dtype_problem
-from posterior_fusion.local.fastcapture import KFAC_TYPES
-from posterior_fusion.local.fields import fit_field
+from posterior_fusion.local.capture import capture_dtype_problem
+from posterior_fusion.local.capture.policy import CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
 from posterior_fusion.local.ppd import PPDConfig
 from posterior_fusion.runtime import DEVICES
-
-STRUCTURES = tuple(CAPTURE)  # curvature structures a silo can capture (local/capture.py)
+from posterior_fusion.settings import check_declared, convert, setting
 
 
 def auto_weight_decay(temperature: float, prior_precision: float, n_data: int) -> float:
@@ -32,18 +29,19 @@ def auto_weight_decay(temperature: float, prior_precision: float, n_data: int) -
 class TrainConfig:
     """SGD settings. ``weight_decay=None``: :func:`auto_weight_decay` (resolved per silo)."""
 
-    epochs: int = fit_field(20, "Local training epochs per component.")
-    batch_size: int = fit_field(64, "SGD batch size.")
-    lr: float = fit_field(0.01, "SGD learning rate.")
-    momentum: float = fit_field(0.9, "SGD momentum.")
-    weight_decay: float | None = fit_field(None, "SGD weight decay [default: T·λ0/n, which makes the result the "
+    epochs: int = setting(20, "Local training epochs per component.")
+    batch_size: int = setting(64, "SGD batch size.")
+    lr: float = setting(0.01, "SGD learning rate.")
+    momentum: float = setting(0.9, "SGD momentum.")
+    weight_decay: float | None = setting(None, "SGD weight decay [default: T·λ0/n, which makes the result the "
                                                  "tempered-posterior MAP].")
-    swag: bool = fit_field(False, "Also collect SWAG moments over the last epochs.")
-    swag_epochs: int = fit_field(0, "Last epochs over which SWAG snapshots are taken (0: max(1, epochs // 4)).")
-    swag_snapshots_per_epoch: int = fit_field(4, "SWAG snapshots per epoch.")
-    swag_rank: int = fit_field(20, "SWAG deviation columns K.")
+    swag: bool = setting(False, "Also collect SWAG moments over the last epochs.")
+    swag_epochs: int = setting(0, "Last epochs over which SWAG snapshots are taken (0: max(1, epochs // 4)).")
+    swag_snapshots_per_epoch: int = setting(4, "SWAG snapshots per epoch.")
+    swag_rank: int = setting(20, "SWAG deviation columns K.")
 
     def validate(self) -> None:
+        check_declared(self)
         ranges.check("epochs", self.epochs, ranges.EPOCHS)
         ranges.check("batch_size", self.batch_size, ranges.BATCH_SIZE)
         ranges.check("lr", self.lr, ranges.LEARNING_RATE)
@@ -66,14 +64,15 @@ class PrivateModelConfig:
     trained first and distilled on the silo's data into the shared model (``weight``: the
     weight of the distillation term, HBFL's 1 − α; ``epochs`` None: the shared model's epochs)."""
 
-    model: str = fit_field(None, "HBFL's heterogeneous client: the silo's own architecture, trained first and "
+    model: str | None = setting(None, "HBFL's heterogeneous client: the silo's own architecture, trained first and "
                                  "distilled into the shared model; never written to the artifact [default: none].")
     model_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON keyword arguments of the private model.",
                                                                 "choices": None})
-    epochs: int | None = fit_field(None, "Epochs of the private model [default: the shared model's epochs].")
-    weight: float = fit_field(0.5, "Weight of the distillation term in the shared model's loss (HBFL's 1 − α).")
+    epochs: int | None = setting(None, "Epochs of the private model [default: the shared model's epochs].")
+    weight: float = setting(0.5, "Weight of the distillation term in the shared model's loss (HBFL's 1 − α).")
 
     def validate(self) -> None:
+        check_declared(self)
         if not 0 <= self.weight <= 1:
             raise ConfigError(f"`private_weight` must be in [0, 1], got {self.weight}")
         if self.epochs is not None and self.epochs < 1:
@@ -84,39 +83,39 @@ class PrivateModelConfig:
 class FitConfig:
     """Everything that determines a silo's fit besides the data, the model and the starting points."""
 
-    structure: str = fit_field("kron", "Curvature structure: K-FAC, diagonal, or diagonal + full last layer.",
-                               choices=tuple(CAPTURE))
-    temperature: float = fit_field(0.1, "Likelihood temperature T recorded for the server.")
-    prior_var: float = fit_field(0.1, "Prior variance σ0² (λ0 = 1/σ0²).")
-    train_seed: int = fit_field(0, "Training seed (data order per component).")
-    curvature_batch_size: int = fit_field(256, "Batch size of the curvature pass.")
-    ggn: str = fit_field("exact", "exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one "
+    structure: str = setting("kron", "Curvature structure: K-FAC, diagonal, or diagonal + full last layer.",
+                               choices=STRUCTURES)
+    temperature: float = setting(0.1, "Likelihood temperature T recorded for the server.")
+    prior_var: float = setting(0.1, "Prior variance σ0² (λ0 = 1/σ0²).")
+    train_seed: int = setting(0, "Training seed (data order per component).")
+    curvature_batch_size: int = setting(256, "Batch size of the curvature pass.")
+    ggn: str = setting("exact", "exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one "
                                   "sampled label (faster).", choices=GGN_TYPES)
-    capture: str = fit_field("fast", "fast: this package's capture (one forward + one batched backward per batch) "
+    capture: str = setting("fast", "fast: this package's capture (one forward + one batched backward per batch) "
                                      "for models whose parameters all sit in Linear/Conv2d layers, laplace-torch "
                                      "otherwise; laplace: always laplace-torch.", choices=CAPTURE_METHODS)
-    kfac: str = fit_field("expand", "K-FAC for weight-shared (convolution) layers, structure kron: expand (sums "
+    kfac: str = setting("expand", "K-FAC for weight-shared (convolution) layers, structure kron: expand (sums "
                                     "over samples and output positions, laplace-torch's default) or reduce (each "
                                     "sample's positions summed first: far cheaper on convolutions; Eschenhagen et "
                                     "al. 2023). Recorded in the artifact.", choices=KFAC_TYPES)
-    capture_dtype: str = fit_field("float32", "Arithmetic of the fast capture's forward and backward passes: float32, or "
+    capture_dtype: str = setting("float32", "Arithmetic of the fast capture's forward and backward passes: float32, or "
                                               "bfloat16 (autocast; about 2x faster passes on a CPU with AVX512-BF16, "
                                               "factors within ~0.5 % of float32's, still summed in float64; needs "
                                               "the fast capture). Recorded in the artifact.",
                                    choices=tuple(CAPTURE_DTYPES))
-    device: str = fit_field("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
+    device: str = setting("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
                                     "where a GPU is visible). The artifact is the same whatever the device.",
                             choices=DEVICES)
-    compress: float = fit_field(0.0, "Store each K-FAC factor as its top eigenpairs plus an isotropic remainder, "
+    compress: float = setting(0.0, "Store each K-FAC factor as its top eigenpairs plus an isotropic remainder, "
                                      "the rank chosen per factor so its relative error (`compress_metric`) stays "
                                      "within this budget (e.g. 0.05; the error is recorded per block); 0: plain "
                                      "factors, exact.")
-    compress_metric: str = fit_field("frobenius", "The error `compress` bounds: frobenius (each factor's relative "
+    compress_metric: str = setting("frobenius", "The error `compress` bounds: frobenius (each factor's relative "
                                                   "Frobenius error; the remainder keeps the trace) or precision (every "
                                                   "eigenvalue of the component's precision G/T + λ0 I within that "
                                                   "relative error per factor: what fusion sees; higher ranks).",
                                      choices=COMPRESS_METRICS)
-    compress_vectors: str = fit_field("float32", "Storage type of the compressed factors' kept eigenvectors: float32, "
+    compress_vectors: str = setting("float32", "Storage type of the compressed factors' kept eigenvectors: float32, "
                                                  "or float16 (about half the bytes: the leading eigenvectors that "
                                                  "rounding would push past `compress` stay float32, the reader makes "
                                                  "them orthonormal again, and the recorded error is that of the "
@@ -127,23 +126,14 @@ class FitConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
-        if self.structure not in STRUCTURES:
-            raise ConfigError(f"unknown curvature structure {self.structure!r}; use one of {', '.join(STRUCTURES)}")
-        if self.ggn not in GGN_TYPES:
-            raise ConfigError(f"unknown GGN type {self.ggn!r}; use 'exact' or 'mc'")
+        check_declared(self)
         ranges.check("temperature", self.temperature, ranges.TEMPERATURE)
         ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
         ranges.check("curvature_batch_size", self.curvature_batch_size, ranges.BATCH_SIZE)
-        if self.kfac not in KFAC_TYPES:
-            raise ConfigError(f"unknown `kfac` {self.kfac!r}; use one of {', '.join(KFAC_TYPES)}")
         problem = capture_dtype_problem(self.capture_dtype, self.capture, None)  # the model's part: at fit time
         if problem is not None:
             raise ConfigError(problem)
-        if self.device not in DEVICES:
-            raise ConfigError(f"unknown `device` {self.device!r}; use one of {', '.join(DEVICES)}")
         self.compression.validate()
-        if self.capture not in CAPTURE_METHODS:
-            raise ConfigError(f"unknown `capture` {self.capture!r}; use one of {', '.join(CAPTURE_METHODS)}")
         if self.ppd is not None:
             self.ppd.validate()
         if self.private is not None:
@@ -209,6 +199,7 @@ class FitSetting:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
+    bounds: tuple[float, float] | None = None
 
     @property
     def flag(self) -> str:
@@ -227,7 +218,7 @@ def _declared(cls: type, prefix: str, path: tuple[str, ...]) -> list[FitSetting]
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append(FitSetting(prefix + f.name, (*path, f.name), hints[f.name], default, f.metadata["help"],
-                              f.metadata.get("choices")))
+                              f.metadata.get("choices"), f.metadata.get("bounds")))
     return out
 
 
@@ -242,26 +233,6 @@ def fit_settings() -> list[FitSetting]:
             *[replace(s, name="private_" + s.name.removeprefix("private_")) for s in _declared(PrivateModelConfig, "private_", ("private",))]]
 
 
-def _convert(value: Any, s: FitSetting, where: str) -> Any:
-    """Strings (Flower, TOML) to the setting's type; JSON text for the private model's kwargs."""
-    args = typing.get_args(s.type)
-    base = next((a for a in args if a is not type(None)), s.type) if args else s.type
-    if value is None or (type(None) in args and isinstance(value, str) and value.lower() in ("none", "")):
-        return None
-    try:
-        if base is bool:
-            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-        if base is int and not isinstance(value, bool):
-            return int(value)
-        if base is float and not isinstance(value, bool):
-            return float(value)
-        if base is dict:
-            return json.loads(value) if isinstance(value, str) else dict(value)
-        return value
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}`{s.name}` cannot be read from {str(value)[:40]!r} ({exc})") from None
-
-
 def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
     """A validated :class:`FitConfig` from flat settings (names of :func:`fit_settings`; the rest
     take their declared defaults)."""
@@ -269,7 +240,8 @@ def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
     unknown = sorted(set(values) - set(table))
     if unknown:
         raise ConfigError(f"{where}no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
-    flat = {name: _convert(values[name], s, where) if name in values else s.default for name, s in table.items()}
+    flat = {name: s.default if values.get(name) is None else convert(values[name], s.type, name, where.rstrip(": "))
+            for name, s in table.items()}
     parts: dict[tuple[str, ...], dict[str, Any]] = {}
     for name, s in table.items():
         if len(s.path) == 2:

@@ -25,14 +25,16 @@ from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, ModelSpecError, OutputError, ResumeError
 from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture import capture, capture_dtype_problem, laplace_backends
+from posterior_fusion.local.capture import capture, capture_dtype_problem
+from posterior_fusion.local.capture.laplace import laplace_backends
+from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.config import FitConfig
-from posterior_fusion.local.fastcapture import block_policy, unsupported_reason
 from posterior_fusion.local.init import init_fingerprint, initial_weights
 from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec, non_parameter_state
+from posterior_fusion.models.layers import unsupported_reason
 from posterior_fusion.posterior import Component, frozen_mapping
 from posterior_fusion.runtime import resolve_device
 

@@ -20,21 +20,21 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.fields import fit_field
 from posterior_fusion.progress import progress
+from posterior_fusion.settings import setting
 
 
 @dataclass(frozen=True)
 class PPDConfig:
     """SGLD and distillation settings of ``pfuse fit-local --ppd``."""
 
-    steps: int = fit_field(2000, "SGLD steps of --ppd (burn-in included).")
-    burn_in: int = fit_field(500, "SGLD burn-in steps of --ppd.")
-    thin: int = fit_field(5, "Keep every this many SGLD iterates after the burn-in.")
-    step_size: float = fit_field(1e-5, "SGLD step size ε.")
-    batch_size: int = fit_field(64, "Batch size of the SGLD chain and of the student's distillation.")
-    student_lr: float = fit_field(1e-3, "SGD (momentum 0.9) step of the student per SGLD sample.")
-    perturb: float = fit_field(0.1, "Std of the Gaussian input perturbation of the distillation batch.")
+    steps: int = setting(2000, "SGLD steps of --ppd (burn-in included).")
+    burn_in: int = setting(500, "SGLD burn-in steps of --ppd.")
+    thin: int = setting(5, "Keep every this many SGLD iterates after the burn-in.")
+    step_size: float = setting(1e-5, "SGLD step size ε.")
+    batch_size: int = setting(64, "Batch size of the SGLD chain and of the student's distillation.")
+    student_lr: float = setting(1e-3, "SGD (momentum 0.9) step of the student per SGLD sample.")
+    perturb: float = setting(0.1, "Std of the Gaussian input perturbation of the distillation batch.")
 
     def validate(self) -> None:
         if (self.steps < 1 or not 0 <= self.burn_in < self.steps or self.thin < 1 or not self.step_size > 0

@@ -7,7 +7,7 @@ other fit would have written (same MAPs, same capture, the MC capture drawing fr
 per-component generator), at the cost of the capture alone (≈ 3–6 training epochs per component
 instead of ``epochs``). The silo must be the one the artifact was fitted on (its SHA-256 is checked).
 
-**Refresh round** (``at``, ``pfuse recapture --at GLOBAL``; issue 29's "1.5-shot" mode): the
+**Refresh round** (``at``, ``pfuse recapture --at GLOBAL``; a "1.5-shot" exchange): the
 client's Laplace approximations hold near its own MAPs, while the fused modes w*_k lie where they
 may not. Re-expanding the client's tempered log-posterior at each global mode,
 
@@ -45,19 +45,19 @@ import torch
 from posterior_fusion import ranges
 from posterior_fusion.artifact.reader import load_client, load_global
 from posterior_fusion.artifact.writer import write_client_artifact
-from posterior_fusion.curvature.lowrank import PLAIN, Compression
+from posterior_fusion.curvature.compressed import PLAIN, Compression
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, shown
 from posterior_fusion.files import output_lock
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.fastcapture import block_policy
+from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.fit import library_versions
 from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, build_model, frozen_mapping
 from posterior_fusion.runtime import resolve_device
 
 # the refresh round's centre step: its damping chosen per mode by the silo's gain ratio (module docstring;
-# measured against fixed dampings in docs/results/fusion_safety/, "A damping each silo chooses")
+# measured against fixed dampings by experiments/without_validation/refresh_round.py)
 REFRESH_DAMPING: float | str = "auto"
 AUTO_DAMPINGS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # ``damping="auto"`` tries these, smallest first
 RATIO_FLOOR = 0.25  # ... and keeps the first whose step the silo's loss confirms this well (module docstring)

@@ -8,7 +8,7 @@ import torch
 from torch.func import functional_call
 
 from posterior_fusion.models import ModelSpec
-from posterior_fusion.models.pooling import fast_max_pooling
+from posterior_fusion.models.maxpool import fast_max_pooling
 
 
 def batched_logits(spec: ModelSpec, W: torch.Tensor, x: torch.Tensor, batch_size: int = 2048) -> torch.Tensor:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
-from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.pooling import POOLINGS, Pooling, client_groups
@@ -20,15 +19,12 @@ from posterior_fusion.pooling import POOLINGS, Pooling, client_groups
 class EnsembleSettings(MethodSettings):
     pooling: str = setting("average", "How the members' predictions combine: average (the mean of all C x M "
                                       "members), or label-shift (each client's members averaged, the clients pooled "
-                                      "class by class from their recorded class counts; docs/methods.md).")
+                                      "class by class from their recorded class counts; docs/methods.md).",
+                            choices=POOLINGS)
     smoothing: float = setting(0.5, "label-shift: s added to every class count (client and global label priors, "
                                     "the clients' weights per class).", bounds=ranges.POOLING_SMOOTHING)
     iterations: int = setting(100, "label-shift: the fixed point's rounds at most (it stops once no probability "
                                    "moves by 1e-7).", bounds=ranges.POOLING_ITERATIONS)
-
-    def validate(self) -> None:
-        if self.pooling not in POOLINGS:
-            raise ConfigError(f"setting pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
 
 
 def ensemble(inputs: FusionInputs, settings: EnsembleSettings) -> FusionResult:

@@ -24,6 +24,7 @@ class FedBESettings(MethodSettings):
     sharpen: float = setting(2.0, "Pseudo-label sharpening power p^s / Σ p^s (FedBE: 2; 1 = none).", bounds=(1e-3, 1e3))
 
     def validate(self) -> None:
+        super().validate()
         if self.num_samples < 0 or self.distill_epochs < 0 or self.dirichlet < 0 or not self.sharpen > 0:
             raise ConfigError("fedbe settings need num_samples, distill_epochs, dirichlet >= 0 and sharpen > 0")
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from posterior_fusion.curvature import Dense, Kron
-from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_structures
@@ -55,14 +54,11 @@ class FedLPASettings(MethodSettings):
                                                    "sqrt(1 - coor), coor = 0.999 in their scripts).", bounds=(0, 1e6))
     estimate: str = setting("newton", "newton: solve the layer's aggregation system exactly; expectation: the "
                                       "authors' closed-form approximation B̄⁻¹ Z Ā⁻¹; validation: the one of the two "
-                                      "with the better validation accuracy (newton without validation data).")
+                                      "with the better validation accuracy (newton without validation data).",
+                            choices=ESTIMATES)
     tolerance: float = setting(1e-10, "Relative residual at which the conjugate-gradient solve stops.",
                                bounds=(1e-15, 1e-2))
     max_iterations: int = setting(1000, "Conjugate-gradient iterations per layer at most.", bounds=(1, 100_000))
-
-    def validate(self) -> None:
-        if self.estimate not in ESTIMATES:
-            raise ConfigError(f"fedlpa setting estimate must be one of {ESTIMATES}")
 
 
 def _damped(F: torch.Tensor, d: float) -> torch.Tensor:

@@ -54,6 +54,7 @@ class FedPPDDistillSettings(MethodSettings):
     sharpen: float = setting(2.0, "Pseudo-label sharpening power (1 = none).", bounds=(1e-3, 1e3))
 
     def validate(self) -> None:
+        super().validate()
         if self.distill_epochs < 0 or not self.sharpen > 0:
             raise ConfigError("fedppd-distill settings need distill_epochs >= 0 and sharpen > 0")
 

@@ -35,10 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from posterior_fusion.curvature import BlockDiag
-from posterior_fusion.errors import ConfigError, MethodNotApplicableError
+from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+
+MEANS = ("paper", "map")
 
 
 @dataclass(frozen=True)
@@ -47,17 +49,11 @@ class HBFLSettings(QuadraticSettings):
     diag+full are solved in closed form whatever ``solver`` says)."""
 
     mean: str = setting("paper", "paper: eq. 3.8's information vector (G_k/T_k + λ0) ŵ_k (the posterior divided by "
-                                 "the prior); map: G_k/T_k ŵ_k (the MAP as the likelihood's mean).")
+                                 "the prior); map: G_k/T_k ŵ_k (the MAP as the likelihood's mean).",
+                         choices=MEANS)
     null_tol: float = setting(1e-6, "paper mean: a client's prior term λ0 ŵ_k is kept where its curvature exceeds "
                                     "null_tol × its mean curvature (the soft projector Π_k).", bounds=(1e-12, 1))
 
-    def validate(self) -> None:
-        super().validate()
-        if self.mean not in MEANS:
-            raise ConfigError(f"hbfl setting 'mean' must be one of {', '.join(MEANS)}")
-
-
-MEANS = ("paper", "map")
 
 
 def prior_information(comp, temperature: float, prior_precision: float, null_tol: float) -> torch.Tensor:

@@ -33,16 +33,14 @@ PROTOCOLS = ("reference", "kfac")
 class RegMeanSettings(MethodSettings):
     protocol: str = setting("reference", "reference: the FedBEns authors' RegMean (nn.Linear weights only, plain "
                                          "mean of the rest, alpha from alpha_grid on validation); kfac: every "
-                                         "Kronecker block, n-weighted mean of the rest, the given alpha.")
+                                         "Kronecker block, n-weighted mean of the rest, the given alpha.",
+                            choices=PROTOCOLS)
     alpha: float | None = setting(None, "Scale of the off-diagonal Gram entries (RegMean's α) in [0, 1]; None: "
                                         "reference chooses from alpha_grid, kfac uses 1.0.", bounds=(0, 1))
     alpha_grid: str = setting("0.1,0.9", "Comma-separated α values tried on the validation data (reference).")
 
     def validate(self) -> None:
-        if self.protocol not in PROTOCOLS:
-            raise ConfigError(f"regmean setting protocol must be one of {PROTOCOLS}")
-        if self.alpha is not None and not 0 <= self.alpha <= 1:
-            raise ConfigError("regmean setting alpha must be in [0, 1]")
+        super().validate()
         try:
             grid = [float(a) for a in self.alpha_grid.split(",")]
         except ValueError:
@@ -72,7 +70,7 @@ def merge(inputs: FusionInputs, alpha: float, linear_only: bool, plain_mean: boo
     q = torch.tensor([float(c.n_data) for c in clients], dtype=torch.float64)
     q = q / q.sum()
     for j, (block, off) in enumerate(zip(ref.blocks, ref.offsets)):
-        if not isinstance(block, Kron):  # plain or compressed (LowRankKron) Kronecker blocks
+        if not isinstance(block, Kron):  # plain or compressed (CompressedKron) Kronecker blocks
             continue
         entry = entries.get(off)
         if linear_only and (entry is None or len(entry.shape) != 2):  # a convolution weight (out, in, kh, kw)

@@ -16,6 +16,7 @@ class SwagSettings(MethodSettings):
     num_samples: int = setting(10, "Draws per client component (at least 1).", bounds=(1, 10_000))
 
     def validate(self) -> None:
+        super().validate()
         if self.num_samples < 0:
             raise ConfigError("setting num_samples must be >= 0")
 

@@ -102,6 +102,7 @@ class SwagProductSettings(MethodSettings):
                                         "Woodbury solve).", bounds=(0, 1e6))
 
     def validate(self) -> None:
+        super().validate()
         if self.num_samples < 0 or not self.min_variance >= 0:
             raise ConfigError("swag-product settings need num_samples >= 0 and min_variance >= 0")
 

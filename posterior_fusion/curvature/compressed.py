@@ -1,0 +1,407 @@
+"""A symmetric PSD factor as its top-r eigenpairs plus an isotropic remainder that keeps the trace:
+
+    F ≈ F̃ = U diag(λ) Uᵀ + σ (I − U Uᵀ),   σ = (tr F − Σ λ) / (D − r)
+
+``U`` ``(D, r)`` holds the r leading eigenvectors, ``λ`` ``(r,)`` their eigenvalues. F̃ shares F's
+eigenvectors, so its relative Frobenius error is ``√(Σ_{i>r} (λ_i − σ)²) / ‖F‖_F`` from the
+eigenvalues alone; :func:`truncate` takes the smallest r that meets a relative-error budget.
+
+The ``precision`` metric (``COMPRESS_METRICS``) measures what a fusion method sees instead: the factor
+enters a precision ``Λ = (s/T)·B ⊗ A + λ0 I`` whose eigenvalues are ``(s/T)·b_i·a_j + λ0``; replacing the
+tail ``a_j`` by σ changes each by at most the relative amount ``|a_j − σ| / (a_j + f)`` with the floor
+``f = λ0·T / (s·b_max)``. :func:`truncate` with ``floor`` keeps the smallest r whose worst such ratio is
+within the budget, σ the level that minimises it (not the trace-keeping one): every eigenvalue of
+the precision, hence every quadratic form, within that relative error per factor.
+:class:`CompressedKron` is a Kronecker block held in that form (an artifact's ``kron_lowrank`` blocks,
+written with ``--compress``).
+
+``vectors = "float16"`` (:class:`Compression`) stores the trailing kept eigenvectors in half precision
+(:func:`split_half`): rounding an eigenvector of a large eigenvalue leaks that eigenvalue into directions
+where the precision is small, so the leading k stay float32 — the smallest k whose stored form is within
+the budget and whose rounding alone costs at most :data:`ROUNDING_SHARE` of it, the truncation taking
+:data:`HALF_SHARE`. The reader makes the joined vectors orthonormal
+again (:func:`orthonormalise`, the nearest orthonormal basis) and the writer records the error of exactly
+that form (:func:`stored_error`, dense, in the same metric); a factor stays wholly float32 where that is
+not smaller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posterior_fusion.curvature.base import Precision
+from posterior_fusion.curvature.kron import Kron
+from posterior_fusion.errors import ConfigError
+
+COMPRESS_METRICS = ("frobenius", "precision")
+VECTOR_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How an artifact's Kronecker factors are written: ``budget`` (relative error per factor; 0:
+    plain, exact), the ``metric`` it bounds (:data:`COMPRESS_METRICS`) and the storage type of the kept
+    eigenvectors (``vectors``, :data:`VECTOR_DTYPES`). The fields are ``FitConfig``'s ``compress``,
+    ``compress_metric`` and ``compress_vectors``."""
+
+    budget: float = 0.0
+    metric: str = "frobenius"
+    vectors: str = "float32"
+
+    def validate(self) -> None:
+        """One :class:`~posterior_fusion.errors.ConfigError` line per bad field, named as the settings are."""
+        if self.metric not in COMPRESS_METRICS:
+            raise ConfigError(f"unknown `compress_metric` {self.metric!r}; use one of {', '.join(COMPRESS_METRICS)}")
+        if self.vectors not in VECTOR_DTYPES:
+            raise ConfigError(f"unknown `compress_vectors` {self.vectors!r}; use one of {', '.join(VECTOR_DTYPES)}")
+        if not 0 <= self.budget < 1:
+            raise ConfigError(f"`compress` must be in [0, 1) (a relative error budget; 0: plain), got {self.budget}")
+
+    @property
+    def half(self) -> bool:
+        return self.budget > 0 and self.vectors == "float16"
+
+
+PLAIN = Compression()
+
+
+def factor_eigh(F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """F's float64 eigendecomposition (ascending, of the symmetrised F): computed once per factor and
+    shared by :func:`truncate`, :func:`stored_error` and :func:`split_half`."""
+    Fd = F.double()
+    return torch.linalg.eigh(0.5 * (Fd + Fd.T))
+
+
+def truncate(F: torch.Tensor, budget: float, floor: float | None = None,
+             eig: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """``(U (D, r), λ (r,), σ, error)`` of the smallest r whose low-rank-plus-isotropic approximation of
+    the PSD ``F`` ``(D, D)`` has an error ≤ ``budget`` (r = D, σ = 0 and error 0 when no smaller rank
+    does; all of F is then kept). ``floor`` None: the relative Frobenius error, σ keeping the trace;
+    a floor ``f`` ≥ 0: the precision metric (module docstring), ``max_{i>r} |λ_i − σ| / (λ_i + f)``.
+    ``eig``: :func:`factor_eigh` of F where the caller has it."""
+    D = F.shape[0]
+    lam, U = factor_eigh(F) if eig is None else eig
+    lam, U = lam.flip(0).clamp(min=0), U.flip(1)  # descending
+    total = float(lam.square().sum())
+    if total == 0.0 or floor == float("inf"):  # a zero factor, or one whose block the other factor zeroes
+        return U[:, :0].to(F.dtype), lam[:0].to(F.dtype), float(lam.mean()), 0.0
+    tails = lam.flip(0).cumsum(0).flip(0)  # tails[r] = Σ_{i>=r} λ_i
+    for r in range(0, D):
+        if floor is None:
+            sigma = float(tails[r]) / (D - r)
+            err = float((lam[r:] - sigma).square().sum()) ** 0.5 / total**0.5
+        else:  # the level equalising the relative errors at the tail's two ends
+            hi, lo = float(lam[r]), float(lam[-1])
+            sigma = (2 * hi * lo + floor * (hi + lo)) / (hi + lo + 2 * floor) if hi + floor > 0 else 0.0
+            err = max(0.0, (hi - sigma) / (hi + floor)) if hi + floor > 0 else 0.0  # ≥ 0 through rounding
+        if err <= budget:
+            return U[:, :r].to(F.dtype).contiguous(), lam[:r].to(F.dtype), sigma, err
+    return U.to(F.dtype).contiguous(), lam.to(F.dtype), 0.0, 0.0
+
+
+def orthonormalise(U: torch.Tensor) -> torch.Tensor:
+    """The orthonormal basis nearest ``U`` ``(D, r)`` (Löwdin: ``U (UᵀU)^{-1/2}``), in float64: how a
+    reader turns stored float16 eigenvectors back into an exact orthonormal basis."""
+    Ud = U.double()
+    if Ud.shape[1] == 0:
+        return Ud
+    w, Q = torch.linalg.eigh(Ud.T @ Ud)
+    return Ud @ ((Q * w.clamp(min=1e-12).rsqrt()) @ Q.T)
+
+
+def stored_error(F: torch.Tensor, U: torch.Tensor, lam: torch.Tensor, sigma: float,
+                 floor: float | None = None, eig: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 reference: torch.Tensor | None = None) -> float:
+    """The error of ``F̃ = U diag(λ) Uᵀ + σ (I − U Uᵀ)`` against the PSD ``F`` ``(D, D)`` for any
+    orthonormal ``U`` ``(D, r)`` (not only F's own eigenvectors), in float64: ``floor`` None, the
+    relative Frobenius error ``‖F − F̃‖_F / ‖F‖_F``; a floor ``f``, the precision metric's
+    ``‖(F + f I)^{-1/2} (F̃ − F) (F + f I)^{-1/2}‖₂`` — for eigenvectors of F exactly the worst ratio
+    ``|λ_i − σ| / (λ_i + f)`` of :func:`truncate`, and in general the bound on every quadratic form.
+    ``eig``: F's float64 ``eigh`` (where the caller evaluates several forms of one factor). Computed in
+    F's eigenbasis Q, where ``Qᵀ F̃ Q = σ I + (QᵀU) diag(λ − σ) (QᵀU)ᵀ`` and ``Qᵀ F Q`` is diagonal: no
+    ``D × D × D`` product beyond the one decomposition (and, for the precision metric, one ``eigvalsh``).
+    ``reference``: another orthonormal basis U' ``(D, r)``: the error of F̃ against the form with U' and the
+    same λ, σ instead of against F, in F's metric (what a change of basis alone costs)."""
+    if floor == float("inf"):
+        return 0.0
+    lamF, Q = factor_eigh(F) if eig is None else eig
+
+    def in_basis(B: torch.Tensor) -> torch.Tensor:  # Qᵀ F̃ Q − σ I for the form with basis B
+        V = Q.T @ B.double()
+        return (V * (lam.double() - sigma)) @ V.T
+
+    diff = in_basis(U)
+    if reference is None:
+        diff.diagonal().add_(sigma - lamF)  # Qᵀ (F̃ − F) Q
+    else:
+        diff -= in_basis(reference)
+    if floor is None:
+        total = float(lamF.norm())
+        return float(diff.norm()) / total if total > 0 else 0.0
+    w = (lamF.clamp(min=0) + floor).rsqrt() if floor > 0 else lamF.clamp(min=1e-300).rsqrt()
+    M = w[:, None] * diff * w[None, :]
+    return float(torch.linalg.eigvalsh(0.5 * (M + M.T)).abs().max()) if M.numel() else 0.0
+
+
+HALF_SHARE = 0.9  # the truncation's share of the budget where eigenvectors are rounded to float16
+ROUNDING_SHARE = 0.2  # the most of the budget the rounding alone may cost (against the float32 form)
+
+
+def joined(lead: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The kept eigenvectors as a reader rebuilds them: the float32 ``lead`` ``(D, k)`` and float16 ``tail``
+    ``(D, h)`` side by side, made orthonormal (float64 ``(D, k + h)``)."""
+    return orthonormalise(torch.cat([lead.double(), tail.double()], 1))
+
+
+def split_half(F: torch.Tensor, budget: float, floor: float | None = None,
+               eig: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
+    """``(lead (D, k), tail (D, h) float16, λ (k + h,), σ, error)``: F's top eigenpairs within
+    ``HALF_SHARE · budget`` (:func:`truncate`), the leading k eigenvectors kept in F's dtype and the other h
+    rounded to float16, k the smallest whose stored form (:func:`joined`, in F's dtype as a reader holds
+    it) has an error ≤ ``budget`` and whose rounding alone (against the float32 form, same metric) costs
+    ≤ ``ROUNDING_SHARE · budget`` — the rounding's error is not confined to the prior-dominated tail as
+    the truncation's is, and moves methods that solve with information vectors ``Λ ŵ`` (HBFL) more. k =
+    0, 1, 2, 4, … until one passes, then bisection (a few dense evaluations; k is 1 or 2 on trained
+    K-FAC factors). None where no vector can be halved."""
+    eig = factor_eigh(F) if eig is None else eig
+    U, lam, sigma, _ = truncate(F, HALF_SHARE * budget, floor, eig)
+    r = U.shape[1]
+    if r == 0:
+        return None
+
+    passed: dict[int, float] = {}  # k -> its stored form's error, for every k that met both bounds
+
+    def passes(k: int) -> bool:
+        stored = joined(U[:, :k], U[:, k:].half()).to(F.dtype)
+        err = stored_error(F, stored, lam, sigma, floor, eig)
+        if err <= budget and stored_error(F, stored, lam, sigma, floor, eig, reference=U) <= ROUNDING_SHARE * budget:
+            passed[k] = err
+            return True
+        return False
+
+    lo, hi = 0, r  # k = r is the truncation's own form, within HALF_SHARE · budget
+    step = 0
+    while step < r:  # the first passing k of 0, 1, 2, 4, ...: the answer lies in (the last failing k, it]
+        if passes(step):
+            hi = step
+            break
+        lo = step + 1
+        step = max(1, 2 * step)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == r:
+        return None
+    return U[:, :lo], U[:, lo:].half(), lam, sigma, passed[lo]  # lo < r was the last k that passed
+
+
+def rebuild(U: torch.Tensor, lam: torch.Tensor, sigma: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The factor ``U diag(λ) Uᵀ + σ (I − U Uᵀ)`` ``(D, D)`` in ``dtype`` (computed in float64)."""
+    Ud, ld = U.double(), lam.double()
+    F = (Ud * (ld - sigma)) @ Ud.T + sigma * torch.eye(U.shape[0], dtype=torch.float64)
+    return (0.5 * (F + F.T)).to(dtype)
+
+
+class CompressedKron(Kron):
+    """A Kronecker block whose factors are each stored as ``F̃ = σ I + U diag(λ − σ) Uᵀ`` (top-r
+    eigenpairs plus an isotropic remainder; :func:`truncate`). It is a :class:`Kron` that overrides
+    every operation: quadratic forms, products, solves, whitening, draws, diagonals and
+    log-determinants come from the compact form (``O(out·in·(r_B + r_A))``, no ``D × D`` factor).
+    Three things form dense matrices, by what they are: ``.B``/``.A`` (the rebuilt factors, not kept),
+    :meth:`eigen` (whole eigenbases) and :meth:`to_dense`. ``errors`` are each factor's recorded error; ``stored`` holds, per factor,
+    the eigenvectors as written where part of them is float16 — ``(lead (D, k), tail (D, h) float16)``,
+    whose :func:`joined` form ``UB``/``UA`` are — or None (written as ``UB``/``UA``)."""
+
+    kind = "kron_lowrank"
+
+    def __init__(self, UB: torch.Tensor, lB: torch.Tensor, sB: float, UA: torch.Tensor, lA: torch.Tensor, sA: float,
+                 scale: float = 1.0, shift: float = 0.0, errors: tuple[float, float] = (0.0, 0.0),
+                 stored: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = (None, None)) -> None:
+        Precision.__init__(self, scale, shift)
+        self.UB, self.lB, self.sB = UB, lB, float(sB)
+        self.UA, self.lA, self.sA = UA, lA, float(sA)
+        self.errors = (float(errors[0]), float(errors[1]))
+        self.stored = stored
+
+    @property
+    def B(self) -> torch.Tensor:  # noqa: N802 - the Kron attribute it stands for
+        return rebuild(self.UB, self.lB, self.sB, self.UB.dtype)
+
+    @B.setter
+    def B(self, value: torch.Tensor) -> None:  # noqa: N802
+        raise AttributeError("a CompressedKron's factors are its compact form")
+
+    @property
+    def A(self) -> torch.Tensor:  # noqa: N802
+        return rebuild(self.UA, self.lA, self.sA, self.UA.dtype)
+
+    @A.setter
+    def A(self, value: torch.Tensor) -> None:  # noqa: N802
+        raise AttributeError("a CompressedKron's factors are its compact form")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.UB.shape[0], self.UA.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.UB.shape[0] * self.UA.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.UB.dtype
+
+    def with_scale_shift(self, scale: float, shift: float) -> CompressedKron:
+        return self._share_cache(CompressedKron(self.UB, self.lB, self.sB, self.UA, self.lA, self.sA, scale, shift,
+                                             self.errors, self.stored))
+
+    def damped(self, n: float, d: float) -> CompressedKron:
+        """Damping shifts every eigenvalue of a factor: the compact form stays compact."""
+        return CompressedKron(self.UB, self.lB + n * d, self.sB + n * d, self.UA, self.lA + d, self.sA + d,
+                           self.scale, self.shift, self.errors, self.stored)
+
+    def astype(self, dtype: torch.dtype) -> CompressedKron:
+        return CompressedKron(self.UB.to(dtype), self.lB.to(dtype), self.sB, self.UA.to(dtype), self.lA.to(dtype),
+                           self.sA, self.scale, self.shift, self.errors, self.stored)
+
+    def eigenvalues(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b (out,), a (in,))``: the kept eigenvalues, then σ repeated (no decomposition), or in the
+        order of the eigenbases once :meth:`eigen` has built them (solve, whiten, sample)."""
+        if self._eig is not None:
+            return self._eig[0], self._eig[2]
+        out, inn = self.shape
+        b = torch.cat([self.lB, self.lB.new_full((out - self.lB.numel(),), self.sB)])
+        a = torch.cat([self.lA, self.lA.new_full((inn - self.lA.numel(),), self.sA)])
+        return b, a
+
+    def quadratic_form(self, v: torch.Tensor) -> torch.Tensor:
+        """``scale · ⟨V, B̃ V Ã⟩ + shift · ‖V‖²`` from the compact form: with ``P = U_Bᵀ V``,
+        ``Q = V U_A``, ``R = U_Bᵀ V U_A`` and ``d = λ − σ``, ``⟨V, B̃ V Ã⟩ = σ_B σ_A ‖V‖² + σ_B Σ d_A ‖Q‖²
+        + σ_A Σ d_B ‖P‖² + Σ d_B d_A R²``."""
+        self._check_vec(v)
+        V = v.reshape(*v.shape[:-1], *self.shape)
+        dB, dA = self.lB - self.sB, self.lA - self.sA
+        P = self.UB.T @ V
+        Q = V @ self.UA
+        R = P @ self.UA
+        vv = V.square().sum((-2, -1))
+        inner = (self.sB * self.sA * vv + self.sB * (Q.square() * dA).sum((-2, -1))
+                 + self.sA * (P.square() * dB[:, None]).sum((-2, -1)) + (R.square() * dB[:, None] * dA).sum((-2, -1)))
+        return self.scale * inner + self.shift * vv
+
+    def _apply(self, v: torch.Tensor, fn) -> torch.Tensor:
+        """``fn(Λ) v`` for ``v`` ``(..., dim)`` from the compact form, ``fn`` applied to Λ's eigenvalues
+        ``scale·b a + shift``. ``V`` splits into the four parts the factors' kept spaces and their
+        complements span (``P_B V P_A``, ``P_B V (I − P_A)``, …); on each, Λ's eigenvalue is ``b_i a_j``,
+        ``b_i σ_A``, ``σ_B a_j`` or ``σ_B σ_A`` (scaled and shifted): ``O(out·in·(r_B + r_A))``, no
+        ``D × D`` factor."""
+        self._check_vec(v)
+        V = v.reshape(*v.shape[:-1], *self.shape)
+        UB, UA = self.UB.to(V.dtype), self.UA.to(V.dtype)
+        lB, lA = self.lB.to(V.dtype), self.lA.to(V.dtype)
+        sB, sA = torch.tensor(self.sB, dtype=V.dtype), torch.tensor(self.sA, dtype=V.dtype)
+
+        def f(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+            return fn(self.scale * b * a + self.shift)
+
+        P = UB.T @ V                          # (..., r_B, in)
+        Z11 = P @ UA                          # (..., r_B, r_A)
+        VA = V @ UA                           # (..., out, r_A)
+        Z12 = P - Z11 @ UA.T                  # U_Bᵀ V (I − P_A)
+        Z21 = VA - UB @ Z11                   # (I − P_B) V U_A
+        R22 = V - UB @ P - Z21 @ UA.T         # (I − P_B) V (I − P_A)
+        out = (UB @ ((f(lB[:, None], lA[None, :]) * Z11) @ UA.T + f(lB, sA)[:, None] * Z12)
+               + (Z21 * f(sB, lA)) @ UA.T + f(sB, sA) * R22)
+        return out.reshape(v.shape)
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        return self._apply(v, lambda e: e)
+
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        return self._apply(v, torch.reciprocal)
+
+    def whiten(self, v: torch.Tensor) -> torch.Tensor:
+        """``Λ^{-1/2} v`` (the symmetric root: ``u uᵀ = W Λ⁻¹ Wᵀ`` as for every block)."""
+        return self._apply(v, torch.rsqrt)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        eps = torch.randn(n, self.dim, generator=generator, dtype=self.dtype)
+        return self._apply(eps, torch.rsqrt)
+
+    def diagonal(self) -> torch.Tensor:
+        """``scale · diag(B̃) ⊗ diag(Ã) + shift`` with ``diag(F̃)_i = σ + Σ_k (λ_k − σ) U_ik²``."""
+        dB = self.sB + (self.UB.square() * (self.lB - self.sB)).sum(1)
+        dA = self.sA + (self.UA.square() * (self.lA - self.sA)).sum(1)
+        return (self.scale * torch.outer(dB, dA) + self.shift).reshape(-1)
+
+    def eigen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full factor eigenpairs ``(b, U_B (out, out), a, U_A (in, in))``: the kept eigenvectors completed
+        by an orthonormal basis of their complement (eigenvalue σ). This is the one operation that forms
+        ``D × D`` matrices (a caller that needs a whole eigenbasis: the stacked Kronecker evaluation)."""
+        if self._eig is None:
+            parts = []
+            for U, lam, sigma in ((self.UB, self.lB, self.sB), (self.UA, self.lA, self.sA)):
+                D, r = U.shape
+                Q, _ = torch.linalg.qr(torch.cat([U.double(), torch.eye(D, dtype=torch.float64)], 1))
+                basis = torch.cat([U.double(), Q[:, r:D]], 1).to(U.dtype)
+                values = torch.cat([lam, lam.new_full((D - r,), sigma)]).clamp_min(0)
+                parts += [values, basis]
+            self._eig = tuple(parts)
+        return self._eig
+
+    def to_dense(self) -> torch.Tensor:
+        return self.scale * torch.kron(self.B, self.A) + self.shift * torch.eye(self.dim, dtype=self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.UB, self.lB, self.UA, self.lA))
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The datasets as written: a factor whose trailing eigenvectors are float16 has them in
+        ``lowrank_*_half_vectors`` and its leading ones in ``lowrank_*_vectors``."""
+        out = {}
+        for side, U, lam, stored in (("B", self.UB, self.lB, self.stored[0]), ("A", self.UA, self.lA, self.stored[1])):
+            out[f"lowrank_{side}_vectors"] = U if stored is None else stored[0]
+            out[f"lowrank_{side}_values"] = lam
+            if stored is not None:
+                out[f"lowrank_{side}_half_vectors"] = stored[1]
+        return out
+
+    @property
+    def half_counts(self) -> tuple[int, int]:
+        """Per factor, how many kept eigenvectors are stored as float16."""
+        return tuple(0 if s is None else s[1].shape[1] for s in self.stored)
+
+    @classmethod
+    def from_kron(cls, block: Kron, budget: float, prior: float | None = None, half: bool = False) -> CompressedKron:
+        """The compact form of a plain Kronecker block within a relative error ``budget`` per factor:
+        Frobenius (``prior`` None) or in the precision metric for the precision ``(s/T)·B ⊗ A + λ0 I``
+        with ``prior = λ0·T`` (module docstring; each factor's floor from the other's largest eigenvalue).
+        ``half``: per factor, the trailing kept eigenvectors as float16 (:func:`split_half`) where that
+        takes fewer bytes than all in float32 at the full budget; the recorded error is the stored form's."""
+        floors = (None, None)
+        if prior is not None:
+            top_B, top_A = (float(torch.linalg.eigvalsh(f.double())[-1].clamp(min=0)) for f in (block.B, block.A))
+            scale = float(block.scale)
+            floors = (prior / (scale * top_A) if scale * top_A > 0 else float("inf"),
+                      prior / (scale * top_B) if scale * top_B > 0 else float("inf"))
+        parts, errors, stored = [], [], []
+        for F, floor in ((block.B, floors[0]), (block.A, floors[1])):
+            eig = factor_eigh(F)  # one decomposition per factor, shared by both truncations and the split
+            U, lam, sigma, err = truncate(F, budget, floor, eig)
+            kept = None
+            split = split_half(F, budget, floor, eig) if half and U.shape[1] > 0 else None
+            if split is not None:
+                lead, tail, lam_s, sigma_s, err_s = split
+                if lead.numel() * lead.element_size() + tail.numel() * 2 < U.numel() * U.element_size():
+                    U, lam, sigma, err, kept = joined(lead, tail).to(F.dtype), lam_s, sigma_s, err_s, (lead, tail)
+            parts += [U, lam, sigma]
+            errors.append(err)
+            stored.append(kept)
+        return cls(*parts, block.scale, block.shift, tuple(errors), tuple(stored))

@@ -1,0 +1,79 @@
+"""Curvature capture: the raw GGN of a trained model summed over the silo's data, as a
+:class:`~posterior_fusion.curvature.BlockDiag` (no prior, no temperature).
+
+The package is split by what it computes: :mod:`.policy` (which block each parameter gets, the
+capture's options), :mod:`.inputs` and :mod:`.outputs` (K-FAC's input and output factors),
+:mod:`.gram` (the float64 Gram every factor uses), :mod:`.sizing` (samples per pass), :mod:`.fast`
+(the capture itself) and :mod:`.laplace` (laplace-torch, the oracle and an option). The layer
+passes it shares with the predictive live in :mod:`posterior_fusion.models.jacobians`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.local.capture.fast import FAST_CAPTURE
+from posterior_fusion.local.capture.laplace import LAPLACE_CAPTURE
+from posterior_fusion.local.capture.policy import CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
+from posterior_fusion.models.layers import unsupported_reason
+
+__all__ = ["CAPTURE_DTYPES", "CAPTURE_METHODS", "GGN_TYPES", "KFAC_TYPES", "STRUCTURES", "capture",
+           "capture_dtype_problem"]
+
+
+def capture_dtype_problem(capture_dtype: str, method: str, fast_problem: str | None) -> str | None:
+    """Why ``capture_dtype`` cannot be honoured (None when it can): a type other than float32 needs
+    the fast capture (laplace-torch's backends run in the model's type). ``fast_problem``: why the fast
+    capture cannot take the model (``fastcapture.unsupported_reason``; None when it can)."""
+    if capture_dtype not in CAPTURE_DTYPES:
+        return f"unknown `capture_dtype` {capture_dtype!r}; use one of {', '.join(CAPTURE_DTYPES)}"
+    if capture_dtype == "float32":
+        return None
+    if method != "fast":
+        return f"`capture_dtype` {capture_dtype} needs the fast capture (`capture` fast), not laplace-torch"
+    if fast_problem is not None:
+        return f"`capture_dtype` {capture_dtype} needs the fast capture, which this model cannot use ({fast_problem})"
+    return None
+
+
+
+def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
+            ggn: str = "exact", method: str = "fast", generator: torch.Generator | None = None,
+            log=lambda m: None, kfac: str = "expand", capture_dtype: str = "float32") -> tuple[BlockDiag, str]:
+    """Raw curvature of ``structure`` and the method that computed it (``"fast"`` or ``"laplace"``).
+
+    ``ggn="exact"``: exact GGN (one backward pass per class); ``"mc"``: Monte-Carlo Fisher with
+    one sampled label (``generator`` draws it on the fast path). ``method="fast"`` uses
+    :mod:`.fast` when the model is supported (else laplace-torch,
+    with a log line); the last-layer full block of ``diag+full`` is always exact on the fast path
+    (closed form, cheaper than sampling). ``kfac`` ("expand" or "reduce") applies to ``kron``.
+    ``capture_dtype`` "bfloat16": the fast capture's forward and backward passes under bfloat16
+    autocast (the factors still summed in float64 from those vectors); refused where the fast
+    capture is not used (:func:`capture_dtype_problem`)."""
+    if structure not in STRUCTURES:
+        raise ConfigError(f"unknown curvature structure {structure!r}; use one of {', '.join(STRUCTURES)}")
+    if method not in CAPTURE_METHODS:
+        raise ConfigError(f"unknown capture method {method!r}; use one of {', '.join(CAPTURE_METHODS)}")
+    if ggn not in GGN_TYPES:
+        raise ConfigError(f"unknown GGN type {ggn!r}; use one of {', '.join(GGN_TYPES)}")
+    if kfac not in KFAC_TYPES:
+        raise ConfigError(f"unknown K-FAC type `kfac` {kfac!r}; use one of {', '.join(KFAC_TYPES)}")
+    reason = unsupported_reason(model, x[:2]) if method == "fast" else None
+    problem = capture_dtype_problem(capture_dtype, method, reason)
+    if problem is not None:
+        raise ConfigError(problem)
+    extra = {"kfac": kfac} if structure == "kron" else {}
+    if CAPTURE_DTYPES[capture_dtype] is not None:
+        extra["compute_dtype"] = CAPTURE_DTYPES[capture_dtype]
+    if method == "fast":
+        if reason is None:
+            return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator, **extra), "fast"
+        log(f"fast capture not available ({reason}); using laplace-torch")
+    if x.device.type != "cpu":
+        model, x, y = copy.deepcopy(model).cpu(), x.cpu(), y.cpu()  # laplace-torch's backends run here on the CPU
+    return LAPLACE_CAPTURE[structure](model, x, y, batch_size, ggn, **extra), "laplace"

@@ -1,0 +1,40 @@
+"""The capture's layer policy: which block each parameter gets for a structure (recorded per
+parameter in the artifact's ``curvature_blocks``), and the K-FAC variants for weight-shared layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from posterior_fusion.models.layers import NORM_LAYERS, SUPPORTED_LAYERS
+
+STRUCTURES = ("kron", "diag", "diag+full")  # curvature structures a silo can capture
+GGN_TYPES = ("exact", "mc")
+CAPTURE_METHODS = ("fast", "laplace")
+CAPTURE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # the fast capture's passes: the model's type, or autocast
+KFAC_TYPES = ("expand", "reduce")
+
+
+BLOCK_POLICY = {
+    "kron": "Linear/Conv2d weight: K-FAC (Kron); its bias: Dense",
+    "diag": "diagonal GGN from per-sample gradients",
+    "prior": "no curvature captured (zero block: the prior alone)",
+}
+"""What each parameter's block holds (recorded per parameter in the artifact's ``curvature_blocks``)."""
+
+
+def block_policy(model: nn.Module, structure: str) -> list[tuple[str, str]]:
+    """``(parameter name, block)`` in ``model.parameters()`` order, block a key of :data:`BLOCK_POLICY`
+    (``structure`` kron: Linear/Conv2d weights ``kron``, their biases ``dense``; diag: ``diag``)."""
+    out = []
+    for mname, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            if isinstance(module, SUPPORTED_LAYERS):
+                kind = ("kron" if pname == "weight" else "dense") if structure == "kron" else "diag"
+            elif isinstance(module, NORM_LAYERS):
+                kind = "diag"
+            else:
+                kind = "prior"
+            out.append((name, kind))
+    return out

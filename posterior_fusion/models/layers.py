@@ -1,0 +1,139 @@
+"""What a layer is to the curvature code: which modules own curvature (``nn.Linear`` /
+``nn.Conv2d`` weights and biases; GroupNorm / LayerNorm / BatchNorm in evaluation mode, their affine
+parameters), which models the fast passes can serve, and how a layer's input looks to its weight
+(a convolution's unfolded patches ``(I, M·S)``; a normalisation layer's per-sample affine
+gradients). Shared by the silo's capture (:mod:`posterior_fusion.local.capture`) and the server's
+predictive (:mod:`posterior_fusion.predictive`) through :mod:`.jacobians`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)  # K-FAC blocks (weight: Kron, bias: Dense)
+
+
+NORM_LAYERS = (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)  # affine parameters: Diag blocks
+
+
+def conv_problem(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
+                                          or isinstance(module.padding, str)):
+        return "uses groups, a padding mode or string padding"
+    return None
+
+
+def owns_curvature(module: nn.Module) -> bool:
+    """Whether the fast capture back-propagates to this module's output (it owns curvature)."""
+    return isinstance(module, SUPPORTED_LAYERS + NORM_LAYERS) and any(True for _ in module.parameters(recurse=False))
+
+
+def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) -> str | None:
+    """Why the fast capture cannot handle ``model`` (None when it can). With ``example`` (a
+    small input batch) it also checks that every captured layer runs exactly once per forward pass.
+
+    Layer policy (:func:`block_policy`): Linear/Conv2d K-FAC (or diagonal), GroupNorm / LayerNorm /
+    BatchNorm (evaluation mode) affine parameters diagonal, any other parameter the prior alone."""
+    for name, module in model.named_modules():
+        problem = conv_problem(module)
+        if problem is not None:
+            return f"convolution {name} {problem}"
+        if isinstance(module, NORM_LAYERS[2:]) and module.training:
+            return f"{type(module).__name__} {name} is in training mode (batch statistics couple the samples)"
+    if not any(isinstance(m, SUPPORTED_LAYERS) for m in model.modules()):
+        return "the model has no Linear or Conv2d layer"
+    if example is not None:
+        calls: dict[nn.Module, int] = {}
+        layers = captured_layers(model)
+        handles = [m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1))
+                   for m in layers]
+        try:
+            with torch.no_grad():
+                model(example)
+        finally:
+            for h in handles:
+                h.remove()
+        if any(calls.get(m, 0) != 1 for m in layers):
+            return "a Linear/Conv2d or normalisation layer does not run exactly once per forward pass"
+    return None
+
+
+def captured_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules the capture back-propagates to, in ``model.modules()`` order."""
+    return [m for m in model.modules() if owns_curvature(m)]
+
+
+def normalised_input(module: nn.Module, u: torch.Tensor) -> torch.Tensor:
+    """A normalisation layer's input ``u`` normalised, before its affine map (same shape as ``u``)."""
+    if isinstance(module, nn.GroupNorm):
+        return F.group_norm(u, module.num_groups, eps=module.eps)
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(u, module.normalized_shape, eps=module.eps)
+    return F.batch_norm(u, module.running_mean, module.running_var, training=False, eps=module.eps)
+
+
+def norm_per_sample(module: nn.Module, u: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """Per-sample gradients ``(M, k)`` of a normalisation layer's weight and bias (those that exist),
+    from its input ``u`` and output gradient ``g``: weight Σ g ⊙ x̂, bias Σ g over the positions the
+    parameter is shared across."""
+    M = u.shape[0]
+    xhat = normalised_input(module, u)
+    if isinstance(module, nn.LayerNorm):
+        k = math.prod(module.normalized_shape)
+        per = lambda t: t.reshape(M, -1, k).sum(1)  # noqa: E731
+    else:  # channel axis 1
+        per = lambda t: t.reshape(M, t.shape[1], -1).sum(2)  # noqa: E731
+    out = []
+    for pname, _ in module.named_parameters(recurse=False):
+        out.append(per(g * xhat) if pname == "weight" else per(g))
+    return out
+
+
+def kernel_windows(module: nn.Conv2d, x: torch.Tensor):
+    """For each kernel offset ``(a, b)`` of a convolution, the strided view ``(M, C, Ho, Wo)`` of its
+    zero-padded input ``x`` ``(M, C, H, W)`` that this offset meets at every output position."""
+    (ph, pw), (sh, sw), (dh, dw) = module.padding, module.stride, module.dilation
+    kh, kw = module.kernel_size
+    xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+    Ho, Wo = conv_output_size(module, x)
+    for a in range(kh):
+        for b in range(kw):
+            yield a, b, xp[:, :, a * dh : a * dh + (Ho - 1) * sh + 1 : sh, b * dw : b * dw + (Wo - 1) * sw + 1 : sw]
+
+
+def input_columns(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Layer input as columns ``(I, M·S)``: for a convolution the M·S patches of I values (rows ordered
+    as ``F.unfold``'s (channel, kh, kw)), written by one strided copy per kernel offset (long runs of
+    output positions rather than a windowed view copied patch by patch, whose inner runs are kw values;
+    timings in ``docs/benchmarks.md``, "Capture"); for a linear layer a view of the inputs at every position."""
+    if isinstance(module, nn.Conv2d):
+        (kh, kw), (M, C), (Ho, Wo) = module.kernel_size, x.shape[:2], conv_output_size(module, x)
+        out = x.new_empty(C, kh, kw, M, Ho, Wo)
+        for a, b, window in kernel_windows(module, x):  # window (M, C, Ho, Wo)
+            out[:, a, b] = window.transpose(0, 1)
+        return out.view(C * kh * kw, M * Ho * Wo)
+    return x.reshape(-1, x.shape[-1]).T
+
+
+def conv_output_size(module: nn.Conv2d, x: torch.Tensor) -> tuple[int, int]:
+    """Output positions of a convolution over its input ``x`` ``(M, C, H, W)`` (padding included)."""
+    (ph, pw) = module.padding
+    return output_size(module, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw)
+
+
+def output_size(module: nn.Conv2d, H: int, W: int) -> tuple[int, int]:
+    """Output positions of a convolution over a padded ``H × W`` input."""
+    (sh, sw), (dh, dw), (kh, kw) = module.stride, module.dilation, module.kernel_size
+    return (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)  # what a lower-precision pass hands on (widened before products)
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 where it came from a lower-precision pass (:data:`LOW_DTYPES`), else as it is."""
+    return t.float() if t.dtype in LOW_DTYPES else t

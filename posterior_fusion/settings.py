@@ -1,0 +1,120 @@
+"""One way to declare a setting, one way to read it.
+
+Every setting the product has — a fusion method's (``--set``), a silo's fit settings
+(``fit-local``'s options, the experiment TOML's ``[fit]`` table, the Flower run config) — is a field
+of a frozen dataclass declared with :func:`setting`: its default, one line of help, and where it
+has them its accepted ``bounds`` (numbers) or ``choices`` (text). :func:`convert` turns a value
+given as text (command line, TOML, Flower) into the field's type with one rule for every caller:
+booleans are ``true/false/1/0/yes/no`` and nothing else, numbers must be finite, ``None`` only where
+the field is optional. :func:`check_declared` applies the declared bounds and choices. Old names
+live in :mod:`posterior_fusion.compat`, nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from typing import Any
+
+from posterior_fusion import ranges
+from posterior_fusion.errors import ConfigError
+
+TRUE_WORDS = ("true", "1", "yes")
+FALSE_WORDS = ("false", "0", "no")
+
+
+def setting(default: Any, help: str, bounds: tuple[float, float] | None = None,  # noqa: A002
+            choices: tuple[str, ...] | None = None) -> Any:
+    """A settings field: ``default``, one line of ``help`` (shown by ``--help`` / ``--help-method``),
+    for a number its inclusive ``bounds``, for a text its ``choices``."""
+    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds, "choices": choices})
+
+
+def type_name(tp: Any) -> str:
+    """``int``, ``float | None``, … for messages and ``--help-method``."""
+    args = typing.get_args(tp)
+    if args:
+        return " | ".join("None" if a is type(None) else a.__name__ for a in args)
+    return getattr(tp, "__name__", str(tp))
+
+
+def base_type(tp: Any) -> Any:
+    """The type of an optional field without its ``None``."""
+    args = typing.get_args(tp)
+    return next((a for a in args if a is not type(None)), tp) if args else tp
+
+
+def convert(value: Any, tp: Any, name: str, where: str = "") -> Any:
+    """``value`` (text from a command line, TOML or Flower, or already typed) as a ``tp`` field's value.
+
+    Raises :class:`ConfigError` naming ``where`` and ``name`` for anything it cannot read exactly —
+    ``"ture"`` for a boolean, ``1.5`` for an integer, ``inf`` for a float."""
+    optional = type(None) in typing.get_args(tp)
+    base = base_type(tp)
+    label = f"{where} setting {name!r}" if where else f"setting {name!r}"
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("none", "")):
+        if optional:
+            return None
+        raise ConfigError(f"{label} needs a value")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            text = str(value).strip().lower()
+            if text not in TRUE_WORDS + FALSE_WORDS:
+                raise ValueError
+            return text in TRUE_WORDS
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+            if not math.isfinite(out):
+                raise ValueError
+            return out
+        if base is dict:
+            out = json.loads(value) if isinstance(value, str) else dict(value)
+            if not isinstance(out, dict):
+                raise ValueError
+            return out
+        if base is str:
+            return str(value)
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{label} must be {type_name(tp)}, got {str(value)[:40]!r}") from None
+
+
+def check_declared(record: Any, where: str = "") -> None:
+    """Refuse (one :class:`ConfigError` line) a field of ``record`` outside its declared ``bounds``
+    or ``choices``."""
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        bounds, choices = f.metadata.get("bounds"), f.metadata.get("choices")
+        if value is None or isinstance(value, bool):
+            continue
+        if bounds is not None and not isinstance(value, str):
+            ranges.check(f"{where} setting {f.name!r}" if where else f.name, value, bounds)
+        if choices is not None and value not in choices:
+            label = f"{where} setting {f.name!r}" if where else f"`{f.name}`"
+            raise ConfigError(f"{label} must be one of {', '.join(choices)}; got {str(value)[:40]!r}")
+
+
+def describe(cls: type) -> list[dict[str, Any]]:
+    """``[{name, type, default, help, bounds, choices}]`` for every declared field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out.append({"name": f.name, "type": type_name(hints[f.name]), "default": default,
+                    "help": f.metadata["help"], "bounds": f.metadata.get("bounds"),
+                    "choices": f.metadata.get("choices")})
+    return out
