@@ -102,7 +102,7 @@ def check_declared(record: Any, where: str = "") -> None:
         if bounds is not None and not isinstance(value, str):
             ranges.check(f"{where} setting {f.name!r}" if where else f.name, value, bounds)
         if choices is not None and value not in choices:
-            label = f"{where} setting {f.name!r}" if where else f"`{f.name}`"
+            label = f"{where} setting {f.name}" if where else f"setting {f.name}"
             raise ConfigError(f"{label} must be one of {', '.join(choices)}; got {str(value)[:40]!r}")
 
 

@@ -11,7 +11,7 @@ import pytest
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.experiment import ExperimentConfig, run_experiment
 
-SMOKE = Path(__file__).resolve().parents[1] / "benchmarks" / "smoke.toml"
+SMOKE = Path(__file__).resolve().parent / "smoke.toml"
 
 
 def test_smoke_grid_tables_plots_and_resume(tmp_path):

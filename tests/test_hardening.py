@@ -114,7 +114,7 @@ def test_poisoned_curvature_dominates_fedbens_without_screening(tmp_path, honest
     assert (plain.members[0] - victim).norm() < 0.5 * (robust.members[0] - victim).norm()
 
 
-def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, honest):
+def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, honest, monkeypatch):
     """A client whose curvature is 1e6× the others' (float32 storage: its rounding is ~1e-8 of its largest
     eigenvalue, far above a weak prior) used to make EM's summed precision indefinite under the evidence's
     prior (a LinAlgError from the default fusion without validation data, on these clients). Each λ0_j now stays ≥ RESOLUTION ×
@@ -123,13 +123,16 @@ def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, 
     and the default fusion runs."""
     import warnings
 
+    from posterior_fusion.fusion.methods import fedbens as fedbens_module
     from posterior_fusion.fusion.methods.fedbens import RESOLUTION
 
+    # the floor is applied to every round's λ0_j: three rounds of at most five EM iterations show it
+    monkeypatch.setattr(fedbens_module.evidence, "EVIDENCE_ROUNDS", 3)
     _, paths = honest
     scaled = poisoned_copy(paths[0], tmp_path / "scaled.h5", curvature_scale=1e6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, res, meta = fuse([scaled, *paths[1:]], "fedbens", FusionOptions(progress=False), {"steps": 40})
+        _, res, meta = fuse([scaled, *paths[1:]], "fedbens", FusionOptions(progress=False), {"steps": 5})
     assert meta["resolved"]["server_prior"] == "evidence"
     clients = [posterior_fusion.load(p) for p in [scaled, *paths[1:]]]
     lam0 = meta["laplace"]["server_prior_precision"]

@@ -17,15 +17,18 @@ from posterior_fusion.fusion.methods.hbfl import HBFLSettings, hbfl
 from posterior_fusion.fusion.quadratic import QuadraticSettings
 
 
-def _clients(tmp_path, silo, structure, sizes=(60, 100, 140)):
+def _clients(tmp_path, silo, structure, sizes=(60, 100, 140), stride=4):
+    """Three clients of unequal sizes (the q_k weights matter), fitted on every ``stride``-th pixel of the
+    images: at the default 7 × 7 (d = 490 parameters) every dense float64 reference below is a small solve;
+    ``stride=1`` the full images (d = 6,370), where K-FAC factors are rank-deficient and Adam's path long."""
     paths = []
     start = 0
-    for c, n in enumerate(sizes):  # unequal sizes: the q_k weights matter
-        part = SiloData(silo.x[start : start + n], silo.y[start : start + n], "fmnist", 10)
+    for c, n in enumerate(sizes):
+        part = SiloData(silo.x[start : start + n, ::stride, ::stride].copy(), silo.y[start : start + n], "fmnist", 10)
         start += n
         paths.append(tmp_path / f"c{c}.h5")
-        fit_artifact(paths[-1], part, structure, model="mlp", kwargs={"hidden": 8, "bias": True}, mixtures=1,
-                     epochs=1, seed=c)
+        fit_artifact(paths[-1], part, structure, model="mlp", mixtures=1, epochs=1, seed=c,
+                     kwargs={"in_features": part.x[0].size, "hidden": 8, "bias": True})
     return [posterior_fusion.load(p) for p in paths]
 
 
@@ -60,7 +63,7 @@ def test_hbfl_closed_form_equals_dense_solve(tmp_path, small_silo, structure):
 
 
 def test_hbfl_kron_reaches_the_dense_optimum(tmp_path, small_silo):
-    clients = _clients(tmp_path, small_silo, "kron")
+    clients = _clients(tmp_path, small_silo, "kron", stride=1)
     settings = HBFLSettings(steps=6000, adam_lr=2e-2, clip=1e6, mean="map")
     got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), settings).members[0].double()
     Lam, rhs, avg = _dense_problem(clients)
@@ -325,7 +328,7 @@ def test_an_unconverged_exact_solve_says_so(tmp_path, small_silo):
     """Tiny prior_scale on real, rank-deficient K-FAC factors: conjugate gradients stop at their cap with
     a residual far above the tolerance, and the solve warns (naming the setting) instead of passing
     the unreliable model on silently."""
-    clients = _clients(tmp_path, small_silo, "kron")
+    clients = _clients(tmp_path, small_silo, "kron", stride=1)
     with pytest.warns(UserWarning, match="raise `prior_scale`"):
         got = fedfisher(FusionInputs(clients, FusionOptions(progress=False)), QuadraticSettings(solver="exact",
                                                                                                 prior_scale=1e-6))
@@ -341,7 +344,7 @@ def test_tune_prior_scale_keeps_the_best_validation_solve(tmp_path, small_silo, 
 
     clients = _clients(tmp_path, small_silo, "kron")
     x, y = fmnist_train
-    val = SiloData(x[1000:1400], y[1000:1400], "fmnist", 10)
+    val = SiloData(x[1000:1400, ::4, ::4].copy(), y[1000:1400], "fmnist", 10)
     inputs = FusionInputs(clients, FusionOptions(progress=False), val=val)
     got = fedfisher(inputs, QuadraticSettings(solver="exact", tune_prior_scale=True))
     search = got.info["prior_scale_search"]

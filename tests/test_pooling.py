@@ -162,7 +162,7 @@ def test_tampered_pooling_is_one_line_exit_2(skewed, tmp_path, change):
 
 @pytest.mark.parametrize(("method", "key", "teachers"), [
     (["--method", "ensemble", "--set", "pooling=label-shift"], "pooling", 6),
-    (["--set", "steps=2", "--set", "modes=2"], "mode_weights", 2),   # fedbens
+    (["--method", "fedbens", "--set", "steps=2", "--set", "modes=2"], "mode_weights", 2),
 ])
 def test_a_distilled_artifact_keeps_no_combination_of_its_teachers(skewed, tmp_path, method, key, teachers):
     """How the teachers combined (a label-shift pool; fedbens' per-mode weights) leaves with them: the

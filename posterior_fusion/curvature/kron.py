@@ -27,6 +27,16 @@ class Kron(Precision):
         self.B = B
         self.A = A
 
+    def share_storage(self, name: str, tensor: torch.Tensor) -> None:
+        """Hold factor ``name`` (``"B"`` or ``"A"``) in ``tensor`` — a row of a stack of many blocks' factors —
+        so its values are stored once. The block's values do not change: ``tensor`` must equal the factor
+        exactly (checked), so a loaded block stays what it was read as."""
+        current = getattr(self, name)
+        if name not in ("B", "A") or tensor.shape != current.shape or tensor.dtype != current.dtype \
+                or not torch.equal(tensor, current):
+            raise ValueError(f"share_storage: {name} must be given as a tensor equal to the factor it replaces")
+        setattr(self, name, tensor)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.B.shape[0], self.A.shape[0]

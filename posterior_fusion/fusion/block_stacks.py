@@ -129,12 +129,12 @@ class StackedDense:
 
 def _adopted(blocks: list[Precision], name: str, dtype: torch.dtype) -> torch.Tensor:
     """The factors ``name`` of N Kronecker blocks stacked ``(N, D, D)``; where they already have the
-    stack's dtype, each block's factor becomes a view of the stack (same values), so the factors are
-    held once, not twice (the server's peak memory at real size: ``docs/benchmarks.md``)."""
+    stack's dtype, each block holds its factor in a view of the stack (:meth:`Kron.share_storage`: the same
+    values, checked), so the factors are held once, not twice (the server's peak memory at real size: ``docs/benchmarks.md``)."""
     stacked = torch.stack([getattr(blk, name).to(dtype) for blk in blocks])
     if all(getattr(blk, name).dtype == dtype and getattr(blk, name).device == stacked.device for blk in blocks):
         for n, blk in enumerate(blocks):
-            setattr(blk, name, stacked[n])
+            blk.share_storage(name, stacked[n])
         # the originals are freed: their pages go back to the system now (under pfuse's allocator setting they
         # would stay resident), so stacking peaks at one layer's stack over the loaded artifacts
         release_freed_memory()
@@ -296,7 +296,7 @@ def _padded(U: torch.Tensor, lam: torch.Tensor, sigma: float, r: int, dtype) -> 
 
 
 def stack_lowrank_kron(blocks: list[Precision], offset, mu, scales, shifts, dtype, spectral_cutoff=0.0,
-                       kernel=None) -> StackedLowRankKron:
+                       kernel=None) -> StackedCompressedKron:
     """N compressed Kronecker blocks (:class:`~posterior_fusion.curvature.CompressedKron`) in their
     compact form, ranks padded to the largest of the N (zero columns)."""
     out, inn = blocks[0].shape
@@ -307,7 +307,7 @@ def stack_lowrank_kron(blocks: list[Precision], offset, mu, scales, shifts, dtyp
     logdets = torch.stack([
         (float(s) * torch.outer(*(t.double() for t in b.eigenvalues())) + float(h)).log().sum()
         for b, s, h in zip(blocks, scales, shifts)]).to(dtype)
-    return StackedLowRankKron(
+    return StackedCompressedKron(
         offset, out * inn, mu.reshape(-1, out, inn).to(dtype),
         torch.stack([u for u, _ in sideB]), torch.stack([d for _, d in sideB]),
         torch.tensor([b.sB for b in blocks], dtype=dtype),
@@ -317,7 +317,7 @@ def stack_lowrank_kron(blocks: list[Precision], offset, mu, scales, shifts, dtyp
 
 
 @dataclass(frozen=True)
-class StackedLowRankKron:
+class StackedCompressedKron:
     """N Kronecker blocks in compact form, ``F = σ I + U diag(d) Uᵀ`` per factor: ``mu`` ``(N, out, in)``,
     ``UB`` ``(N, out, r_B)``, ``dB`` ``(N, r_B)``, ``sB`` ``(N,)`` and the same for A; precisions
     ``scale_n (B ⊗ A) + shift_n I``. A quadratic form costs ``O(out·in·(r_B + r_A))`` per point and
@@ -386,7 +386,7 @@ class StackedLowRankKron:
 
         return q, vjp
 
-    def to(self, device) -> StackedLowRankKron:
+    def to(self, device) -> StackedCompressedKron:
         return map_tensors(self, lambda t: t.to(device))
 
 
