@@ -114,7 +114,7 @@ def test_poisoned_curvature_dominates_fedbens_without_screening(tmp_path, honest
     assert (plain.members[0] - victim).norm() < 0.5 * (robust.members[0] - victim).norm()
 
 
-def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, honest, monkeypatch):
+def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, small_silo, monkeypatch):
     """A client whose curvature is 1e6× the others' (float32 storage: its rounding is ~1e-8 of its largest
     eigenvalue, far above a weak prior) used to make EM's summed precision indefinite under the evidence's
     prior (a LinAlgError from the default fusion without validation data, on these clients). Each λ0_j now stays ≥ RESOLUTION ×
@@ -126,9 +126,11 @@ def test_evidence_prior_stays_above_the_curvatures_float32_resolution(tmp_path, 
     from posterior_fusion.fusion.methods import fedbens as fedbens_module
     from posterior_fusion.fusion.methods.fedbens import RESOLUTION
 
-    # the floor is applied to every round's λ0_j: three rounds of at most five EM iterations show it
+    # the floor is applied to every round's λ0_j: three rounds of at most five EM iterations show it, on the
+    # images at 7 × 7 (every fourth pixel: d = 970), where EM's solves are small
     monkeypatch.setattr(fedbens_module.evidence, "EVIDENCE_ROUNDS", 3)
-    _, paths = honest
+    silo = SiloData(small_silo.x[:300, ::4, ::4].copy(), small_silo.y[:300], "fmnist", 10)
+    paths = fit_split(tmp_path, silo, 4, 75, "kron", mixtures=2, epochs=2, kwargs={"in_features": 49, "hidden": 16})
     scaled = poisoned_copy(paths[0], tmp_path / "scaled.h5", curvature_scale=1e6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
