@@ -915,7 +915,7 @@ def test_server_prior_evidence_maximises_the_exact_evidence_of_a_gaussian_produc
 
 
 def test_server_prior_evidence_without_an_interior_maximum_stops_at_the_range_and_says_so():
-    """Clients that disagree far more than their curvature explains (T = 0.5 here): the evidence grows
+    """Clients whose MAPs agree within their posterior widths (T = 50 here: wide posteriors): the evidence grows
     without bound as the modes approach the prior centre; ρ stops at the end of its search range (and never
     lets a λ0_j leave the artifacts' prior-precision range, so the global artifact stays readable), a
     warning says so, the record says `at_bound`, and the mode is the clients' average."""
@@ -927,6 +927,26 @@ def test_server_prior_evidence_without_an_interior_maximum_stops_at_the_range_an
     assert max(lam) <= 1e8 and res.info["server_prior_search"]["at_bound"]
     mean = torch.stack([c.components[0].map for c in one]).mean(0)
     torch.testing.assert_close(res.members[0].double(), mean, rtol=1e-5, atol=1e-5)
+
+
+def test_server_prior_evidence_says_when_the_clients_agree_and_stops_climbing():
+    """Three clients with the same MAPs and curvature agree exactly: the evidence has no interior maximum
+    (ρ rises by a steady factor every round). The search stops climbing after a few rounds, solves at the
+    upper bound, records `no_interior_maximum` and says in one warning that the clients agree and the mode is
+    their average; the mode is that average (the clients' common MAP)."""
+    from posterior_fusion.fusion.methods.fedbens.evidence import CLIMB_ROUNDS
+
+    one = _clients("diag+full", C=1, M=1, seed=5)[0]
+    same = [one, one, one]
+    with pytest.warns(UserWarning) as caught:
+        res = fedbens(FusionInputs(same, FusionOptions(temperature=0.1, progress=False)),
+                      FedBEnsSettings(solver="em", prior_centre="clients", server_prior="evidence", steps=20))
+    text = " ".join(str(w.message) for w in caught)
+    assert "no interior maximum" in text and "clients agree" in text and "average" in text
+    search = res.info["server_prior_search"]
+    assert search["no_interior_maximum"] and search["at_bound"] and search["converged"]
+    assert len(search["rounds"]) <= CLIMB_ROUNDS + 2
+    torch.testing.assert_close(res.members[0].double(), one.components[0].map.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_server_prior_evidence_out_of_rounds_keeps_modes_and_prior_that_belong_together(monkeypatch):

@@ -12,9 +12,12 @@ versions before 0.3; kept as a named option because it is bounded where the pape
 
 Where G_k is singular the paper's division is ill-posed: a direction without curvature has
 Λ_k = 0 but η_k = λ0 ŵ_k ≠ 0 (at an exact MAP ŵ_k is 0 there). So the prior term is kept only
-where the client has curvature: η_k = G_k/T_k ŵ_k + λ0 Π_k ŵ_k with the soft projector
-Π_k = G_k/T_k (G_k/T_k + ε_k I)⁻¹, ε_k = null_tol × mean(diag G_k/T_k), which is the identity up
-to ``null_tol`` wherever G_k is well conditioned. Directions no client has curvature in make Λ
+where the client has curvature: η_k = G_k/T_k ŵ_k + λ0 Π_k ŵ_k. By default Π_k projects onto the
+eigen-directions of each block of G_k/T_k whose eigenvalue float32 curvature resolves (above
+:data:`NULL_RESOLUTION` × the block's largest): Π_k = I wherever G_k has full rank, so the default is
+eq. 3.8 itself there, and directions of rounding noise get no prior term. ``null_tol`` = a number gives
+the soft projector Π_k = G_k/T_k (G_k/T_k + ε_k I)⁻¹, ε_k = null_tol × mean(diag G_k/T_k), which moves
+the mean by about null_tol × (mean curvature / eigenvalue)² along weakly curved directions. Directions no client has curvature in make Λ
 singular; ``prior_scale`` > 0 adds ε I with ε = prior_scale × mean(diag Λ) to Λ and ε Σ q_k ŵ_k to the
 right-hand side, i.e. those directions fall back to FedAvg (the limit ε → 0 of a vanishing
 prior centred on FedAvg). diag and diag+full: closed form per block. kron: Σ of Kronecker
@@ -34,13 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.curvature import BlockDiag, Kron
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
 from posterior_fusion.fusion.settings import setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 MEANS = ("paper", "map")
+NULL_RESOLUTION = 1e-7  # eigenvalues below this × the block's largest are float32 rounding, not curvature
 
 
 @dataclass(frozen=True)
@@ -51,16 +55,24 @@ class HBFLSettings(QuadraticSettings):
     mean: str = setting("paper", "paper: eq. 3.8's information vector (G_k/T_k + λ0) ŵ_k (the posterior divided by "
                                  "the prior); map: G_k/T_k ŵ_k (the MAP as the likelihood's mean).",
                          choices=MEANS)
-    null_tol: float = setting(1e-6, "paper mean: a client's prior term λ0 ŵ_k is kept where its curvature exceeds "
-                                    "null_tol × its mean curvature (the soft projector Π_k).", bounds=(1e-12, 1))
+    null_tol: float | None = setting(None, "paper mean: where a client's prior term λ0 ŵ_k is kept. None: along every "
+                                           "eigen-direction of G_k/T_k whose eigenvalue the float32 curvature resolves "
+                                           "(> NULL_RESOLUTION × the block's largest), none other — eq. 3.8 exactly "
+                                           "wherever G_k has full rank; a number: the soft projector G_k/T_k (G_k/T_k "
+                                           "+ ε I)⁻¹ with ε = null_tol × the mean curvature.", bounds=(1e-12, 1))
 
 
 
-def prior_information(comp, temperature: float, prior_precision: float, null_tol: float) -> torch.Tensor:
-    """``λ0 Π ŵ`` ``(d,)`` float64 with ``Π = G/T (G/T + εI)⁻¹``, ``ε = null_tol · mean diag(G/T)``:
-    the prior's part of eq. 3.8's information vector, kept only where the client has curvature
-    (``Π ŵ = ŵ − ε (G/T + εI)⁻¹ ŵ``)."""
+def prior_information(comp, temperature: float, prior_precision: float, null_tol: float | None) -> torch.Tensor:
+    """``λ0 Π ŵ`` ``(d,)`` float64: the prior's part of eq. 3.8's information vector, kept only where the client
+    has curvature. ``null_tol`` None: ``Π`` projects onto the eigen-directions of each block of ``G/T`` with an
+    eigenvalue above :data:`NULL_RESOLUTION` × the block's largest (what float32 curvature resolves), so
+    ``Π ŵ = ŵ`` where ``G`` has full rank; a number: the soft projector ``Π = G/T (G/T + εI)⁻¹``,
+    ``ε = null_tol · mean diag(G/T)`` (``Π ŵ = ŵ − ε (G/T + εI)⁻¹ ŵ``)."""
     w = comp.map.double()
+    if null_tol is None:
+        return prior_precision * torch.cat([_resolved_part(b, w[off : off + b.dim])
+                                            for b, off in zip(comp.curvature.blocks, comp.curvature.offsets)])
     eps = null_tol * float(comp.curvature.diagonal().double().mean()) / temperature
     if eps <= 0:  # no curvature at all: nothing of the prior survives the division
         return torch.zeros_like(w)
@@ -68,6 +80,26 @@ def prior_information(comp, temperature: float, prior_precision: float, null_tol
     solved = torch.cat([b.solve(w[off : off + b.dim].to(b.dtype)).double()  # blocks differ in dtype
                         for b, off in zip(damped.blocks, damped.offsets)])
     return prior_precision * (w - eps * solved)
+
+
+def _resolved_part(block, v: torch.Tensor) -> torch.Tensor:
+    """``v`` ``(p,)`` projected onto the eigen-directions of ``block`` whose eigenvalue exceeds
+    :data:`NULL_RESOLUTION` × its largest (float64; a Kronecker block's eigenvalues are the products
+    ``b_i a_j``, its projection ``U_B (mask ∘ U_Bᵀ V U_A) U_Aᵀ``)."""
+    if isinstance(block, Kron):
+        b, UB, a, UA = (t.double() for t in block.eigen())
+        grid = torch.outer(b, a)
+        mask = grid > NULL_RESOLUTION * grid.max() if grid.numel() and grid.max() > 0 else torch.zeros_like(grid, dtype=torch.bool)
+        V = v.reshape(b.numel(), a.numel())
+        return (UB @ ((UB.T @ V @ UA) * mask) @ UA.T).reshape(-1)
+    if block.kind == "diag":
+        g = block.diagonal().double()
+        return torch.where(g > NULL_RESOLUTION * g.max(), v, torch.zeros_like(v)) if g.numel() and g.max() > 0 \
+            else torch.zeros_like(v)
+    values, U = torch.linalg.eigh(block.to_dense().double())
+    keep = (values > NULL_RESOLUTION * values.max() if values.numel() and values.max() > 0
+            else torch.zeros_like(values, dtype=torch.bool))
+    return U[:, keep] @ (U[:, keep].T @ v)
 
 
 def _float64(curvature: BlockDiag) -> BlockDiag:

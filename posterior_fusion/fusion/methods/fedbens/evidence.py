@@ -39,6 +39,8 @@ EVIDENCE_ROUNDS = 30       # server_prior=evidence: at most this many EM solves
 EVIDENCE_TOLERANCE = 0.01  # … stopping when λ0 moves by less than this, relative
 
 
+CLIMB_ROUNDS = 4          # … rounds in a row in which ρ rose by at least CLIMB_FACTOR: no interior maximum
+CLIMB_FACTOR = 1.2
 RESOLUTION = 1e-6          # … keeping each λ0_j ≥ this × block j's largest curvature (float32 resolves ≈ 1e-8 of it)
 
 
@@ -118,21 +120,28 @@ def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], la
         if abs(math.log(nxt / rho)) < EVIDENCE_TOLERANCE:
             converged = True
             break
+        climbing = len(rounds) >= CLIMB_ROUNDS and all(r["next"] >= CLIMB_FACTOR * r["scale"]
+                                                       for r in rounds[-CLIMB_ROUNDS:])
+        if climbing and nxt < hi:  # the evidence keeps rising with ρ: solve once at the bound and check it there
+            nxt = hi
         if i + 1 < EVIDENCE_ROUNDS:  # else the last modes are kept with the ρ they were solved at
             rho, laplace_step = nxt, None  # the modes will move: their curvature with them
-    at_bound = rho >= hi * (1 - 1e-6) or rho <= lo * (1 + 1e-6)
+    upper, lower = rho >= hi * (1 - 1e-6), rho <= lo * (1 + 1e-6)
+    no_maximum = converged and (upper or lower)
     if not converged:
         warnings.warn(f"fedbens server_prior=evidence: ρ still moved after {EVIDENCE_ROUNDS} rounds (last "
                       f"{rounds[-1]['scale']:.3g} -> {rounds[-1]['next']:.3g}); the last round's modes are kept",
                       stacklevel=3)
-    elif at_bound:
-        upper = rho >= hi * (1 - 1e-6)
-        why = ("the clients disagree more than their curvature explains, and the modes sit at the prior centre"
-               if upper else "the prior is as weak as the curvature's float32 resolution or the artifacts' range "
-               "allows; a client whose curvature is far out of scale with the others' does this (see --robust)")
-        warnings.warn(f"fedbens server_prior=evidence: the evidence has no maximum inside the prior precisions "
-                      f"the artifacts allow; ρ = {rho:.3g} is at its {'upper' if upper else 'lower'} bound: {why}",
+    elif upper:
+        warnings.warn(f"fedbens server_prior=evidence: the evidence has no interior maximum — it keeps rising as the "
+                      f"prior strengthens, to the upper bound of its range (ρ = {rho:.3g}): the clients agree "
+                      "within their posterior widths, and the modes are their λ-weighted average (the prior centre)",
                       stacklevel=3)
+    elif lower:
+        warnings.warn(f"fedbens server_prior=evidence: the evidence has no interior maximum — it keeps rising as the "
+                      f"prior weakens, to the lower bound of its range (ρ = {rho:.3g}: as weak as the curvature's float32 resolution or the "
+                      "artifacts' range allows): the clients disagree more than their curvature explains; a client "
+                      "whose curvature is far out of scale with the others' does this (see --robust)", stacklevel=3)
     return EvidenceSearch(server_prior_blocks(scales, rho, lam0), W, history,
-                          {"block_scales": scales, "rounds": rounds, "converged": converged, "at_bound": at_bound},
-                          laplace_step)
+                          {"block_scales": scales, "rounds": rounds, "converged": converged,
+                           "at_bound": upper or lower, "no_interior_maximum": no_maximum}, laplace_step)
