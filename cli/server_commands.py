@@ -66,7 +66,9 @@ def method_help(name: str) -> str:
     if not rows:
         lines.append("  (none)")
     for row in rows:
-        lines.append(f"  {row['name']:<15} {row['type']:<12} {row['help']} [default: {row['default']}]")
+        allowed = (f" (one of: {', '.join(row['choices'])})" if row.get("choices")
+                   else f" (range: {row['bounds'][0]:g} to {row['bounds'][1]:g})" if row.get("bounds") else "")
+        lines.append(f"  {row['name']:<15} {row['type']:<12} {row['help']}{allowed} [default: {row['default']}]")
     return "\n".join(lines)
 
 

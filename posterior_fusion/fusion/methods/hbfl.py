@@ -57,7 +57,7 @@ class HBFLSettings(QuadraticSettings):
                          choices=MEANS)
     null_tol: float | None = setting(None, "paper mean: where a client's prior term λ0 ŵ_k is kept. None: along every "
                                            "eigen-direction of G_k/T_k whose eigenvalue the float32 curvature resolves "
-                                           "(> NULL_RESOLUTION × the block's largest), none other — eq. 3.8 exactly "
+                                           "(> 1e-7 × the block's largest), none other — eq. 3.8 exactly "
                                            "wherever G_k has full rank; a number: the soft projector G_k/T_k (G_k/T_k "
                                            "+ ε I)⁻¹ with ε = null_tol × the mean curvature.", bounds=(1e-12, 1))
 
