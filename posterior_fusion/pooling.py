@@ -14,19 +14,27 @@
   weighted by how much of that class each client saw, and ``q`` is the fixed point
 
       log q(y|x) = log π(y) + Σ_c w_c(y) [log p_c(y|x) − log π_c(y) + log a_c(x; q)] + const(x),
-      w_c(y) = (n_c(y) + s) / Σ_c' (n_c'(y) + s),   π_c(y) ∝ n_c(y) + s,   π(y) ∝ Σ_c n_c(y) + s,
+      π_c(y) = n_c(y) / n_c,   π(y) = Σ_c n_c(y) / Σ_c n_c,   w_c(y) ∝ n_c(y) + s where n_c(y) > 0, else 0,
 
-  from the class counts ``n_c(y)`` every client artifact records (``s``: ``smoothing``). When every
-  client's predictive is its exact Bayes posterior the global posterior is a fixed point whatever
-  the weights (each ``ρ̂_c = ρ``); a client that never saw class ``y`` gets almost no say on it. The
-  iteration starts from ``a_c = 1`` and stops when no probability moves by more than ``1e-7`` (at
-  most ``iterations`` rounds; on the Fashion-MNIST clients it settles in under ten).
+  from the class counts ``n_c(y)`` every client artifact records. The label priors are the clients'
+  own, unsmoothed: when every client's predictive is its exact Bayes posterior under its own count
+  prior, the pooled-data posterior is the fixed point whatever the weights (each client that saw ``y``
+  estimates the same ``ρ``), so the pool is exact. A client that never saw a class (``n_c(y) = 0``)
+  has no say on it at any ``s``; a class no client saw has ``π(y) = 0`` and probability 0. ``s``
+  (``smoothing``) only evens the per-class weights of tiny counts. The iteration starts from
+  ``a_c = 1`` and stops when no probability moves by more than :data:`TOLERANCE` (at most
+  ``iterations`` rounds; one warning with the last move if it did not settle).
+
+  ``target_prior``: the pool answers under the pooled clients' label prior ``π``; where the data to be
+  predicted follows another prior ``π_t`` (e.g. uniform test sets), ``q_t(y|x) ∝ q(y|x) π_t(y) / π(y)``.
 
 Shapes: member probabilities ``(K, n, classes)``; the result ``(n, classes)`` (float64).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +45,7 @@ from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 
 POOLINGS = ("average", "label-shift")
-TOLERANCE = 1e-7
+TOLERANCE = 1e-10
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class Pooling:
     class_counts: tuple[tuple[int, ...], ...] = ()
     smoothing: float = 0.5
     iterations: int = 100
+    target_prior: tuple[float, ...] = ()  # () : the pooled clients' label prior
     where: str = field(default="pooling", compare=False)
 
     def validate(self, num_members: int, num_classes: int) -> None:
@@ -71,6 +80,10 @@ class Pooling:
             raise ConfigError(f"{self.where}: every client needs at least one member")
         if any(len(row) != num_classes or min(row) < 0 for row in self.class_counts):
             raise ConfigError(f"{self.where}: class_counts must hold {num_classes} counts >= 0 per client")
+        if self.target_prior and (len(self.target_prior) != num_classes
+                                  or not all(isinstance(v, float) and math.isfinite(v) and 0 <= v <= 1e12
+                                             for v in self.target_prior) or sum(self.target_prior) <= 0):
+            raise ConfigError(f"{self.where}: target_prior must hold {num_classes} finite frequencies >= 0, not all 0")
 
     @classmethod
     def from_metadata(cls, raw: Any, num_members: int, num_classes: int) -> Pooling:
@@ -85,8 +98,13 @@ class Pooling:
                 raise ConfigError(f"{where}: average takes no other field")
             return cls()
         fields = {"rule", "groups", "class_counts", "smoothing", "iterations"}
-        if set(raw) != fields:
-            raise ConfigError(f"{where}: {raw['rule']} needs exactly the fields {', '.join(sorted(fields))}")
+        if not fields <= set(raw) <= fields | {"target_prior"}:
+            raise ConfigError(f"{where}: {raw['rule']} needs exactly the fields {', '.join(sorted(fields))} "
+                              "(and optionally target_prior)")
+        target = raw.get("target_prior", [])
+        if not isinstance(target, list) or len(target) not in (0, num_classes) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in target):
+            raise ConfigError(f"{where}: target_prior must list {num_classes} class frequencies (or be absent)")
         groups, counts = raw["groups"], raw["class_counts"]
         if not isinstance(groups, list) or len(groups) != num_members or not all(map(ranges.is_int, groups)):
             raise ConfigError(f"{where}: groups must list the client (an integer) of each of the {num_members} members")
@@ -99,15 +117,19 @@ class Pooling:
         ranges.check(f"{where}: smoothing", smoothing, ranges.POOLING_SMOOTHING)
         if not ranges.is_int(iterations):
             raise ConfigError(f"{where}: iterations must be an integer")
-        out = cls(raw["rule"], tuple(groups), tuple(tuple(r) for r in counts), float(smoothing), iterations, where)
+        out = cls(raw["rule"], tuple(groups), tuple(tuple(r) for r in counts), float(smoothing), iterations,
+                  tuple(float(v) for v in target), where)
         out.validate(num_members, num_classes)
         return out
 
     def to_metadata(self) -> dict:
         if self.rule == "average":
             return {"rule": "average"}
-        return {"rule": self.rule, "groups": list(self.groups), "class_counts": [list(r) for r in self.class_counts],
-                "smoothing": self.smoothing, "iterations": self.iterations}
+        out = {"rule": self.rule, "groups": list(self.groups), "class_counts": [list(r) for r in self.class_counts],
+               "smoothing": self.smoothing, "iterations": self.iterations}
+        if self.target_prior:
+            out["target_prior"] = list(self.target_prior)
+        return out
 
     def combine(self, member_probs: Iterable[torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
         """The pooled prediction ``(n, classes)`` from the members' probabilities, given one member
@@ -124,31 +146,49 @@ class Pooling:
         if self.rule == "average":
             return sums[0] / count if weights is None else sums[0]
         per_client = torch.stack([sums[c] / self.groups.count(c) for c in range(len(self.class_counts))])
+        target = torch.tensor(self.target_prior, dtype=torch.float64) if self.target_prior else None
         return label_shift_pool(per_client, torch.tensor(self.class_counts, dtype=torch.float64), self.smoothing,
-                                self.iterations)
+                                self.iterations, target)
 
 
 AVERAGE = Pooling()
 
 
 def label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smoothing: float = 0.5,
-                     iterations: int = 100) -> torch.Tensor:
+                     iterations: int = 100, target_prior: torch.Tensor | None = None) -> torch.Tensor:
     """The ``label-shift`` pooling (module doc) of the clients' predictives ``client_probs``
-    ``(C, n, classes)`` with their class counts ``(C, classes)``; returns ``q`` ``(n, classes)``, float64."""
-    p = client_probs.double().clamp_min(1e-300)
-    counts = class_counts.double() + smoothing
-    prior_c = counts / counts.sum(1, keepdim=True)              # π_c(y)    (C, classes)
-    prior = counts.sum(0) / counts.sum()                        # π(y)      (classes,)
-    w = counts / counts.sum(0, keepdim=True)                    # w_c(y), Σ_c w_c(y) = 1
-    base = prior.log() + (w[:, None, :] * (p.log() - prior_c.log()[:, None, :])).sum(0)   # (n, classes)
+    ``(C, n, classes)`` with their class counts ``(C, classes)``; returns ``q`` ``(n, classes)``, float64,
+    under the pooled clients' label prior, or ``target_prior`` ``(classes,)`` (frequencies) where given."""
+    counts = class_counts.double()
+    seen = counts > 0                                                       # (C, classes)
+    prior_c = counts / counts.sum(1, keepdim=True)                          # π_c(y), the clients' own
+    prior = counts.sum(0) / counts.sum()                                    # π(y), the pooled data's
+    present = prior > 0
+    raw = torch.where(seen, counts + smoothing, torch.zeros_like(counts))
+    w = raw / raw.sum(0, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)   # Σ_c w_c(y) = 1 where y present
+    log_p = client_probs.double().clamp_min(1e-300).log()
+    evidence = torch.where(seen[:, None, :], log_p - prior_c.clamp_min(1e-300).log()[:, None, :],
+                           torch.zeros_like(log_p))
+    neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
+    base = torch.where(present, prior.clamp_min(1e-300).log(), neg_inf) + (w[:, None, :] * evidence).sum(0)
+    ratio = torch.where(present, prior_c / prior.clamp_min(1e-300), torch.zeros_like(prior_c))  # π_c(y) / π(y)
     q = torch.softmax(base, -1)
+    moved = float("inf")
     for _ in range(iterations):
-        log_a = torch.einsum("cy,ny->cn", prior_c / prior, q).log()   # log a_c(x)  (C, n)
+        log_a = torch.einsum("cy,ny->cn", ratio, q).clamp_min(1e-300).log()   # log a_c(x)  (C, n)
         new = torch.softmax(base + torch.einsum("cy,cn->ny", w, log_a), -1)
-        moved = (new - q).abs().max().item()
+        moved = (new - q).abs().max().item() if q.numel() else 0.0
         q = new
         if moved < TOLERANCE:
             break
+    else:
+        if iterations and moved >= TOLERANCE:
+            warnings.warn(f"label-shift pool: the fixed point did not settle in {iterations} rounds (the last moved a "
+                          f"probability by {moved:.2g}); raise `iterations`", stacklevel=2)
+    if target_prior is not None:
+        target = target_prior.double() / target_prior.double().sum()
+        q = q * torch.where(present, target / prior.clamp_min(1e-300), torch.zeros_like(target))
+        q = q / q.sum(-1, keepdim=True).clamp_min(1e-300)
     return q
 
 

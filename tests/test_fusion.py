@@ -1130,3 +1130,20 @@ def test_fedbens_default_is_the_validation_free_fusion_without_validation_data(f
         FedBEnsSettings.from_mapping({"solver": "adam", "server_prior": "evidence"}, "fedbens")
     with pytest.warns(UserWarning, match="solver=auto"):
         fuse(paths, "fedbens", opts, {"steps": 2, "laplace": False, "solver": "adam"})
+
+
+def test_the_server_prior_at_the_end_of_its_range_stays_inside_the_readers_range():
+    """ρ at the end of its search range is the artifacts' largest prior precision over the largest block scale;
+    ρ · c_j rounds one ulp past it for some c_j (1e8 · (1 + 2⁻⁵²)), which the reader would refuse: every λ0_j
+    is clamped into the range the reader accepts."""
+    from posterior_fusion import ranges
+    from posterior_fusion.fusion.methods.fedbens.evidence import server_prior_blocks
+
+    lo, hi = ranges.PRIOR_PRECISION
+    scales = [3.0 * 10.0 ** k / 7.0 for k in range(-6, 7)] + [0.1 * k + 0.3 for k in range(1, 40)]
+    rounded_past = [c for c in scales if (hi / c) * c > hi]
+    assert rounded_past, "no scale rounds past the bound: the test would be empty"
+    for c in scales:
+        got = server_prior_blocks([c, 0.0], hi / c, 7.0)
+        assert lo <= got[0] <= hi and got[1] == 7.0
+        ranges.check("prior_precision", got[0], ranges.PRIOR_PRECISION)

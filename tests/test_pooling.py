@@ -44,6 +44,69 @@ def test_exact_client_posteriors_give_the_exact_global_posterior():
     assert (clients.mean(0) - truth).abs().max() > 0.05
 
 
+def four_class_world(gen: torch.Generator, counts: torch.Tensor, n: int = 500):
+    """Four classes with known 2-D Gaussian class conditionals; the clients' exact Bayes posteriors under
+    their own count priors ``(C, n, 4)`` (a class a client never saw has probability 0 there) and the log
+    class likelihoods ``(n, 4)``, float64."""
+    means = torch.tensor([[0.0, 0.0], [2.0, 0.5], [0.5, 2.5], [2.5, 2.5]], dtype=torch.float64)
+    x = 3.5 * torch.rand(n, 2, generator=gen, dtype=torch.float64) - 0.5
+    log_lik = -0.5 * ((x[:, None, :] - means[None]) ** 2).sum(-1)
+    prior_c = counts / counts.sum(1, keepdim=True)
+    return torch.softmax(log_lik[None] + prior_c.log()[:, None, :], -1), log_lik
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-2])  # large counts, and small ones (s matters most there)
+def test_the_default_pool_is_exact_for_exact_client_posteriors(scale):
+    """At its default settings (smoothing 0.5) the pool equals the exact pooled-prior posterior to 1e-5,
+    with a client that saw a single class and a class no client saw (probability 0: no client's data
+    says anything of it); with ``target_prior`` uniform (every class seen) it equals the exact
+    uniform-prior posterior. The plain average is far from both (what the test would catch)."""
+    gen = torch.Generator().manual_seed(3)
+    counts = scale * torch.tensor([[500.0, 300.0, 200.0, 0.0], [0.0, 0.0, 900.0, 0.0], [100.0, 600.0, 50.0, 0.0]])
+    clients, log_lik = four_class_world(gen, counts)
+    prior = counts.sum(0) / counts.sum()
+    truth = torch.softmax(log_lik + prior.log(), -1)
+    pooled = label_shift_pool(clients, counts)
+    assert (pooled - truth).abs().max() < 1e-5 and pooled[:, 3].max() == 0
+    assert (clients.mean(0) - truth).abs().max() > 0.05
+    seen = counts + scale * torch.tensor([[0.0, 0.0, 0.0, 40.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    clients, log_lik = four_class_world(gen, seen)
+    uniform = torch.softmax(log_lik, -1)
+    got = label_shift_pool(clients, seen, target_prior=torch.ones(4, dtype=torch.float64))
+    assert (got - uniform).abs().max() < 1e-5
+    assert (label_shift_pool(clients, seen) - uniform).abs().max() > 0.05  # the pooled prior is not uniform
+
+
+def test_an_unsettled_fixed_point_warns_once_with_its_residual():
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([[500.0, 300.0, 200.0, 1.0], [1.0, 1.0, 900.0, 1.0], [100.0, 600.0, 50.0, 5.0]])
+    clients, _ = four_class_world(gen, counts)
+    with pytest.warns(UserWarning, match=r"did not settle in 2 rounds \(the last moved a probability by"):
+        label_shift_pool(clients, counts, iterations=2)
+
+
+def test_the_target_prior_is_a_setting_recorded_and_used_by_the_artifact(skewed, tmp_path):
+    """``--set target_prior=uniform``: recorded in the global artifact's pooling record and applied by its
+    predictions (the clients' prior otherwise); a malformed value is one clear error."""
+    folder, paths = skewed
+    test = read_silo(folder / "test.h5")
+    outs = {}
+    for target in ("clients", "uniform"):
+        r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--set", "pooling=label-shift",
+                                       "--set", f"target_prior={target}", "--out", str(tmp_path / f"{target}.h5")])
+        assert r.exit_code == 0, r.stderr
+        outs[target] = posterior_fusion.load(tmp_path / f"{target}.h5")
+    assert outs["uniform"].pooling.target_prior == (1.0,) * 10 and outs["clients"].pooling.target_prior == ()
+    p_clients, p_uniform = (outs[t].predict(test.x[:50]).double() for t in ("clients", "uniform"))
+    counts = torch.tensor(outs["clients"].pooling.class_counts, dtype=torch.float64).sum(0)
+    prior = counts / counts.sum()
+    want = p_clients * torch.where(prior > 0, 1 / prior, torch.zeros_like(prior))
+    torch.testing.assert_close(p_uniform, want / want.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--set", "pooling=label-shift",
+                                   "--set", "target_prior=0.5,x", "--out", str(tmp_path / "bad.h5")])
+    assert r.exit_code == 2 and "target_prior" in r.stderr and r.stderr.count("\n") == 1
+
+
 def test_identical_label_priors_reduce_to_the_normalised_geometric_mean():
     gen = torch.Generator().manual_seed(1)
     p = torch.softmax(torch.randn(4, 50, 5, generator=gen, dtype=torch.float64), -1)

@@ -7,9 +7,11 @@ counts their artifacts record (:mod:`posterior_fusion.pooling`): same members, s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.pooling import POOLINGS, Pooling, client_groups
@@ -24,7 +26,32 @@ class EnsembleSettings(MethodSettings):
     smoothing: float = setting(0.5, "label-shift: s added to every class count (client and global label priors, "
                                     "the clients' weights per class).", bounds=ranges.POOLING_SMOOTHING)
     iterations: int = setting(100, "label-shift: the fixed point's rounds at most (it stops once no probability "
-                                   "moves by 1e-7).", bounds=ranges.POOLING_ITERATIONS)
+                                   "moves by 1e-10; a warning if it did not).", bounds=ranges.POOLING_ITERATIONS)
+    target_prior: str = setting("clients", "label-shift: the label prior of the data to be predicted — clients (the "
+                                           "pooled clients' class frequencies), uniform, or comma-separated class "
+                                           "frequencies (recorded in the artifact; predict and evaluate use it).")
+
+    def validate(self) -> None:
+        super().validate()
+        self.target_frequencies(None)
+
+    def target_frequencies(self, num_classes: int | None) -> tuple[float, ...]:
+        """``()`` for the clients' prior, else one frequency per class (``num_classes`` None: only checks
+        the text)."""
+        if self.target_prior == "clients":
+            return ()
+        if self.target_prior == "uniform":
+            return () if num_classes is None else (1.0,) * num_classes
+        try:
+            values = tuple(float(v) for v in self.target_prior.split(","))
+        except ValueError:
+            raise ConfigError("setting target_prior must be clients, uniform or comma-separated class "
+                              f"frequencies; got {self.target_prior[:40]!r}") from None
+        if not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0 \
+                or (num_classes is not None and len(values) != num_classes):
+            raise ConfigError(f"setting target_prior needs {num_classes or 'one per class'} finite frequencies >= 0, "
+                              "not all 0")
+        return values
 
 
 def ensemble(inputs: FusionInputs, settings: EnsembleSettings) -> FusionResult:
@@ -33,7 +60,8 @@ def ensemble(inputs: FusionInputs, settings: EnsembleSettings) -> FusionResult:
         return FusionResult(members)
     pooling = Pooling(settings.pooling, client_groups([c.num_components for c in inputs.clients]),
                       tuple(tuple(int(n) for n in c.metadata["class_counts"]) for c in inputs.clients),
-                      settings.smoothing, settings.iterations)
+                      settings.smoothing, settings.iterations,
+                      settings.target_frequencies(inputs.spec.num_classes))
     pooling.validate(len(members), inputs.spec.num_classes)
     return FusionResult(members, {"pooling": pooling.to_metadata()})
 

@@ -69,8 +69,11 @@ def curvature_tops(clients: list[ClientPosterior], temps: list[float]) -> list[f
 
 def server_prior_blocks(scales: list[float], rho: float, lam0: float) -> list[float]:
     """The server prior's precision per curvature block at scale ρ: ``λ0_j = ρ c_j`` (``scales``: the blocks'
-    ``c_j``, :func:`curvature_scales`); a block without curvature (``c_j ≤ 0``) keeps the clients' ``lam0``."""
-    return [rho * c if c > 0 else lam0 for c in scales]
+    ``c_j``, :func:`curvature_scales`); a block without curvature (``c_j ≤ 0``) keeps the clients' ``lam0``. Each
+    λ0_j is clamped into the artifacts' prior-precision range: ρ at the end of its range is the range's bound over
+    the largest c_j, and the product can round one ulp past it (1e8 · (1 + 2⁻⁵²), which the reader refuses)."""
+    lo, hi = ranges.PRIOR_PRECISION
+    return [min(max(rho * c, lo), hi) if c > 0 else lam0 for c in scales]
 
 
 def evidence_server_prior(clients: list[ClientPosterior], temps: list[float], lams: list[float], lam0: float,
