@@ -326,7 +326,7 @@ def test_compressed_artifacts_record_their_error_fuse_and_shrink(tmp_path, small
         assert meta["compress"] == 0.1
         for budget in (0.0, 0.1):
             paths[c, budget] = tmp_path / f"c{c}_{budget}.h5"
-            write_client_artifact(paths[c, budget], spec, layout, meta, comps, Compression(budget))
+            write_client_artifact(paths[c, budget], spec, layout, meta, comps, Compression(budget, "frobenius"))
     plain, small = posterior_fusion.load(paths[0, 0.0]), posterior_fusion.load(paths[0, 0.1])
     with h5py.File(paths[0, 0.1]) as f:
         header = json.loads(f["components/0/curvature"].attrs["blocks"])
@@ -541,3 +541,47 @@ def test_hostile_compressed_blocks_are_one_line(tmp_path):
     for needle, path in cases.items():
         r = CliRunner().invoke(pfuse, ["inspect", str(path)])
         assert r.exit_code == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, (needle, r.stderr)
+
+
+def test_the_default_compression_keeps_every_precision_eigenvalue_within_its_budget(tmp_path):
+    """An artifact written with the default compression (``Compression(b)``, ``fit-local --compress b``): every
+    eigenvalue of each compressed block's precision ``G/T + λ0 I`` is within ``(1 ± b)²`` of the plain one's, on
+    factors whose spectra span nine decades together (T = 0.5, λ0 = 0.01) — a dense float64 reference
+    matched through the shared eigenvectors. The Frobenius metric at the same budget moves them far more."""
+    from posterior_fusion.artifact import write_client_artifact
+    from posterior_fusion.curvature import BlockDiag, Kron
+    from posterior_fusion.curvature.compressed import Compression, rebuild
+    from posterior_fusion.layout import ParameterLayout
+    from posterior_fusion.models import ModelSpec
+    from posterior_fusion.posterior import Component, frozen_mapping
+
+    assert FitConfig().compression.metric == Compression().metric == "precision"
+    spec = ModelSpec("mlp", {"in_features": 40, "num_classes": 24, "hidden_sizes": [], "bias": False})
+    layout = ParameterLayout.from_model(spec.build())
+    g = torch.Generator().manual_seed(0)
+
+    def factor(D, decades):
+        Q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
+        return (Q * torch.logspace(0, -decades, D, dtype=torch.float64)) @ Q.T
+
+    B, A = factor(24, 4.0), factor(40, 5.0)
+    T, lam0, budget = 0.5, 0.01, 0.05
+    comp = Component(0, torch.randn(960, generator=g), BlockDiag([Kron(B.float(), A.float())]),
+                     frozen_mapping({"seed": 0}), T, lam0)
+    meta = {"n_data": 120, "class_counts": [5] * 24, "temperature": T, "prior_precision": lam0, "structure": "kron"}
+    lb, QB = torch.linalg.eigh(B.float().double())
+    la, QA = torch.linalg.eigh(A.float().double())
+    plain = torch.outer(lb, la).flatten() / T + lam0
+    spread = {}
+    for metric in ("precision", "frobenius"):
+        path = tmp_path / f"{metric}.h5"
+        write_client_artifact(path, spec, layout, meta, [comp], Compression(budget) if metric == "precision"
+                              else Compression(budget, "frobenius"))
+        c = posterior_fusion.load(path).components[0].curvature.blocks[0]
+        Bt, At = rebuild(c.UB, c.lB, c.sB, torch.float64), rebuild(c.UA, c.lA, c.sA, torch.float64)
+        got = torch.outer(torch.diagonal(QB.T @ Bt @ QB), torch.diagonal(QA.T @ At @ QA)).flatten() / T + lam0
+        ratio = got / plain
+        spread[metric] = (float(ratio.min()), float(ratio.max()))
+    lo, hi = spread["precision"]
+    assert (1 - budget) ** 2 - 1e-6 <= lo and hi <= (1 + budget) ** 2 + 1e-6, spread
+    assert spread["frobenius"][0] < 0.5 or spread["frobenius"][1] > 2, spread

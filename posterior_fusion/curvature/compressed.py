@@ -47,7 +47,7 @@ class Compression:
     ``compress_metric`` and ``compress_vectors``."""
 
     budget: float = 0.0
-    metric: str = "frobenius"
+    metric: str = "precision"
     vectors: str = "float32"
 
     def validate(self) -> None:

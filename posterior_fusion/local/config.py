@@ -110,10 +110,12 @@ class FitConfig:
                                      "the rank chosen per factor so its relative error (`compress_metric`) stays "
                                      "within this budget (e.g. 0.05; the error is recorded per block); 0: plain "
                                      "factors, exact.")
-    compress_metric: str = setting("frobenius", "The error `compress` bounds: frobenius (each factor's relative "
-                                                  "Frobenius error; the remainder keeps the trace) or precision (every "
-                                                  "eigenvalue of the component's precision G/T + λ0 I within that "
-                                                  "relative error per factor: what fusion sees; higher ranks).",
+    compress_metric: str = setting("precision", "The error `compress` bounds: precision (every eigenvalue of the "
+                                                  "component's precision G/T + λ0 I within that relative error per "
+                                                  "factor: what fusion sees) or frobenius (each factor's relative "
+                                                  "Frobenius error, the remainder keeping the trace: lower ranks, but "
+                                                  "the precision's weak directions may move by factors; "
+                                                  "experiments/compression_metric/).",
                                      choices=COMPRESS_METRICS)
     compress_vectors: str = setting("float32", "Storage type of the compressed factors' kept eigenvectors: float32, "
                                                  "or float16 (about half the bytes: the leading eigenvectors that "
@@ -156,7 +158,7 @@ class FitConfig:
     def fingerprint_dict(self) -> dict:
         """The settings that determine the result: ``capture`` (fast or laplace-torch) and ``device``
         (equal at rounding level) are left out, and ``ppd``, ``private``, ``kfac``, ``capture_dtype`` and the
-        compression at their defaults,
+        compression at their defaults (a frobenius compress_metric too, the default of earlier versions),
         so caches and partial files written before these options existed keep their keys."""
         out = {k: v for k, v in asdict(self).items() if k not in ("capture", "device")}
         if out["kfac"] == "expand" or out["structure"] != "kron":
