@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from posterior_fusion.curvature import BlockDiag, Kron
+from posterior_fusion.curvature.base import eigh_psd
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
 from posterior_fusion.fusion.settings import setting
@@ -82,23 +83,24 @@ def prior_information(comp, temperature: float, prior_precision: float, null_tol
     return prior_precision * (w - eps * solved)
 
 
+def _resolved(values: torch.Tensor) -> torch.Tensor:
+    """Which eigenvalues (any shape) exceed :data:`NULL_RESOLUTION` × the largest; none if there is no curvature."""
+    top = values.max() if values.numel() else values.new_zeros(())
+    return values > NULL_RESOLUTION * top if top > 0 else torch.zeros_like(values, dtype=torch.bool)
+
+
 def _resolved_part(block, v: torch.Tensor) -> torch.Tensor:
-    """``v`` ``(p,)`` projected onto the eigen-directions of ``block`` whose eigenvalue exceeds
-    :data:`NULL_RESOLUTION` × its largest (float64; a Kronecker block's eigenvalues are the products
-    ``b_i a_j``, its projection ``U_B (mask ∘ U_Bᵀ V U_A) U_Aᵀ``)."""
+    """``v`` ``(p,)`` projected onto the eigen-directions of ``block`` whose eigenvalue is resolved
+    (:func:`_resolved`; float64; a Kronecker block's eigenvalues are the products ``b_i a_j``, its
+    projection ``U_B (mask ∘ U_Bᵀ V U_A) U_Aᵀ``)."""
     if isinstance(block, Kron):
         b, UB, a, UA = (t.double() for t in block.eigen())
-        grid = torch.outer(b, a)
-        mask = grid > NULL_RESOLUTION * grid.max() if grid.numel() and grid.max() > 0 else torch.zeros_like(grid, dtype=torch.bool)
         V = v.reshape(b.numel(), a.numel())
-        return (UB @ ((UB.T @ V @ UA) * mask) @ UA.T).reshape(-1)
+        return (UB @ ((UB.T @ V @ UA) * _resolved(torch.outer(b, a))) @ UA.T).reshape(-1)
     if block.kind == "diag":
-        g = block.diagonal().double()
-        return torch.where(g > NULL_RESOLUTION * g.max(), v, torch.zeros_like(v)) if g.numel() and g.max() > 0 \
-            else torch.zeros_like(v)
-    values, U = torch.linalg.eigh(block.to_dense().double())
-    keep = (values > NULL_RESOLUTION * values.max() if values.numel() and values.max() > 0
-            else torch.zeros_like(values, dtype=torch.bool))
+        return torch.where(_resolved(block.diagonal().double()), v, torch.zeros_like(v))
+    values, U = eigh_psd(block.to_dense().double())
+    keep = _resolved(values)
     return U[:, keep] @ (U[:, keep].T @ v)
 
 
