@@ -1,4 +1,4 @@
-"""Where exact K-FAC-expand's capture time goes (issue 28: ≤ 4 epochs asked): one SGD epoch, a forward
+"""Where exact K-FAC-expand's capture time goes (goal: ≤ 4 epochs): one SGD epoch, a forward
 pass, the capture's passes alone (one forward + the back-propagated columns to the layer outputs, no
 factor formed: the floor any exact-GGN capture pays) and the whole capture, exact and MC, each ÷ the epoch.
 

@@ -1,4 +1,4 @@
-"""The last-layer GLM predictive against the full-network GLM predictive (issue 29, item 3), side by
+"""The last-layer GLM predictive against the full-network GLM predictive, side by
 side on one fedbens artifact: seconds, peak resident memory (a fresh ``pfuse evaluate`` process per
 predictive) and the metrics.
 

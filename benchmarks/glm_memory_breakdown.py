@@ -1,4 +1,4 @@
-"""Where the layer-by-layer GLM predictive's time and memory go on a convolutional network (issue 29, item 3): one
+"""Where the layer-by-layer GLM predictive's time and memory go on a convolutional network: one
 batch, each stage in a fresh process (warmed on one sample; working set = the peak over the resident memory before
 the batch, ``/proc/self/clear_refs``), on a random K-FAC precision (float32, as artifacts store it) over the model:
 

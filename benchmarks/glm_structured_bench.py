@@ -1,6 +1,6 @@
 """The full-network GLM predictive layer by layer from the precision's blocks (``glm`` today:
 ``predictive.structured_moments``) against per-sample full Jacobians (``predictive.jacobian_moments``,
-the ``glm`` of session 11), side by side on one fedbens artifact (issue 29, item 3): seconds and
+the dense ``glm``), side by side on one fedbens artifact: seconds and
 peak resident memory of each in a fresh process, and its working set (the peak during the
 prediction over the resident memory before it: ``/proc/self/clear_refs`` restarts the peak), beside
 the map predictive's; and the largest difference of the two GLM paths' probabilities.

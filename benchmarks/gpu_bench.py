@@ -8,7 +8,7 @@ Three parts, each configuration timed side by side in one process:
    Adam step: K = M modes against N = C·M stacked components) with ``kernel="torch"`` (batched
    cuBLAS products, direct form; replayed from a CUDA graph, and eagerly) and ``kernel="triton"``
    (the fused direct-form kernels) on the GPU, beside the rotated autograd step of before
-   issue 13 (torch and Triton, eager) on the GPU and
+   the batched server step (torch and Triton, eager) on the GPU and
    the objective on the CPU (``--cpu-threads``; only where C·M ≤ ``--cpu-max-pairs``). Real
    client components are repeated to reach C clients of M components. Values and gradients of
    the two GPU kernels are compared (max relative difference), and against the CPU float64

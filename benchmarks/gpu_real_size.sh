@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's GPU figures in one run on a lent GPU machine (docs/benchmarks.md, "On a GPU: models at real
+# The GPU figures of models at real size in one run on a lent GPU machine (docs/benchmarks.md, "On a GPU: models at real
 # size"). Run from the repository root on the device machine, with the pure-Python dependencies that its
 # image lacks carried as wheels in .whl/ (laplace-torch 0.3, backpack-for-pytorch 1.7.1,
 # curvlinops-for-pytorch 3.0.1, unfoldNd, einconv, asdfghjkl):
@@ -45,7 +45,7 @@ part() {  # part NAME SECONDS COMMAND...: one part under its own limit, its exit
     tail -n 4 "$OUT/$name.log"
 }
 
-# capture first (session 25 found it launch-bound and changed it; its re-measure is what is owed), then the
+# capture first (launch-bound at small batches), then the
 # servers, then the tests (their slowest are CPU tests: two threads per worker keeps 8 workers off each other;
 # -v names each result as it comes, so a run stopped at its limit still says which test failed)
 part capture 100 $PY benchmarks/real_size_bench.py --device "$DEV" --widths "$WIDTHS" --n "$N" --threads "$THREADS" \

@@ -1,4 +1,4 @@
-"""K-FAC-expand's input factor of one convolution, three ways (issue 28, session 14): the unfolded
+"""K-FAC-expand's input factor of one convolution, three ways: the unfolded
 patches' Gram, the shifted products (``_conv_input_gram_shifted``) and, for scale, the convolution's
 forward pass; process CPU time, best of three, one thread; and which one ``_shift_gram_pays`` picks.
 

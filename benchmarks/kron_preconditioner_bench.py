@@ -2,7 +2,7 @@
 
 ``solve_kron_sum`` inverts ``X ↦ Σ_k w_k B_k X A_kᵀ + shift · X`` by preconditioned conjugate
 gradients with ``(B̄ + s_B I)⁻¹ ⊗ (Ā + s_A I)⁻¹``, the shift split between the factors ("split", the
-library's); session 22 tried ``(B̄ ⊗ Ā + shift · I)⁻¹`` through the factors' eigenbases ("eigen",
+library's); an alternative is ``(B̄ ⊗ Ā + shift · I)⁻¹`` through the factors' eigenbases ("eigen",
 exact in the shift; read from git, commit c5e70a8). This runs both on every Kronecker layer of the clients' component 0 for two systems — FedFisher's
 exact solve (raw curvature, shift = ``prior_scale`` × mean curvature) and the first EM step of fedbens
 (Λ_c = G_c / T_c + λ_c I, shift λ0 = the clients' λ) — and reports iterations, seconds and the

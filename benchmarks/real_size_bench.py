@@ -1,4 +1,4 @@
-"""Models at real size (issue 28): ResNet-20 at widths 16 / 32 / 64 on CIFAR-shaped data (3x32x32,
+"""Models at real size: ResNet-20 at widths 16 / 32 / 64 on CIFAR-shaped data (3x32x32,
 10 classes; random images and labels: the costs do not depend on the values), side by side in one run.
 
     nice -n 19 .venv/bin/python benchmarks/real_size_bench.py --threads 2 --widths 16,32,64 \

@@ -1,4 +1,4 @@
-"""The server at real size (issue 28): ``pfuse fuse --method fedbens`` on ResNet-20 artifacts of
+"""The server at real size: ``pfuse fuse --method fedbens`` on ResNet-20 artifacts of
 width ``--width`` from C clients with M components each, in a fresh process per run (peak resident
 memory from VmHWM, wall seconds).
 

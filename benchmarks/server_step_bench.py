@@ -1,6 +1,6 @@
 """One fedbens objective step (quadratic forms of K = M modes against N = C·M stacked LeNet
 K-FAC components, forward + backward) three ways, side by side: ``rotated`` (eigenbases and
-autograd: the step before issue 13), ``direct`` (raw factors, autograd through the blocks) and
+autograd: the unbatched step), ``direct`` (raw factors, autograd through the blocks) and
 ``objective`` (what ``pfuse fuse`` runs: ``GlobalLogPosterior.value_and_gradient``, the direct
 form with each block's vector-Jacobian product, no autograd graph, clients in bounded chunks).
 Each configuration runs in its own process so its peak memory is its own.
@@ -53,7 +53,7 @@ def repeat_components(clients, C: int, M: int):
 
 
 def rotated_step(stack, W: torch.Tensor, form: str = "rotated"):
-    """One step through autograd over every block of ``stack`` (the step before issue 13 with
+    """One step through autograd over every block of ``stack`` (the unbatched step with
     ``form="rotated"``): log-sum-exp over all components, backward to ``W`` ``(K, d)``."""
 
     def step() -> None:

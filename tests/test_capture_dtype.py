@@ -1,4 +1,4 @@
-"""``capture_dtype = "bfloat16"``: the fast capture's passes under bfloat16 autocast (issue 28, item 2's
+"""``capture_dtype = "bfloat16"``: the fast capture's passes under bfloat16 autocast (
 lower-precision arithmetic). References: the same capture in float64 (itself tested against
 curvlinops in ``test_real_models.py``)."""
 

@@ -366,7 +366,7 @@ def test_solver_setting_is_checked():
         HBFLSettings.from_mapping({"solver": "em"}, "hbfl")
     with pytest.raises(ConfigError, match="'prior_scale'"):
         QuadraticSettings.from_mapping({"prior_scale": -1.0}, "fedfisher")
-    # the names before session 24: refused with the new name, not with a bare "no setting"
+    # the former names: refused with the new name, not with a bare "no setting"
     with pytest.raises(ConfigError, match="'damping' is now 'prior_scale'"):
         QuadraticSettings.from_mapping({"damping": 0.01}, "fedfisher")
     with pytest.raises(ConfigError, match="'tune_damping' is now 'tune_prior_scale'"):

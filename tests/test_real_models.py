@@ -1,4 +1,4 @@
-"""Models at real size (issue 28): K-FAC-reduce against curvlinops, the layer policy (normalisation
+"""Models at real size: K-FAC-reduce against curvlinops, the layer policy (normalisation
 layers' diagonal blocks against a dense per-sample Jacobian reference, other parameters the prior
 alone, BatchNorm's running statistics refused), silos on a device, and a GroupNorm ResNet end to
 end through the CLI."""

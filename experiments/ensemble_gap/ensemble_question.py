@@ -1,4 +1,4 @@
-"""The ensemble question (issue 17): the C·M-member client ensemble against fusion at equal or
+"""The ensemble question: the C·M-member client ensemble against fusion at equal or
 lower serving cost, on the cached α = 0.1 cells of an experiment grid.
 
     nice -n 10 .venv/bin/python experiments/ensemble_gap/ensemble_question.py --config benchmarks/table1_seeds12.toml \

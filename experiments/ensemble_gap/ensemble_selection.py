@@ -1,4 +1,4 @@
-"""Issue 30, item 5: ensemble selection (Caruana et al., ICML 2004) over the client members and the fused
+"""Ensemble selection (Caruana et al., ICML 2004) over the client members and the fused
 modes, at most the client ensemble's serving cost.
 
     .venv/bin/python experiments/ensemble_gap/ensemble_selection.py --dir DIR --pool ens.h5 --pool anchor.h5 \

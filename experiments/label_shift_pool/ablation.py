@@ -1,4 +1,4 @@
-"""Which part of the label-shift pooling carries its gain (issue 30, item 5): on every fitted cell of
+"""Which part of the label-shift pooling carries its gain: on every fitted cell of
 a grid, the clients' own predictives (each client's members averaged) on the cell's test set,
 combined by
 

@@ -1,4 +1,4 @@
-"""The whole flow on scikit-learn's real data sets (issue 12): digits (1,797 8x8 images) and
+"""The whole flow on scikit-learn's real data sets: digits (1,797 8x8 images) and
 breast cancer (569 tabular rows, 30 features): import -> partition (5 clients, α = 0.1 and 0.5)
 -> fit-local (kron, diag, diag+full) -> fuse (every method) -> evaluate, over 3 partition seeds.
 

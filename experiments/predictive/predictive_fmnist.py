@@ -1,4 +1,4 @@
-"""Bayesian predictives on real Fashion-MNIST client artifacts (issue 14's measurement).
+"""Bayesian predictives on real Fashion-MNIST client artifacts.
 
     .venv/bin/python experiments/predictive/predictive_fmnist.py --clients 'runs/x/clients/<key>/post_*.h5' \
         --partition runs/x/partitions/<key> --out runs/predictive [--samples 30]

@@ -1,4 +1,4 @@
-"""Compressed against plain artifacts of the same fits (issue 28): every client artifact of a grid
+"""Compressed against plain artifacts of the same fits: every client artifact of a grid
 cell rewritten with ``--compress`` budgets (the same components, factors stored as top eigenpairs
 plus an isotropic rest), then ``pfuse fuse`` with each method and ``pfuse evaluate`` on the cell's
 test set, plain and compressed side by side.

@@ -1,4 +1,4 @@
-"""The diag+full gap (issue 17): fedbens with diag+full curvature, our server against the FedBEns
+"""The diag+full gap: fedbens with diag+full curvature, our server against the FedBEns
 authors' server, on the authors' partition, plus a curvature check against laplace-torch.
 
     nice -n 10 .venv/bin/python experiments/table1/diag_full_gap.py --config experiments/table1/reference.toml \

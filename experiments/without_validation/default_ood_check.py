@@ -1,4 +1,4 @@
-"""OOD AUROC of fedbens' default without validation data against the client ensemble (issue 29: "OOD AUROC at least
+"""OOD AUROC of fedbens' default without validation data against the client ensemble ("OOD AUROC at least
 the client ensemble's"), on a ``pfuse demo`` folder (its ``g_equal.h5``, the default fusion with its Laplace step, is
 made here when missing — the same file ``mode_weights_check.sh`` writes).
 

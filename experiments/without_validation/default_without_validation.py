@@ -1,8 +1,8 @@
-"""fedbens' default with and without validation data (issue 29, item 2: "make the default safe whether or not
+"""fedbens' default with and without validation data ("make the default safe whether or not
 the server has validation data and whatever ``steps`` is"), on the artifacts of a ``pfuse demo`` folder.
 
 Per folder, ``pfuse fuse`` through the library at the default settings (``solver=auto``) and at the explicit
-``solver=adam`` that was the default before session 24, each at ``steps`` 300 and 1,000, without and with the
+``solver=adam`` (the former default), each at ``steps`` 300 and 1,000, without and with the
 server's validation split; every fused model evaluated on the folder's test split (accuracy, NLL, ECE). One JSON
 per folder. The last row runs the kron default's stationary fusion explicitly (for the diag and diag+full
 folders, where ``auto`` is Adam).
@@ -69,7 +69,7 @@ def run(folder: Path, rows: list[tuple] = ROWS) -> dict:
 
 
 def seed(run: dict) -> int:
-    """The seed of a run's folder (``…/a0.1_s12`` -> 12; a folder without one, as session 24's ``a0.1``, is seed 0)."""
+    """The seed of a run's folder (``…/a0.1_s12`` -> 12; a folder without one, as ``a0.1``, is seed 0)."""
     name = Path(run["folder"]).name
     return int(name.split("_s")[1]) if "_s" in name else 0
 

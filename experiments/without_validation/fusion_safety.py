@@ -1,4 +1,4 @@
-"""Issue 29, item 2: fusion that does not depend on early-stopping luck. Side by side on one client
+"""Fusion that does not depend on early-stopping luck. Side by side on one client
 set: fedbens as the paper runs it (Adam, best validation iterate), Adam without validation data
 (best objective) and run further, the EM solver (a stationary point by construction) with and
 without damping of the client curvature, FedLPA, and the client ensemble; test accuracy, NLL, ECE

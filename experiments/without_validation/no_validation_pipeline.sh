@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29: the pipeline that never sees validation data, on one client set, beside the paper's default and
+# The pipeline that never sees validation data, on one client set, beside the paper's default and
 # the client ensemble. DIR holds client_C.h5, post_C.h5, server_val.h5, test.h5 (links into an experiment's
 # cache: partitions/<key>/*.h5, clients/<key>/post_*.h5); OUT receives one `pfuse evaluate --json` per
 # global artifact and predictive.

@@ -1,4 +1,4 @@
-"""One-shot, validation-free levers for fedbens at stationarity (issue 29, item 2), each against the default (EM,
+"""One-shot, validation-free levers for fedbens at stationarity, each against the default (EM,
 prior centre at the clients, server prior from the evidence) on a ``pfuse demo`` folder; none of them is a library
 setting — this script builds each from the library's parts:
 

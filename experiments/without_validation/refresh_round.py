@@ -1,4 +1,4 @@
-"""Issue 29, item 2: the curvature-refresh round ("1.5-shot"). Each silo re-expands its tempered
+"""The curvature-refresh round ("1.5-shot"). Each silo re-expands its tempered
 log-posterior at the fused modes (``pfuse recapture --at GLOBAL``: GGN and gradient at w*, the
 component becoming the Gauss–Newton Gaussian there) and the server fuses again. Side by side on
 one client set: fedbens before the round (the paper's Adam with its best validation iterate; EM to

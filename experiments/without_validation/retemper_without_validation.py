@@ -1,4 +1,4 @@
-"""Server-side tempering of the client posteriors under fedbens' default without validation data (issue 29, item 2:
+"""Server-side tempering of the client posteriors under fedbens' default without validation data (
 "candidates to measure side by side — … server-side tempering of the client posteriors"), on ``pfuse demo`` folders.
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/without_validation/retemper_without_validation.py runs/s25/a0.1_s3 \\

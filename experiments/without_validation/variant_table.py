@@ -1,4 +1,4 @@
-"""Issue 29's "Measure and record" table: every fusion variant of item 2 (today's default, the
+"""Every fusion variant without validation data (today's default, the
 validation-free candidates, with and without the refresh round) with every predictive of items 3-4,
 on one client set: accuracy, NLL, ECE, OOD AUROC (scikit-learn's digits resized, as
 ``predictive_fmnist.py``), server seconds, and each predictive's evaluation seconds and peak memory
@@ -61,8 +61,8 @@ VARIANTS = [
     ("centred_em_refresh_auto_em_evidence", "em -> refresh (damping auto) -> em, prior centre clients, Laplace prior "
      "from the evidence (no validation anywhere)", "at_centred_em_auto", "fedbens",
      {"solver": "em", "prior_centre": "clients", "laplace_prior": "evidence"}, False),
-    # the server prior's precision λ0 from the Laplace evidence of the server's model (fedbens server_prior=evidence,
-    # session 23): how hard the stationary modes are pulled to the clients' average, chosen without data
+    # the server prior's precision λ0 from the Laplace evidence of the server's model (fedbens server_prior=evidence):
+    # how hard the stationary modes are pulled to the clients' average, chosen without data
     ("centred_em_evidence", "one-shot, em, prior centre clients, server prior evidence (stationary)", "one-shot",
      "fedbens", {"solver": "em", "prior_centre": "clients", "server_prior": "evidence"}, False),
     ("centred_em_evidence_refresh_auto_em_evidence", "em -> refresh (damping auto) -> em, prior centre clients, "
