@@ -141,8 +141,9 @@ def _dense_ggn_and_gradient(spec, w: torch.Tensor, x: torch.Tensor, y: torch.Ten
 
 def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small_silo):
     """``recapture --at``: at each global member w*, the diag+full curvature equals a dense float64
-    GGN taken at w* (not at the local MAP), and each component is the Gauss–Newton Gaussian
-    N(ŵ, Λ⁻¹): Λ (w* − ŵ) equals the tempered posterior's gradient g/T + λ w* there."""
+    GGN taken at w* (not at the local MAP), damped by d (``G + n·d·I``), and each component is the
+    Gaussian N(ŵ, Λ_d⁻¹) whose gradient at w*, Λ_d (w* − ŵ), equals the silo's tempered posterior
+    gradient g/T + λ w* there (relative 1e-5) for d = 0, 1 and 10."""
     from posterior_fusion.posterior import GlobalEnsemble
 
     silo = SiloData(small_silo.x[:120], small_silo.y[:120], "fmnist", 10)
@@ -151,32 +152,36 @@ def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small
     gen = torch.Generator().manual_seed(5)
     members = tuple(c.map + 0.05 * torch.randn(c.map.numel(), generator=gen) for c in source.components)
     at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"}, members)
-    meta, refreshed = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=0.0)
-    _, damped = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=0.5)
-    assert len(refreshed) == 2 and meta["refreshed_at"] == {"file_sha256": "0" * 64, "method": "fedavg", "members": 2,
-                                                            "damping": 0.0}
-    assert meta["fit_fingerprint"] != source.metadata["fit_fingerprint"]
     last = 4 * 10 + 10  # the last Linear (hidden 4 → 10 classes): weight and bias
-    for k, (comp, w) in enumerate(zip(refreshed, members)):
-        G, g = _dense_ggn_and_gradient(source.model_spec, w, *silo.tensors())
-        blocks = comp.curvature.blocks
-        torch.testing.assert_close(blocks[0].to_dense().double().diagonal(), G.diagonal()[:-last], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(blocks[1].to_dense().double(), G[-last:, -last:], rtol=1e-4, atol=1e-6)
-        # not the curvature at the local MAP
-        assert not torch.allclose(blocks[1].to_dense(), source.components[k].curvature.blocks[1].to_dense(), rtol=1e-3)
-        T, lam = comp.temperature, comp.prior_precision
-        Lam = comp.curvature.to_dense().double() / T + lam * torch.eye(w.numel(), dtype=torch.float64)
-        want_grad = g / T + lam * w.double()
-        torch.testing.assert_close(Lam @ (w.double() - comp.map.double()), want_grad, rtol=1e-3, atol=1e-3)
-        # Levenberg–Marquardt: the damped precision (G + n·d·I)/T + λI maps the step to the same gradient,
-        # and the component keeps the undamped curvature
-        n = silo.y.shape[0]
-        Lam_d = Lam + n * 0.5 / T * torch.eye(w.numel(), dtype=torch.float64)
-        torch.testing.assert_close(Lam_d @ (w.double() - damped[k].map.double()), want_grad, rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(damped[k].curvature.to_dense(), comp.curvature.to_dense())
-        assert (w - damped[k].map).norm() < (w - comp.map).norm()
-        assert comp.training["gradient_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
-        assert comp.swag is None and comp.student is None and comp.training["refreshed_at_member"] == k
+    n = silo.y.shape[0]
+    eye = torch.eye(members[0].numel(), dtype=torch.float64)
+    reference = [_dense_ggn_and_gradient(source.model_spec, w, *silo.tensors()) for w in members]
+    steps = {}
+    for d in (0.0, 1.0, 10.0):
+        meta, refreshed = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=d)
+        assert len(refreshed) == 2 and meta["refreshed_at"] == {"file_sha256": "0" * 64, "method": "fedavg",
+                                                                "members": 2, "damping": d}
+        assert meta["fit_fingerprint"] != source.metadata["fit_fingerprint"]
+        for k, (comp, w, (G, g)) in enumerate(zip(refreshed, members, reference)):
+            G_d = G + n * d * eye
+            blocks = comp.curvature.blocks
+            torch.testing.assert_close(blocks[0].to_dense().double().diagonal(), G_d.diagonal()[:-last],
+                                       rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(blocks[1].to_dense().double(), G_d[-last:, -last:], rtol=1e-4, atol=1e-6)
+            # not the curvature at the local MAP
+            assert not torch.allclose(blocks[1].to_dense(), source.components[k].curvature.blocks[1].to_dense(),
+                                      rtol=1e-3)
+            T, lam = comp.temperature, comp.prior_precision
+            stored = comp.curvature.to_dense().double() / T + lam * eye  # the component's own precision
+            gaussian_gradient = stored @ (w.double() - comp.map.double())
+            silo_gradient = g / T + lam * w.double()
+            error = (gaussian_gradient - silo_gradient).norm() / silo_gradient.norm()
+            assert error <= 1e-5, (d, k, float(error))
+            assert comp.training["gradient_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
+            assert comp.training["damping"] == d and comp.training["gain_test"] in ("passed", "failed")
+            assert comp.swag is None and comp.student is None and comp.training["refreshed_at_member"] == k
+            steps.setdefault(k, []).append(float((w - comp.map).norm()))
+    assert all(a > b > c for a, b, c in steps.values()), steps  # damping shortens the step
 
 
 def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
@@ -302,10 +307,13 @@ def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
     for comp, w in zip(comps, members):
         used, rho = comp.training["damping"], comp.training["step_ratio"]
         assert used in AUTO_DAMPINGS and rho >= RATIO_FLOOR or used == AUTO_DAMPINGS[-1]
-        _, g = _dense_ggn_and_gradient(source.model_spec, w, x, y)
-        # the stored curvature (diag+full, tested against the dense GGN above) as a dense float64 matrix
-        G = Dense(comp.curvature.to_dense().double())
+        G_dense, g = _dense_ggn_and_gradient(source.model_spec, w, x, y)
         T, lam, n = comp.temperature, comp.prior_precision, silo.y.shape[0]
+        stored = comp.curvature.to_dense().double()  # diag+full: the GGN's diagonal, then its last layer's block
+        torch.testing.assert_close(stored.diagonal(), G_dense.diagonal() + n * used, rtol=1e-4, atol=1e-6)
+        # the captured curvature without the stored damping: the gain ratio's quadratic model
+        G = Dense(stored - n * used * torch.eye(stored.shape[0], dtype=torch.float64))
+        assert comp.training["gain_test"] == ("passed" if rho >= RATIO_FLOOR else "failed")
         assert step_ratio(w, comp.map, G, g, T, lam, loss(w), loss(comp.map)) == pytest.approx(rho, abs=2e-3)
         for d in AUTO_DAMPINGS[: AUTO_DAMPINGS.index(used)]:
             c = newton_centre(w, G, g, T, lam, n, d)
@@ -318,3 +326,26 @@ def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and "--damping" in lines[0] and bad in lines[0], r.output
         assert not (tmp_path / "x.h5").exists()
+
+
+def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, monkeypatch):
+    """When no damping of the grid reaches the gain floor (here a floor no ratio reaches), each component
+    keeps the largest damping, records ``gain_test = "failed"`` (accepted by the reader), and the log says
+    so once per mode in one line."""
+    import posterior_fusion.local.recapture as rc
+    from posterior_fusion.artifact import write_client_artifact
+    from posterior_fusion.posterior import GlobalEnsemble
+
+    silo = SiloData(small_silo.x[:120, ::4, ::4].copy(), small_silo.y[:120], "fmnist", 10)
+    fit_artifact(tmp_path / "c.h5", silo, "diag", kwargs={"in_features": 49, "hidden": 4}, mixtures=2, epochs=1)
+    source = load_client(tmp_path / "c.h5")
+    at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"},
+                        tuple(c.map for c in source.components))
+    monkeypatch.setattr(rc, "RATIO_FLOOR", 1e9)
+    lines: list[str] = []
+    meta, comps = rc.recapture(source, silo, "diag", at=at, log=lines.append, damping="auto")
+    warnings = [line for line in lines if "does not confirm" in line]
+    assert len(warnings) == 2 and all("gain_test = failed" in line for line in warnings), lines
+    assert all(c.training["gain_test"] == "failed" and c.training["damping"] == rc.AUTO_DAMPINGS[-1] for c in comps)
+    write_client_artifact(tmp_path / "r.h5", source.model_spec, source.layout, meta, comps)
+    assert [c.training["gain_test"] for c in load_client(tmp_path / "r.h5").components] == ["failed", "failed"]

@@ -93,7 +93,8 @@ TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "refreshed_at_member": (int,), "gradient_norm": (int, float), "newton_step_norm": (int, float),
     "damping": (int, float), "step_ratio": (int, float),
 }
-TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace"), "device": ("cpu", "cuda")}  # string fields: allowed values
+TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace"), "device": ("cpu", "cuda"),
+                                                 "gain_test": ("passed", "failed")}  # string fields: allowed values
 
 
 def parse_training(raw: Any, where: str) -> dict[str, Any]:

@@ -20,12 +20,17 @@ it holds (measured on LeNet: ‖ŵ − w*‖ ≈ 250 for weights of norm ≈ 10,
 chance), so the centre takes a Levenberg–Marquardt step instead, damped at per-sample scale as
 ``fedbens``' ``damping`` is: ŵ_k = w*_k − Λ_{k,d}⁻¹ g_k with Λ_{k,d} the precision of the damped
 curvature (``Precision.damped(n, d)``: a Kronecker block (B + n·d·I) ⊗ (A + d·I), any other block
-+ n·d on its diagonal); the component keeps the undamped curvature G(w*_k). ``damping="auto"``
++ n·d on its diagonal), and the component stores that damped curvature with that centre: the
+Gaussian N(ŵ_k, Λ_{k,d}⁻¹) then has the silo's gradient at w*_k for every d
+(Λ_{k,d} (w*_k − ŵ_k) = g_k), so a fixed point of repeated rounds, where the fused posterior's
+gradient vanishes, is a stationary point of the global posterior Σ_c f_c − (C − 1)·prior; the
+damping only adds curvature (a trust region around w*_k). ``damping="auto"``
 chooses d per mode on the silo, without the server's data: the Levenberg–Marquardt gain ratio
 ρ = [f(w*_k) − f(ŵ_k)] / [m(0) − m(ŵ_k − w*_k)] (f the silo's tempered negative log-posterior, m its
 quadratic model at w*_k) measures whether the silo's own loss confirms the step the Gaussian
 encodes; the smallest d of ``AUTO_DAMPINGS`` with ρ ≥ ``RATIO_FLOOR`` (¼, the textbook trust-region
-threshold) is kept, at one forward pass over the silo per d tried. The refreshed artifact
+threshold) is kept, at one forward pass over the silo per d tried; when none passes, the largest is
+kept, the log says so and the component records ``gain_test = "failed"``. The refreshed artifact
 has one component per global mode, so the server refits from curvature taken where the fused
 posterior lives. Cost for the silo: one gradient pass and one capture per mode, no training; the
 message back is one client artifact (the same size as the first).
@@ -134,7 +139,7 @@ def refresh_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, tempe
     """The refresh round's centre at w* = ``point``: ``(ŵ (d,) float64, the damping used, its ratio ρ)``.
     ``damping`` a number: that Levenberg–Marquardt step; ``"auto"``: the smallest of ``AUTO_DAMPINGS``
     whose ρ (:func:`step_ratio`) reaches ``RATIO_FLOOR`` — the largest step the silo's own loss
-    confirms, chosen without the server's data (the largest damping if none does). ``loss`` maps a
+    confirms, chosen without the server's data (the largest damping if none does: ρ then says so). ``loss`` maps a
     ``(d,)`` point to the silo's summed cross-entropy (one forward pass per call)."""
     at_point = loss(point)
     curvature = curvature.astype(torch.float64)  # once: the conversions inside are then no-ops for every d
@@ -230,15 +235,22 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
             log(f"component {index + 1}/{len(points)}: {structure} curvature {seconds:.1f}s")
             continue
         g = loss_gradient(model, x, y, batch)
+        n_data = int(meta["n_data"])
         centre, used, ratio = refresh_centre(point, curv, g, ref.temperature, ref.prior_precision,
-                                             int(meta["n_data"]), damping, silo_loss(source, x, y, batch, point.dtype))
+                                             n_data, damping, silo_loss(source, x, y, batch, point.dtype))
+        passed = ratio >= RATIO_FLOOR
         training.update(gradient_norm=float(g.norm()), newton_step_norm=float((centre - point.double().cpu()).norm()),
-                        damping=used, step_ratio=ratio)
-        comps.append(Component(index, centre.to(ref.map.dtype), curv, frozen_mapping(training), ref.temperature,
+                        damping=used, step_ratio=ratio, gain_test="passed" if passed else "failed")
+        stored = curv.damped(n_data, used) if used > 0 else curv  # the step's own precision (module docstring)
+        comps.append(Component(index, centre.to(ref.map.dtype), stored, frozen_mapping(training), ref.temperature,
                                ref.prior_precision))
         log(f"global mode {index + 1}/{len(points)}: {structure} curvature {seconds:.1f}s, gradient norm "
             f"{training['gradient_norm']:.3g}, Gauss-Newton step {training['newton_step_norm']:.3g} "
             f"(damping {used:g}, gain ratio {ratio:.2f})")
+        if not passed:
+            log(f"global mode {index + 1}/{len(points)}: warning: the silo's loss does not confirm the step at "
+                f"damping {used:g} (gain ratio {ratio:.2f} < {RATIO_FLOOR}); the component keeps it, recorded as "
+                "gain_test = failed")
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
