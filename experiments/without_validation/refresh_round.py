@@ -25,22 +25,24 @@ from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment.measure import save_rows
 from posterior_fusion.fusion import FusionOptions, fuse
-from posterior_fusion.local.recapture import recapture
+from posterior_fusion.local.recapture import check_damping, recapture
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.posterior import GlobalEnsemble
 
 PAPER = ("adam, best validation iterate", {}, True)
 EM = ("em (stationary), no validation", {"solver": "em"}, False)
 AFTER = [EM, ("adam, best objective, no validation", {}, False), PAPER]
-DAMPINGS = [0.0, 0.1, 0.3, 1.0, 3.0, 10.0]  # the centre step's damping, swept at the paper's modes
+DAMPINGS = ["0", "0.1", "0.3", "1", "3", "10", "auto"]  # the centre step's damping, swept at the paper's modes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", required=True)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--dampings", default=",".join(map(str, DAMPINGS)),
-                    help="comma-separated dampings of the refresh at the paper's modes")
+    ap.add_argument("--dampings", default=",".join(DAMPINGS),
+                    help="comma-separated dampings of the refresh at the paper's modes (numbers or auto)")
+    ap.add_argument("--em-dampings", default="auto",
+                    help="comma-separated dampings of the two rounds at the EM modes (numbers or auto)")
     ap.add_argument("--no-em-pipeline", action="store_true",
                     help="leave out the refresh rounds at the EM modes (the validation-free pipeline)")
     args = ap.parse_args()
@@ -66,7 +68,7 @@ def main() -> None:
         return GlobalEnsemble(label, f"{len(rows):064d}", first.model_spec, first.layout, {"method": "fedbens"},
                               tuple(result.members))
 
-    def refresh(tag: str, at: GlobalEnsemble, damping: float = 1.0) -> tuple[list[Path], dict]:
+    def refresh(tag: str, at: GlobalEnsemble, damping: float | str) -> tuple[list[Path], dict]:
         out, t0, sent = [], time.time(), 0
         for p, s in zip(paths, silos):
             source = load_client(p)
@@ -76,23 +78,23 @@ def main() -> None:
             out.append(work / f"{tag}_{p.name}")
             write_client_artifact(out[-1], source.model_spec, source.layout, meta, comps)
             sent += out[-1].stat().st_size
+        failed = sum(c.training.get("gain_test") == "failed" for q in out for c in load_client(q).components)
         return out, {"damping": damping, "silo_seconds_total": round(time.time() - t0, 1),
-                     "bytes_up_per_client": sent // len(paths)}
+                     "bytes_up_per_client": sent // len(paths), "gain_test_failed": failed}
 
     base = {"silo_seconds_total": 0.0, "bytes_up_per_client": sum(p.stat().st_size for p in paths) // len(paths)}
     paper = run("one-shot", paths, PAPER, base)
     em = run("one-shot", paths, EM, base)
-    for d in [float(t) for t in args.dampings.split(",")]:
+    for d in [check_damping(t, "--dampings") for t in args.dampings.split(",")]:
         at_paper, cost = refresh(f"at_paper_d{d}", paper, d)
-        for variant in AFTER if d == 1.0 else AFTER[:2]:
+        for variant in AFTER if d in (1.0, "auto") else AFTER[:2]:
             run("refreshed at the paper's modes", at_paper, variant, cost)
-    if args.no_em_pipeline:
-        save_rows(args.json, {"clients": [str(p) for p in paths], "rows": rows})
-        return
-    at_em, cost = refresh("at_em", em)
-    em2 = run("refreshed at the EM modes (no validation anywhere)", at_em, EM, cost)
-    at_em2, cost = refresh("at_em2", em2)
-    run("second round at the EM modes (no validation anywhere)", at_em2, EM, cost)
+    if not args.no_em_pipeline:
+        for d in [check_damping(t, "--em-dampings") for t in args.em_dampings.split(",")]:
+            at_em, cost = refresh(f"at_em_d{d}", em, d)
+            em2 = run("refreshed at the EM modes (no validation anywhere)", at_em, EM, cost)
+            at_em2, cost = refresh(f"at_em2_d{d}", em2, d)
+            run("second round at the EM modes (no validation anywhere)", at_em2, EM, cost)
     save_rows(args.json, {"clients": [str(p) for p in paths], "rows": rows})
 
 
