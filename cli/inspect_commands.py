@@ -82,5 +82,17 @@ def inspect_cmd(file, as_json, max_memory):
                 say(f"  {key}: {meta[key]}")
     from posterior_fusion.artifact import load  # imports torch: after the summary is on screen
 
-    load(file, max_memory)
+    art = load(file, max_memory)
     say("validated: the whole file, values included (as fuse reads it)")
+    if s["kind"] == "client" and meta.get("compress"):
+        from posterior_fusion.summary import compression_errors
+
+        rows = compression_errors(art)
+        bound = rows and rows[0]["precision_metric_is_bound"]
+        say("compression error per layer, worst component: recorded (" + meta.get("compress_metric", "frobenius")
+            + " metric) and what fusion sees (precision metric: each eigenvalue of G/T + λ0·I within "
+            "×(1 ± e_B)(1 ± e_A)" + (", here an upper bound from the Frobenius record)" if bound else ")") + ":")
+        for r in rows:
+            (eb, ea), (pb, pa) = r["recorded"], r["precision_metric"]
+            say(f"  {r['name']:<14} {str(tuple(r['shape'])):<12} rank {r['rank'][0]}/{r['rank'][1]}  "
+                f"recorded B {eb:.3g} A {ea:.3g}  precision B {pb:.3g} A {pa:.3g}")

@@ -33,8 +33,33 @@ def summarize(art: ClientPosterior | GlobalEnsemble) -> dict:
             })
         out["structure"] = art.structure
         out["components"] = comps
+        if art.metadata.get("compress"):
+            out["compression"] = compression_errors(art)
     else:
         out["method"] = art.method
         out["num_members"] = len(art.members)
     return out
 
+
+
+def compression_errors(art: ClientPosterior) -> list[dict]:
+    """Per compressed layer (a ``kron_lowrank`` block), over the components, the largest recorded error
+    per factor in the artifact's metric and the error in the precision metric fusion sees
+    (:func:`~posterior_fusion.curvature.compressed.precision_errors`: the recorded one, or an upper bound
+    where the artifact was compressed in the Frobenius metric)."""
+    from posterior_fusion.curvature.compressed import CompressedKron, precision_errors
+
+    metric = art.metadata.get("compress_metric", "frobenius")
+    names = {e.offset: e.name for e in art.layout.entries}
+    rows: dict[int, dict] = {}
+    for c in art.components:
+        for block, off in zip(c.curvature.blocks, c.curvature.offsets):
+            if not isinstance(block, CompressedKron):
+                continue
+            seen = precision_errors(block, c.prior_precision * c.temperature, metric)
+            row = rows.setdefault(off, {"name": names.get(off, str(off)), "shape": list(block.shape),
+                                        "rank": [0, 0], "recorded": [0.0, 0.0], "precision_metric": [0.0, 0.0]})
+            row["rank"] = [max(row["rank"][0], block.lB.numel()), max(row["rank"][1], block.lA.numel())]
+            row["recorded"] = [max(a, b) for a, b in zip(row["recorded"], block.errors)]
+            row["precision_metric"] = [max(a, b) for a, b in zip(row["precision_metric"], seen)]
+    return [dict(rows[off], metric=metric, precision_metric_is_bound=metric != "precision") for off in sorted(rows)]

@@ -550,8 +550,9 @@ def test_the_default_compression_keeps_every_precision_eigenvalue_within_its_bud
     matched through the shared eigenvectors. The Frobenius metric at the same budget moves them far more."""
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.curvature import BlockDiag, Kron
-    from posterior_fusion.curvature.compressed import Compression, rebuild
+    from posterior_fusion.curvature.compressed import Compression, rebuild, stored_error
     from posterior_fusion.layout import ParameterLayout
+    from posterior_fusion.summary import summarize
     from posterior_fusion.models import ModelSpec
     from posterior_fusion.posterior import Component, frozen_mapping
 
@@ -582,6 +583,22 @@ def test_the_default_compression_keeps_every_precision_eigenvalue_within_its_bud
         got = torch.outer(torch.diagonal(QB.T @ Bt @ QB), torch.diagonal(QA.T @ At @ QA)).flatten() / T + lam0
         ratio = got / plain
         spread[metric] = (float(ratio.min()), float(ratio.max()))
+        # what `inspect` reports: the error in the precision metric fusion sees, per factor — the recorded one,
+        # or for the Frobenius record an upper bound on the dense float64 error in that metric
+        (row,) = summarize(posterior_fusion.load(path))["compression"]
+        floors = (lam0 * T / float(la[-1]), lam0 * T / float(lb[-1]))
+        actual = [stored_error(F.float().double(), U.double(), lam.double(), s, floor) for F, U, lam, s, floor in
+                  ((B, c.UB, c.lB, c.sB, floors[0]), (A, c.UA, c.lA, c.sA, floors[1]))]
+        assert row["name"] == "1.weight" and row["metric"] == metric and row["recorded"] == list(c.errors)
+        if metric == "precision":
+            assert row["precision_metric"] == list(c.errors) and not row["precision_metric_is_bound"]
+            assert actual == pytest.approx(list(c.errors), rel=1e-3, abs=1e-9)
+        else:
+            assert row["precision_metric_is_bound"]
+            assert all(bound >= a * (1 - 1e-9) for bound, a in zip(row["precision_metric"], actual)), (row, actual)
+            assert max(actual) > 10 * budget  # the Frobenius budget does not bound what fusion sees
+        text = CliRunner().invoke(pfuse, ["inspect", str(path)])
+        assert text.exit_code == 0 and "1.weight" in text.output and "precision B" in text.output, text.output
     lo, hi = spread["precision"]
     assert (1 - budget) ** 2 - 1e-6 <= lo and hi <= (1 + budget) ** 2 + 1e-6, spread
     assert spread["frobenius"][0] < 0.5 or spread["frobenius"][1] > 2, spread

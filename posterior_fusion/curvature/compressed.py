@@ -208,6 +208,35 @@ def rebuild(U: torch.Tensor, lam: torch.Tensor, sigma: float, dtype: torch.dtype
     return (0.5 * (F + F.T)).to(dtype)
 
 
+def precision_errors(block: CompressedKron, prior: float, metric: str) -> tuple[float, float]:
+    """Per factor ``(B, A)``, the error in the precision metric (module docstring) of the precision
+    ``(s/T)·B ⊗ A + λ0 I`` that fusion sees, ``prior = λ0·T``: each precision eigenvalue then lies within
+    about ``×[(1 − e_B)(1 − e_A), (1 + e_B)(1 + e_A)]`` of the uncompressed one's. ``metric = "precision"``:
+    the recorded errors, which are exactly that. ``"frobenius"``: an upper bound from the compact form
+    alone — every tail eigenvalue has ``|λ_i − σ| ≤ e·‖F‖_F`` and ``λ_i + f ≥ f``, so the ratio is at most
+    ``e·‖F‖_F / f``; ``‖F‖_F ≤ √(Σ λ_kept² + ((D − r)·σ)²)`` (the tail is ≥ 0 and sums to ``(D − r)·σ``), and
+    the other factor's largest eigenvalue, which sets ``f``, at most its kept top (or ``D·σ`` where
+    nothing is kept)."""
+    if metric == "precision":
+        return block.errors
+    def norm_and_top(lam: torch.Tensor, sigma: float, D: int) -> tuple[float, float]:
+        kept = lam.double()
+        norm = (float(kept.square().sum()) + ((D - kept.numel()) * sigma) ** 2) ** 0.5
+        top = float(kept.max()) if kept.numel() else D * sigma
+        return norm, max(top, sigma)
+    (out, inn), s = block.shape, abs(float(block.scale))
+    norm_B, top_B = norm_and_top(block.lB, block.sB, out)
+    norm_A, top_A = norm_and_top(block.lA, block.sA, inn)
+    bounds = []
+    for err, norm, top_other in ((block.errors[0], norm_B, top_A), (block.errors[1], norm_A, top_B)):
+        if err == 0.0:
+            bounds.append(0.0)
+            continue
+        floor = prior / (s * top_other) if s * top_other > 0 else float("inf")
+        bounds.append(err * norm / floor if floor > 0 else float("inf"))
+    return bounds[0], bounds[1]
+
+
 class CompressedKron(Kron):
     """A Kronecker block whose factors are each stored as ``F̃ = σ I + U diag(λ − σ) Uᵀ`` (top-r
     eigenpairs plus an isotropic remainder; :func:`truncate`). It is a :class:`Kron` that overrides
