@@ -8,8 +8,8 @@ accuracy, NLL, ECE, server and silo seconds, and the bytes each round moves.
 
     nice -n 5 .venv/bin/python experiments/without_validation/refresh_round.py --clients DIR --json OUT.json
 
-DIR holds ``client_*.h5`` (the silos), ``post_*.h5`` (their fit-local artifacts), ``server_val.h5``
-and ``test.h5`` (``pfuse partition`` + ``pfuse fit-local``).
+DIR holds ``post_*.h5`` (the fit-local artifacts) and ``client_*.h5`` (the silos), ``server_val.h5`` and
+``test.h5`` (``pfuse partition`` + ``pfuse fit-local``), the data in DIR or in DIR/data (a ``pfuse demo`` folder).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def main() -> None:
     work = folder / "refresh"
     work.mkdir(exist_ok=True)
     paths = sorted(folder.glob("post_*.h5"))
-    silos = [folder / f"client_{p.stem.split('_')[1]}.h5" for p in paths]
-    test, val = read_silo(folder / "test.h5"), folder / "server_val.h5"
+    data = folder / "data" if (folder / "data" / "test.h5").exists() else folder  # a `pfuse demo` folder: data/
+    silos = [data / f"client_{p.stem.split('_')[1]}.h5" for p in paths]
+    test, val = read_silo(data / "test.h5"), data / "server_val.h5"
     rows = []
 
     def run(label: str, client_paths, variant, extra: dict) -> GlobalEnsemble:
