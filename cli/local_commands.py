@@ -7,6 +7,7 @@ import typing
 
 import click
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact import load_global, write_global_artifact
 from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
 from posterior_fusion.curvature.compressed import Compression
@@ -19,7 +20,7 @@ from posterior_fusion.local.capture.policy import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import initial_weights
-from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, check_damping
+from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
 from posterior_fusion.models import ModelSpec
 
 FIT = FitConfig()
@@ -161,6 +162,11 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                    "Gauss-Newton centre, which overshoots; auto: per member, the smallest d of "
                    f"{', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss confirms (gain ratio "
                    f">= {RATIO_FLOOR}; one forward pass per d tried) [default: {REFRESH_DAMPING}].")
+@click.option("--trust-radius", default=TRUST_RADIUS, show_default=True, type=float,
+              help="Refresh round only (--at): refuse a global whose member lies farther than this from the silo's "
+                   "own posterior (squared distance per parameter in its own precision, min over its components; a "
+                   "draw from it averages 1): a server-chosen point far from it can make the reply reveal training "
+                   f"data. In [{ranges.TRUST_RADIUS[0]:g}, {ranges.TRUST_RADIUS[1]:g}].")
 @click.option("--ggn", default=None, type=click.Choice(GGN_TYPES),
               help="exact or mc GGN [default: the source artifact's].")
 @click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
@@ -174,8 +180,8 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 @lambda fn: fit_options(fn, only=("capture_dtype", "device", "compress", "compress_metric", "compress_vectors"))
 @max_memory_option
 @handle_errors
-def recapture_cmd(source_path, data_path, structure, at_path, damping, ggn, capture, curvature_batch_size, out, as_json,
-                  kfac, capture_dtype, device, compress, compress_metric, compress_vectors, max_memory):
+def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_radius, ggn, capture, curvature_batch_size,
+                  out, as_json, kfac, capture_dtype, device, compress, compress_metric, compress_vectors, max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
@@ -187,10 +193,11 @@ def recapture_cmd(source_path, data_path, structure, at_path, damping, ggn, capt
     if damping is not None and at_path is None:
         raise ConfigError("--damping applies to a refresh round only (--at GLOBAL)")
     damping = REFRESH_DAMPING if damping is None else check_damping(damping, "--damping")
+    ranges.check("--trust-radius", trust_radius, ranges.TRUST_RADIUS)
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
                              max_memory, log=log_to_stderr, kfac=kfac, capture_dtype=capture_dtype, device=device,
                              compression=Compression(compress, compress_metric, compress_vectors),
-                             at_path=at_path, damping=damping)
+                             at_path=at_path, damping=damping, trust_radius=trust_radius)
     if as_json:
         echo_json({"out": out, "structure": meta["structure"], "n_data": meta["n_data"],
                    "recaptured_from": meta["recaptured_from"], "refreshed_at": meta.get("refreshed_at")})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import posterior_fusion
 from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.errors import FederationError
+from posterior_fusion.errors import ConfigError, FederationError, IncompatibleArtifactsError
 from posterior_fusion.fusion import FusionOptions, fuse
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'posterior-fusion[flower]'")
@@ -138,16 +139,61 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
 
 
 def test_a_refresh_message_with_wrong_fields_is_refused(tmp_path, task_identity):
+    """A refresh message that sends an artifact (instead of naming the node's own by hash), names one the
+    node does not hold, or carries a bad damping or global is refused before any work."""
     from flwr.app import ConfigRecord, Context
 
-    ctx = Context(run_id=1, node_id=1, node_config={"silo": str(tmp_path / "s.h5")}, state=RecordDict(),
-                  run_config={})
-    for fields, words in (({"global": b"x", "artifact": "text", "damping": 1.0}, "bytes"),
-                          ({"global": b"x", "artifact": b"y", "damping": True}, "'damping' must be 'auto' or a number"),
-                          ({"global": b"x", "artifact": b"y", "damping": "often"}, "'damping' must be 'auto' or a number")):
+    ctx = Context(run_id=1, node_id=1, node_config={"silo": str(tmp_path / "s.h5"), "state-dir": str(tmp_path / "st")},
+                  state=RecordDict(), run_config={})
+    sha = "a" * 64
+    for fields, words in (({"global": b"x", "artifact": b"y", "damping": 1.0}, "never send one"),
+                          ({"global": b"x", "artifact-sha256": "zz", "damping": 1.0}, "'artifact-sha256'"),
+                          ({"global": "text", "artifact-sha256": sha, "damping": 1.0}, "bytes of 'global'"),
+                          ({"global": b"x", "artifact-sha256": sha, "damping": True}, "'damping' must be 'auto' or a number"),
+                          ({"global": b"x", "artifact-sha256": sha, "damping": "often"}, "'damping' must be 'auto' or a number"),
+                          ({"global": b"x", "artifact-sha256": sha, "damping": 1e308}, "damping must be 'auto' or a finite"),
+                          ({"global": b"x", "artifact-sha256": sha, "damping": 1.0}, "holds no artifact with SHA-256")):
         msg = Message(RecordDict({"refresh": ConfigRecord(fields)}), dst_node_id=1, message_type="query")
-        with pytest.raises(FederationError, match=words):
+        with pytest.raises((FederationError, ConfigError), match=words):
             client_refresh(msg, ctx)
+
+
+def test_the_refresh_handler_recaptures_only_its_own_artifact_within_its_trust_radius(tmp_path, small_silo,
+                                                                                        task_identity):
+    """The node's train handler keeps its artifact; the refresh handler recaptures that copy, named by hash,
+    at a global near it, and refuses (one line, nothing sent back) a global whose member lies beyond the
+    node's own trust radius — a point the server chose far from the silo's posterior."""
+    from flwr.app import ConfigRecord, Context
+
+    from posterior_fusion.artifact import write_global_artifact
+    from posterior_fusion.local.recapture import TRUST_RADIUS, distance_from_own_posterior
+
+    silo = tmp_path / "s.h5"
+    write_silo(silo, SiloData(small_silo.x[:120], small_silo.y[:120], "fmnist", 10))
+    ctx = Context(run_id=1, node_id=1, node_config={"silo": str(silo), "state-dir": str(tmp_path / "st")},
+                  state=RecordDict(), run_config={})
+    small = FederatedSettings(model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1)
+    train = Message(RecordDict({"config": ConfigRecord({"settings": small.to_json()})}), dst_node_id=1,
+                    message_type="train")
+    blob = client_train(train, ctx).content["artifact"]["artifact"]
+    sha = hashlib.sha256(blob).hexdigest()
+    assert (tmp_path / "st" / f"{sha}.h5").read_bytes() == blob
+    own = posterior_fusion.load(tmp_path / "st" / f"{sha}.h5")
+    w = own.components[0].map
+    gen = torch.Generator().manual_seed(0)
+    near, far = w + 0.01 * torch.randn(w.numel(), generator=gen), w + torch.randn(w.numel(), generator=gen)
+    assert distance_from_own_posterior(own, near) <= TRUST_RADIUS < distance_from_own_posterior(own, far)
+    for members, ok in (((near,), True), ((near, far), False)):
+        g = tmp_path / "g.h5"
+        write_global_artifact(g, own.model_spec, own.layout, {"method": "fedavg"}, list(members))
+        msg = Message(RecordDict({"refresh": ConfigRecord({"global": g.read_bytes(), "artifact-sha256": sha,
+                                                           "damping": 1.0})}), dst_node_id=1, message_type="query")
+        if ok:
+            (tmp_path / "r.h5").write_bytes(client_refresh(msg, ctx).content["artifact"]["artifact"])
+            assert posterior_fusion.load(tmp_path / "r.h5").metadata["refreshed_at"]["members"] == 1
+        else:
+            with pytest.raises(IncompatibleArtifactsError, match="member 1 lies at .* beyond the trust radius"):
+                client_refresh(msg, ctx)
 
 
 def test_example_run_config_carries_fit_and_fusion_settings():

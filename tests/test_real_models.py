@@ -552,9 +552,9 @@ def test_the_default_compression_keeps_every_precision_eigenvalue_within_its_bud
     from posterior_fusion.curvature import BlockDiag, Kron
     from posterior_fusion.curvature.compressed import Compression, rebuild, stored_error
     from posterior_fusion.layout import ParameterLayout
-    from posterior_fusion.summary import summarize
     from posterior_fusion.models import ModelSpec
     from posterior_fusion.posterior import Component, frozen_mapping
+    from posterior_fusion.summary import summarize
 
     assert FitConfig().compression.metric == Compression().metric == "precision"
     spec = ModelSpec("mlp", {"in_features": 40, "num_classes": 24, "hidden_sizes": [], "bias": False})

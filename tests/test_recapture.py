@@ -295,7 +295,8 @@ def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
     gen = torch.Generator().manual_seed(5)
     members = tuple(c.map + 0.3 * torch.randn(c.map.numel(), generator=gen) for c in source.components)
     at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"}, members)
-    meta, comps = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping="auto")
+    meta, comps = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping="auto",
+                            trust_radius=100.0)  # members 0.3 from the MAPs per weight: beyond the default radius
     assert meta["refreshed_at"]["damping"] == "auto"
     x, y = silo.tensors()
 
@@ -349,3 +350,45 @@ def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, m
     assert all(c.training["gain_test"] == "failed" and c.training["damping"] == rc.AUTO_DAMPINGS[-1] for c in comps)
     write_client_artifact(tmp_path / "r.h5", source.model_spec, source.layout, meta, comps)
     assert [c.training["gain_test"] for c in load_client(tmp_path / "r.h5").components] == ["failed", "failed"]
+
+
+def test_recapture_at_refuses_what_the_server_should_not_choose_before_any_capture(tmp_path, small_silo, monkeypatch):
+    """``recapture --at``: a global with huge (finite) modes, more members than ``-M``'s cap, a member far from
+    the silo's own posterior, or a damping out of range is refused in one line, exit 2, before any capture
+    (the capture is replaced by one that fails the test), nothing written."""
+    import posterior_fusion.local.recapture as rc
+    from posterior_fusion.artifact import write_global_artifact
+    from posterior_fusion.artifact.schema import MAX_COMPONENTS
+
+    silo = SiloData(small_silo.x[:120, ::4, ::4].copy(), small_silo.y[:120], "fmnist", 10)
+    fit_artifact(tmp_path / "c.h5", silo, "diag", kwargs={"in_features": 49, "hidden": 4}, mixtures=1, epochs=1)
+    write_silo(tmp_path / "s.h5", silo)
+    own = load_client(tmp_path / "c.h5")
+    w = own.components[0].map
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before the global was checked")
+
+    monkeypatch.setattr(rc, "capture", no_capture)
+    cases = {"huge": ([w + 1e30], "beyond the trust radius"), "overflow": ([torch.full_like(w, 3e38)], "trust radius"),
+             "many": ([w] * (MAX_COMPONENTS + 1), f"at most {MAX_COMPONENTS}"),
+             "far": ([w + torch.randn(w.numel(), generator=torch.Generator().manual_seed(1))], "trust radius")}
+    runner = CliRunner()
+    for name, (members, words) in cases.items():
+        g = tmp_path / f"{name}.h5"
+        write_global_artifact(g, own.model_spec, own.layout, {"method": "fedavg"}, members)
+        r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
+                                  "--at", str(g), "--out", str(tmp_path / "x.h5")])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and g.name in lines[0] and words in lines[0], (name, r.output)
+        assert not (tmp_path / "x.h5").exists()
+    g = tmp_path / "near.h5"
+    write_global_artifact(g, own.model_spec, own.layout, {"method": "fedavg"}, [w])
+    for bad in ("1e308", "2e6"):
+        r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
+                                  "--at", str(g), "--damping", bad, "--out", str(tmp_path / "x.h5")])
+        assert r.exit_code == 2 and "--damping" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
+                              "--at", str(g), "--trust-radius", "inf", "--out", str(tmp_path / "x.h5")])
+    assert r.exit_code == 2 and "--trust-radius" in r.stderr, r.output
+    assert not (tmp_path / "x.h5").exists()

@@ -8,10 +8,15 @@ reader as files (a bad or missing reply is logged and left out, or stops the run
 artifact plus the client artifacts it used.
 
 Refresh round (``refresh``, a "1.5-shot" exchange): the server then sends each accepted node a
-training-free ``query`` message with the global artifact and the node's own first artifact; the
-node runs ``pfuse recapture --at`` on its silo (:mod:`posterior_fusion.local.recapture`: GGN and
-gradient at the fused modes, ``refresh_damping``) and replies with the refreshed artifact, which
-the server validates like the first and fuses again into ``global_refreshed.h5`` (the one-shot
+training-free ``query`` message with the global artifact and the SHA-256 of the node's own first
+artifact; the node recaptures *its own copy* of that artifact — kept on its disk since the first
+round (node config ``state-dir``, default a per-silo folder under the system's temporary folder) —
+never one the server sends, so model, structure, T and λ0 are the node's; the global is checked
+against it first (:func:`~posterior_fusion.local.recapture.check_refresh_global`: the same model, at
+most ``-M``'s cap of members, each within the node's trust radius — node config
+``refresh-trust-radius``, the server cannot set it). It runs ``pfuse recapture --at`` on its silo
+(GGN and gradient at the fused modes, ``refresh_damping``) and replies with the refreshed artifact,
+which the server validates like the first and fuses again into ``global_refreshed.h5`` (the one-shot
 ``global.h5`` stays). A node that fails the second message is left out of the refreshed fusion.
 
 Which silo a node trains on: ``node_config["silo"]`` (deployment: ``flower-supernode
@@ -22,6 +27,7 @@ or the run config.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -35,7 +41,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from posterior_fusion import budget
+from posterior_fusion import budget, ranges
 from posterior_fusion.artifact import load_client
 from posterior_fusion.compat import RENAMED_RUN_CONFIG_KEYS, rename_keys
 from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
@@ -44,7 +50,7 @@ from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import FitConfig, PrivateModelConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_silo_file
-from posterior_fusion.local.recapture import REFRESH_DAMPING, check_damping, recapture_to_file
+from posterior_fusion.local.recapture import REFRESH_DAMPING, TRUST_RADIUS, check_damping, recapture_to_file
 from posterior_fusion.models import ModelSpec
 
 BAD_REPLY_POLICIES = ("skip", "fail")
@@ -145,14 +151,27 @@ def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Pa
     raise ConfigError("this node has no silo: set node_config 'silo', or a silo-dir with partition-id")
 
 
+def node_state_dir(context: Context, silo: Path) -> Path:
+    """Where the node keeps its own artifacts between rounds: node config ``state-dir``, else
+    ``<temporary folder>/pfuse-node/<hash of the silo's path>``."""
+    if "state-dir" in context.node_config:
+        return Path(str(context.node_config["state-dir"]))
+    key = hashlib.sha256(str(silo.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "pfuse-node" / key
+
+
 def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
-    """ClientApp train handler: fit the node's silo, reply with the artifact bytes."""
+    """ClientApp train handler: fit the node's silo, keep the artifact in the node's state folder
+    (named by its SHA-256, for the refresh round) and reply with its bytes."""
     settings = FederatedSettings.from_json(str(msg.content["config"]["settings"]))
     silo = node_silo(context, silo_dir)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
         fit_to_artifact(settings, silo, out, private=node_private_model(context))
         blob = out.read_bytes()
+    state = node_state_dir(context, silo)
+    state.mkdir(parents=True, exist_ok=True)
+    write_atomically(state / f"{hashlib.sha256(blob).hexdigest()}.h5", lambda tmp_path: tmp_path.write_bytes(blob))
     reply = {"artifact": blob, "silo": str(silo)}
     if "partition-id" in context.node_config:
         reply["partition-id"] = int(context.node_config["partition-id"])
@@ -163,17 +182,34 @@ def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike |
     """ClientApp query handler, the refresh round: recapture the node's own artifact at the global
     artifact's members on its silo, reply with the refreshed artifact's bytes (as ``train`` does)."""
     rec = msg.content["refresh"]
-    own, at, damping = rec["artifact"], rec["global"], rec["damping"]
-    if not isinstance(own, bytes) or not isinstance(at, bytes):
-        raise FederationError("a refresh message needs the bytes of 'artifact' and 'global'")
+    if "artifact" in rec:
+        raise FederationError("a refresh message may name the node's own artifact by 'artifact-sha256', never send "
+                              "one: the node recaptures only its own copy")
+    own, at, damping = rec.get("artifact-sha256"), rec.get("global"), rec.get("damping")
+    if not isinstance(own, str) or len(own) != 64 or any(ch not in "0123456789abcdef" for ch in own):
+        raise FederationError("a refresh message needs 'artifact-sha256', the SHA-256 of the node's own artifact")
+    if not isinstance(at, bytes):
+        raise FederationError("a refresh message needs the bytes of 'global'")
     if damping != "auto" and (isinstance(damping, bool) or not isinstance(damping, (int, float))):
         raise FederationError(f"a refresh message's 'damping' must be 'auto' or a number, got {type(damping).__name__}")
+    damping = check_damping(damping, "the refresh message's damping")
+    radius = context.node_config.get("refresh-trust-radius", TRUST_RADIUS)
+    if isinstance(radius, str):
+        try:
+            radius = float(radius)
+        except ValueError:
+            pass
+    ranges.check("node config refresh-trust-radius", radius, ranges.TRUST_RADIUS)
     silo = node_silo(context, silo_dir)
+    first = node_state_dir(context, silo) / f"{own}.h5"
+    if not first.is_file():
+        raise FederationError(f"this node holds no artifact with SHA-256 {own[:16]}… (it recaptures only its own, "
+                              f"kept in {first.parent} since the first round)")
     with tempfile.TemporaryDirectory() as tmp:
-        first, glob, out = Path(tmp) / "client.h5", Path(tmp) / "global.h5", Path(tmp) / "refreshed.h5"
-        first.write_bytes(own)
+        glob, out = Path(tmp) / "global.h5", Path(tmp) / "refreshed.h5"
         glob.write_bytes(at)
-        recapture_to_file(first, silo, out, None, at_path=glob, damping=damping, log=lambda m: None)
+        recapture_to_file(first, silo, out, None, at_path=glob, damping=damping, log=lambda m: None,
+                          trust_radius=float(radius))
         blob = out.read_bytes()
     reply = {"artifact": blob, "silo": str(silo)}
     if "partition-id" in context.node_config:
@@ -412,8 +448,8 @@ def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, meth
     ``out/refresh/``), fused again into ``global_refreshed.h5``. Returns its metadata."""
     at = (out / "global.h5").read_bytes()
     keys = [int(p.stem.split("_")[1]) for p in paths]  # client_<key>.h5, the server's own names
-    messages = [Message(RecordDict({"refresh": ConfigRecord({"global": at, "artifact": p.read_bytes(),
-                                                             "damping": damping})}),
+    messages = [Message(RecordDict({"refresh": ConfigRecord({"global": at, "damping": damping, "artifact-sha256":
+                                                             hashlib.sha256(p.read_bytes()).hexdigest()})}),
                         dst_node_id=ids[k], message_type="query") for k, p in zip(keys, paths)]
     log(f"refresh round: sent the global artifact to {len(messages)} nodes")
     answers, missing = exchange(grid, messages, keys, round_timeout, log)
@@ -427,7 +463,7 @@ def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, meth
     left_out = nodes_left_out(ids, missing, replies, refreshed)
     meta["federation"] = dict(first_meta["federation"])
     meta["federation"]["refresh"] = {"damping": damping, "accepted": [f"refresh/{p.name}" for p in refreshed],
-                                     "bytes_down_per_node": len(at) + max(p.stat().st_size for p in paths),
+                                     "bytes_down_per_node": len(at),
                                      "bytes_up": sum(p.stat().st_size for p in refreshed),
                                      "left_out": sorted(left_out, key=lambda d: d["key"])}
     write_fused(out / "global_refreshed.h5", inputs, result, meta)

@@ -32,7 +32,19 @@ encodes; the smallest d of ``AUTO_DAMPINGS`` with ρ ≥ ``RATIO_FLOOR`` (¼, th
 threshold) is kept, at one forward pass over the silo per d tried; when none passes, the largest is
 kept, the log says so and the component records ``gain_test = "failed"``. The refreshed artifact
 has one component per global mode, so the server refits from curvature taken where the fused
-posterior lives. Cost for the silo: one gradient pass and one capture per mode, no training; the
+posterior lives.
+
+**Trust boundary.** The global's members are the server's choice, and what the silo sends back (a
+gradient and curvature at those points) is a function of its data there: a point built to make the
+reply reveal training examples (a "binning trap") is far from anything the silo's own posterior
+finds plausible. So the silo recaptures only from its own artifact (model, structure, T and λ0 come
+from it) and accepts a global only if it holds at most ``MAX_COMPONENTS`` members (``-M``'s cap), each
+finite and within the **trust radius** of its own posterior: ``min_m (w − ŵ_m)ᵀ Λ_m (w − ŵ_m) / d ≤ ρ``
+over its components (Λ_m the component's posterior precision, d the parameter count; a draw from the
+component's Gaussian averages 1). Fused modes of honest servers lie within 0.1–0.6 of every client
+on the LeNet demo sets at α = 0.1, points at the scale of the silo's weights but unrelated to them at
+2–20, the negated MAP at 9–70; the default ``TRUST_RADIUS`` is 4. The damping must be in
+``ranges.REFRESH_DAMPING``. Anything else is refused in one line before any capture. Cost for the silo: one gradient pass and one capture per mode, no training; the
 message back is one client artifact (the same size as the first).
 """
 
@@ -49,6 +61,7 @@ import torch
 
 from posterior_fusion import ranges
 from posterior_fusion.artifact.reader import load_client, load_global
+from posterior_fusion.artifact.schema import MAX_COMPONENTS
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.curvature.compressed import PLAIN, Compression
 from posterior_fusion.data.silo import SiloData, read_silo
@@ -65,6 +78,7 @@ from posterior_fusion.runtime import resolve_device
 # measured against fixed dampings by experiments/without_validation/refresh_round.py)
 REFRESH_DAMPING: float | str = "auto"
 AUTO_DAMPINGS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # ``damping="auto"`` tries these, smallest first
+TRUST_RADIUS = 4.0  # a member's per-parameter squared distance from the silo's own posterior, at most (module docstring)
 RATIO_FLOOR = 0.25  # ... and keeps the first whose step the silo's loss confirms this well (module docstring)
 
 
@@ -78,9 +92,43 @@ def check_damping(value: object, name: str = "damping") -> float | str:
             value = float(value)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{name} must be 'auto' or a finite number >= 0, got {shown(value, 40)}")
+    lo, hi = ranges.REFRESH_DAMPING
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and lo <= value <= hi):
+        raise ConfigError(f"{name} must be 'auto' or a finite number in [{lo:g}, {hi:g}], got {shown(value, 40)}")
     return float(value)
+
+
+def distance_from_own_posterior(source: ClientPosterior, w: torch.Tensor) -> float:
+    """``min_m (w − ŵ_m)ᵀ Λ_m (w − ŵ_m) / d`` over ``source``'s components (``w`` ``(d,)``; Λ_m the
+    component's posterior precision), in float64: inf for a non-finite ``w``."""
+    v = w.double()
+    if not torch.isfinite(v).all():
+        return math.inf
+    best = math.inf
+    for comp in source.components:
+        prec = comp.curvature.precision(comp.temperature, comp.prior_precision).astype(torch.float64)
+        best = min(best, float(prec.quadratic_form(v - comp.map.double())) / v.numel())
+    return best if math.isfinite(best) else math.inf
+
+
+def check_refresh_global(source: ClientPosterior, at: GlobalEnsemble, trust_radius: float = TRUST_RADIUS) -> None:
+    """The silo's trust boundary (module docstring): ``at`` holds the same model as ``source``, at most
+    ``MAX_COMPONENTS`` members, each within ``trust_radius`` of the silo's own posterior; else one
+    :class:`IncompatibleArtifactsError` line naming the file."""
+    ranges.check("trust radius", trust_radius, ranges.TRUST_RADIUS)
+    if at.model_spec != source.model_spec or at.layout != source.layout:
+        raise IncompatibleArtifactsError(f"{at.path}: holds a different model than {source.path} "
+                                         f"({at.model_spec.to_json()} vs {source.model_spec.to_json()})")
+    if len(at.members) > MAX_COMPONENTS:
+        raise IncompatibleArtifactsError(f"{at.path}: has {len(at.members)} members; a refresh round recaptures at "
+                                         f"most {MAX_COMPONENTS} (the cap of -M)")
+    for k, w in enumerate(at.members):
+        q = distance_from_own_posterior(source, w)
+        if not q <= trust_radius:
+            raise IncompatibleArtifactsError(
+                f"{at.path}: member {k} lies at {q:.3g} (squared distance per parameter) from this silo's own "
+                f"posterior, beyond the trust radius {trust_radius:g}; refused: a server-chosen point far from it can "
+                "make the refreshed artifact reveal training data (a draw from the silo's posterior averages 1)")
 
 
 def loss_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -168,9 +216,6 @@ def _expansion_points(source: ClientPosterior, at: GlobalEnsemble | None) -> lis
     """``(index, w, training record, source component)`` per point the curvature is taken at."""
     if at is None:
         return [(c.index, c.map, dict(c.training), c) for c in source.components]
-    if at.model_spec != source.model_spec or at.layout != source.layout:
-        raise IncompatibleArtifactsError(f"{at.path}: holds a different model than {source.path} "
-                                         f"({at.model_spec.to_json()} vs {source.model_spec.to_json()})")
     ref = source.components[0]
     return [(k, w, {"seed": int(ref.training.get("seed", 0)) + k, "refreshed_at_member": k}, ref)
             for k, w in enumerate(at.members)]
@@ -180,7 +225,8 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
               curvature_batch_size: int | None = None, method: str = "fast",
               log: Callable[[str], None] = print, kfac: str | None = None,
               device: str = "auto", at: GlobalEnsemble | None = None,
-              damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32") -> tuple[dict, list[Component]]:
+              damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32",
+              trust_radius: float = TRUST_RADIUS) -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn``, ``curvature_batch_size`` and ``kfac`` default to the source's (``kfac``: "expand" where
@@ -191,9 +237,11 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     the curvature is taken at each of its members instead, and each component is the Gaussian of
     the refresh round (module docstring): centre ŵ_k (the Levenberg–Marquardt step with
     ``damping``), curvature G(w*_k); SWAG moments and FedPPD students (which belong to the local
-    MAPs) are dropped.
+    MAPs) are dropped. ``at`` is checked first (:func:`check_refresh_global`, ``trust_radius``).
     """
     damping = check_damping(damping)
+    if at is not None:
+        check_refresh_global(source, at, trust_radius)
     meta = dict(source.metadata)
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
@@ -280,7 +328,8 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       method: str = "fast", max_memory: int | str | None = None,
                       log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
                       compression: Compression = PLAIN, at_path: str | os.PathLike | None = None,
-                      damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32") -> dict:
+                      damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32",
+                      trust_radius: float = TRUST_RADIUS) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
     the source's. Returns the new metadata."""
@@ -292,6 +341,6 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
         structure = source.structure if structure is None else structure
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
-                                damping, capture_dtype)
+                                damping, capture_dtype, trust_radius)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression)
     return meta
