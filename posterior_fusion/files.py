@@ -159,13 +159,17 @@ def _workspace(target: Path) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def write_atomically(path: str | os.PathLike, produce: Callable[[Path], None]) -> None:
+def write_atomically(path: str | os.PathLike, produce: Callable[[Path], None],
+                     check: Callable[[Path], None] | None = None) -> None:
     """Create ``path`` by calling ``produce(tmp)`` on a path inside a private folder, then
-    renaming ``tmp`` over ``path`` (a link at ``path`` is replaced, never followed)."""
+    renaming ``tmp`` over ``path`` (a link at ``path`` is replaced, never followed). ``check(tmp)``,
+    where given, runs on the finished file before the rename: an error there leaves ``path`` as it was."""
     path = Path(path)
     with _workspace(path) as folder:
         tmp = folder / path.name
         produce(tmp)
+        if check is not None:
+            check(tmp)
         fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -177,14 +181,15 @@ def write_atomically(path: str | os.PathLike, produce: Callable[[Path], None]) -
         _fsync_dir(path.parent)
 
 
-def atomic_h5_write(path: str | os.PathLike, fill: Callable[[h5py.File], None]) -> None:
-    """Create the HDF5 file ``path`` by calling ``fill(file)`` (see :func:`write_atomically`).
+def atomic_h5_write(path: str | os.PathLike, fill: Callable[[h5py.File], None],
+                    check: Callable[[Path], None] | None = None) -> None:
+    """Create the HDF5 file ``path`` by calling ``fill(file)`` (see :func:`write_atomically`, ``check``).
     Large attributes are allowed (``libver="latest"`` stores them densely)."""
     def produce(tmp: Path) -> None:
         with h5py.File(tmp, "w", libver=("v110", "latest")) as f:
             fill(f)
 
-    write_atomically(path, produce)
+    write_atomically(path, produce, check)
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:

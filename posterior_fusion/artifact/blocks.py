@@ -37,6 +37,21 @@ def check_psd_factor(name: str, t: torch.Tensor) -> None:
         raise BlockValueError(name, "curvature factor is not symmetric")
 
 
+PSD_DATASETS = ("dense", "kron_B", "kron_A")  # the datasets check_psd_factor reads
+
+
+def storable_psd(t: torch.Tensor) -> torch.Tensor:
+    """A PSD factor as a writer stores it, so that :func:`check_psd_factor` accepts it whatever the
+    rounding of the arithmetic that made it: diagonal entries below 0 set to 0 (a PSD matrix has none;
+    a capture's rounding leaves ~1e-16 on near-zero ones); every other entry as it is (a factor
+    asymmetric beyond the reader's tolerance is a defect the writer's read-back check reports)."""
+    if t.ndim != 2 or t.shape[0] != t.shape[1] or not (torch.diagonal(t) < 0).any():
+        return t
+    s = t.clone()
+    torch.diagonal(s).clamp_(min=0)
+    return s
+
+
 @dataclass(frozen=True)
 class BlockEncoding:
     """One block kind on disk: ``dataset_names``; ``header(block)`` (extra JSON fields);

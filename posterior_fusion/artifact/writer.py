@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 import torch
 
-from posterior_fusion.artifact.blocks import ENCODINGS
+from posterior_fusion.artifact.blocks import ENCODINGS, PSD_DATASETS, storable_psd
+from posterior_fusion.artifact.reader import load
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.curvature.compressed import PLAIN, Compression
-from posterior_fusion.errors import NonFiniteOutputError
+from posterior_fusion.errors import ArtifactError, NonFiniteOutputError, OutputError
 from posterior_fusion.files import atomic_h5_write
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
@@ -89,7 +91,8 @@ def write_curvature(group: h5py.Group, curvature: BlockDiag, dtype: torch.dtype 
         descr.append({"kind": kind, "offset": off, "size": block.dim, **header})
         g = curv.create_group(str(i))
         for name, tensor in tensors.items():
-            data = _np(tensor if dtype is None else tensor.to(dtype))
+            tensor = tensor if dtype is None else tensor.to(dtype)
+            data = _np(storable_psd(tensor) if name in PSD_DATASETS else tensor)
             require_finite(group.file.filename, f"{group.name}/curvature/{i}/{name}", data, step)
             g.create_dataset(name, data=data)
     curv.attrs["blocks"] = text_attr(json.dumps(descr))
@@ -111,6 +114,19 @@ def write_component(group: h5py.Group, comp: Component, compression: Compression
     if comp.student is not None:
         require_finite(path, f"{group.name}/ppd_student", comp.student, "the FedPPD student")
         group.create_dataset("ppd_student", data=_np(comp.student))
+
+
+def readable(path: str | os.PathLike) -> Callable[[Path], None]:
+    """The check every artifact writer runs on its finished file before it takes ``path``'s place: the
+    reader's own validation (:func:`~posterior_fusion.artifact.reader.load`), so no writer leaves a file
+    its reader refuses; a refusal is one :class:`OutputError` line naming ``path``, nothing written."""
+    def check(tmp: Path) -> None:
+        try:
+            load(tmp, max_memory=2**62)  # the writer held all of it in memory already
+        except ArtifactError as exc:
+            why = str(exc).replace(str(tmp), "").lstrip(": ")
+            raise OutputError(f"{path}: not written: its own reader would refuse it ({why})") from None
+    return check
 
 
 def write_client_artifact(
@@ -139,7 +155,7 @@ def write_client_artifact(
         for comp in components:
             write_component(comps.create_group(str(comp.index)), comp, compression)
 
-    atomic_h5_write(path, fill)
+    atomic_h5_write(path, fill, readable(path))
 
 
 def write_global_artifact(
@@ -163,7 +179,7 @@ def write_global_artifact(
             if precisions is not None:
                 write_curvature(member, precisions[i], torch.float32, "the Laplace approximation at the modes")
 
-    atomic_h5_write(path, fill)
+    atomic_h5_write(path, fill, readable(path))
 
 
 def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[str, str | float]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, ModelSpecError, OutputError, ResumeError
@@ -96,6 +97,15 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
         return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])  # on x's device
 
 
+def check_component_count(count: int, source: str | os.PathLike | None = None) -> None:
+    """M within ``ranges.COMPONENTS`` (the artifact format's cap), checked before any training: an init file
+    with more starting points than a client artifact may hold is refused naming it."""
+    lo, hi = ranges.COMPONENTS
+    if not lo <= count <= hi:
+        where = f"{source}: holds {count} starting points" if source else f"{count} components asked for"
+        raise ConfigError(f"{where}; a client artifact holds {lo} to {hi} (-M's range)")
+
+
 def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig, log=print,
               done: list[Component] | None = None,
               on_component: Callable[[dict, list[Component]], None] | None = None) -> tuple[dict, list[Component]]:
@@ -104,6 +114,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     ``done``: components already finished by an interrupted run (indices 0..k-1), kept as they
     are. ``on_component(metadata, components_so_far)`` is called after each new component.
     """
+    check_component_count(len(inits))
     if data.num_classes != spec.num_classes:
         raise IncompatibleArtifactsError(f"data has {data.num_classes} classes, model {spec.name!r} outputs {spec.num_classes}")
     spec.check_input(data.input_shape(), data.source or "data")
@@ -169,6 +180,7 @@ def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cf
                 log: Callable[[str], None] = print) -> tuple[dict, list[Component]]:
     """Fit and write the client artifact ``out``, saving a partial artifact after each
     component (``.<out>.partial.h5``); with ``resume`` a partial run of the same fit continues."""
+    check_component_count(len(inits), init_info.get("file"))
     layout = ParameterLayout.from_model(spec.build())
     init_info = dict(init_info, fingerprint=init_fingerprint(spec, inits))
     fingerprint = fit_metadata(spec, data, inits, cfg)["fit_fingerprint"]

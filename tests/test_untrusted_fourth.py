@@ -1,0 +1,81 @@
+"""Fourth security pass (docs/security.md): the silo's trust boundary in the refresh round (in
+``test_recapture.py`` and ``test_flower.py``), writers whose output their own reader accepts, caps
+enforced where the work starts, compressed blocks at the float32 edge, the Python API's inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import posterior_fusion
+from posterior_fusion.artifact import write_client_artifact, write_global_artifact
+from posterior_fusion.cli.main import pfuse
+from posterior_fusion.curvature import BlockDiag, Diag, Kron
+from posterior_fusion.data.silo import SiloData, write_silo
+from posterior_fusion.errors import OutputError
+from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import Component, frozen_mapping
+
+SPEC = ModelSpec("mlp", {"in_features": 6, "num_classes": 3, "hidden_sizes": [], "bias": True})
+META = {"n_data": 30, "class_counts": [10, 10, 10], "temperature": 1.0, "prior_precision": 1.0, "structure": "kron"}
+
+
+def _component(B: torch.Tensor, A: torch.Tensor) -> Component:
+    layout = ParameterLayout.from_model(SPEC.build())
+    return Component(0, torch.zeros(layout.dim), BlockDiag([Kron(B, A), Diag(torch.ones(3))]),
+                     frozen_mapping({"seed": 0}), 1.0, 1.0)
+
+
+def test_a_factor_with_a_rounding_negative_diagonal_is_written_so_its_reader_accepts_it(tmp_path):
+    """A K-FAC factor whose diagonal holds −1.6e-16 next to near-zero entries (a capture's rounding, as on a
+    ResNet-20 layer) is written with that entry at 0 and every other entry as given; the reader accepts it."""
+    layout = ParameterLayout.from_model(SPEC.build())
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(6, 2, generator=g)
+    A = m @ m.T
+    A[5, :] = A[:, 5] = 0.0
+    A[5, 5] = -1.58e-16
+    B = torch.eye(3) * 2.0
+    write_client_artifact(tmp_path / "a.h5", SPEC, layout, META, [_component(B, A)])
+    got = posterior_fusion.load(tmp_path / "a.h5").components[0].curvature.blocks[0].A
+    want = A.clone()
+    want[5, 5] = 0.0
+    assert torch.equal(got, want)
+
+
+def test_a_writer_never_leaves_a_file_its_reader_refuses(tmp_path):
+    """A factor the reader refuses (asymmetric far beyond its tolerance) makes the writer fail in one line
+    naming the output and the reader's reason; no file is left, an existing one stays as it was."""
+    layout = ParameterLayout.from_model(SPEC.build())
+    A = torch.eye(6)
+    A[0, 1] = 5.0  # not symmetric
+    out = tmp_path / "a.h5"
+    with pytest.raises(OutputError, match=r"a\.h5: not written: its own reader would refuse it \(.*not symmetric"):
+        write_client_artifact(out, SPEC, layout, META, [_component(torch.eye(3), A)])
+    assert not out.exists()
+    write_client_artifact(out, SPEC, layout, META, [_component(torch.eye(3), torch.eye(6))])
+    before = out.read_bytes()
+    with pytest.raises(OutputError):
+        write_client_artifact(out, SPEC, layout, META, [_component(torch.eye(3), A)])
+    assert out.read_bytes() == before
+    with pytest.raises(OutputError, match="not written"):  # a global member count past the reader's cap
+        write_global_artifact(tmp_path / "g.h5", SPEC, layout, {"method": "fedavg"},
+                              [torch.zeros(layout.dim)] * 1025)
+    assert not (tmp_path / "g.h5").exists()
+
+
+def test_an_init_file_with_more_starting_points_than_the_cap_is_refused_before_training(tmp_path, small_silo):
+    """``fit-local --init`` of a file holding 257 starting points: one line naming the file, exit 2, before
+    any training (no progress line), nothing written."""
+    silo = SiloData(small_silo.x[:40, ::4, ::4].copy(), small_silo.y[:40], "fmnist", 10)
+    write_silo(tmp_path / "s.h5", silo)
+    spec = ModelSpec("mlp", {"in_features": 49, "hidden": 2})
+    layout = ParameterLayout.from_model(spec.build())
+    write_global_artifact(tmp_path / "init.h5", spec, layout, {"method": "init"}, [torch.zeros(layout.dim)] * 257)
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--init", str(tmp_path / "init.h5"),
+                                   "--epochs", "1", "--out", str(tmp_path / "c.h5")])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "init.h5: holds 257 starting points" in lines[0], r.output
+    assert not (tmp_path / "c.h5").exists()
