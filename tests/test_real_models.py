@@ -538,7 +538,18 @@ def test_hostile_compressed_blocks_are_one_line(tmp_path):
              "isotropic": broken("iso", lambda b: b.__setitem__("isotropic", [-1.0, 0.5])),
              "orthonormal": broken("vectors", edit_data=scale_vectors),
              "isotropic level": broken("values", lambda b: b.__setitem__("isotropic", [b["isotropic"][0], 1e6]))}
+
+    def huge(value):
+        def edit(grp):
+            for name in ("lowrank_B_values", "lowrank_A_values"):
+                grp[name][...] = value
+        return edit
+
+    # at the float32 edge: every level and kept eigenvalue 1e37, or one kept eigenvalue 3e38
+    cases["curvature too large"] = broken("huge", lambda b: b.__setitem__("isotropic", [1e37, 1e37]), huge(1e37))
+    cases["curvature too large "] = broken("edge", edit_data=lambda grp: grp["lowrank_A_values"].__setitem__(0, 3e38))
     for needle, path in cases.items():
+        needle = needle.strip()
         r = CliRunner().invoke(pfuse, ["inspect", str(path)])
         assert r.exit_code == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, (needle, r.stderr)
 

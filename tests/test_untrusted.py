@@ -417,10 +417,10 @@ def test_disk_full_keeps_the_partial_fit_and_stale_temporaries_are_removed(tmp_p
     stale.write_bytes(b"junk")
     real = writer.atomic_h5_write
 
-    def full_on_final(path, fill):
+    def full_on_final(path, fill, check=None):
         if not str(path).endswith(".partial.h5"):
             raise OutputError(f"{path}: cannot write (no space left on the device)")
-        return real(path, fill)
+        return real(path, fill, check)
 
     monkeypatch.setattr(writer, "atomic_h5_write", full_on_final)
     args = ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "mlp", "-M", "2", "--epochs", "1",

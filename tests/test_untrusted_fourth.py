@@ -79,3 +79,36 @@ def test_an_init_file_with_more_starting_points_than_the_cap_is_refused_before_t
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and "init.h5: holds 257 starting points" in lines[0], r.output
     assert not (tmp_path / "c.h5").exists()
+
+
+def test_curvature_beyond_the_declared_scale_is_refused_and_at_the_edge_fusion_stays_finite(tmp_path):
+    """Each block's largest curvature eigenvalue (bounded by a trace, a product of traces or the largest
+    diagonal entry) is at most ``CURVATURE_MAX``: a Kronecker block of two 1e20 factors or a diagonal of 1e30
+    is refused by the writer's read-back and the reader in one line; clients at the edge (largest eigenvalue
+    just under the bound) fuse with fedbens, fisher-merge and fedavg to finite weights or one error line."""
+    from posterior_fusion.artifact.blocks import CURVATURE_MAX
+
+    layout = ParameterLayout.from_model(SPEC.build())
+    with pytest.raises(OutputError, match="curvature too large"):
+        write_client_artifact(tmp_path / "k.h5", SPEC, layout, META, [_component(1e20 * torch.eye(3), 1e20 * torch.eye(6))])
+    comp = Component(0, torch.zeros(layout.dim), BlockDiag([Diag(torch.full((layout.dim,), 1e30))]),
+                     frozen_mapping({"seed": 0}), 1.0, 1.0)
+    with pytest.raises(OutputError, match="curvature too large"):
+        write_client_artifact(tmp_path / "d.h5", SPEC, layout, dict(META, structure="diag"), [comp])
+    paths = []
+    g = torch.Generator().manual_seed(0)
+    for c in range(2):
+        edge = (0.99 * CURVATURE_MAX / 18) ** 0.5  # tr(B)·tr(A) = 3·edge · 6·edge = 0.99 · CURVATURE_MAX
+        B, A = edge * torch.eye(3), edge * torch.eye(6)
+        comp = Component(0, torch.randn(layout.dim, generator=g), BlockDiag([Kron(B, A), Diag(torch.ones(3))]),
+                         frozen_mapping({"seed": 0}), 1.0, 1.0)
+        paths.append(tmp_path / f"edge_{c}.h5")
+        write_client_artifact(paths[-1], SPEC, layout, META, [comp])
+    runner = CliRunner()
+    for method in ("fedbens", "fisher-merge", "fedavg"):
+        out = tmp_path / f"g_{method}.h5"
+        r = runner.invoke(pfuse, ["fuse", *map(str, paths), "--method", method, "--out", str(out)])
+        if r.exit_code == 0:
+            assert all(torch.isfinite(w).all() for w in posterior_fusion.load(out).members), method
+        else:
+            assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, (method, r.output)

@@ -28,6 +28,38 @@ class BlockValueError(ValueError):
         self.message = message
 
 
+CURVATURE_MAX = 1e24  # a client block's largest curvature eigenvalue at most: /T ≤ 1e30 for T ≥ 1e-6
+GLOBAL_CURVATURE_MAX = 1e30  # a global member's (a sum over up to a million clients' blocks)
+
+
+def eigenvalue_bound(block: Precision) -> float:
+    """An upper bound on a raw block's largest eigenvalue from what it stores: the largest entry of a
+    diagonal, the trace of a dense block, the product of a Kronecker block's factor traces (a compressed
+    factor's trace: its kept eigenvalues plus σ for the rest), float64."""
+    if isinstance(block, Diag):
+        return float(block.g.double().max()) if block.g.numel() else 0.0
+    if isinstance(block, CompressedKron):
+        out, inn = block.shape
+        return ((float(block.lB.double().sum()) + (out - block.lB.numel()) * block.sB)
+                * (float(block.lA.double().sum()) + (inn - block.lA.numel()) * block.sA))
+    if isinstance(block, Kron):
+        return float(torch.diagonal(block.B).double().sum()) * float(torch.diagonal(block.A).double().sum())
+    if isinstance(block, Dense):
+        return float(torch.diagonal(block.G).double().sum())
+    raise TypeError(f"no eigenvalue bound for {type(block).__name__}")
+
+
+def check_curvature_scale(block: Precision, limit: float = CURVATURE_MAX) -> None:
+    """A block whose largest curvature eigenvalue may exceed ``limit`` (:func:`eigenvalue_bound`) raises
+    :class:`BlockValueError`: within it the precision ``G/T + λ0 I`` (T ≥ 1e-6) and the sums and products the
+    methods form from it stay finite in float32."""
+    bound = eigenvalue_bound(block)
+    if not bound <= limit:
+        named = {"diag": "diag", "dense": "dense", "kron": "kron_A", "kron_lowrank": "lowrank_A_values"}
+        raise BlockValueError(named.get(block.kind, block.kind),
+                              f"curvature too large (its largest eigenvalue may reach {bound:.3g}; at most {limit:g})")
+
+
 def check_psd_factor(name: str, t: torch.Tensor) -> None:
     """Stored factors must be square, symmetric (to ``SYMMETRY_RTOL``) with a non-negative diagonal."""
     if (torch.diagonal(t) < 0).any():

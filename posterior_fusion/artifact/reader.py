@@ -26,7 +26,14 @@ import torch
 
 from posterior_fusion import budget
 from posterior_fusion.artifact import schema
-from posterior_fusion.artifact.blocks import ENCODINGS, BlockValueError, dataset_dtypes
+from posterior_fusion.artifact.blocks import (
+    CURVATURE_MAX,
+    ENCODINGS,
+    GLOBAL_CURVATURE_MAX,
+    BlockValueError,
+    check_curvature_scale,
+    dataset_dtypes,
+)
 from posterior_fusion.artifact.h5check import Checker as _Checker
 from posterior_fusion.artifact.h5check import (
     file_sha256,  # noqa: F401 (public here too)
@@ -227,14 +234,17 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dic
     return n, records
 
 
-def _blocks(chk: _Checker, f: h5py.File, base: str, records: tuple[BlockRecord, ...]) -> BlockDiag:
-    """Read and check the curvature blocks under ``base`` (each rebuilt by its class)."""
+def _blocks(chk: _Checker, f: h5py.File, base: str, records: tuple[BlockRecord, ...],
+            limit: float = CURVATURE_MAX) -> BlockDiag:
+    """Read and check the curvature blocks under ``base`` (each rebuilt by its class, its largest
+    eigenvalue within ``limit``: :func:`~posterior_fusion.artifact.blocks.check_curvature_scale`)."""
     parts: list[Precision] = []
     for j, b in enumerate(records):
         where = f"{base}/{j}"
         tensors = {name: _read(chk, f[f"{where}/{name}"], f"{where}/{name}") for name in b.datasets}
         try:
             parts.append(ENCODINGS[b.kind].decode(tensors, {**b.fields, "size": b.size}))
+            check_curvature_scale(parts[-1], limit)
         except BlockValueError as exc:
             raise chk.bad_value(f"{where}/{exc.name}", exc.message) from None
     return BlockDiag(parts)
@@ -246,7 +256,7 @@ def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict,
     members = [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
     if records is None:
         return members, None
-    return members, [_blocks(chk, f, f"/members/{i}/curvature", r) for i, r in enumerate(records)]
+    return members, [_blocks(chk, f, f"/members/{i}/curvature", r, GLOBAL_CURVATURE_MAX) for i, r in enumerate(records)]
 
 
 def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
