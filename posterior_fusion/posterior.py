@@ -17,7 +17,7 @@ from torch.nn.utils import vector_to_parameters
 
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.transform import InputTransform
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, NonFiniteOutputError, shown
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.mixture import GaussianMixture, gaussian_log_prob
 from posterior_fusion.models import ModelSpec
@@ -137,7 +137,8 @@ class ClientPosterior:
         components' MAPs; ``x`` as :meth:`GlobalEnsemble.predict` takes it (the client's input
         transform applied unless ``raw``)."""
         x = model_inputs(self.model_spec, self.metadata.get("input_transform"), x, raw, self.path)
-        return predict(self.model_spec, [c.map for c in self.components], x, "map", None, self.weights)
+        return checked_probabilities(predict(self.model_spec, [c.map for c in self.components], x, "map", None,
+                                             self.weights), self.path)
 
     def model(self, component: int = 0) -> nn.Module:
         """The model with component ``component``'s MAP weights."""
@@ -216,9 +217,11 @@ class GlobalEnsemble:
         The GLM predictive's working set stays within ``max_memory``."""
         x = model_inputs(self.model_spec, self.metadata.get("input_transform"), x, raw, self.path)
         if self.curvatures is None:  # point estimates only: the map predictive (others refuse in one line)
-            return predict(self.model_spec, list(self.members), x, predictive, None, self.mode_weights,
-                           samples, scale, link, seed, max_memory, self.pooling)
-        return self.posterior().predict(self.model_spec, x, predictive, samples, scale, link, seed, max_memory)
+            probs = predict(self.model_spec, list(self.members), x, predictive, None, self.mode_weights,
+                            samples, scale, link, seed, max_memory, self.pooling)
+        else:
+            probs = self.posterior().predict(self.model_spec, x, predictive, samples, scale, link, seed, max_memory)
+        return checked_probabilities(probs, self.path)
 
     def models(self) -> list[nn.Module]:
         """One fresh model per member; no storage is shared between them."""
@@ -229,15 +232,40 @@ def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.
                  where: str) -> torch.Tensor:
     """float32 model inputs from ``x`` (numpy or torch, any real dtype): the recorded input
     transform applied unless ``raw``; a shape the model cannot take is refused in one line."""
-    arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        raise ConfigError(f"{where}: inputs are a meta tensor (a shape without values)")
+    try:
+        arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"{where}: inputs must be a real array (n, ...): {shown(str(exc), 80)}") from None
     if arr.dtype.kind not in "fiub" or arr.ndim < 2:
         raise ConfigError(f"{where}: inputs must be a real array (n, ...), got {arr.dtype} of shape {arr.shape}")
+    if arr.shape[0] == 0:
+        raise ConfigError(f"{where}: inputs hold no rows (shape {arr.shape})")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        row = int(np.argwhere(~np.isfinite(arr.reshape(arr.shape[0], -1)))[0][0])
+        raise ConfigError(f"{where}: inputs hold NaN or Inf (first in row {row})")
     if raw or transform is None:
         out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     else:
         out = InputTransform.from_dict(dict(transform), where).apply(arr, "inputs")
+    if not torch.isfinite(out).all():
+        row = int(torch.nonzero(~torch.isfinite(out.reshape(out.shape[0], -1)))[0, 0])
+        raise ConfigError(f"{where}: inputs beyond float32's range (first in row {row}, after the input transform)")
     spec.check_input(tuple(out.shape[1:]), f"{where}: inputs")
     return out
+
+
+def checked_probabilities(probs: torch.Tensor, where: str) -> torch.Tensor:
+    """``probs`` ``(n, classes)`` as they are if every row is finite; else one
+    :class:`NonFiniteOutputError` naming the first row (inputs far outside what the models saw overflow
+    their logits): the API never returns NaN probabilities."""
+    bad = ~torch.isfinite(probs).all(dim=-1)
+    if bad.any():
+        row = int(torch.nonzero(bad)[0, 0])
+        raise NonFiniteOutputError(f"{where}: the predictive is not finite for input row {row} (of {probs.shape[0]}): "
+                                   "its values are far outside what the models were trained on")
+    return probs
 
 
 def frozen_mapping(obj: dict) -> Mapping[str, Any]:
