@@ -19,6 +19,7 @@ BINS = (1, 10_000)                 # calibration bins
 EPOCHS = (0, 100_000)
 BATCH_SIZE = (1, 1_000_000)
 LEARNING_RATE = (1e-12, 1e3)
+SEED = (0, 2**63 - 1)             # every random seed
 COMPONENTS = (1, 256)              # mixture components M (the artifact format's cap)
 STEPS = (0, 1_000_000)             # server optimisation steps
 N_DATA = (1, 10**9)                # training examples of one client (its class counts are within it)

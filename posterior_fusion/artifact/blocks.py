@@ -32,28 +32,37 @@ CURVATURE_MAX = 1e24  # a client block's largest curvature eigenvalue at most: /
 GLOBAL_CURVATURE_MAX = 1e30  # a global member's (a sum over up to a million clients' blocks)
 
 
-def eigenvalue_bound(block: Precision) -> float:
-    """An upper bound on a raw block's largest eigenvalue from what it stores: the largest entry of a
-    diagonal, the trace of a dense block, the product of a Kronecker block's factor traces (a compressed
-    factor's trace: its kept eigenvalues plus σ for the rest), float64."""
-    if isinstance(block, Diag):
-        return float(block.g.double().max()) if block.g.numel() else 0.0
-    if isinstance(block, CompressedKron):
-        out, inn = block.shape
-        return ((float(block.lB.double().sum()) + (out - block.lB.numel()) * block.sB)
-                * (float(block.lA.double().sum()) + (inn - block.lA.numel()) * block.sA))
-    if isinstance(block, Kron):
-        return float(torch.diagonal(block.B).double().sum()) * float(torch.diagonal(block.A).double().sum())
-    if isinstance(block, Dense):
-        return float(torch.diagonal(block.G).double().sum())
-    raise TypeError(f"no eigenvalue bound for {type(block).__name__}")
+def _trace(block: Precision) -> float:
+    """The trace of a raw PSD block (an upper bound on its largest eigenvalue), through its dense form:
+    the bound of a block kind whose encoding declares none."""
+    return float(torch.diagonal(block.to_dense()).double().sum())
+
+
+def _diag_bound(block: Precision) -> float:
+    return float(block.g.double().max()) if block.g.numel() else 0.0
+
+
+def _dense_bound(block: Precision) -> float:
+    return float(torch.diagonal(block.G).double().sum())
+
+
+def _kron_bound(block: Precision) -> float:
+    return float(torch.diagonal(block.B).double().sum()) * float(torch.diagonal(block.A).double().sum())
+
+
+def _lowrank_bound(block: Precision) -> float:
+    out, inn = block.shape
+    return ((float(block.lB.double().sum()) + (out - block.lB.numel()) * block.sB)
+            * (float(block.lA.double().sum()) + (inn - block.lA.numel()) * block.sA))
 
 
 def check_curvature_scale(block: Precision, limit: float = CURVATURE_MAX) -> None:
-    """A block whose largest curvature eigenvalue may exceed ``limit`` (:func:`eigenvalue_bound`) raises
+    """A block whose largest curvature eigenvalue may exceed ``limit`` (its encoding's ``eigenvalue_bound``:
+    the largest entry of a diagonal, the trace of a dense block, the product of a Kronecker block's factor
+    traces, a compressed factor's trace from its kept eigenvalues and σ) raises
     :class:`BlockValueError`: within it the precision ``G/T + λ0 I`` (T ≥ 1e-6) and the sums and products the
     methods form from it stay finite in float32."""
-    bound = eigenvalue_bound(block)
+    bound = ENCODINGS[block.kind].eigenvalue_bound(block)
     if not bound <= limit:
         named = {"diag": "diag", "dense": "dense", "kron": "kron_A", "kron_lowrank": "lowrank_A_values"}
         raise BlockValueError(named.get(block.kind, block.kind),
@@ -100,6 +109,7 @@ class BlockEncoding:
     compress: Callable[[Precision, Compression, float | None],
                        tuple[str, dict[str, Any], dict[str, torch.Tensor]]] | None = None
     half_datasets: tuple[str, ...] = ()
+    eigenvalue_bound: Callable[[Precision], float] = _trace
 
 
 def _decode_diag(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> Diag:
@@ -197,12 +207,16 @@ def _decode_lowrank(tensors: Mapping[str, torch.Tensor], header: Mapping[str, An
 
 
 ENCODINGS: dict[str, BlockEncoding] = {
-    "diag": BlockEncoding(("diag",), lambda size, header: {"diag": (size,)}, _decode_diag),
-    "dense": BlockEncoding(("dense",), lambda size, header: {"dense": (size, size)}, _decode_dense),
+    "diag": BlockEncoding(("diag",), lambda size, header: {"diag": (size,)}, _decode_diag,
+                          eigenvalue_bound=_diag_bound),
+    "dense": BlockEncoding(("dense",), lambda size, header: {"dense": (size, size)}, _decode_dense,
+                           eigenvalue_bound=_dense_bound),
     "kron": BlockEncoding(("kron_B", "kron_A"), _kron_shapes, _decode_kron,
-                          header=lambda block: {"shape": list(block.shape)}, compress=_compress_kron),
+                          header=lambda block: {"shape": list(block.shape)}, compress=_compress_kron,
+                          eigenvalue_bound=_kron_bound),
     "kron_lowrank": BlockEncoding(LOWRANK_NAMES + LOWRANK_HALF_NAMES, _lowrank_shapes, _decode_lowrank,
-                                  header=_lowrank_header, half_datasets=LOWRANK_HALF_NAMES),
+                                  header=_lowrank_header, half_datasets=LOWRANK_HALF_NAMES,
+                                  eigenvalue_bound=_lowrank_bound),
 }
 
 

@@ -29,16 +29,17 @@ def auto_weight_decay(temperature: float, prior_precision: float, n_data: int) -
 class TrainConfig:
     """SGD settings. ``weight_decay=None``: :func:`auto_weight_decay` (resolved per silo)."""
 
-    epochs: int = setting(20, "Local training epochs per component.")
-    batch_size: int = setting(64, "SGD batch size.")
-    lr: float = setting(0.01, "SGD learning rate.")
-    momentum: float = setting(0.9, "SGD momentum.")
+    epochs: int = setting(20, "Local training epochs per component.", bounds=ranges.EPOCHS)
+    batch_size: int = setting(64, "SGD batch size.", bounds=ranges.BATCH_SIZE)
+    lr: float = setting(0.01, "SGD learning rate.", bounds=ranges.LEARNING_RATE)
+    momentum: float = setting(0.9, "SGD momentum (below 1).", bounds=(0.0, 0.999999))
     weight_decay: float | None = setting(None, "SGD weight decay [default: T·λ0/n, which makes the result the "
-                                                 "tempered-posterior MAP].")
+                                                 "tempered-posterior MAP].", bounds=(0.0, 1e6))
     swag: bool = setting(False, "Also collect SWAG moments over the last epochs.")
-    swag_epochs: int = setting(0, "Last epochs over which SWAG snapshots are taken (0: max(1, epochs // 4)).")
-    swag_snapshots_per_epoch: int = setting(4, "SWAG snapshots per epoch.")
-    swag_rank: int = setting(20, "SWAG deviation columns K.")
+    swag_epochs: int = setting(0, "Last epochs over which SWAG snapshots are taken (0: max(1, epochs // 4)).",
+                                  bounds=ranges.EPOCHS)
+    swag_snapshots_per_epoch: int = setting(4, "SWAG snapshots per epoch.", bounds=(1, 10_000))
+    swag_rank: int = setting(20, "SWAG deviation columns K.", bounds=(1, 256))
 
     def validate(self) -> None:
         check_declared(self)
@@ -68,8 +69,10 @@ class PrivateModelConfig:
                                  "distilled into the shared model; never written to the artifact [default: none].")
     model_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON keyword arguments of the private model.",
                                                                 "choices": None})
-    epochs: int | None = setting(None, "Epochs of the private model [default: the shared model's epochs].")
-    weight: float = setting(0.5, "Weight of the distillation term in the shared model's loss (HBFL's 1 − α).")
+    epochs: int | None = setting(None, "Epochs of the private model [default: the shared model's epochs].",
+                                 bounds=(1, ranges.EPOCHS[1]))
+    weight: float = setting(0.5, "Weight of the distillation term in the shared model's loss (HBFL's 1 − α).",
+                           bounds=(0.0, 1.0))
 
     def validate(self) -> None:
         check_declared(self)
@@ -85,10 +88,11 @@ class FitConfig:
 
     structure: str = setting("kron", "Curvature structure: K-FAC, diagonal, or diagonal + full last layer.",
                                choices=STRUCTURES)
-    temperature: float = setting(0.1, "Likelihood temperature T recorded for the server.")
-    prior_var: float = setting(0.1, "Prior variance σ0² (λ0 = 1/σ0²).")
-    train_seed: int = setting(0, "Training seed (data order per component).")
-    curvature_batch_size: int = setting(256, "Batch size of the curvature pass.")
+    temperature: float = setting(0.1, "Likelihood temperature T recorded for the server.",
+                                  bounds=ranges.TEMPERATURE)
+    prior_var: float = setting(0.1, "Prior variance σ0² (λ0 = 1/σ0²).", bounds=ranges.PRIOR_VAR)
+    train_seed: int = setting(0, "Training seed (data order per component).", bounds=ranges.SEED)
+    curvature_batch_size: int = setting(256, "Batch size of the curvature pass.", bounds=ranges.BATCH_SIZE)
     ggn: str = setting("exact", "exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one "
                                   "sampled label (faster).", choices=GGN_TYPES)
     capture: str = setting("fast", "fast: this package's capture (one forward + one batched backward per batch) "
@@ -109,7 +113,7 @@ class FitConfig:
     compress: float = setting(0.0, "Store each K-FAC factor as its top eigenpairs plus an isotropic remainder, "
                                      "the rank chosen per factor so its relative error (`compress_metric`) stays "
                                      "within this budget (e.g. 0.05; the error is recorded per block); 0: plain "
-                                     "factors, exact.")
+                                     "factors, exact.", bounds=(0.0, 0.999999))
     compress_metric: str = setting("precision", "The error `compress` bounds: precision (every eigenvalue of the "
                                                   "component's precision G/T + λ0 I within that relative error per "
                                                   "factor: what fusion sees) or frobenius (each factor's relative "
