@@ -90,9 +90,30 @@ def renamed(old: str, new: str, target: str, **option_kwargs: Any) -> Callable:
             value = kwargs.pop(dest)
             if value is not None and value is not False:
                 click.echo(f"warning: {old} is deprecated and will be removed in {REMOVED_IN}; use {new}", err=True)
+                ctx = click.get_current_context()
+                param = next((p for p in ctx.command.params if p.name == target), None)
+                if param is not None:  # the new option's type, range included, checks the old spelling's value
+                    value = param.type.convert(value, param, ctx)
                 kwargs[target] = value
             return fn(*args, **kwargs)
 
         return click.option(old, dest, hidden=True, default=None, **option_kwargs)(wrapper)
 
     return decorate
+
+
+def bounded(bounds: tuple[float, float], kind: type = int) -> click.ParamType:
+    """A click type for a number in ``bounds`` (inclusive; one of :mod:`posterior_fusion.ranges`): refused
+    before the command runs, one line naming the option; ``--help`` shows the range."""
+    lo, hi = bounds
+    return click.IntRange(int(lo), int(hi)) if kind is int else FiniteFloatRange(float(lo), float(hi))
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses NaN (which compares false with both ends)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if rv != rv:
+            self.fail(f"{value!r} is not a number in the range {self._describe_range()}.", param, ctx)
+        return rv

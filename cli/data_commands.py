@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
-from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option, old_spellings, say
+from posterior_fusion import ranges
+from posterior_fusion.cli.common import bounded, echo_json, handle_errors, max_memory_option, old_spellings, say
 from posterior_fusion.data.importers import FORMATS
 from posterior_fusion.data.prepare import DATASETS, PROTOCOLS, SCHEMES, import_data, partition_to_files
+from posterior_fusion.data.silo import MAX_CLASSES
 from posterior_fusion.errors import ConfigError
 
 
@@ -28,7 +30,7 @@ from posterior_fusion.errors import ConfigError
               help="Read images of an image folder as grey levels (one channel) or RGB [default: grey when every "
                    "image is stored with one channel].")
 @click.option("--name", default=None, help="Data set name recorded in the file [default: the source's name].")
-@click.option("--num-classes", default=None, type=int, help="Number of classes [default: largest label + 1].")
+@click.option("--num-classes", default=None, type=bounded((1, MAX_CLASSES)), help="Number of classes [default: largest label + 1].")
 @click.option("--follow-links", is_flag=True,
               help="Read symbolic links that leave an image or CIFAR folder [default: refuse them].")
 @max_memory_option
@@ -61,30 +63,30 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
               help="An imported, labelled data file to split [default: the built-in --dataset].")
 @click.option("--test", "test_path", default=None, type=click.Path(dir_okay=False),
               help="With --from: the test data file, copied to test.h5 with the federation's transform [default: none].")
-@click.option("--test-size", default=0, show_default=True, type=int,
+@click.option("--test-size", default=0, show_default=True, type=bounded((0, ranges.N_DATA[1])),
               help="With --from and no --test: hold out this many samples as test.h5 (disjoint from all others).")
 @click.option("--dataset", default="fmnist", show_default=True, type=click.Choice(DATASETS), help="Built-in data set to split.")
-@click.option("--clients", default=5, show_default=True, type=int, help="Number of client silos C.")
-@click.option("--alpha", default=0.1, show_default=True, type=float, help="Dirichlet concentration α (smaller = more non-IID).")
-@click.option("--partition-seed", default=0, show_default=True, type=int,
+@click.option("--clients", default=5, show_default=True, type=bounded(ranges.CLIENTS), help="Number of client silos C.")
+@click.option("--alpha", default=0.1, show_default=True, type=bounded(ranges.ALPHA, float), help="Dirichlet concentration α (smaller = more non-IID).")
+@click.option("--partition-seed", default=0, show_default=True, type=bounded(ranges.SEED),
               help="Seed of the split (separate from init and training seeds).")
 @click.option("--out-dir", required=True, type=click.Path(file_okay=False), help="Folder for client_<i>.h5, server_val.h5, test.h5.")
-@click.option("--val-size", default=500, show_default=True, type=int, help="Server validation samples, disjoint from all clients.")
-@click.option("--unlabeled-size", default=0, show_default=True, type=int,
+@click.option("--val-size", default=500, show_default=True, type=bounded((0, ranges.N_DATA[1])), help="Server validation samples, disjoint from all clients.")
+@click.option("--unlabeled-size", default=0, show_default=True, type=bounded((0, ranges.N_DATA[1])),
               help="Also hold out this many training samples, without labels, as server_unlabeled.h5 (disjoint from "
                    "all others): the unlabeled server data of fuse --unlabeled (FedBE, FedPPD, --distill).")
-@click.option("--min-size", default=10, show_default=True, type=int, help="Redraw until every client has at least this many samples.")
+@click.option("--min-size", default=10, show_default=True, type=bounded((0, ranges.N_DATA[1])), help="Redraw until every client has at least this many samples.")
 @click.option("--scheme", default="fedbens", show_default=True, type=click.Choice(SCHEMES),
               help="fedbens: client-wise Dir(α·1_K) class proportions; per-class: Dir(α·1_C) over clients per class; "
                    "label-skew: at most --classes-per-client classes per client.")
-@click.option("--classes-per-client", default=None, type=int, help="Classes per client of --scheme label-skew.")
+@click.option("--classes-per-client", default=None, type=bounded((1, MAX_CLASSES)), help="Classes per client of --scheme label-skew.")
 @click.option("--protocol", default="ours", show_default=True, type=click.Choice(PROTOCOLS),
               help="ours: independent split per --partition-seed, disjoint validation; fedbens-reference: the "
                    "FedBEns authors' split (NumPy seed 3, validation drawn with replacement from all training "
                    "data, MNIST normalisation; train with --epochs 30 as their scripts do).")
 @click.option("--data-dir", default=None, type=click.Path(file_okay=False),
               help="Folder with the Fashion-MNIST IDX .gz files [default: /usr/share/datasets/fashion-mnist, else the embedded subset].")
-@click.option("--max-train", default=None, type=int, help="Use at most this many training samples [default: all].")
+@click.option("--max-train", default=None, type=bounded(ranges.N_DATA), help="Use at most this many training samples [default: all].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @old_spellings("partition")
 @handle_errors

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from posterior_fusion.cli.common import handle_errors, log_to_stderr, old_spellings, say
+from posterior_fusion import ranges
+from posterior_fusion.cli.common import bounded, handle_errors, log_to_stderr, old_spellings, say
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.experiment import ExperimentConfig, run_experiment
 
@@ -13,7 +14,7 @@ from posterior_fusion.experiment import ExperimentConfig, run_experiment
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--out-dir", default=None, type=click.Path(file_okay=False),
               help="Cache and output folder [default: runs/<config name>].")
-@click.option("--jobs", default=1, show_default=True, type=int, help="Parallel fit-local processes.")
+@click.option("--jobs", default=1, show_default=True, type=bounded(ranges.JOBS), help="Parallel fit-local processes.")
 @old_spellings("experiment")
 @handle_errors
 def experiment_cmd(config, out_dir, jobs):

@@ -9,7 +9,15 @@ import click
 
 from posterior_fusion import ranges
 from posterior_fusion.artifact import load_global, write_global_artifact
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
+from posterior_fusion.cli.common import (
+    bounded,
+    echo_json,
+    handle_errors,
+    log_to_stderr,
+    max_memory_option,
+    old_spellings,
+    say,
+)
 from posterior_fusion.curvature.compressed import Compression
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
@@ -52,9 +60,9 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
 @click.command("init")
 @model_option
 @model_kwargs_option
-@click.option("--components", "-M", default=5, show_default=True, type=int,
+@click.option("--components", "-M", default=5, show_default=True, type=bounded(ranges.COMPONENTS),
               help="Number of shared starting points M (one per mixture component).")
-@click.option("--init-seed", default=0, show_default=True, type=int, help="Seed of the starting points (same as fit-local --init-seed).")
+@click.option("--init-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the starting points (same as fit-local --init-seed).")
 @click.option("--transform-from", default=None, type=click.Path(dir_okay=False),
               help="A data file whose input transform every silo must share (recorded in the init file and "
                    "checked by fit-local) [default: not recorded].")
@@ -96,10 +104,10 @@ def fit_options(fn, only: tuple[str, ...] | None = None):
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Silo data file (from partition).")
 @click.option("--init", "init_path", default=None, type=click.Path(dir_okay=False),
               help="Init file from 'pfuse init' (fixes model and M) [default: derive from --init-seed].")
-@click.option("--init-seed", default=0, show_default=True, type=int, help="Seed of the shared starting points when no --init file is given.")
+@click.option("--init-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the shared starting points when no --init file is given.")
 @model_option
 @model_kwargs_option
-@click.option("--components", "-M", default=5, show_default=True, type=int,
+@click.option("--components", "-M", default=5, show_default=True, type=bounded(ranges.COMPONENTS),
               help="Mixture components M (ignored with --init, which fixes M).")
 @fit_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
@@ -162,7 +170,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                    "Gauss-Newton centre, which overshoots; auto: per member, the smallest d of "
                    f"{', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss confirms (gain ratio "
                    f">= {RATIO_FLOOR}; one forward pass per d tried) [default: {REFRESH_DAMPING}].")
-@click.option("--trust-radius", default=TRUST_RADIUS, show_default=True, type=float,
+@click.option("--trust-radius", default=TRUST_RADIUS, show_default=True, type=bounded(ranges.TRUST_RADIUS, float),
               help="Refresh round only (--at): refuse a global whose member lies farther than this from the silo's "
                    "own posterior (squared distance per parameter in its own precision, min over its components; a "
                    "draw from it averages 1): a server-chosen point far from it can make the reply reveal training "
@@ -171,7 +179,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
               help="exact or mc GGN [default: the source artifact's].")
 @click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
               help="fast (this package's capture where the model allows) or laplace (laplace-torch).")
-@click.option("--curvature-batch-size", default=None, type=int, help="Batch size of the curvature pass [default: the source's].")
+@click.option("--curvature-batch-size", default=None, type=bounded(ranges.BATCH_SIZE), help="Batch size of the curvature pass [default: the source's].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @click.option("--kfac", default=None, type=click.Choice(KFAC_TYPES),

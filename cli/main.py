@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import typing
 import warnings
 
 import click
@@ -31,6 +32,12 @@ COMMANDS = {
 
 
 class LazyGroup(click.Group):
+    def main(self, *args: typing.Any, standalone_mode: bool = True, **kwargs: typing.Any) -> typing.Any:
+        """Standalone (the console, ``CliRunner``): a usage error is one ``error:`` line, exit 2."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        one_line_usage_errors(lambda: super(LazyGroup, self).main(*args, standalone_mode=False, **kwargs))
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
 
@@ -70,8 +77,15 @@ def one_line_warning(message, category, filename, lineno, file=None, line=None) 
 
 def main() -> None:
     """Console entry point: usage errors are one ``error:`` line with exit code 2, like every other error."""
+    pfuse.main()
+
+
+def one_line_usage_errors(run) -> None:
+    """``run()`` (the group's non-standalone main), with click's usage errors as one ``error:`` line and
+    its exit codes as the process's."""
     try:
-        pfuse(standalone_mode=False)
+        code = run()
+        sys.exit(code if isinstance(code, int) else 0)
     except click.exceptions.NoArgsIsHelpError as exc:
         say(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(2)

@@ -8,9 +8,18 @@ from typing import Any
 
 import click
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact import load_global
 from posterior_fusion.artifact.writer import write_predictions
-from posterior_fusion.cli.common import echo_json, handle_errors, log_to_stderr, max_memory_option, old_spellings, say
+from posterior_fusion.cli.common import (
+    bounded,
+    echo_json,
+    handle_errors,
+    log_to_stderr,
+    max_memory_option,
+    old_spellings,
+    say,
+)
 from posterior_fusion.compat import FUSE_FLAGS_TO_SETTINGS
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEFAULT_ROW, DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
@@ -111,12 +120,12 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--distill", is_flag=True,
               help="Distil the fused ensemble into one model on --unlabeled with FedBE's schedule (SWA, cyclic step "
                    "size 1e-3 -> 4e-4, sharpened pseudo-labels) [default: no distillation].")
-@click.option("--distill-epochs", default=None, type=int,
+@click.option("--distill-epochs", default=None, type=bounded(ranges.EPOCHS),
               help="Distillation epochs of --distill and of fedbe (its setting distill_epochs) [default: 20, FedBE's].")
-@click.option("--temperature", default=None, type=float, help="Re-temper every client with this T [default: each client's T].")
-@click.option("--prior-var", default=None, type=float, help="Prior variance σ0² for every client and the global prior [default: clients'].")
-@click.option("--component", default=0, show_default=True, type=int, help="Client component used by unimodal methods.")
-@click.option("--sampling-seed", default=0, show_default=True, type=int, help="Seed of the server's random draws (fedbe, swag).")
+@click.option("--temperature", default=None, type=bounded(ranges.TEMPERATURE, float), help="Re-temper every client with this T [default: each client's T].")
+@click.option("--prior-var", default=None, type=bounded(ranges.PRIOR_VAR, float), help="Prior variance σ0² for every client and the global prior [default: clients'].")
+@click.option("--component", default=0, show_default=True, type=bounded((0, ranges.COMPONENTS[1] - 1)), help="Client component used by unimodal methods.")
+@click.option("--sampling-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the server's random draws (fedbe, swag).")
 @click.option("--kernel", default=None, type=click.Choice(["torch", "triton"]),
               help="Kronecker kernel: torch (batched products; fastest on CPU and GPU) or triton (fused GPU "
                    "kernels, a tenth of the GPU memory, slower) [default: torch].")
@@ -188,10 +197,10 @@ predictive_options = [
     click.option("--predictive", default="map", show_default=True, type=click.Choice(PREDICTIVES),
                  help="map: average the members' softmax; mc: Monte-Carlo over weight samples around each mode; "
                       "glm: linearised predictive (needs a fedbens artifact with its Laplace posterior); glm-last-layer: the same with only the last Linear layer uncertain (far cheaper)."),
-    click.option("--samples", default=30, show_default=True, type=int, help="Samples per mode for mc (and --link mc)."),
+    click.option("--samples", default=30, show_default=True, type=bounded(ranges.SAMPLES), help="Samples per mode for mc (and --link mc)."),
     click.option("--link", default="probit", show_default=True, type=click.Choice(LINKS),
                  help="glm: probit approximation or Monte-Carlo over the Gaussian logits."),
-    click.option("--scale", default=1.0, show_default=True, type=float,
+    click.option("--scale", default=1.0, show_default=True, type=bounded(ranges.PREDICTIVE_SCALE, float),
                  help="Multiply the posterior covariance (predictive tempering; 1 = the posterior)."),
     click.option("--scale-from", "scale_from", default=None, type=click.Path(dir_okay=False),
                  help="Choose --scale on this labelled validation file (lowest NLL over 1e-4..1) [default: use --scale]."),
@@ -220,7 +229,7 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
 @with_predictive_options
 @click.option("--ood", default=None, type=click.Path(dir_okay=False),
               help="Out-of-distribution data file: adds the OOD AUROC from predictive entropy [default: none].")
-@click.option("--bins", default=15, show_default=True, type=int, help="ECE/MCE bins.")
+@click.option("--bins", default=15, show_default=True, type=bounded(ranges.BINS), help="ECE/MCE bins.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Reliability + accuracy–coverage figure of every artifact (.png, .pdf or .svg) [default: none].")
 @click.option("--json", "as_json", is_flag=True, help="Print metrics as JSON.")
@@ -286,16 +295,16 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @click.option("--full", is_flag=True, hidden=True, help="Deprecated: the full set is the default when installed.")
 @click.option("--dataset", default="fmnist", show_default=True, type=click.Choice(DEMO_DATASETS),
               help="fmnist (LeNet) or digits (scikit-learn's real 8x8 digits, an MLP).")
-@click.option("--clients", default=5, show_default=True, type=int, help="Number of clients.")
-@click.option("--alpha", default=0.1, show_default=True, type=float, help="Dirichlet α.")
-@click.option("--components", "-M", default=3, show_default=True, type=int, help="Mixture components per client.")
-@click.option("--epochs", default=5, show_default=True, type=int, help="Local epochs.")
+@click.option("--clients", default=5, show_default=True, type=bounded(ranges.CLIENTS), help="Number of clients.")
+@click.option("--alpha", default=0.1, show_default=True, type=bounded(ranges.ALPHA, float), help="Dirichlet α.")
+@click.option("--components", "-M", default=3, show_default=True, type=bounded(ranges.COMPONENTS), help="Mixture components per client.")
+@click.option("--epochs", default=5, show_default=True, type=bounded(ranges.EPOCHS), help="Local epochs.")
 @click.option("--structure", default="kron", show_default=True, type=click.Choice(STRUCTURES), help="Curvature structure.")
-@click.option("--steps", default=300, show_default=True, type=int, help="Server Adam steps (fedbens, fedfisher).")
+@click.option("--steps", default=300, show_default=True, type=bounded(ranges.STEPS), help="Server Adam steps (fedbens, fedfisher).")
 @click.option("--methods", default=None,
               help=f"Comma-separated fusion methods ('{DEFAULT_ROW}': what fuse runs without --method) [default: "
                    f"{DEFAULT_ROW} and those of {','.join(DEMO_METHODS)} that apply to --structure].")
-@click.option("--seed", default=0, show_default=True, type=int,
+@click.option("--seed", default=0, show_default=True, type=bounded(ranges.SEED),
               help="Run seed: the partition, init and training seeds of the demo all equal it.")
 @click.option("--quick", is_flag=True,
               help="A seconds-long smoke run (embedded subset, 3 clients, M=2, 1 epoch, 600 images, 20 steps, fedbens "

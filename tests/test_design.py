@@ -389,8 +389,9 @@ def test_library_errors_name_settings_and_the_cli_shows_flags(tmp_path):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found
     assert as_flags("lower `min_size` or pass `data_dir`; `x` stays") == "lower --min-size or pass --data-dir; --x stays"
-    r = CliRunner().invoke(pfuse, ["partition", "--clients", "0", "--out-dir", str(tmp_path / "p")])
-    assert r.exit_code == 2 and "--clients must be" in r.stderr and "`" not in r.stderr
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--momentum", "1.5",
+                                   "--out", str(tmp_path / "c.h5")])
+    assert r.exit_code == 2 and "--momentum must be" in r.stderr and "`" not in r.stderr
     from posterior_fusion.data.partition import dirichlet_partition
 
     with pytest.raises(ConfigError, match="`clients` must be"):  # the library's own spelling

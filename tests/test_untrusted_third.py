@@ -271,7 +271,8 @@ def test_inspect_of_many_links_to_one_big_attribute_is_refused(tmp_path, kron_ar
                                   ("--temperature", "1e300"), ("--prior-var", "inf"), ("--prior-var", "nan")])
 def test_unbounded_settings_are_refused_before_any_work(two_clients, tmp_path, args):
     line = one_error_line(cli("fuse", *two_clients, "--method", "fedbens", *args, "--out", tmp_path / "g.h5"))
-    assert "must be" in line and not (tmp_path / "g.h5").exists()
+    assert ("must be" in line or "not in the range" in line or "not a number in the range" in line)
+    assert not (tmp_path / "g.h5").exists()
 
 
 @pytest.mark.parametrize("body", ["alphas = [" + ", ".join(["0.1"] * 5000) + "]",
