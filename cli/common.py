@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -57,7 +58,9 @@ def echo_json(obj: Any) -> None:
 
 
 def log_to_stderr(msg: str) -> None:
-    say(msg, err=True)
+    """A progress or log line on stderr; nothing under ``pfuse --quiet`` unless it is a warning."""
+    if msg.lstrip().startswith("warning") or os.environ.get("PFUSE_PROGRESS", "1") != "0":
+        say(msg, err=True)
 
 
 max_memory_option = click.option(

@@ -30,6 +30,7 @@ from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.runtime import resolve_device
 
 FIT = FitConfig()
 
@@ -121,6 +122,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                   **settings):
     """Train M models on one silo and write their local posteriors to one artifact."""
     cfg = fit_config_from(settings)
+    resolve_device(cfg.device, "--device")  # before the data is read
     if init_path is not None:
         init_art = load_global(init_path, max_memory)
         spec, inits = init_art.model_spec, list(init_art.members)

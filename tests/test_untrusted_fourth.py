@@ -226,3 +226,35 @@ def test_an_out_of_range_option_is_one_line_before_any_work(tmp_path, args, word
     lines = [line for line in (out + err).strip().splitlines() if not line.startswith("warning:")]
     assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and word in lines[0], (out, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_device_and_method_needs_are_checked_before_any_work(tmp_path, small_silo, monkeypatch, capsys):
+    """An experiment asking for ``device = "cuda"`` where none is visible is refused before it partitions;
+    ``fuse -q`` with a method whose needs the inputs lack (unlabeled data, FedPPD students, SWAG moments)
+    prints nothing but its one error line."""
+    from conftest import fit_artifact
+
+    from cli.main import main
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.experiment.config import ExperimentConfig
+
+    if not torch.cuda.is_available():
+        (tmp_path / "e.toml").write_text('name = "x"\ndata = "system"\nalphas = [0.4]\nclients = [2]\nseeds = [0]\n'
+                                         'components = [1]\nstructures = ["diag"]\nmethods = ["fedavg"]\n'
+                                         '[fit]\ndevice = "cuda"\n')
+        with pytest.raises(ConfigError, match=r"\[fit\] device cuda: no CUDA device"):
+            ExperimentConfig.from_toml(tmp_path / "e.toml")
+    silo = SiloData(small_silo.x[:40, ::4, ::4].copy(), small_silo.y[:40], "fmnist", 10)
+    for c in range(2):
+        fit_artifact(tmp_path / f"c{c}.h5", silo, "diag", kwargs={"in_features": 49, "hidden": 2}, mixtures=1,
+                     epochs=1)
+    for method, words in (("fedppd-distill", "needs unlabeled server data"), ("fedppd", "needs FedPPD students"),
+                          ("swag", "needs SWAG moments")):
+        monkeypatch.setattr("sys.argv", ["pfuse", "-q", "fuse", str(tmp_path / "c0.h5"), str(tmp_path / "c1.h5"),
+                                         "--method", method, "--out", str(tmp_path / "g.h5")])
+        with pytest.raises(SystemExit) as stop:
+            main()
+        out, err = capsys.readouterr()
+        lines = (out + err).strip().splitlines()
+        assert stop.value.code == 2 and len(lines) == 1 and words in lines[0], (method, out, err)
+        assert not (tmp_path / "g.h5").exists()

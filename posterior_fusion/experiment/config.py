@@ -18,6 +18,7 @@ from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion import METHODS, method_settings
 from posterior_fusion.fusion.registry import COMPARED
 from posterior_fusion.local.config import STRUCTURES, fit_config_from
+from posterior_fusion.runtime import resolve_device
 
 MAX_CONFIG_BYTES = 1_000_000
 MAX_AXIS = 64
@@ -155,6 +156,7 @@ class ExperimentConfig:
         if own & set(self.fit):
             raise ConfigError(f"{where}: [fit] may not set {sorted(own & set(self.fit))}: the grid's own keys do")
         fit_config_from({k: v for k, v in self.fit.items()}, f"{where}: [fit] ")  # names, types and ranges
+        resolve_device(str(self.fit.get("device", "auto")), f"{where}: [fit] device")  # before any partition
         try:
             _ = self.spec
         except ModelSpecError as exc:

@@ -52,6 +52,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
             raise ConfigError("`distill` needs unlabeled server data (`unlabeled` FILE)")
     if not client_paths:
         raise IncompatibleArtifactsError("no client artifacts given")
+    get_method(method).check_needs(unlabeled=unlabeled_path)  # the data a method needs, before anything is read
     headers = [declared_bytes(p) for p in client_paths]
     for p, h in zip(client_paths, headers):
         if h["kind"] != "client":

@@ -62,6 +62,7 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
             if row["excluded"]:
                 log(f"robust: excluding {row['file']}: {'; '.join(row['reasons'])}")
         check_compatible(clients)
+    entry.check_needs(clients, unlabeled)
     inputs = FusionInputs(clients, options, val, unlabeled)
     log(f"fusing {len(clients)} clients with {method} ({clients[0].structure}, M={clients[0].num_components})")
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@ registry record of a method, and the checks every method uses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,9 @@ def no_work(settings: Any, size: FuseSize) -> int:
     return 0
 
 
+NEEDS = {"unlabeled": "unlabeled server data", "students": "FedPPD students", "swag": "SWAG moments"}
+
+
 @dataclass(frozen=True)
 class FusionMethod:
     """A registry entry: what a method is, needs and costs, declared beside it (no other module
@@ -169,9 +172,27 @@ class FusionMethod:
     distils: bool = False
     tunable: bool = False
     structures: tuple[str, ...] | None = None
+    needs: tuple[str, ...] = ()  # of NEEDS: checked before any work (:meth:`check_needs`)
 
     def applies_to(self, structure: str) -> bool:
         return self.structures is None or structure in self.structures
+
+    def check_needs(self, clients: Sequence[Any] | None = None, unlabeled: object | None = None,
+                    component: int | None = None) -> None:
+        """What the method needs, before any work: ``"unlabeled"`` server data (``unlabeled`` given:
+        a file or the data), and in every client component (``component``: that one only, else all) a
+        FedPPD ``"students"`` / ``"swag"`` moments. One :class:`MethodNotApplicableError` line."""
+        if "unlabeled" in self.needs and unlabeled is None:
+            raise MethodNotApplicableError(f"method {self.name!r} needs unlabeled server data (`unlabeled` FILE)")
+        for need, attr, how in (("students", "student", "fit-local `ppd`"), ("swag", "swag", "fit-local `swag`")):
+            if need not in self.needs or clients is None:
+                continue
+            for c in clients:
+                comps = c.components if component is None else [c.components[component]]
+                bare = next((comp for comp in comps if getattr(comp, attr) is None), None)
+                if bare is not None:
+                    raise MethodNotApplicableError(f"method {self.name!r} needs {NEEDS[need]}; {c.path} component "
+                                                   f"{bare.index} has none ({how})")
 
     def __call__(self, inputs: FusionInputs, settings: MethodSettings | None = None) -> FusionResult:
         return self.run(inputs, settings if settings is not None else self.settings())

@@ -86,7 +86,9 @@ def fedppd_distill(inputs: FusionInputs, settings: FedPPDDistillSettings) -> Fus
     return FusionResult([w], {"distill": record, "ensemble": labels})
 
 
-METHOD = FusionMethod("fedppd", fedppd, MethodSettings, "FedPPD: n-weighted average of the clients' PPD students")
+METHOD = FusionMethod("fedppd", fedppd, MethodSettings, "FedPPD: n-weighted average of the clients' PPD students",
+                      needs=("students",))
 DISTILL_METHOD = FusionMethod("fedppd-distill", fedppd_distill, FedPPDDistillSettings,
                               "FedPPD (Algorithm 3): averaged student, client students and Gaussian samples "
-                              "distilled into one model on unlabeled data", distils=True)
+                              "distilled into one model on unlabeled data", distils=True,
+                              needs=("unlabeled", "students"))

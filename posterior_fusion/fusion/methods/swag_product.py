@@ -126,4 +126,5 @@ def swag_product(inputs: FusionInputs, settings: SwagProductSettings) -> FusionR
 
 
 METHOD = FusionMethod("swag-product", swag_product, SwagProductSettings,
-                      "product of the clients' SWAG Gaussians over the over-counted prior (Woodbury, no d x d)")
+                      "product of the clients' SWAG Gaussians over the over-counted prior (Woodbury, no d x d)",
+                      needs=("swag",))
