@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from posterior_fusion import budget, ranges
-from posterior_fusion.curvature import BlockDiag, Diag, Kron, Precision
+from posterior_fusion.curvature import BlockDiag, CompressedKron, Diag, Kron, Precision
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
@@ -55,6 +55,19 @@ def _check(predictive: str, precisions, scale: float) -> None:
 
 
 GLM_BYTES_PER_JACOBIAN_ENTRY = 48  # J (float32), its whitened float64 copy, the product's and vmap's work space
+
+
+def eigenbasis_bytes(precisions: Sequence[Precision]) -> int:
+    """What the mc and GLM predictives hold beyond the loaded precisions: for each compressed Kronecker
+    block (stored as a few eigenpairs) its whole eigenbases and rebuilt factors, ``8·(out² + in²)`` bytes,
+    which its draws and solves form; plain blocks are held dense already."""
+    total = 0
+    for precision in precisions:
+        for block in getattr(precision, "blocks", [precision]):
+            if isinstance(block, CompressedKron):
+                out, inn = block.shape
+                total += 8 * (out * out + inn * inn)
+    return total
 
 
 def glm_batch_size(num_classes: int, dim: int, max_memory: int | str | None = None, largest: int = 32) -> int:
@@ -340,6 +353,9 @@ def predict(spec: ModelSpec, members: Sequence[torch.Tensor], x: torch.Tensor, p
     if link not in LINKS:
         raise ConfigError(f"unknown link {link!r}; use one of {', '.join(LINKS)}")
     ranges.check("samples", samples, ranges.SAMPLES)
+    if predictive != "map" and precisions is not None:
+        budget.require(eigenbasis_bytes(precisions), f"the {predictive} predictive (the posterior's eigenbases)",
+                       max_memory)
     K = len(members)
     pi = torch.full((K,), 1.0 / K, dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)

@@ -269,16 +269,24 @@ def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
 def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
     """Validate an artifact's header (phase 1 only) and report its size without reading data.
 
-    Returns ``{"kind", "num_params", "num_components", "num_classes", "data_bytes"}``, where ``data_bytes``
-    is the in-memory size of every dataset once loaded.
+    Returns ``{"kind", "num_params", "num_components", "num_classes", "data_bytes", "dense_bytes"}``, where
+    ``data_bytes`` is the in-memory size of every dataset once loaded and ``dense_bytes`` adds, for every
+    compressed Kronecker block, its two factors as dense float32 matrices (what a method or predictive that
+    rebuilds, decomposes or stacks them holds: the working-set estimates count it).
     """
     with _open(Path(path)) as (chk, f):
         kind, spec, layout, meta = _header(chk, f)
+        blocks: list[BlockRecord] = []
         if kind == schema.KIND_CLIENT:
-            _client_plan(chk, f, spec, layout, meta)
+            blocks = [b for r in _client_plan(chk, f, spec, layout, meta)[1] for b in r.blocks]
+        else:
+            records = _global_plan(chk, f, layout, meta, spec.num_classes)[1] or []
+            blocks = [b for r in records for b in r]
         total = _data_bytes(chk, f, kind)
+    # a compact Kronecker block as the methods and predictives that rebuild or decompose it hold it: two dense factors
+    dense = sum(4 * (b.fields["shape"][0] ** 2 + b.fields["shape"][1] ** 2) for b in blocks if b.kind == "kron_lowrank")
     return {"kind": kind, "num_params": layout.dim, "num_components": meta.get("num_components", meta.get("num_members")),
-            "num_classes": spec.num_classes, "data_bytes": total}
+            "num_classes": spec.num_classes, "data_bytes": total, "dense_bytes": total + dense}
 
 
 def load(path: str | os.PathLike, max_memory: int | str | None = None) -> ClientPosterior | GlobalEnsemble:

@@ -145,7 +145,7 @@ def no_work(settings: Any, size: FuseSize) -> int:
     return 0
 
 
-NEEDS = {"unlabeled": "unlabeled server data", "students": "FedPPD students", "swag": "SWAG moments"}
+NEEDS = {"unlabeled": "unlabeled server data", "students": "FedPPD students", "swag_moments": "SWAG moments"}
 
 
 @dataclass(frozen=True)
@@ -181,15 +181,16 @@ class FusionMethod:
                     component: int | None = None) -> None:
         """What the method needs, before any work: ``"unlabeled"`` server data (``unlabeled`` given:
         a file or the data), and in every client component (``component``: that one only, else all) a
-        FedPPD ``"students"`` / ``"swag"`` moments. One :class:`MethodNotApplicableError` line."""
+        FedPPD student (``"students"``) or SWAG moments (``"swag_moments"``). One :class:`MethodNotApplicableError` line."""
         if "unlabeled" in self.needs and unlabeled is None:
             raise MethodNotApplicableError(f"method {self.name!r} needs unlabeled server data (`unlabeled` FILE)")
-        for need, attr, how in (("students", "student", "fit-local `ppd`"), ("swag", "swag", "fit-local `swag`")):
+        for need, held, how in (("students", lambda comp: comp.student, "fit-local `ppd`"),
+                                ("swag_moments", lambda comp: comp.swag, "fit-local `swag`")):
             if need not in self.needs or clients is None:
                 continue
             for c in clients:
                 comps = c.components if component is None else [c.components[component]]
-                bare = next((comp for comp in comps if getattr(comp, attr) is None), None)
+                bare = next((comp for comp in comps if held(comp) is None), None)
                 if bare is not None:
                     raise MethodNotApplicableError(f"method {self.name!r} needs {NEEDS[need]}; {c.path} component "
                                                    f"{bare.index} has none ({how})")

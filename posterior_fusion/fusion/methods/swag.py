@@ -32,5 +32,5 @@ def swag_ensemble(inputs: FusionInputs, settings: SwagSettings) -> FusionResult:
     return FusionResult([w.clone() for w in members])
 
 
-METHOD = FusionMethod("swag", swag_ensemble, SwagSettings, "samples of every client component's SWAG Gaussian", needs=("swag",),
+METHOD = FusionMethod("swag", swag_ensemble, SwagSettings, "samples of every client component's SWAG Gaussian", needs=("swag_moments",),
                       members=lambda settings, size: size.clients * size.components * max(1, settings.num_samples))

@@ -127,4 +127,4 @@ def swag_product(inputs: FusionInputs, settings: SwagProductSettings) -> FusionR
 
 METHOD = FusionMethod("swag-product", swag_product, SwagProductSettings,
                       "product of the clients' SWAG Gaussians over the over-counted prior (Woodbury, no d x d)",
-                      needs=("swag",))
+                      needs=("swag_moments",))
