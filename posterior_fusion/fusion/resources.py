@@ -14,8 +14,8 @@ def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettin
     """Peak-memory estimate of a fusion from ``declared_bytes`` of each client artifact and
     the declared size of the server's data files (``data_bytes``, ``data_rows`` samples).
 
-    Loaded tensors (1x) + eigendecompositions and stacked float32 copies (2x) — a compressed Kronecker
-    block counted as its two dense factors (``dense_bytes``), which the methods rebuild —; the method's own
+    Loaded tensors (1x) + eigendecompositions and stacked float32 copies (2x); the dense factors of
+    compressed Kronecker blocks (``dense_bytes`` − ``data_bytes``) times the method's ``dense_copies``; its own
     working set; its members (twice: the result and its copy); data files converted to float32
     (4 bytes per stored byte at most) and their logits per member.
     """
@@ -23,7 +23,8 @@ def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettin
     size = FuseSize(headers[0]["num_params"], len(headers), max(h["num_components"] for h in headers))
     num_classes = max(h.get("num_classes", 1) for h in headers)
     members = entry.members(settings, size)
-    total = 3 * sum(h.get("dense_bytes", h["data_bytes"]) for h in headers)
+    total = 3 * sum(h["data_bytes"] for h in headers)
+    total += entry.dense_copies * sum(h.get("dense_bytes", h["data_bytes"]) - h["data_bytes"] for h in headers)
     total += entry.work_bytes(settings, size)
     total += 2 * members * size.d * 4
     total += 4 * data_bytes + members * data_rows * num_classes * 4
@@ -36,5 +37,6 @@ def estimate_device_bytes(headers: list[dict], method: str, settings: MethodSett
     method's own working set and its members (the data and the results stay on the CPU)."""
     entry = get_method(method)
     size = FuseSize(headers[0]["num_params"], len(headers), max(h["num_components"] for h in headers))
-    return int(2 * sum(h.get("dense_bytes", h["data_bytes"]) for h in headers) + entry.work_bytes(settings, size)
+    dense = entry.dense_copies * sum(h.get("dense_bytes", h["data_bytes"]) - h["data_bytes"] for h in headers)
+    return int(2 * sum(h["data_bytes"] for h in headers) + dense + entry.work_bytes(settings, size)
                + entry.members(settings, size) * size.d * 4)

@@ -159,7 +159,10 @@ class FusionMethod:
     working set beyond the loaded artifacts (memory estimate); ``distils``: it distils into one
     model by itself (``--distill`` is not applied again); ``tunable``: T and σ0² can be chosen
     on validation data (``--tune``, the experiment grids' ``tune``); ``structures``: the curvature
-    structures it can fuse (None: all), so lists such as the demo's offer it only where it applies.
+    structures it can fuse (None: all), so lists such as the demo's offer it only where it applies;
+    ``needs``: what its inputs must hold (:data:`NEEDS`); ``dense_copies``: how many copies of the dense
+    factors of every compressed Kronecker block it holds at its peak (rebuilt, decomposed, stacked;
+    measured by ``benchmarks/compact_memory.py``), for the memory estimate.
     """
 
     name: str
@@ -173,6 +176,7 @@ class FusionMethod:
     tunable: bool = False
     structures: tuple[str, ...] | None = None
     needs: tuple[str, ...] = ()  # of NEEDS: checked before any work (:meth:`check_needs`)
+    dense_copies: float = 0.0  # peak copies of a compressed Kronecker block's dense factors it holds (memory estimate)
 
     def applies_to(self, structure: str) -> bool:
         return self.structures is None or structure in self.structures

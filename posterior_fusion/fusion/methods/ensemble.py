@@ -14,7 +14,7 @@ from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.settings import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
-from posterior_fusion.pooling import POOLINGS, Pooling, client_groups
+from posterior_fusion.pooling import ITERATIONS, POOLINGS, Pooling, client_groups
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,12 @@ class EnsembleSettings(MethodSettings):
                                       "members), or label-shift (each client's members averaged, the clients pooled "
                                       "class by class from their recorded class counts; docs/methods.md).",
                             choices=POOLINGS)
-    smoothing: float = setting(0.5, "label-shift: s added to every class count (client and global label priors, "
-                                    "the clients' weights per class).", bounds=ranges.POOLING_SMOOTHING)
-    iterations: int = setting(100, "label-shift: the fixed point's rounds at most (it stops once no probability "
-                                   "moves by 1e-10; a warning if it did not).", bounds=ranges.POOLING_ITERATIONS)
+    smoothing: float = setting(0.5, "label-shift: s added to the class counts of the clients that saw a class, in "
+                                    "their per-class weights only (the label priors are the exact counts).",
+                               bounds=ranges.POOLING_SMOOTHING)
+    iterations: int = setting(ITERATIONS, "label-shift: the fixed point's rounds at most (it stops once no "
+                                          "probability moves by 1e-10; a warning if the last round still moved one "
+                                          "by 1e-3).", bounds=ranges.POOLING_ITERATIONS)
     target_prior: str = setting("clients", "label-shift: the label prior of the data to be predicted — clients (the "
                                            "pooled clients' class frequencies), uniform, or comma-separated class "
                                            "frequencies (recorded in the artifact; predict and evaluate use it).")

@@ -139,4 +139,4 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
 
 METHOD = FusionMethod("hbfl", hbfl, HBFLSettings,
                       "HBFL's aggregation: q_k-weighted product of the clients' scaled Gaussian likelihoods, no prior",
-                      optimises=True, work_bytes=quadratic_bytes)
+                      optimises=True, work_bytes=quadratic_bytes, dense_copies=3)

@@ -111,4 +111,5 @@ def regmean(inputs: FusionInputs, settings: RegMeanSettings) -> FusionResult:
 
 
 METHOD = FusionMethod("regmean", regmean, RegMeanSettings,
-                      "Gram-weighted merge of linear layers from K-FAC input factors (RegMean)", structures=("kron",))
+                      "Gram-weighted merge of linear layers from K-FAC input factors (RegMean)", structures=("kron",),
+                      dense_copies=6)

@@ -141,4 +141,4 @@ def _work_bytes(settings: FedBEnsSettings, size) -> int:
 
 
 METHOD = FusionMethod("fedbens", fedbens, FedBEnsSettings, "modes of the product of client mixtures (FedBEns)",
-                      optimises=True, members=_modes, work_bytes=_work_bytes, tunable=True)
+                      optimises=True, members=_modes, work_bytes=_work_bytes, tunable=True, dense_copies=8)
