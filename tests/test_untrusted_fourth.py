@@ -258,3 +258,58 @@ def test_device_and_method_needs_are_checked_before_any_work(tmp_path, small_sil
         lines = (out + err).strip().splitlines()
         assert stop.value.code == 2 and len(lines) == 1 and words in lines[0], (method, out, err)
         assert not (tmp_path / "g.h5").exists()
+
+
+def test_compact_blocks_count_as_the_dense_factors_methods_rebuild(tmp_path, monkeypatch):
+    """Compressed client artifacts (rank 0: a few kB each, the dense input factor 512² floats): each method
+    that rebuilds or decomposes the factors (``dense_copies`` > 0) estimates that many dense copies, so
+    ``fuse --max-memory`` just under its estimate refuses in one line before any artifact is loaded; the
+    mc predictive of a global whose member curvature is compact counts its eigenbases the same way.
+    ``benchmarks/compact_memory.py`` measures each method's peak against its estimate (docs/security.md)."""
+    import posterior_fusion.fusion.from_files as from_files
+    from posterior_fusion.artifact.reader import declared_bytes
+    from posterior_fusion.curvature.compressed import Compression
+    from posterior_fusion.errors import ResourceLimitError
+    from posterior_fusion.fusion.registry import METHODS
+    from posterior_fusion.fusion.resources import estimate_fuse_bytes
+
+    D = 512
+    spec = ModelSpec("mlp", {"in_features": D, "num_classes": 4, "hidden_sizes": [], "bias": False})
+    layout = ParameterLayout.from_model(spec.build())
+    meta = {"n_data": 40, "class_counts": [10] * 4, "temperature": 1.0, "prior_precision": 1.0, "structure": "kron"}
+    paths = []
+    for c in range(3):
+        comps = [Component(m, torch.zeros(layout.dim), BlockDiag([Kron(2.0 * torch.eye(4), 0.5 * torch.eye(D))]),
+                           frozen_mapping({"seed": m}), 1.0, 1.0) for m in range(2)]
+        paths.append(tmp_path / f"c{c}.h5")
+        write_client_artifact(paths[-1], spec, layout, meta, comps, Compression(0.05))
+    headers = [declared_bytes(p) for p in paths]
+    dense = sum(h["dense_bytes"] - h["data_bytes"] for h in headers)
+    assert dense >= 6 * 4 * D * D and all(p.stat().st_size < dense / 20 for p in paths)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded before the memory check")
+
+    monkeypatch.setattr(from_files, "load_client", no_load)
+    runner = CliRunner()
+    heavy = [name for name, m in METHODS.items() if m.dense_copies > 0 and m.applies_to("kron")]
+    assert {"fedbens", "regmean", "fedlpa", "hbfl"} <= set(heavy)
+    for name in heavy:
+        entry = METHODS[name]
+        estimate = estimate_fuse_bytes(headers, name, entry.settings())
+        plain = estimate_fuse_bytes([dict(h, dense_bytes=h["data_bytes"]) for h in headers], name, entry.settings())
+        assert estimate - plain == pytest.approx(entry.dense_copies * dense)
+        r = runner.invoke(pfuse, ["fuse", *map(str, paths), "--method", name, "--max-memory", str(int(0.9 * estimate)),
+                                  "--out", str(tmp_path / "g.h5")])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and "needs about" in lines[0], (name, r.output)
+    monkeypatch.undo()
+    client = posterior_fusion.load(paths[0])
+    curv = client.components[0].curvature
+    write_global_artifact(tmp_path / "g.h5", spec, layout, {"method": "fedbens", "laplace": {"prior_precision": 1.0}},
+                          [client.components[0].map], [curv])
+    glob = posterior_fusion.load(tmp_path / "g.h5")
+    x = torch.zeros(3, D)
+    with pytest.raises(ResourceLimitError, match="eigenbases"):
+        glob.predict(x, "mc", samples=2, raw=True, max_memory=4 * D * D)
+    assert torch.isfinite(glob.predict(x, "mc", samples=2, raw=True)).all()
