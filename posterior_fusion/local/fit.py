@@ -23,7 +23,14 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from posterior_fusion import ranges
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.data.silo import SiloData, read_silo
-from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, ModelSpecError, OutputError, ResumeError
+from posterior_fusion.errors import (
+    ConfigError,
+    IncompatibleArtifactsError,
+    ModelSpecError,
+    OutputError,
+    PfuseError,
+    ResumeError,
+)
 from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture, capture_dtype_problem
@@ -97,6 +104,26 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
         return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])  # on x's device
 
 
+def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: FitConfig) -> None:
+    """The capture run once on two samples of the untrained model, before any training: a model the
+    capture cannot take (laplace-torch refuses layers it does not know, e.g. ``nn.MultiheadAttention``
+    under K-FAC) is refused in one line now, not after hours of training."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the probe's own warnings repeat in the real capture
+            capture(cfg.structure, model, x, y, 2, cfg.ggn, cfg.capture, torch.Generator().manual_seed(0),
+                    lambda m: None, cfg.kfac, cfg.capture_dtype)
+    except PfuseError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of a library's capture is the model's, said in one line
+        why = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
+        raise ModelSpecError(f"model {spec.name!r}: the {cfg.structure} capture ({cfg.capture}, with laplace-torch where "
+                             f"the fast capture cannot take the model) fails on it: {why}; nothing was trained "
+                             "(docs/methods.md, layer policy: use layers it supports, or another structure)") from None
+
+
 def check_component_count(count: int, source: str | os.PathLike | None = None) -> None:
     """M within ``ranges.COMPONENTS`` (the artifact format's cap), checked before any training: an init file
     with more starting points than a client artifact may hold is refused naming it."""
@@ -133,6 +160,13 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                capture_dtype_problem(cfg.capture_dtype, cfg.capture, unsupported_reason(probe.to(device), x[:2])))
     if problem is not None:  # before any training: nothing to lose
         raise ConfigError(problem)
+    if not done:
+        probe_capture(spec, probe.to(device), x[:2], y[:2], cfg)
+        fast = cfg.capture == "fast" and unsupported_reason(probe, x[:2]) is None
+        bare = [name for name, kind in block_policy(probe, cfg.structure) if kind == "prior"] if fast else []
+        if bare:
+            log(f"warning: {len(bare)} parameter(s) get no curvature, the prior alone (layers the capture does not "
+                f"cover, e.g. nn.Embedding): {', '.join(bare[:5])}{', …' if len(bare) > 5 else ''}")
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
         + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}")
     comps = list(done or [])

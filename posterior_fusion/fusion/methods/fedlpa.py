@@ -165,4 +165,4 @@ def fedlpa(inputs: FusionInputs, settings: FedLPASettings) -> FusionResult:
 
 METHOD = FusionMethod("fedlpa", fedlpa, FedLPASettings,
                       "layer-wise product of damped K-FAC Gaussians, solved per layer (FedLPA)", structures=("kron",),
-                      dense_copies=4)
+                      dense_copies=5)
