@@ -68,6 +68,15 @@ def inspect_cmd(file, as_json, max_memory):
         if meta.get("compress"):
             say(f"compressed: budget {meta['compress']} ({meta.get('compress_metric', 'frobenius')}), eigenvectors "
                 f"{meta.get('compress_vectors', 'float32')}")
+        policy = meta.get("curvature_blocks")
+        if isinstance(policy, dict):
+            kinds: dict[str, list[str]] = {}
+            for name, kind in policy.items():
+                kinds.setdefault(str(kind), []).append(str(name))
+            say("curvature per parameter: " + ", ".join(f"{kind} {len(names)}" for kind, names in sorted(kinds.items())))
+            if "prior" in kinds:
+                names = kinds["prior"]
+                say(f"  no curvature, the prior alone: {', '.join(names[:6])}{', …' if len(names) > 6 else ''}")
         say("components:")
         for c in s["components"]:
             t = c["training"] if isinstance(c["training"], dict) else {}

@@ -82,6 +82,8 @@ def test_a_parameter_without_curvature_is_named_in_a_warning(tmp_path, monkeypat
     write_silo(tmp_path / "s.h5", SiloData(small_silo.x[:64, ::4, ::4].copy(), small_silo.y[:64], "fmnist", 10))
     r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "embedded", "-M", "1",
                                    "--epochs", "1", "--out", str(tmp_path / "c.h5")])
-    warnings = [line for line in r.stderr.splitlines() if "get no curvature" in line]
-    assert r.exit_code == 0 and len(warnings) == 1 and "pos.weight" in warnings[0], r.output
+    warnings = [line for line in r.stderr.splitlines() if "no curvature, the prior alone" in line]
+    assert r.exit_code == 0 and len(warnings) == 1 and "56 parameters of nn.Embedding (pos.weight)" in warnings[0], r.output
     assert posterior_fusion.load(tmp_path / "c.h5").metadata["curvature_blocks"]["pos.weight"] == "prior"
+    shown = CliRunner().invoke(pfuse, ["inspect", str(tmp_path / "c.h5")])
+    assert shown.exit_code == 0 and "no curvature, the prior alone: pos.weight" in shown.output, shown.output

@@ -104,6 +104,20 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
         return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])  # on x's device
 
 
+def prior_only(model: torch.nn.Module, structure: str) -> str:
+    """The parameters the fast capture leaves to the prior, per layer type with parameter counts and names
+    (``"56 parameters of nn.Embedding (pos.weight)"``), or "" when every parameter has curvature."""
+    sizes = dict(model.named_parameters())
+    owners = {f"{m}.{p}" if m else p: type(module).__name__ for m, module in model.named_modules()
+              for p, _ in module.named_parameters(recurse=False)}
+    groups: dict[str, list[str]] = {}
+    for name, kind in block_policy(model, structure):
+        if kind == "prior":
+            groups.setdefault(owners.get(name, "?"), []).append(name)
+    return "; ".join(f"{sum(sizes[n].numel() for n in names):,} parameters of nn.{kind} ({', '.join(names[:4])}"
+                     f"{', …' if len(names) > 4 else ''})" for kind, names in groups.items())
+
+
 def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: FitConfig) -> None:
     """The capture run once on two samples of the untrained model, before any training: a model the
     capture cannot take (laplace-torch refuses layers it does not know, e.g. ``nn.MultiheadAttention``
@@ -163,10 +177,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     if not done:
         probe_capture(spec, probe.to(device), x[:2], y[:2], cfg)
         fast = cfg.capture == "fast" and unsupported_reason(probe, x[:2]) is None
-        bare = [name for name, kind in block_policy(probe, cfg.structure) if kind == "prior"] if fast else []
+        bare = prior_only(probe, cfg.structure) if fast else ""
         if bare:
-            log(f"warning: {len(bare)} parameter(s) get no curvature, the prior alone (layers the capture does not "
-                f"cover, e.g. nn.Embedding): {', '.join(bare[:5])}{', …' if len(bare) > 5 else ''}")
+            log(f"warning: no curvature, the prior alone, for {bare}")
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
         + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}")
     comps = list(done or [])
