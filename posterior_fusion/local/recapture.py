@@ -44,7 +44,9 @@ over its components (Λ_m the component's posterior precision, d the parameter c
 component's Gaussian averages 1). Fused modes of honest servers lie within 0.1–0.6 of every client
 on the LeNet demo sets at α = 0.1, points at the scale of the silo's weights but unrelated to them at
 2–20, the negated MAP at 9–70; the default ``TRUST_RADIUS`` is 4. The damping must be in
-``ranges.REFRESH_DAMPING``. Anything else is refused in one line before any capture. Cost for the silo: one gradient pass and one capture per mode, no training; the
+``ranges.REFRESH_DAMPING``. Anything else is refused in one line before any capture. The radius does
+not stop every point built to leak: a binning trap at the weights' scale lies at 0.35–0.44
+(docs/security.md, "Not guaranteed"). Cost for the silo: one gradient pass and one capture per mode, no training; the
 message back is one client artifact (the same size as the first).
 """
 
