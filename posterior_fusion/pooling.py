@@ -27,7 +27,16 @@
   interior fixed point: where a client that saw a handful of examples of a class predicts it, its
   ``a_c(x)`` slides towards 0 and the probabilities keep creeping, by less each round (on the LeNet demo
   sets at α = 0.1, by 2e-3 after 100 rounds, 5e-5 after 1,000, predictions unchanged). One warning,
-  with the last move, when that move is still above :data:`WARN_MOVE`, where it can change a prediction.
+  with the last move, when that move is still above :data:`WARN_MOVE`.
+
+  ``robust`` (``fuse --robust``, the ensemble's setting ``robust``): one lying client must not move
+  the pool. Its count claim is capped — every client's counts scaled so its total is at most
+  :data:`COUNT_CAP` × the clients' median total — and, on the inputs being predicted (no labels; at
+  least :data:`SCREEN_ROWS`), each client's label-shift-corrected predictive is compared with the pool
+  of the others on the classes it claims (mean total-variation distance); a client more than
+  :data:`SCREEN_MADS` median absolute deviations above the median is left out of the pool, named in a
+  warning. Measured in ``experiments/robustness/`` (one of five LeNet clients lying ×1,000 about its
+  counts, or trained on shifted labels).
 
   ``target_prior``: the pool answers under the pooled clients' label prior ``π``; where the data to be
   predicted follows another prior ``π_t`` (e.g. uniform test sets), ``q_t(y|x) ∝ q(y|x) π_t(y) / π(y)``.
@@ -51,7 +60,10 @@ from posterior_fusion.errors import ConfigError
 POOLINGS = ("average", "label-shift")
 TOLERANCE = 1e-10  # the fixed point stops once no probability moves by more than this
 ITERATIONS = 300   # ... or after this many rounds (the default)
-WARN_MOVE = 1e-3   # a last move above this warns (module doc)
+WARN_MOVE = 1e-2   # a last move above this warns (module doc)
+COUNT_CAP = 4.0    # robust: a client's counts scaled so its total is at most this x the clients' median total
+SCREEN_MADS = 5.0  # robust: a client this many median absolute deviations above the median disagreement is left out
+SCREEN_ROWS = 50   # robust: the screen needs at least this many inputs in the batch
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,7 @@ class Pooling:
     smoothing: float = 0.5
     iterations: int = ITERATIONS
     target_prior: tuple[float, ...] = ()  # () : the pooled clients' label prior
+    robust: bool = False  # cap count claims and screen out a client that predicts unlike the others (module doc)
     where: str = field(default="pooling", compare=False)
 
     def validate(self, num_members: int, num_classes: int) -> None:
@@ -104,9 +117,11 @@ class Pooling:
                 raise ConfigError(f"{where}: average takes no other field")
             return cls()
         fields = {"rule", "groups", "class_counts", "smoothing", "iterations"}
-        if not fields <= set(raw) <= fields | {"target_prior"}:
+        if not fields <= set(raw) <= fields | {"target_prior", "robust"}:
             raise ConfigError(f"{where}: {raw['rule']} needs exactly the fields {', '.join(sorted(fields))} "
-                              "(and optionally target_prior)")
+                              "(and optionally target_prior, robust)")
+        if not isinstance(raw.get("robust", False), bool):
+            raise ConfigError(f"{where}: robust must be true or false")
         target = raw.get("target_prior", [])
         if not isinstance(target, list) or len(target) not in (0, num_classes) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in target):
@@ -124,7 +139,7 @@ class Pooling:
         if not ranges.is_int(iterations):
             raise ConfigError(f"{where}: iterations must be an integer")
         out = cls(raw["rule"], tuple(groups), tuple(tuple(r) for r in counts), float(smoothing), iterations,
-                  tuple(float(v) for v in target), where)
+                  tuple(float(v) for v in target), raw.get("robust", False), where)
         out.validate(num_members, num_classes)
         return out
 
@@ -135,6 +150,8 @@ class Pooling:
                "smoothing": self.smoothing, "iterations": self.iterations}
         if self.target_prior:
             out["target_prior"] = list(self.target_prior)
+        if self.robust:
+            out["robust"] = True
         return out
 
     def combine(self, member_probs: Iterable[torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,8 +170,10 @@ class Pooling:
             return sums[0] / count if weights is None else sums[0]
         per_client = torch.stack([sums[c] / self.groups.count(c) for c in range(len(self.class_counts))])
         target = torch.tensor(self.target_prior, dtype=torch.float64) if self.target_prior else None
-        return label_shift_pool(per_client, torch.tensor(self.class_counts, dtype=torch.float64), self.smoothing,
-                                self.iterations, target)
+        counts = torch.tensor(self.class_counts, dtype=torch.float64)
+        if self.robust:
+            return robust_label_shift_pool(per_client, counts, self.smoothing, self.iterations, target)
+        return label_shift_pool(per_client, counts, self.smoothing, self.iterations, target)
 
 
 AVERAGE = Pooling()
@@ -197,6 +216,61 @@ def label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smo
         q = q * torch.where(present, target / prior.clamp_min(1e-300), torch.zeros_like(target))
         q = q / q.sum(-1, keepdim=True).clamp_min(1e-300)
     return q
+
+
+def capped_counts(class_counts: torch.Tensor, cap: float = COUNT_CAP) -> tuple[torch.Tensor, list[int]]:
+    """``(C, classes)`` counts with every client's row scaled so its total is at most ``cap`` × the median
+    total, and the clients that were scaled."""
+    counts = class_counts.double()
+    totals = counts.sum(1)
+    scale = torch.clamp(cap * totals.median() / totals.clamp_min(1e-300), max=1.0)
+    return counts * scale[:, None], [c for c in range(len(scale)) if scale[c] < 1.0]
+
+
+def disagreement(client_probs: torch.Tensor, class_counts: torch.Tensor, smoothing: float = 0.5,
+                 iterations: int = ITERATIONS) -> torch.Tensor:
+    """Per client ``(C,)``: the mean total-variation distance, over the inputs and the classes the client
+    claims, between its own predictive moved to the pooled label prior and the label-shift pool of the
+    others (leave one out)."""
+    C = client_probs.shape[0]
+    counts = class_counts.double()
+    prior = counts.sum(0) / counts.sum()
+    scores = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the others' pools drift as the full pool does; it warns once itself
+        for c in range(C):
+            others = [k for k in range(C) if k != c]
+            pool = label_shift_pool(client_probs[others], counts[others], smoothing, iterations)
+            own_prior = counts[c] / counts[c].sum()
+            own = client_probs[c].double() * torch.where(own_prior > 0, prior / own_prior.clamp_min(1e-300),
+                                                         torch.zeros_like(prior))
+            own = own / own.sum(-1, keepdim=True).clamp_min(1e-300)
+            claimed = counts[c] > 0
+            scores.append(0.5 * (own[:, claimed] - pool[:, claimed]).abs().sum(-1).mean())
+    return torch.stack(scores)
+
+
+def robust_label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smoothing: float = 0.5,
+                            iterations: int = ITERATIONS, target_prior: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`label_shift_pool` resisting one lying client (module doc, ``robust``): count claims capped,
+    then a client that predicts unlike the others on the classes it claims left out; each named in a
+    warning (client indices in the artifact's order)."""
+    counts, capped = capped_counts(class_counts)
+    if capped:
+        warnings.warn(f"label-shift pool (robust): client(s) {', '.join(map(str, capped))} claim more than "
+                      f"{COUNT_CAP:g}x the clients' median count; their counts are scaled down to it", stacklevel=2)
+    keep = list(range(client_probs.shape[0]))
+    if client_probs.shape[0] >= 3 and client_probs.shape[1] >= SCREEN_ROWS:
+        scores = disagreement(client_probs, counts, smoothing, iterations)
+        median = scores.median()
+        spread = (scores - median).abs().median().clamp_min(1e-6)
+        out = [c for c in keep if scores[c] > median + SCREEN_MADS * spread]
+        if out and len(out) < len(keep) / 2:
+            warnings.warn(f"label-shift pool (robust): client(s) {', '.join(map(str, out))} predict unlike the "
+                          f"others on the classes they claim (disagreement {', '.join(f'{float(scores[c]):.3g}' for c in out)}"
+                          f" against a median of {float(median):.3g}); left out of this prediction", stacklevel=2)
+            keep = [c for c in keep if c not in out]
+    return label_shift_pool(client_probs[keep], counts[keep], smoothing, iterations, target_prior)
 
 
 def client_groups(members_per_client: Sequence[int]) -> tuple[int, ...]:

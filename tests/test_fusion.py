@@ -21,7 +21,7 @@ from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPo
 from posterior_fusion.fusion.methods.regmean import RegMeanSettings
 from posterior_fusion.fusion.mode_laplace import negative_log_posterior
 from posterior_fusion.fusion.registry import get_method
-from posterior_fusion.fusion.resources import estimate_fuse_bytes
+from posterior_fusion.fusion.resources import READ_OVERHEAD, estimate_fuse_bytes
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import frozen_mapping
@@ -599,7 +599,7 @@ def test_fuse_memory_estimate_follows_the_fedbens_chunks():
     d = 44_190
     assert estimate(40) == estimate(5)  # K = 5 modes: one 64 MiB chunk of clients either way
     # C·M = 200 modes: a component's working set (3·200·d floats, 106 MB) exceeds a chunk, so one client is
-    assert estimate(40, starts="clients") == 5 * 3 * 200 * d * 4 + 6 * 200 * d * 4 + 2 * 200 * d * 4
+    assert estimate(40, starts="clients") == READ_OVERHEAD + 5 * 3 * 200 * d * 4 + 6 * 200 * d * 4 + 2 * 200 * d * 4
     assert estimate(40, "fedfisher") - estimate(5, "fedfisher") == 4 * 175 * d * 4
     # the exact solve keeps float64 vectors of d, whatever C·M: flat in C, far under Adam's
     assert estimate(40, "fedfisher", solver="exact") == estimate(5, "fedfisher", solver="exact")

@@ -236,3 +236,42 @@ def test_a_distilled_artifact_keeps_no_combination_of_its_teachers(skewed, tmp_p
     assert r.exit_code == 0, r.stderr
     g = posterior_fusion.load(tmp_path / "d.h5")
     assert len(g.members) == 1 and key not in g.metadata and g.metadata["distill"]["teachers"] == teachers
+
+
+def test_the_robust_pool_resists_one_lying_client_and_names_it():
+    """Five clients with exact Bayes posteriors in the four-class world (the pool's exact answer known):
+    one of them claiming 1,000x its counts moves the plain pool far from the pooled-prior posterior, the
+    robust pool caps its claim (named) and stays close; one client whose predictive has its labels shifted
+    (y -> y + 1) is left out of the robust pool (named) and the rest pool exactly; honest clients are
+    left alone (no warning, the exact answer)."""
+    import warnings
+
+    from posterior_fusion.pooling import robust_label_shift_pool
+
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.tensor([[300.0, 200.0, 100.0, 50.0], [100.0, 300.0, 200.0, 60.0], [50.0, 100.0, 300.0, 200.0],
+                           [200.0, 50.0, 100.0, 300.0], [150.0, 150.0, 150.0, 150.0]])
+    clients, log_lik = four_class_world(gen, counts, n=400)
+    truth = torch.softmax(log_lik + (counts.sum(0) / counts.sum()).log(), -1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        honest = robust_label_shift_pool(clients, counts)
+    assert (honest - truth).abs().max() < 1e-5 and not [w for w in caught if "robust" in str(w.message)]
+
+    liar = counts.clone()
+    liar[0] *= 1000
+    plain = label_shift_pool(clients, liar)
+    with pytest.warns(UserWarning, match=r"client\(s\) 0 claim more than 4x"):
+        got = robust_label_shift_pool(clients, liar)
+    # capped at 4x the median the liar still weighs more than its truth, a quarter of the plain pool's error
+    assert (plain - truth).abs().mean() > 4 * (got - truth).abs().mean()
+    assert (got.argmax(1) == truth.argmax(1)).double().mean() >= 0.94 > (plain.argmax(1) == truth.argmax(1)).double().mean()
+
+    shifted = clients.clone()
+    shifted[2] = clients[2].roll(1, dims=-1)  # client 2 predicts class y + 1 where it should say y
+    assert (label_shift_pool(shifted, counts) - truth).abs().max() > 0.2
+    with pytest.warns(UserWarning, match=r"client\(s\) 2 predict unlike the others"):
+        got = robust_label_shift_pool(shifted, counts)
+    rest = [0, 1, 3, 4]
+    exact_rest = torch.softmax(log_lik + (counts[rest].sum(0) / counts[rest].sum()).log(), -1)
+    assert (got - exact_rest).abs().max() < 1e-5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from posterior_fusion.artifact import ClientPosterior, write_global_artifact
@@ -54,6 +54,8 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
     chosen = method_settings(method, settings)
     check_compatible(clients)
     screening = None
+    if robust and "robust" in {f.name for f in fields(chosen)}:  # a method that resists bad clients itself
+        chosen = replace(chosen, robust=True)
     if robust:
         probe = FusionInputs(clients, options)
         clients, screening = screen_clients(clients, temperature=probe.temperature,

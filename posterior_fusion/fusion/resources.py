@@ -8,6 +8,8 @@ from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.fusion.types import FuseSize
 
+READ_OVERHEAD = 32 * 2**20  # what reading and validating the files costs beyond their tensors (HDF5 buffers, copies)
+
 
 def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettings, data_bytes: int = 0,
                         data_rows: int = 0) -> int:
@@ -17,13 +19,14 @@ def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettin
     Loaded tensors (1x) + eigendecompositions and stacked float32 copies (2x); the dense factors of
     compressed Kronecker blocks (``dense_bytes`` − ``data_bytes``) times the method's ``dense_copies``; its own
     working set; its members (twice: the result and its copy); data files converted to float32
-    (4 bytes per stored byte at most) and their logits per member.
+    (4 bytes per stored byte at most) and their logits per member; :data:`READ_OVERHEAD` on top
+    (``benchmarks/compact_memory.py``: 6–16 MiB above the start-up for methods that hold nothing else).
     """
     entry = get_method(method)
     size = FuseSize(headers[0]["num_params"], len(headers), max(h["num_components"] for h in headers))
     num_classes = max(h.get("num_classes", 1) for h in headers)
     members = entry.members(settings, size)
-    total = 3 * sum(h["data_bytes"] for h in headers)
+    total = READ_OVERHEAD + 3 * sum(h["data_bytes"] for h in headers)
     total += entry.dense_copies * sum(h.get("dense_bytes", h["data_bytes"]) - h["data_bytes"] for h in headers)
     total += entry.work_bytes(settings, size)
     total += 2 * members * size.d * 4

@@ -28,7 +28,10 @@ class EnsembleSettings(MethodSettings):
                                bounds=ranges.POOLING_SMOOTHING)
     iterations: int = setting(ITERATIONS, "label-shift: the fixed point's rounds at most (it stops once no "
                                           "probability moves by 1e-10; a warning if the last round still moved one "
-                                          "by 1e-3).", bounds=ranges.POOLING_ITERATIONS)
+                                          "by 1e-2).", bounds=ranges.POOLING_ITERATIONS)
+    robust: bool = setting(False, "label-shift: resist one lying client — count claims capped at 4x the median, "
+                                  "a client that predicts unlike the others on the classes it claims left out of "
+                                  "each prediction and named (fuse --robust sets it; docs/security.md).")
     target_prior: str = setting("clients", "label-shift: the label prior of the data to be predicted — clients (the "
                                            "pooled clients' class frequencies), uniform, or comma-separated class "
                                            "frequencies (recorded in the artifact; predict and evaluate use it).")
@@ -63,7 +66,7 @@ def ensemble(inputs: FusionInputs, settings: EnsembleSettings) -> FusionResult:
     pooling = Pooling(settings.pooling, client_groups([c.num_components for c in inputs.clients]),
                       tuple(tuple(int(n) for n in c.metadata["class_counts"]) for c in inputs.clients),
                       settings.smoothing, settings.iterations,
-                      settings.target_frequencies(inputs.spec.num_classes))
+                      settings.target_frequencies(inputs.spec.num_classes), settings.robust)
     pooling.validate(len(members), inputs.spec.num_classes)
     return FusionResult(members, {"pooling": pooling.to_metadata()})
 
