@@ -275,3 +275,23 @@ def test_the_robust_pool_resists_one_lying_client_and_names_it():
     rest = [0, 1, 3, 4]
     exact_rest = torch.softmax(log_lik + (counts[rest].sum(0) / counts[rest].sum()).log(), -1)
     assert (got - exact_rest).abs().max() < 1e-5
+
+
+def test_fuse_robust_records_the_robust_pool_and_predict_applies_it(skewed, tmp_path):
+    """``fuse --robust`` on the label-shift ensemble records ``robust`` in the pooling record; the artifact's
+    predictions are :func:`robust_label_shift_pool` of its clients' predictives."""
+    from posterior_fusion.pooling import robust_label_shift_pool
+
+    folder, paths = skewed
+    out = tmp_path / "robust.h5"
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--set", "pooling=label-shift",
+                                   "--robust", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    g = posterior_fusion.load(out)
+    assert g.metadata["pooling"]["robust"] is True and g.metadata["settings"]["robust"] is True
+    x = read_silo(folder / "test.h5").x
+    clients = [posterior_fusion.load(p) for p in paths]
+    per_client = torch.stack([c.predict(x).double() for c in clients])
+    counts = torch.tensor([list(c.metadata["class_counts"]) for c in clients], dtype=torch.float64)
+    torch.testing.assert_close(g.predict(x).double(), robust_label_shift_pool(per_client, counts).float().double(),
+                               rtol=1e-5, atol=1e-6)
