@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import typing
+from pathlib import Path
 
 import click
 
@@ -27,7 +28,7 @@ from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture.policy import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
-from posterior_fusion.local.init import initial_weights
+from posterior_fusion.local.init import base_weights, initial_weights
 from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.runtime import resolve_device
@@ -67,22 +68,33 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
 @click.option("--transform-from", default=None, type=click.Path(dir_okay=False),
               help="A data file whose input transform every silo must share (recorded in the init file and "
                    "checked by fit-local) [default: not recorded].")
+@click.option("--from", "base_path", default=None, type=click.Path(dir_okay=False),
+              help="Pretrained weights every starting point takes (fine-tuning a shared base): a .safetensors file "
+                   "with exactly the model's parameters by name, or a global artifact of the same model (its first "
+                   "member). Its SHA-256 is recorded here, in every client artifact and in the fused global; fuse "
+                   "refuses clients with different bases [default: random starting points from --init-seed].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output init file (HDF5).")
 @max_memory_option
 @old_spellings("init")
 @handle_errors
-def init(model, model_kwargs, components, init_seed, transform_from, out, max_memory):
+def init(model, model_kwargs, components, init_seed, transform_from, base_path, out, max_memory):
     """Write M shared starting points that every client trains from."""
-    check_output(out, inputs=[transform_from])
+    check_output(out, inputs=[transform_from, base_path])
     spec = parse_model(model, model_kwargs, max_memory)
     if components < 1:
         raise ConfigError("--components must be >= 1")
     meta = {"method": "init", "init_seed": init_seed}
     if transform_from:
         meta["input_transform"] = read_silo(transform_from, labels=False).input_transform.to_dict()
-    ws = initial_weights(spec, components, init_seed)
+    if base_path is not None:
+        w, sha = base_weights(spec, base_path, max_memory)
+        ws = [w.clone() for _ in range(components)]
+        meta["base"] = {"sha256": sha, "file": Path(base_path).name}
+    else:
+        ws = initial_weights(spec, components, init_seed)
     write_global_artifact(out, spec, ParameterLayout.from_model(spec.build()), meta, ws)
-    say(f"wrote {out}: {components} starting points for {spec.name} ({ws[0].numel()} parameters)")
+    source = f" from the base {base_path}" if base_path else ""
+    say(f"wrote {out}: {components} starting points for {spec.name}{source} ({ws[0].numel()} parameters)")
 
 
 def fit_options(fn, only: tuple[str, ...] | None = None):
@@ -147,6 +159,8 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     if init_path is not None:
         check_transform(init_art.metadata.get("input_transform"), data.input_transform, data_path, init_path)
     init_info = {"file": init_path} if init_path else {"init_seed": init_seed}
+    if init_path is not None and isinstance(init_art.metadata.get("base"), dict):
+        init_info["base_sha256"] = str(init_art.metadata["base"].get("sha256"))
     meta, comps = fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr)
     if as_json:
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
-pip_install torch==2.13.0 numpy scipy click h5py tqdm pytest pytest-xdist ruff matplotlib triton
+pip_install torch==2.13.0 numpy scipy click h5py tqdm safetensors pytest pytest-xdist ruff matplotlib triton
 # laplace-torch and backpack declare torchvision; install them without it and list their real needs.
 pip_install --no-deps laplace-torch backpack-for-pytorch curvlinops-for-pytorch asdfghjkl
 pip_install einops unfoldNd einconv linear_operator opt_einsum torchmetrics scikit-learn

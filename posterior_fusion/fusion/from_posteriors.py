@@ -78,6 +78,8 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
         "structure": clients[0].structure, "screening": screening,
         "input_transform": clients[0].metadata.get("input_transform"),
         "provenance": [{"file": c.path, "sha256": c.sha256, "n_data": c.n_data} for c in clients],
+        "base_sha256": (clients[0].metadata.get("init") or {}).get("base_sha256")
+        if isinstance(clients[0].metadata.get("init"), dict) else None,
         "validation": None if val is None else {"sha256": val.sha256(), "n": len(val)},
         **dict(result.info.items()),
     }

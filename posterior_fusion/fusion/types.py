@@ -217,6 +217,13 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
             raise IncompatibleArtifactsError(f"{c.path}: model {c.model_spec.to_json()} differs from {ref.path}'s {ref.model_spec.to_json()}")
         if c.layout != ref.layout:
             raise IncompatibleArtifactsError(f"{c.path}: parameter layout differs from {ref.path}")
+    bases = {c.path: (c.metadata.get("init") or {}).get("base_sha256") if isinstance(c.metadata.get("init"), dict)
+             else None for c in clients}
+    if len(set(bases.values())) > 1:
+        odd = next(c for c in clients[1:] if bases[c.path] != bases[ref.path])
+        what = lambda sha: f"the base {str(sha)[:12]}…" if sha else "no pretrained base"  # noqa: E731
+        raise IncompatibleArtifactsError(f"{odd.path}: fine-tuned from {what(bases[odd.path])}, {ref.path} from "
+                                         f"{what(bases[ref.path])}: clients must share one base (pfuse init --from)")
     ref_t = ref.metadata.get("input_transform")
     for c in clients[1:]:
         if c.metadata.get("input_transform") != ref_t:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import os
+from pathlib import Path
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
+from posterior_fusion import budget
+from posterior_fusion.artifact.h5check import file_sha256
+from posterior_fusion.artifact.reader import load_global
+from posterior_fusion.errors import IncompatibleArtifactsError, PfuseError, shown
+from posterior_fusion.files import require_regular_file
+from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 
 
@@ -31,3 +40,56 @@ def initial_weights(spec: ModelSpec, num_modes: int, init_seed: int) -> list[tor
             torch.manual_seed(init_seed * 1_000_003 + m)
             out.append(parameters_to_vector(spec.build().parameters()).detach().clone())
     return out
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def base_weights(spec: ModelSpec, path: str | os.PathLike,
+                 max_memory: int | str | None = None) -> tuple[torch.Tensor, str]:
+    """A pretrained base for ``spec``: ``(w (d,) float32 in the model's parameter order, the file's SHA-256)``.
+
+    ``path``: a ``.safetensors`` file (the ``safetensors`` format, no pickle) holding exactly the model's
+    parameters by name (``model.named_parameters()``), each of its shape, in a float type; or one of the
+    project's global artifacts of the same model (its first member: a fused model becomes the next
+    base). Header, names, shapes and types are checked before any tensor is read, the bytes against
+    ``max_memory``; values must be finite. One line naming the file otherwise."""
+    path = Path(path)
+    require_regular_file(path)
+    sha = file_sha256(path)
+    if path.suffix != ".safetensors":
+        base = load_global(path, max_memory)
+        if base.model_spec != spec or base.layout != ParameterLayout.from_model(spec.build()):
+            raise IncompatibleArtifactsError(f"{path}: holds {base.model_spec.to_json()}, not {spec.to_json()}")
+        return base.members[0].float().clone(), sha
+    from safetensors import safe_open
+
+    model = spec.build()
+    wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            missing, extra = sorted(set(wanted) - names), sorted(names - set(wanted))
+            if missing or extra:
+                raise IncompatibleArtifactsError(
+                    f"{path}: its tensors do not match {spec.name}'s parameters (missing "
+                    f"{', '.join(shown(n, 40) for n in missing[:3]) or 'none'}; not parameters "
+                    f"{', '.join(shown(n, 40) for n in extra[:3]) or 'none'})")
+            total = 0
+            for name, shape in wanted.items():
+                piece = f.get_slice(name)
+                if tuple(piece.get_shape()) != shape or piece.get_dtype() not in SAFETENSORS_DTYPES:
+                    raise IncompatibleArtifactsError(
+                        f"{path}: tensor {shown(name, 40)} is {piece.get_dtype()} {tuple(piece.get_shape())}; the model "
+                        f"needs a float tensor of shape {shape}")
+                total += 4 * math.prod(shape)
+            budget.require(2 * total, f"reading {path}", max_memory)
+            tensors = {name: f.get_tensor(name).float() for name in wanted}
+    except PfuseError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the parser's refusals (SafetensorError derives from Exception only)
+        raise IncompatibleArtifactsError(f"{path}: not a readable safetensors file ({shown(str(exc), 120)})") from None
+    bad = next((name for name, t in tensors.items() if not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise IncompatibleArtifactsError(f"{path}: tensor {shown(bad, 40)} holds NaN or Inf")
+    return torch.cat([tensors[name].reshape(-1) for name, _ in model.named_parameters()]), sha
