@@ -247,7 +247,7 @@ def test_device_and_method_needs_are_checked_before_any_work(tmp_path, small_sil
     silo = SiloData(small_silo.x[:40, ::4, ::4].copy(), small_silo.y[:40], "fmnist", 10)
     for c in range(2):
         fit_artifact(tmp_path / f"c{c}.h5", silo, "diag", kwargs={"in_features": 49, "hidden": 2}, mixtures=1,
-                     epochs=1)
+                     epochs=1, seed=c)
     for method, words in (("fedppd-distill", "needs unlabeled server data"), ("fedppd", "needs FedPPD students"),
                           ("swag", "needs SWAG moments")):
         monkeypatch.setattr("sys.argv", ["pfuse", "-q", "fuse", str(tmp_path / "c0.h5"), str(tmp_path / "c1.h5"),

@@ -9,7 +9,12 @@ combined by
 * ``label-shift, equal weights`` — the pooling with ``w_c(y) = 1/C`` (prior correction and the
   ``a_c`` fixed point, but no per-class weights);
 * ``label-shift, a_c = 1`` — the pooling without the fixed point (``iterations = 0``);
-* ``label-shift`` at smoothing 0.1, 0.5 (the default) and 2.
+* ``label-shift`` at smoothing 0.1, 0.5 (the default) and 2;
+* ``label-shift, smoothed label priors`` — the pooling with every count smoothed, in the priors as in
+  the weights (``π_c ∝ n_c + s``, ``π ∝ Σ_c (n_c + s)``, every client weighing in on every class): not
+  exact for exact client posteriors (``docs/methods.md``);
+* ``label-shift, robust`` — the robust pool (``fuse --robust``: count claims capped, a client unlike
+  the others left out; here every client is honest).
 
 Formulas as in ``posterior_fusion/pooling.py``; the ablations are written out here. One row per
 cell and rule (accuracy, NLL, ECE) to ``--json``.
@@ -29,7 +34,7 @@ import posterior_fusion
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment.measure import save_rows
 from posterior_fusion.metrics import classification_metrics
-from posterior_fusion.pooling import label_shift_pool
+from posterior_fusion.pooling import label_shift_pool, robust_label_shift_pool
 
 
 def equal_weight_pool(p: torch.Tensor, counts: torch.Tensor, s: float, iterations: int = 100) -> torch.Tensor:
@@ -42,6 +47,20 @@ def equal_weight_pool(p: torch.Tensor, counts: torch.Tensor, s: float, iteration
     for _ in range(iterations):
         log_a = torch.einsum("cy,ny->cn", prior_c / prior, q).log()
         q = torch.softmax(base + log_a.mean(0)[:, None], -1)
+    return q
+
+
+def smoothed_prior_pool(p: torch.Tensor, counts: torch.Tensor, s: float, iterations: int = 100) -> torch.Tensor:
+    """The label-shift fixed point with every count smoothed (priors and weights; written out)."""
+    c = counts + s
+    prior_c = c / c.sum(1, keepdim=True)
+    prior = c.sum(0) / c.sum()
+    w = c / c.sum(0, keepdim=True)
+    base = prior.log() + (w[:, None, :] * (p.clamp_min(1e-300).log() - prior_c.log()[:, None, :])).sum(0)
+    q = torch.softmax(base, -1)
+    for _ in range(iterations):
+        log_a = torch.einsum("cy,ny->cn", prior_c / prior, q).log()
+        q = torch.softmax(base + torch.einsum("cy,cn->ny", w, log_a), -1)
     return q
 
 
@@ -60,6 +79,8 @@ def rules(p: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
         "label-shift, s = 0.1": label_shift_pool(p, counts, 0.1),
         "label-shift (s = 0.5, the default)": label_shift_pool(p, counts, 0.5),
         "label-shift, s = 2": label_shift_pool(p, counts, 2.0),
+        "label-shift, smoothed label priors": smoothed_prior_pool(p, counts, 0.5),
+        "label-shift, robust": robust_label_shift_pool(p, counts),
     }
 
 

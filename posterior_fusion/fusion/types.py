@@ -223,7 +223,7 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
         odd = next(c for c in clients[1:] if bases[c.path] != bases[ref.path])
         what = lambda sha: f"the base {str(sha)[:12]}…" if sha else "no pretrained base"  # noqa: E731
         raise IncompatibleArtifactsError(f"{odd.path}: fine-tuned from {what(bases[odd.path])}, {ref.path} from "
-                                         f"{what(bases[ref.path])}: clients must share one base (pfuse init --from)")
+                                         f"{what(bases[ref.path])}: clients must share one base")
     ref_t = ref.metadata.get("input_transform")
     for c in clients[1:]:
         if c.metadata.get("input_transform") != ref_t:
