@@ -99,7 +99,8 @@ def partition(source, test_path, test_size, dataset, clients, alpha, partition_s
     if as_json:
         echo_json(summary)
         return
-    say(f"source: {summary['source']}  alpha={alpha} partition_seed={partition_seed} scheme={scheme}")
+    shape = f"classes_per_client={classes_per_client}" if scheme == "label-skew" else f"alpha={alpha}"
+    say(f"source: {summary['source']}  {shape} partition_seed={partition_seed} scheme={scheme}")
     for i, c in enumerate(summary["clients"]):
         say(f"client_{i}: n={c['n']:6d}  class counts {c['class_counts']}")
     say(f"server_val: {summary['server_val']}\ntest: {summary['test']}")

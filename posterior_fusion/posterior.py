@@ -224,8 +224,11 @@ class GlobalEnsemble:
         return checked_probabilities(probs, self.path)
 
     def models(self) -> list[nn.Module]:
-        """One fresh model per member; no storage is shared between them."""
-        return [build_model(self.model_spec, w) for w in self.members]
+        """One fresh ``nn.Module`` per member (no storage shared between them), in evaluation mode. They
+        take the **model's inputs** — data after the artifact's input transform (``predict(x, raw=True)``'s
+        inputs), not the raw pixels or features ``predict(x)`` takes: feed them
+        ``InputTransform.from_dict(g.metadata["input_transform"], "x").apply(x, "x")`` (or use ``predict``)."""
+        return [build_model(self.model_spec, w).eval() for w in self.members]
 
 
 def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.Tensor | np.ndarray, raw: bool,

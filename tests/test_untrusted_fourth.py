@@ -313,3 +313,41 @@ def test_compact_blocks_count_as_the_dense_factors_methods_rebuild(tmp_path, mon
     with pytest.raises(ResourceLimitError, match="eigenbases"):
         glob.predict(x, "mc", samples=2, raw=True, max_memory=4 * D * D)
     assert torch.isfinite(glob.predict(x, "mc", samples=2, raw=True)).all()
+
+
+def test_models_take_the_transformed_inputs_predict_takes_raw_ones(tmp_path, small_silo):
+    """``GlobalEnsemble.models()`` are the members as modules on the model's inputs (after the artifact's
+    input transform, as documented): on transformed inputs a one-member global's module gives
+    ``predict``'s probabilities on the raw ones."""
+    from conftest import fit_artifact
+
+    from posterior_fusion.data.transform import InputTransform
+
+    silo = SiloData(small_silo.x[:40, ::4, ::4].copy(), small_silo.y[:40], "fmnist", 10)
+    fit_artifact(tmp_path / "c.h5", silo, "diag", kwargs={"in_features": 49, "hidden": 3}, mixtures=1, epochs=1)
+    c = posterior_fusion.load(tmp_path / "c.h5")
+    write_global_artifact(tmp_path / "g.h5", c.model_spec, c.layout, {"method": "fedavg",
+                          "input_transform": c.metadata["input_transform"]}, [c.components[0].map])
+    g = posterior_fusion.load(tmp_path / "g.h5")
+    x = silo.x[:8]
+    model_inputs = InputTransform.from_dict(g.metadata["input_transform"], "x").apply(x, "x")
+    with torch.no_grad():
+        probs = torch.softmax(g.models()[0](model_inputs), -1)
+    torch.testing.assert_close(probs, g.predict(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_demo_script_answers_help_without_setting_up(tmp_path):
+    """``bash scripts/demo.sh --help`` prints its usage and installs nothing (a stand-in set-up script that
+    leaves a mark is never run)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "demo.sh", tmp_path / "scripts" / "demo.sh")
+    (tmp_path / "scripts" / "setup.sh").write_text(f"touch {tmp_path / 'ran'}\n")
+    for flag in ("--help", "-h"):
+        r = subprocess.run(["bash", str(tmp_path / "scripts" / "demo.sh"), flag], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0 and "usage" in r.stdout and not (tmp_path / "ran").exists(), (r.stdout, r.stderr)
