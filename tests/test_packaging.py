@@ -4,6 +4,7 @@ repository and run `pfuse demo --quick` from another folder."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -48,3 +49,6 @@ def test_wheel_in_a_fresh_environment_runs_the_demo(tmp_path):
     assert demo.returncode == 0, demo.stderr[-2000:]
     assert "fashion-mnist-subset" in demo.stderr and str(fresh) in demo.stderr  # says which data it used
     assert '"method": "fedbens"' in demo.stdout
+    rows = json.loads(demo.stdout)
+    # the quick demo demonstrates: every row well above chance (10 classes: 10 %)
+    assert {r["method"] for r in rows} == {"default", "fedbens", "fedavg"} and min(r["accuracy"] for r in rows) > 0.35, rows
