@@ -12,7 +12,7 @@ import warnings
 import click
 
 from posterior_fusion import __version__
-from posterior_fusion.cli.common import say
+from posterior_fusion.cli.common import as_flags, say
 from posterior_fusion.runtime import keep_freed_memory
 
 # name -> (module, attribute, one-line help shown by `pfuse --help`)
@@ -72,7 +72,7 @@ def pfuse(quiet: bool) -> None:
 def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one ``warning:`` line on stderr (no source line, no category path)."""
     text = str(message).strip().splitlines()
-    say(f"warning: {text[0] if text else category.__name__}", err=True)
+    say(f"warning: {as_flags(text[0]) if text else category.__name__}", err=True)  # settings named as the CLI's flags
 
 
 def main() -> None:

@@ -130,6 +130,9 @@ def test_fuse_tune_picks_best_validation_point(tmp_path, small_silo):
     assert len(tuning["grid"]) == 4
     best = max(tuning["grid"], key=lambda g: (g["val_accuracy"], -g["val_nll"]))
     assert tuning["chosen"] == best
+    # two-point grids: the best is always at an edge, said in one warning that names the options to widen
+    warned = [line for line in r.stderr.splitlines() if "edge of its grid" in line]
+    assert len(warned) == 1 and "--tune-temperatures" in warned[0] and tuning["at_grid_edge"] is True, r.stderr
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--tune", "T", "--out", str(tmp_path / "h.h5")])
     assert r.exit_code != 0 and "needs server validation" in r.stderr
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedbens", "--tune", "lr", "--val", str(tmp_path / "val.h5"),

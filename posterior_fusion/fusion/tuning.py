@@ -8,6 +8,7 @@ whose ensemble has the best accuracy on the server's validation split (ties: low
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -55,5 +56,12 @@ def tune_fusion(clients: list[ClientPosterior], method: str, options: FusionOpti
         if best is None or (m["accuracy"], -m["nll"]) > (best[0]["val_accuracy"], -best[0]["val_nll"]):
             best = (row, run)
     row, (inputs, result, metadata) = best
-    metadata["tuning"] = {"chosen": row, "grid": table}
+    edges = [f"{name} = {row[key]:g}, the {'lowest' if row[key] == min(grid) else 'highest'} of its grid "
+             f"({', '.join(f'{v:g}' for v in grid)})"
+             for name, key, grid in (("T", "temperature", ts), ("prior_var", "prior_var", pvs))
+             if len(grid) > 1 and row[key] in (min(grid), max(grid))]
+    if edges:
+        warnings.warn(f"tune: the best point lies at the edge of its grid: {'; '.join(edges)}; the optimum may lie "
+                      "beyond it (widen the grid: `tune_temperatures`, `tune_prior_vars`)", stacklevel=2)
+    metadata["tuning"] = {"chosen": row, "grid": table, "at_grid_edge": bool(edges)}
     return inputs, result, metadata
