@@ -87,3 +87,24 @@ def test_a_parameter_without_curvature_is_named_in_a_warning(tmp_path, monkeypat
     assert posterior_fusion.load(tmp_path / "c.h5").metadata["curvature_blocks"]["pos.weight"] == "prior"
     shown = CliRunner().invoke(pfuse, ["inspect", str(tmp_path / "c.h5")])
     assert shown.exit_code == 0 and "no curvature, the prior alone: pos.weight" in shown.output, shown.output
+
+
+def test_fit_local_states_the_artifact_size_before_training(tmp_path, small_silo):
+    """The header line (before the first epoch) states the artifact's size per component; it matches the
+    written artifact's MAP and curvature bytes within 5 % for each structure."""
+    import re
+
+    import posterior_fusion
+    from posterior_fusion.summary import summarize
+
+    write_silo(tmp_path / "s.h5", SiloData(small_silo.x[:64], small_silo.y[:64], "fmnist", 10))
+    for structure in ("kron", "diag", "diag+full"):
+        out = tmp_path / f"{structure}.h5"
+        r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "lenet", "-M", "1",
+                                       "--epochs", "1", "--structure", structure, "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        header = next(line for line in r.stderr.splitlines() if "artifact about" in line)
+        stated = float(re.search(r"artifact about ([0-9.e+-]+) MiB per component", header).group(1)) * 2**20
+        comp = summarize(posterior_fusion.load(out))["components"][0]
+        actual = comp["curvature_bytes"] + 4 * posterior_fusion.load(out).layout.dim
+        assert abs(stated - actual) <= 0.05 * actual, (structure, stated, actual)

@@ -35,7 +35,7 @@ from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture, capture_dtype_problem
 from posterior_fusion.local.capture.laplace import laplace_backends
-from posterior_fusion.local.capture.policy import block_policy
+from posterior_fusion.local.capture.policy import block_policy, curvature_bytes
 from posterior_fusion.local.config import FitConfig
 from posterior_fusion.local.init import init_fingerprint, initial_weights
 from posterior_fusion.local.ppd import distil_ppd
@@ -180,8 +180,12 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         bare = prior_only(probe, cfg.structure) if fast else ""
         if bare:
             log(f"warning: no curvature, the prior alone, for {bare}")
+    per_component = 4 * layout.dim + curvature_bytes(probe, cfg.structure)
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
-        + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}")
+        + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}; "
+        f"artifact about {per_component / 2**20:.3g} MiB per component (MAP and curvature"
+        + (", plain factors: `compress` shrinks them" if cfg.structure == "kron" and not cfg.compression.budget else "")
+        + ")")
     comps = list(done or [])
     if [c.index for c in comps] != list(range(len(comps))) or len(comps) > len(inits):
         raise ConfigError("resumed components must be 0..k-1 of the same run")

@@ -38,3 +38,25 @@ def block_policy(model: nn.Module, structure: str) -> list[tuple[str, str]]:
                 kind = "prior"
             out.append((name, kind))
     return out
+
+
+def curvature_bytes(model: nn.Module, structure: str) -> int:
+    """The float32 bytes one component's curvature takes in an artifact, from the model's shapes alone
+    (before training): a Kronecker weight block its two factors (out², in² with in = in_channels·kernel
+    for a convolution), its bias block out², a diagonal block one float per parameter, a prior-only
+    block nothing; ``diag+full`` adds the last Linear layer's dense block ((weights + biases)²)."""
+    total = 0
+    last = None
+    for _, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if isinstance(module, SUPPORTED_LAYERS) and structure == "kron":
+                out = p.shape[0]
+                total += out * out + (p[0].numel() ** 2 if pname == "weight" else 0)
+            elif isinstance(module, SUPPORTED_LAYERS + NORM_LAYERS):
+                total += p.numel()
+        if isinstance(module, nn.Linear):
+            last = module
+    if structure == "diag+full" and last is not None:
+        n = sum(p.numel() for p in last.parameters())
+        total += n * n
+    return 4 * total
