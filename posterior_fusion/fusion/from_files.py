@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
+from posterior_fusion.metrics import evaluate_members
 
 
 def fuse(client_paths: list[str | os.PathLike], method: str | None, options: FusionOptions | None = None,
@@ -97,4 +99,26 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     metadata["memory_estimate_bytes"] = need
     if val is not None:
         metadata["validation"] = {"file": str(val_path), "sha256": val.sha256(), "n": len(val)}
+        check_calibration(inputs, result, val, get_method(method).tunable, max_memory)
     return inputs, result, metadata
+
+
+MISCALIBRATED_ECE = 0.15  # a fused ensemble this far from calibrated on the validation data warns
+
+
+def check_calibration(inputs: FusionInputs, result, val, tunable: bool, max_memory=None) -> None:
+    """One warning when the fused ensemble's validation ECE is at least :data:`MISCALIBRATED_ECE`: which
+    way it errs (its mean confidence against its accuracy) and what helps — for a method whose fit
+    depends on T and σ0² (``tunable``), choosing them on the validation data; else the default fusion."""
+    m = evaluate_members(inputs.spec, result.members, val, max_memory=max_memory, weights=result.mode_weights,
+                         pooling=result.pooling(inputs.spec.num_classes))
+    if m["ece"] < MISCALIBRATED_ECE:
+        return
+    filled = [r for r in m["reliability"] if r["count"]]
+    confidence = sum(r["confidence"] * r["count"] for r in filled) / max(1, sum(r["count"] for r in filled))
+    side = "underconfident" if confidence < m["accuracy"] else "overconfident"
+    warnings.warn(f"the fused model is {side} on the validation data (ECE {m['ece']:.2f}, mean confidence "
+                  f"{confidence:.2f} at accuracy {m['accuracy']:.2f}, mean entropy {m['entropy_mean']:.2f} nats); "
+                  + ("choose the temperature on it (`tune` T) or re-temper the clients (`temperature`)" if tunable else
+                     "its members are combined as point estimates: the default fusion (the label-shift pool) is "
+                     "calibrated where it applies (docs/choosing.md)"), stacklevel=2)
