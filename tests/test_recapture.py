@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import h5py
 import pytest
 import torch
 from click.testing import CliRunner
@@ -370,13 +371,17 @@ def test_recapture_at_refuses_what_the_server_should_not_choose_before_any_captu
         raise AssertionError("captured before the global was checked")
 
     monkeypatch.setattr(rc, "capture", no_capture)
-    cases = {"huge": ([w + 1e30], "beyond the trust radius"), "overflow": ([torch.full_like(w, 3e38)], "trust radius"),
+    cases = {"huge": ([w + 1e30], "weight beyond 1e+12"), "overflow": ([torch.full_like(w, 3e38)], "weight beyond"),
              "many": ([w] * (MAX_COMPONENTS + 1), f"at most {MAX_COMPONENTS}"),
+             "large": ([w + 1e6], "beyond the trust radius"),
              "far": ([w + torch.randn(w.numel(), generator=torch.Generator().manual_seed(1))], "trust radius")}
     runner = CliRunner()
     for name, (members, words) in cases.items():
         g = tmp_path / f"{name}.h5"
-        write_global_artifact(g, own.model_spec, own.layout, {"method": "fedavg"}, members)
+        write_global_artifact(g, own.model_spec, own.layout, {"method": "fedavg"}, [w] * len(members))
+        with h5py.File(g, "r+") as f:  # a server's file, written by other means than this writer
+            for i, m in enumerate(members):
+                f[f"members/{i}/weights"][...] = m.numpy()
         r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
                                   "--at", str(g), "--out", str(tmp_path / "x.h5")])
         lines = r.stderr.strip().splitlines()

@@ -377,3 +377,35 @@ def test_a_miscalibrated_fusion_warns_with_what_helps(tmp_path, small_silo):  # 
         if warned and method == "fedbens":
             assert "--tune T" in warned[0]
     assert any(w for _, w in seen.values()), seen  # the construction miscalibrates at least one
+
+
+def test_weights_beyond_the_declared_bound_and_featureless_imports_are_one_line(tmp_path):
+    """A client artifact whose FedPPD student (or MAP) holds 3e38 — finite in float32, its average not — is
+    refused by the reader (one line naming the dataset) before any fusion; ``import-data`` of inputs with no
+    features, or with more features than a computed transform holds, names the file and the cause."""
+    import h5py
+    import numpy as np
+
+    from posterior_fusion.artifact.reader import WEIGHT_MAX
+
+    layout = ParameterLayout.from_model(SPEC.build())
+    comp = _component(torch.eye(3), torch.eye(6))
+    comp = Component(0, comp.map, comp.curvature, comp.training, 1.0, 1.0, student=torch.zeros(layout.dim))
+    write_client_artifact(tmp_path / "c.h5", SPEC, layout, META, [comp])
+    for name in ("ppd_student", "map"):
+        bad = tmp_path / f"{name}.h5"
+        bad.write_bytes((tmp_path / "c.h5").read_bytes())
+        with h5py.File(bad, "r+") as f:
+            f[f"components/0/{name}"][0] = 3e38
+        r = CliRunner().invoke(pfuse, ["inspect", str(bad)])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and f"/components/0/{name}" in lines[0], r.output
+        assert f"beyond {WEIGHT_MAX:g}" in lines[0]
+    np.savez(tmp_path / "z.npz", x=np.zeros((10, 0), dtype=np.float32), y=np.zeros(10, dtype=np.int64))
+    width = 100_001
+    (tmp_path / "wide.csv").write_text(",".join(f"c{i}" for i in range(width)) + ",label\n"
+                                       + ("," .join(["1"] * width) + ",0\n") * 2)
+    for source, words in (("z.npz", "the inputs have no features"), ("wide.csv", "100,001 features")):
+        r = CliRunner().invoke(pfuse, ["import-data", str(tmp_path / source), "--out", str(tmp_path / "d.h5")])
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and source in lines[0] and words in lines[0], r.output

@@ -128,13 +128,20 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
     return str(kind), spec, layout, meta
 
 
-def _read(chk: _Checker, ds: h5py.Dataset, where: str) -> torch.Tensor:
+WEIGHT_MAX = 1e12  # a stored weight vector (MAP, member, student, SWAG mean) at most this in absolute value
+
+
+def _read(chk: _Checker, ds: h5py.Dataset, where: str, bound: float | None = None) -> torch.Tensor:
+    """A dataset's values, finite; ``bound``: each at most that in absolute value (weights: any sum or
+    average of them the methods form stays finite in float32)."""
     try:
         arr = read_native(ds)
     except (OSError, ValueError, RuntimeError) as exc:
         raise NotAnArtifactError(chk.file, f"cannot read data (truncated or corrupt file?): {exc}", where) from None
     if not np.isfinite(arr).all():
         raise chk.bad_value(where, "contains NaN or Inf")
+    if bound is not None and arr.size and float(np.abs(arr).max()) > bound:
+        raise chk.bad_value(where, f"holds a weight beyond {bound:g} in absolute value")
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
@@ -190,13 +197,14 @@ def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[Co
     comps = []
     for r in records:
         base = f"/components/{r.index}"
-        w = _read(chk, f[f"{base}/map"], f"{base}/map")
+        w = _read(chk, f[f"{base}/map"], f"{base}/map", WEIGHT_MAX)
         curvature = _blocks(chk, f, f"{base}/curvature", r.blocks)
         swag = None
         if r.swag_rank is not None:
             swag = SwagMoments(*(_read(chk, f[f"{base}/swag/{n}"], f"{base}/swag/{n}")
                                  for n in ("mean", "sq_mean", "deviations")))
-        student = _read(chk, f[f"{base}/ppd_student"], f"{base}/ppd_student") if r.has_student else None
+        student = (_read(chk, f[f"{base}/ppd_student"], f"{base}/ppd_student", WEIGHT_MAX) if r.has_student
+                   else None)
         comps.append(Component(r.index, w, curvature, frozen_mapping(r.training),
                                typed.temperature, typed.prior_precision, swag, student))
     return comps
@@ -253,7 +261,7 @@ def _blocks(chk: _Checker, f: h5py.File, base: str, records: tuple[BlockRecord, 
 def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict,
             num_classes: int) -> tuple[list[torch.Tensor], list[BlockDiag] | None]:
     n, records = _global_plan(chk, f, layout, meta, num_classes)
-    members = [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights") for i in range(n)]
+    members = [_read(chk, f[f"/members/{i}/weights"], f"/members/{i}/weights", WEIGHT_MAX) for i in range(n)]
     if records is None:
         return members, None
     return members, [_blocks(chk, f, f"/members/{i}/curvature", r, GLOBAL_CURVATURE_MAX) for i, r in enumerate(records)]

@@ -57,6 +57,12 @@ class InputTransform:
     def compute(cls, x: np.ndarray, source: str, chunk: int = 4096) -> InputTransform:
         """Per-channel (images) or per-feature (vectors) mean and std of ``x`` after scaling, in
         float64, accumulated over chunks of samples (memory: one chunk, not a float64 copy of ``x``)."""
+        width = x.shape[1] if x.ndim in (2, 4) else 1  # features, or channels ((n, H, W) images: one)
+        if x.ndim < 2 or 0 in x.shape[1:]:
+            raise DataError(f"{source}: the inputs have no features (shape {x.shape})")
+        if width > MAX_CHANNELS:
+            raise DataError(f"{source}: {width:,} features, more than the {MAX_CHANNELS:,} a computed input transform "
+                            "holds (one mean and std per feature); choose `transform` none")
         scale = 1 / 255 if x.dtype == np.uint8 else 1.0
         axes = (0,) if x.ndim == 2 else (0, 1, 2) if x.ndim == 3 else (0, 2, 3)
         per = x.shape[0] * (1 if x.ndim == 2 else math.prod(x.shape[1:3]) if x.ndim == 3 else math.prod(x.shape[2:]))
