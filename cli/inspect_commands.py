@@ -41,6 +41,8 @@ def inspect_cmd(file, as_json, max_memory):
         say(f"{file}  (data file: {d['n']} samples of {tuple(d['input_shape'])}, stored as {d['stored_dtype']}, "
             f"dataset {d['dataset']!r})")
         say(f"classes: {d['num_classes']}  " + (f"counts {d['class_counts']}" if d["labelled"] else "unlabelled"))
+        if d.get("class_names"):
+            say(f"class names: {', '.join(d['class_names'][:20])}{', …' if len(d['class_names']) > 20 else ''}")
         t = d["input_transform"]
         parts = [f"{k} " + (f"({len(v)} values: {', '.join(f'{x:.4g}' for x in v[:3])}, …)" if isinstance(v, (list, tuple))
                             and len(v) > 3 else str(v)) for k, v in t.items()]
@@ -65,6 +67,9 @@ def inspect_cmd(file, as_json, max_memory):
     if s["kind"] == "client":
         say(f"structure: {s['structure']}  n_data={meta.get('n_data')}  T={meta.get('temperature')}  "
                    f"λ0={meta.get('prior_precision')}  class counts {meta.get('class_counts')}")
+        if meta.get("class_names"):
+            names = list(meta["class_names"])
+            say(f"class names: {', '.join(map(str, names[:20]))}{', …' if len(names) > 20 else ''}")
         if meta.get("compress"):
             say(f"compressed: budget {meta['compress']} ({meta.get('compress_metric', 'frobenius')}), eigenvectors "
                 f"{meta.get('compress_vectors', 'float32')}")

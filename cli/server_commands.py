@@ -283,8 +283,10 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
     check_data(g.model_spec, data, len(g.members), max_memory, g.metadata.get("input_transform"), g.path)
     scale, _ = _scale(g, predictive, samples, link, scale, scale_from, max_memory)
     probs = g.predict(data.inputs(), predictive, samples, scale, link, max_memory=max_memory, raw=True)
-    write_predictions(out, probs, {"global_sha256": g.sha256, "predictive": predictive, "scale": scale})
-    say(f"wrote {out}: probabilities {tuple(probs.shape)} ({predictive})")
+    names = list(g.metadata.get("class_names") or data.class_names or [])
+    write_predictions(out, probs, {"global_sha256": g.sha256, "predictive": predictive, "scale": scale}, names)
+    say(f"wrote {out}: probabilities {tuple(probs.shape)} and the predicted class of each row ({predictive})"
+        + (f", class names {', '.join(names[:4])}{', …' if len(names) > 4 else ''}" if names else ""))
 
 
 @click.command("demo")

@@ -427,3 +427,57 @@ def test_the_readme_python_snippet_runs(tmp_path, monkeypatch, small_silo):
     block = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - the README's own code
+
+
+def test_class_names_travel_from_a_csv_to_the_predictions(tmp_path):
+    """A CSV whose labels are names: the data file stores the names (index = sorted order, as the labels),
+    partition keeps them in every file, fit-local records them, fuse carries them to the global (refusing
+    clients that name their classes otherwise), inspect shows them and predict writes them beside each
+    row's predicted index."""
+    import json
+
+    import h5py
+    import numpy as np
+
+    import posterior_fusion
+    from posterior_fusion.artifact import load
+
+    gen = np.random.default_rng(0)
+    names = ["bear", "cat", "dog"]
+    rows = ["f0,f1,f2,label"]
+    for i in range(240):
+        k = i % 3
+        x = gen.normal(size=3) + 3 * np.eye(3)[k]
+        rows.append(",".join(f"{v:.4f}" for v in x) + f",{names[k]}")
+    (tmp_path / "animals.csv").write_text("\n".join(rows) + "\n")
+    runner = CliRunner()
+
+    def ok(*args):
+        r = runner.invoke(pfuse, [str(a) for a in args])
+        assert r.exit_code == 0, r.output
+        return r
+
+    ok("import-data", tmp_path / "animals.csv", "--out", tmp_path / "a.h5")
+    assert "class names: bear, cat, dog" in ok("inspect", tmp_path / "a.h5").output
+    ok("partition", "--from", tmp_path / "a.h5", "--clients", "2", "--alpha", "10", "--val-size", "20",
+       "--test-size", "40", "--out-dir", tmp_path / "p")
+    for c in range(2):
+        ok("fit-local", "--data", tmp_path / "p" / f"client_{c}.h5", "--model", "mlp", "-M", "1", "--epochs", "2",
+           "--structure", "diag", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
+        assert load(tmp_path / f"c{c}.h5").metadata["class_names"] == names
+    ok("fuse", tmp_path / "c0.h5", tmp_path / "c1.h5", "--method", "fedavg", "--out", tmp_path / "g.h5")
+    assert posterior_fusion.load(tmp_path / "g.h5").metadata["class_names"] == names
+    assert "class names: bear, cat, dog" in ok("inspect", tmp_path / "c0.h5").output
+    ok("predict", tmp_path / "g.h5", "--data", tmp_path / "p" / "test.h5", "--out", tmp_path / "probs.h5")
+    with h5py.File(tmp_path / "probs.h5") as f:
+        assert json.loads(f.attrs["class_names"]) == names
+        np.testing.assert_array_equal(f["predicted"][...], f["probs"][...].argmax(1))
+    # a client that names its classes otherwise is refused beside the others
+    with h5py.File(tmp_path / "c1.h5", "r+") as f:
+        meta = json.loads(f.attrs["metadata"])
+        meta["class_names"] = ["ant", "bee", "cow"]
+        del f.attrs["metadata"]
+        f.attrs["metadata"] = np.bytes_(json.dumps(meta).encode())
+    r = runner.invoke(pfuse, ["fuse", str(tmp_path / "c0.h5"), str(tmp_path / "c1.h5"), "--method", "fedavg",
+                              "--out", str(tmp_path / "x.h5")])
+    assert r.exit_code == 2 and "names its classes differently" in r.stderr, r.output

@@ -149,6 +149,7 @@ def check_global_metadata(meta: dict[str, Any], num_members: int, has_curvature:
     """The typed fields of a global artifact's metadata: ``mode_weights`` (``num_members``
     probabilities summing to 1), ``pooling`` (:meth:`Pooling.from_metadata`) and, with curvature,
     ``laplace.prior_precision`` in range (one number, or one per curvature block: ``num_blocks``)."""
+    check_class_names(meta, num_classes)
     if "pooling" in meta:
         try:
             pooling = Pooling.from_metadata(meta["pooling"], num_members, num_classes)
@@ -203,4 +204,13 @@ class ClientMetadata:
         if (not isinstance(counts, list) or len(counts) != num_classes
                 or not all(_is_int(c) and 0 <= c <= n for c in counts) or sum(counts) != n):
             raise HeaderProblem("/", f"metadata field 'class_counts' must be {num_classes} non-negative integers summing to n_data={n}")
+        check_class_names(meta, num_classes)
         return cls(int(n), tuple(counts), float(t), float(lam), str(meta["structure"]), int(m))
+
+
+def check_class_names(meta: dict[str, Any], num_classes: int) -> None:
+    """The optional metadata field ``class_names``: one text of at most 200 characters per class."""
+    names = meta.get("class_names")
+    if names is not None and (not isinstance(names, list) or len(names) != num_classes
+                              or not all(isinstance(v, str) and len(v) <= 200 for v in names)):
+        raise HeaderProblem("/", f"metadata field 'class_names' must list {num_classes} texts of at most 200 characters")

@@ -182,9 +182,12 @@ def write_global_artifact(
     atomic_h5_write(path, fill, readable(path))
 
 
-def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[str, str | float]) -> None:
-    """Write ``probs`` ``(n, classes)`` to the HDF5 file ``path`` (``/probs`` and ``attrs``) atomically,
-    after checking they are probabilities: finite, in [0, 1], each row summing to 1."""
+def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[str, str | float],
+                      class_names: Sequence[str] = ()) -> None:
+    """Write ``probs`` ``(n, classes)`` to the HDF5 file ``path`` (``/probs``, the predicted class index
+    per row ``/predicted``, and ``attrs``; with ``class_names`` the attribute ``class_names``, a JSON list,
+    so ``class_names[predicted[i]]`` is row i's class) atomically, after checking they are probabilities:
+    finite, in [0, 1], each row summing to 1."""
     p = probs.detach().double()
     rows = p.sum(-1)
     if not torch.isfinite(p).all() or p.min() < 0 or p.max() > 1 + 1e-6 or not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
@@ -196,5 +199,8 @@ def write_predictions(path: str | os.PathLike, probs: torch.Tensor, attrs: dict[
         for key, value in attrs.items():
             f.attrs[key] = value
         f.create_dataset("probs", data=probs.detach().cpu().numpy().astype(np.float32))
+        f.create_dataset("predicted", data=probs.detach().argmax(-1).cpu().numpy().astype(np.int64))
+        if class_names:
+            f.attrs["class_names"] = text_attr(json.dumps(list(class_names)))
 
     atomic_h5_write(path, fill)

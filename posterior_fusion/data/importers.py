@@ -397,6 +397,43 @@ def detect_format(source: str) -> str:
     raise DataError(f"{source}: cannot tell the format from the name; pass `format` ({', '.join(FORMATS)})")
 
 
+MAX_CLASS_NAME = 200  # characters of one class name kept
+
+
+def source_class_names(source: str, fmt: str = "auto", label_column: str = "label", follow_links: bool = False,
+                       **_: object) -> tuple[str, ...]:
+    """The class names behind the labels :func:`load_source` returns, index by index, where the source
+    has them: a CSV whose label column holds names (sorted, as the labels), an image folder's class
+    sub-folders; ``()`` otherwise (the labels are the classes' own numbers)."""
+    fmt = detect_format(source) if fmt == "auto" else fmt
+    p = Path(source)
+    if fmt == "image-folder" and p.is_dir():
+        return tuple(folder.name[:MAX_CLASS_NAME] for folder in subfolders(p, follow_links))
+    if fmt != "csv":
+        return ()
+    try:
+        with open(p, newline="") as fh:
+            reader = csv.reader(fh)
+            header = next(reader)
+            if label_column not in header:
+                return ()
+            li = header.index(label_column)
+            raw = {row[li] for row in reader if len(row) > li}
+    except (OSError, UnicodeDecodeError, csv.Error, StopIteration):
+        return ()
+    if all(_is_int(v) for v in raw):
+        return ()
+    return tuple(name[:MAX_CLASS_NAME] for name in sorted(raw))
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def load_source(source: str, fmt: str = "auto", labels: str | os.PathLike | None = None, label_column: str = "label",
                 x_key: str = "x", y_key: str = "y", size: tuple[int, int] | None = None,
                 grey: bool | None = None, max_memory: int | str | None = None,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from posterior_fusion.data.idx import find_fmnist_dir, load_fmnist
-from posterior_fusion.data.importers import load_source
+from posterior_fusion.data.importers import load_source, source_class_names
 from posterior_fusion.data.partition import dirichlet_partition, fedbens_reference_partition, label_skew_partition
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform
@@ -48,9 +48,12 @@ def import_data(source: str, out: str | os.PathLike, fmt: str = "auto", transfor
         raise DataError(f"{source}: labels reach {int(y.max())}, more than `num_classes` {k} allows")
     t = resolve_transform(transform, x, str(source))
     dataset = name or Path(str(source).split(":")[-1]).stem
-    write_silo(out, SiloData(x, y, dataset, max(k, 1), str(source), t))
+    names = source_class_names(source, fmt, **kwargs) if y is not None else ()
+    names = names if len(names) == max(k, 1) else ()
+    write_silo(out, SiloData(x, y, dataset, max(k, 1), str(source), t, names))
     return {"out": str(out), "n": int(x.shape[0]), "input_shape": list(x.shape[1:]), "dtype": str(x.dtype),
-            "num_classes": k, "labels": y is not None, "transform": t.to_dict(), "dataset": dataset}
+            "num_classes": k, "labels": y is not None, "transform": t.to_dict(), "dataset": dataset,
+            **({"class_names": list(names)} if names else {})}
 
 
 def _split_indices(labels: np.ndarray, clients: int, alpha: float, seed: int, min_size: int, scheme: str,
@@ -91,6 +94,7 @@ def partition_to_files(
     if source is not None:
         train = read_silo(source)
         x, y, name, k, t = train.x, train.labels(), train.dataset, train.num_classes, train.input_transform
+        names = train.class_names
         test_data = read_silo(test, num_classes=k) if test else None
         origin = str(source)
     else:
@@ -100,6 +104,7 @@ def partition_to_files(
         x, y = load_fmnist("train", folder)
         xt, yt = load_fmnist("test", folder)
         name, k, t = dataset, 10, InputTransform.constants("fmnist")
+        names = ()
         test_data = SiloData(xt, yt, name, k, transform=t)
         origin = str(folder)
     if protocol == "fedbens-reference":
@@ -111,7 +116,7 @@ def partition_to_files(
         parts, val_idx = fedbens_reference_partition(y, clients, alpha, k, num_val=val_size)
         return _write_split(Path(out_dir), x, y, name, k, t, parts, np.arange(len(y)), val_idx, None, test_data,
                             {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": 3,
-                             "scheme": scheme, "protocol": protocol})
+                             "scheme": scheme, "protocol": protocol}, names)
     rng = np.random.default_rng(partition_seed)
     order = rng.permutation(len(y))
     if test_size:
@@ -135,13 +140,14 @@ def partition_to_files(
     parts = _split_indices(y[pool], clients, alpha, partition_seed, min_size, scheme, classes_per_client)
     return _write_split(Path(out_dir), x, y, name, k, t, parts, pool, val_idx, unlabeled_idx, test_data,
                         {"dataset": name, "source": origin, "alpha": alpha, "partition_seed": partition_seed,
-                         "scheme": scheme, "protocol": protocol})
+                         "scheme": scheme, "protocol": protocol}, names)
 
 
 _SPLIT_FILE = re.compile(r"^(client_[0-9]+\.h5|server_val\.h5|server_unlabeled\.h5|test\.h5|summary\.json)$")
 
 
-def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, unlabeled_idx, test_data, summary: dict) -> dict:
+def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, unlabeled_idx, test_data, summary: dict,
+                 names: tuple[str, ...] = ()) -> dict:
     """Write the split into a private folder and rename it to ``out`` as a whole: a killed run
     never leaves a folder mixing two splits (``out`` may hold only an earlier split's files)."""
     summary = dict(summary, clients=[], server_val=str(out / "server_val.h5"),
@@ -150,13 +156,15 @@ def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, unlabeled_id
     with atomic_folder(out, owned=lambda n: bool(_SPLIT_FILE.match(n))) as tmp:
         for c, local in enumerate(parts):
             idx = pool[local]
-            silo = SiloData(x[idx], y[idx], name, k, transform=t)
+            silo = SiloData(x[idx], y[idx], name, k, transform=t, class_names=names)
             write_silo(tmp / f"client_{c}.h5", silo)
             summary["clients"].append({"path": str(out / f"client_{c}.h5"), "n": len(silo),
                                        "class_counts": silo.class_counts()})
-        write_silo(tmp / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t))
+        write_silo(tmp / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t, class_names=names))
         if unlabeled_idx is not None:
-            write_silo(tmp / "server_unlabeled.h5", SiloData(x[unlabeled_idx], None, name, k, transform=t))
+            write_silo(tmp / "server_unlabeled.h5", SiloData(x[unlabeled_idx], None, name, k, transform=t,
+                                                             class_names=names))
         if test_data is not None:
-            write_silo(tmp / "test.h5", SiloData(test_data.x, test_data.labels(), name, k, transform=t))
+            write_silo(tmp / "test.h5", SiloData(test_data.x, test_data.labels(), name, k, transform=t,
+                                                 class_names=names))
     return summary

@@ -12,6 +12,7 @@ it reads any data, and every failure is one :class:`DataError` line naming the f
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -48,6 +49,7 @@ class SiloData:
     num_classes: int
     source: str = ""          # the file it was read from (for error messages)
     transform: InputTransform | None = None
+    class_names: tuple[str, ...] = ()  # one name per class where the data has them (string labels, folders)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -105,6 +107,9 @@ class SiloData:
                 raise DataError(f"{where}: {x.shape[0]} inputs but labels of shape {y.shape}")
             if y.size and (y.min() < 0 or y.max() >= self.num_classes):
                 raise DataError(f"{where}: labels must be in [0, {self.num_classes}), found [{y.min()}, {y.max()}]")
+        if self.class_names and (len(self.class_names) != self.num_classes
+                                 or not all(isinstance(n, str) and len(n) <= 200 for n in self.class_names)):
+            raise DataError(f"{where}: class names must be {self.num_classes} texts of at most 200 characters")
         if x.dtype == np.float32 and not np.isfinite(x).all():
             raise DataError(f"{where}: inputs contain NaN or Inf")
         t = self.input_transform
@@ -119,7 +124,7 @@ class SiloData:
 
     def subset(self, idx: np.ndarray) -> SiloData:
         return SiloData(self.x[idx], None if self.y is None else self.y[idx], self.dataset, self.num_classes,
-                        self.source, self.transform)
+                        self.source, self.transform, self.class_names)
 
 
 def write_silo(path: str | os.PathLike, data: SiloData) -> None:
@@ -134,6 +139,8 @@ def write_silo(path: str | os.PathLike, data: SiloData) -> None:
         f.attrs["num_classes"] = data.num_classes
         if data.transform is not None:
             f.attrs["transform"] = np.bytes_(data.transform.to_json().encode())
+        if data.class_names:
+            f.attrs["class_names"] = np.bytes_(json.dumps(list(data.class_names)).encode())
         ds = f.create_dataset("x", data=data.x, compression="gzip", compression_opts=4)
         if ds.id.get_storage_size() * (MAX_COMPRESSION_RATIO // 2) < data.x.nbytes:
             del f["x"]
@@ -185,6 +192,7 @@ class SiloHeader:
     num_classes: int
     has_labels: bool = True
     transform: InputTransform | None = None
+    class_names: tuple[str, ...] = ()
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -226,7 +234,18 @@ def _header(f: h5py.File, path: Path) -> SiloHeader:
         raise DataError(f"{path} [/]: num_classes {k} out of range [1, {MAX_CLASSES}]")
     text = _scalar_attr(f, path, "transform", "text", 4_000_000) if "transform" in f.attrs else None
     transform = InputTransform.from_json(text, f"{path} [/]") if text else None
-    return SiloHeader(n, tuple(xd.shape), xd.dtype.name, dataset, k or 0, has_labels, transform)
+    names: tuple[str, ...] = ()
+    if "class_names" in f.attrs:
+        raw = _scalar_attr(f, path, "class_names", "text", 4_000_000)
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError:
+            parsed = None
+        if (not isinstance(parsed, list) or len(parsed) != (k or 0)
+                or not all(isinstance(v, str) and len(v) <= 200 for v in parsed)):
+            raise DataError(f"{path} [/]: attribute 'class_names' must list {k or 0} texts of at most 200 characters")
+        names = tuple(parsed)
+    return SiloHeader(n, tuple(xd.shape), xd.dtype.name, dataset, k or 0, has_labels, transform, names)
 
 
 @contextmanager
@@ -258,7 +277,8 @@ def read_silo(path: str | os.PathLike, num_classes: int | None = None,
         raise DataError(f"{path}: num_classes missing or invalid")
     if y is not None and (y.min() < 0 or y.max() >= k):
         raise DataError(f"{path} [/y]: labels must be in [0, {k}), found range [{y.min()}, {y.max()}]")
-    out = SiloData(x, None if y is None else y.astype(np.int64), head.dataset, k, str(path), head.transform)
+    names = head.class_names if len(head.class_names) == k else ()
+    out = SiloData(x, None if y is None else y.astype(np.int64), head.dataset, k, str(path), head.transform, names)
     out.validate(f"{path} [/x]")
     return out
 
@@ -294,7 +314,7 @@ def describe_data(path: str | os.PathLike, max_memory: int | str | None = None) 
     return {"file": str(path), "kind": "data", "n": head.n, "input_shape": list(head.input_shape),
             "stored_dtype": head.x_dtype, "dataset": head.dataset, "num_classes": head.num_classes,
             "labelled": head.has_labels, "class_counts": data.class_counts() if data.y is not None else None,
-            "input_transform": data.input_transform.to_dict()}
+            "input_transform": data.input_transform.to_dict(), "class_names": list(data.class_names) or None}
 
 
 def silo_header(path: str | os.PathLike) -> SiloHeader:

@@ -80,6 +80,8 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
         "provenance": [{"file": c.path, "sha256": c.sha256, "n_data": c.n_data} for c in clients],
         "base_sha256": (clients[0].metadata.get("init") or {}).get("base_sha256")
         if isinstance(clients[0].metadata.get("init"), dict) else None,
+        **({"class_names": names} if (names := next((list(c.metadata["class_names"]) for c in clients
+                                                      if c.metadata.get("class_names")), None)) else {}),
         "validation": None if val is None else {"sha256": val.sha256(), "n": len(val)},
         **dict(result.info.items()),
     }

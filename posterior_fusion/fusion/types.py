@@ -224,6 +224,12 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
         what = lambda sha: f"the base {str(sha)[:12]}…" if sha else "no pretrained base"  # noqa: E731
         raise IncompatibleArtifactsError(f"{odd.path}: fine-tuned from {what(bases[odd.path])}, {ref.path} from "
                                          f"{what(bases[ref.path])}: clients must share one base")
+    names = {c.path: tuple(c.metadata.get("class_names") or ()) for c in clients}
+    named = {v for v in names.values() if v}
+    if len(named) > 1:
+        odd = next(c for c in clients if names[c.path] and names[c.path] != next(iter(named)))
+        raise IncompatibleArtifactsError(f"{odd.path}: names its classes differently from the other clients "
+                                         f"({', '.join(list(names[odd.path])[:4])}, …)")
     ref_t = ref.metadata.get("input_transform")
     for c in clients[1:]:
         if c.metadata.get("input_transform") != ref_t:

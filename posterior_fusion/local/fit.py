@@ -84,6 +84,7 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         # HBFL: the private architecture stays in the silo; only how it was used is recorded
         **({"hbfl_private": {"weight": cfg.private.weight, "epochs": cfg.private.epochs or cfg.train.epochs}}
            if cfg.private is not None else {}),
+        **({"class_names": list(data.class_names)} if data.class_names else {}),
     }
 
 
