@@ -58,8 +58,9 @@ def echo_json(obj: Any) -> None:
 
 
 def log_to_stderr(msg: str) -> None:
-    """A progress or log line on stderr; nothing under ``pfuse --quiet`` unless it is a warning."""
-    if msg.lstrip().startswith("warning") or os.environ.get("PFUSE_PROGRESS", "1") != "0":
+    """A progress or log line on stderr; nothing under ``pfuse --quiet`` (warnings go through
+    :mod:`warnings`, printed whatever ``--quiet`` says)."""
+    if os.environ.get("PFUSE_PROGRESS", "1") != "0":
         say(msg, err=True)
 
 

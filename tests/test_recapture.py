@@ -343,9 +343,13 @@ def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, m
     source = load_client(tmp_path / "c.h5")
     at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"},
                         tuple(c.map for c in source.components))
+    import warnings as warning_module
+
     monkeypatch.setattr(rc, "RATIO_FLOOR", 1e9)
-    lines: list[str] = []
-    meta, comps = rc.recapture(source, silo, "diag", at=at, log=lines.append, damping="auto")
+    with warning_module.catch_warnings(record=True) as caught:
+        warning_module.simplefilter("always")
+        meta, comps = rc.recapture(source, silo, "diag", at=at, log=lambda *_: None, damping="auto")
+    lines = [str(w.message) for w in caught]
     warnings = [line for line in lines if "does not confirm" in line]
     assert len(warnings) == 2 and all("gain_test = failed" in line for line in warnings), lines
     assert all(c.training["gain_test"] == "failed" and c.training["damping"] == rc.AUTO_DAMPINGS[-1] for c in comps)

@@ -221,9 +221,9 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
              else None for c in clients}
     if len(set(bases.values())) > 1:
         odd = next(c for c in clients[1:] if bases[c.path] != bases[ref.path])
-        what = lambda sha: f"the base {str(sha)[:12]}…" if sha else "no pretrained base"  # noqa: E731
-        raise IncompatibleArtifactsError(f"{odd.path}: fine-tuned from {what(bases[odd.path])}, {ref.path} from "
-                                         f"{what(bases[ref.path])}: clients must share one base")
+        said = {p: f"the base {str(sha)[:12]}…" if sha else "no pretrained base" for p, sha in bases.items()}
+        raise IncompatibleArtifactsError(f"{odd.path}: fine-tuned from {said[odd.path]}, {ref.path} from "
+                                         f"{said[ref.path]}: clients must share one base")
     names = {c.path: tuple(c.metadata.get("class_names") or ()) for c in clients}
     named = {v for v in names.values() if v}
     if len(named) > 1:

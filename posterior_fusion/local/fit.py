@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from importlib.metadata import PackageNotFoundError, version
@@ -123,8 +124,6 @@ def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: t
     """The capture run once on two samples of the untrained model, before any training: a model the
     capture cannot take (laplace-torch refuses layers it does not know, e.g. ``nn.MultiheadAttention``
     under K-FAC) is refused in one line now, not after hours of training."""
-    import warnings
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the probe's own warnings repeat in the real capture
@@ -180,7 +179,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         fast = cfg.capture == "fast" and unsupported_reason(probe, x[:2]) is None
         bare = prior_only(probe, cfg.structure) if fast else ""
         if bare:
-            log(f"warning: no curvature, the prior alone, for {bare}")
+            warnings.warn(f"no curvature, the prior alone, for {bare}", stacklevel=2)
     per_component = 4 * layout.dim + curvature_bytes(probe, cfg.structure)
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
         + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}; "

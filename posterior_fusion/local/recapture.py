@@ -30,7 +30,7 @@ chooses d per mode on the silo, without the server's data: the Levenberg–Marqu
 quadratic model at w*_k) measures whether the silo's own loss confirms the step the Gaussian
 encodes; the smallest d of ``AUTO_DAMPINGS`` with ρ ≥ ``RATIO_FLOOR`` (¼, the textbook trust-region
 threshold) is kept, at one forward pass over the silo per d tried; when none passes, the largest is
-kept, the log says so and the component records ``gain_test = "failed"``. The refreshed artifact
+kept, a warning says so and the component records ``gain_test = "failed"``. The refreshed artifact
 has one component per global mode, so the server refits from curvature taken where the fused
 posterior lives.
 
@@ -57,6 +57,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -100,16 +101,23 @@ def check_damping(value: object, name: str = "damping") -> float | str:
     return float(value)
 
 
-def distance_from_own_posterior(source: ClientPosterior, w: torch.Tensor) -> float:
+def own_posterior(source: ClientPosterior) -> list[tuple[torch.Tensor, object]]:
+    """``(ŵ_m (d,), Λ_m)`` per component of ``source``, in float64 (converted once for every member tested)."""
+    return [(comp.map.double(), comp.curvature.precision(comp.temperature, comp.prior_precision).astype(torch.float64))
+            for comp in source.components]
+
+
+def distance_from_own_posterior(source: ClientPosterior, w: torch.Tensor,
+                                posterior: list[tuple[torch.Tensor, object]] | None = None) -> float:
     """``min_m (w − ŵ_m)ᵀ Λ_m (w − ŵ_m) / d`` over ``source``'s components (``w`` ``(d,)``; Λ_m the
-    component's posterior precision), in float64: inf for a non-finite ``w``."""
+    component's posterior precision; ``posterior``: :func:`own_posterior` where the caller has it), in
+    float64: inf for a non-finite ``w``."""
     v = w.double()
     if not torch.isfinite(v).all():
         return math.inf
     best = math.inf
-    for comp in source.components:
-        prec = comp.curvature.precision(comp.temperature, comp.prior_precision).astype(torch.float64)
-        best = min(best, float(prec.quadratic_form(v - comp.map.double())) / v.numel())
+    for centre, prec in own_posterior(source) if posterior is None else posterior:
+        best = min(best, float(prec.quadratic_form(v - centre)) / v.numel())
     return best if math.isfinite(best) else math.inf
 
 
@@ -124,8 +132,9 @@ def check_refresh_global(source: ClientPosterior, at: GlobalEnsemble, trust_radi
     if len(at.members) > MAX_COMPONENTS:
         raise IncompatibleArtifactsError(f"{at.path}: has {len(at.members)} members; a refresh round recaptures at "
                                          f"most {MAX_COMPONENTS} (the cap of -M)")
+    posterior = own_posterior(source)
     for k, w in enumerate(at.members):
-        q = distance_from_own_posterior(source, w)
+        q = distance_from_own_posterior(source, w, posterior)
         if not q <= trust_radius:
             raise IncompatibleArtifactsError(
                 f"{at.path}: member {k} lies at {q:.3g} (squared distance per parameter) from this silo's own "
@@ -298,9 +307,9 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
             f"{training['gradient_norm']:.3g}, Gauss-Newton step {training['newton_step_norm']:.3g} "
             f"(damping {used:g}, gain ratio {ratio:.2f})")
         if not passed:
-            log(f"global mode {index + 1}/{len(points)}: warning: the silo's loss does not confirm the step at "
-                f"damping {used:g} (gain ratio {ratio:.2f} < {RATIO_FLOOR}); the component keeps it, recorded as "
-                "gain_test = failed")
+            warnings.warn(f"global mode {index + 1}/{len(points)}: the silo's loss does not confirm the step at "
+                          f"damping {used:g} (gain ratio {ratio:.2f} < {RATIO_FLOOR}); the component keeps it, "
+                          "recorded as gain_test = failed", stacklevel=2)
     origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
               "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
     meta.pop("num_components", None)
