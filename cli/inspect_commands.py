@@ -67,6 +67,8 @@ def inspect_cmd(file, as_json, max_memory):
     if s["kind"] == "client":
         say(f"structure: {s['structure']}  n_data={meta.get('n_data')}  T={meta.get('temperature')}  "
                    f"λ0={meta.get('prior_precision')}  class counts {meta.get('class_counts')}")
+        say("prior: " + ("N(base, 1/λ0), centred at the pretrained base the silo fine-tuned" if s["prior_centre"] == "base"
+                         else "N(0, 1/λ0), centred at zero"))
         if meta.get("class_names"):
             names = list(meta["class_names"])
             say(f"class names: {', '.join(map(str, names[:20]))}{', …' if len(names) > 20 else ''}")

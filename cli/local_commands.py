@@ -159,9 +159,12 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     if init_path is not None:
         check_transform(init_art.metadata.get("input_transform"), data.input_transform, data_path, init_path)
     init_info = {"file": init_path} if init_path else {"init_seed": init_seed}
+    prior_mean = None
     if init_path is not None and isinstance(init_art.metadata.get("base"), dict):
         init_info["base_sha256"] = str(init_art.metadata["base"].get("sha256"))
-    meta, comps = fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr)
+        prior_mean = inits[0]  # fine-tuning a base: the prior N(base, λ0⁻¹ I) is centred at it
+    meta, comps = fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr,
+                                prior_mean=prior_mean)
     if as_json:
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})
     else:

@@ -96,6 +96,7 @@ class ClientPosterior:
     layout: ParameterLayout
     metadata: Mapping[str, Any]
     components: tuple[Component, ...]
+    prior_mean: torch.Tensor | None = None  # (d,): the prior N(prior_mean, λ0⁻¹ I)'s centre, the base; None = zero
 
     @property
     def structure(self) -> str:

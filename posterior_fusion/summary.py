@@ -32,6 +32,7 @@ def summarize(art: ClientPosterior | GlobalEnsemble) -> dict:
                 "training": dict(c.training),
             })
         out["structure"] = art.structure
+        out["prior_centre"] = "zero" if art.prior_mean is None else "base"  # the prior N(centre, λ0⁻¹ I)
         out["components"] = comps
         if art.metadata.get("compress"):
             out["compression"] = compression_errors(art)

@@ -63,7 +63,7 @@ def test_cli_set_and_help_method(tmp_path, two_clients):
     g = posterior_fusion.load(out)
     assert g.metadata["settings"]["steps"] == 3 and len(g.members) == 1
     assert [h["step"] for h in g.metadata["history"][0]][-1] == 3
-    assert json.loads(r.stdout)["resolved"] == {"solver": "adam", "prior_centre": "zero", "server_prior": "clients"}
+    assert json.loads(r.stdout)["resolved"] == {"solver": "adam", "prior_centre": "prior", "server_prior": "clients"}
     # the names a method renamed: one line with the new name, exit 2
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedfisher", "--set", "damping=0.1",
                                    "--out", str(tmp_path / "f.h5")])

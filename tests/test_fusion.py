@@ -915,7 +915,7 @@ def _dense_log_evidence(one, T: float, lam_blocks: list[float], centre: torch.Te
     return float(-0.5 * Q - 0.5 * torch.linalg.slogdet(H)[1] + 0.5 * torch.log(L0).sum()), w
 
 
-@pytest.mark.parametrize("centre", ["zero", "clients"])
+@pytest.mark.parametrize("centre", ["prior", "clients", "base"])
 @pytest.mark.parametrize("structure", ["diag", "diag+full"])
 def test_server_prior_evidence_maximises_the_exact_evidence_of_a_gaussian_product(structure, centre):
     """fedbens `server_prior=evidence` with one component per client: the product is Gaussian, so its
@@ -929,8 +929,11 @@ def test_server_prior_evidence_maximises_the_exact_evidence_of_a_gaussian_produc
     T = 0.02
     one = _clients(structure, C=3, M=1, seed=5)
     d = TINY_LAYOUT.dim
-    mu = (torch.zeros(d, dtype=torch.float64) if centre == "zero"
+    mu = (torch.zeros(d, dtype=torch.float64) if centre == "prior"
           else torch.stack([c.components[0].map for c in one]).mean(0))  # equal λ_c: the plain average
+    if centre == "base":  # clients fine-tuned from a base: every prior N(base, ·), divided out there
+        mu = mu + 0.5 * torch.randn(d, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        one, centre = [dataclasses.replace(c, prior_mean=mu) for c in one], "prior"
     G = sum(torch.block_diag(*[b.to_dense() for b in c.components[0].curvature.blocks]) / T for c in one)
     offs = one[0].components[0].curvature.offsets
     c = [float(torch.diagonal(G)[o: o + b.dim].mean()) for o, b in zip(offs, one[0].components[0].curvature.blocks)]
@@ -1164,15 +1167,15 @@ def test_fedbens_default_is_the_validation_free_fusion_without_validation_data(f
     _, with_val, val_meta = fuse(paths, "fedbens", opts, {"steps": 6, "val_every": 2, "laplace": False}, val_path=val)
     _, adam, _ = fuse(paths, "fedbens", opts, {"steps": 6, "val_every": 2, "laplace": False, "solver": "adam"},
                 val_path=val)
-    assert val_meta["resolved"] == {"solver": "adam", "prior_centre": "zero", "server_prior": "clients"}
+    assert val_meta["resolved"] == {"solver": "adam", "prior_centre": "prior", "server_prior": "clients"}
     for a, b in zip(with_val.members, adam.members):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # EM where asked for, with or without validation: explicit solver=em keeps the paper's centre and λ0
-    assert resolve_auto(FedBEnsSettings(solver="em"), False).prior_centre == "zero"
+    assert resolve_auto(FedBEnsSettings(solver="em"), False).prior_centre == "prior"
     assert resolve_auto(FedBEnsSettings(solver="em"), False).server_prior == "clients"
     assert resolve_auto(FedBEnsSettings(server_prior="evidence"), True).solver == "em"
     assert resolve_auto(FedBEnsSettings(trust_radius=0.1), True).solver == "em"
-    assert resolve_auto(FedBEnsSettings(prior_centre="zero"), False).prior_centre == "zero"  # explicit wins
+    assert resolve_auto(FedBEnsSettings(prior_centre="prior"), False).prior_centre == "prior"  # explicit wins
     # diagonal curvature: the stationary point predicts far worse than Adam's early iterates (measured), so
     # auto stays the paper's Adam there, without a warning
     for structure in ("diag", "diag+full"):

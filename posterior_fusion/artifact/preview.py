@@ -79,6 +79,7 @@ def preview(path: str | os.PathLike) -> dict[str, Any]:
                     "training": chk.json_attr(f[base], "training", base) if isinstance(f.get(base), h5py.Group) else {},
                 })
             out["structure"] = out["metadata"].get("structure")
+            out["prior_centre"] = "base" if isinstance(f.get("prior_mean"), h5py.Dataset) else "zero"
             out["components"] = comps
         else:
             members = f.get("members")

@@ -178,6 +178,8 @@ def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: Parameter
             for name, shape in b.datasets.items():
                 chk.dataset(f, f"{base}/curvature/{j}/{name}", shape, dataset_dtypes(b.kind, name, schema.FLOAT_DTYPES))
         records.append(record)
+    if "/prior_mean" in paths:
+        chk.dataset(f, "/prior_mean", (d,))
     expected_groups = {f"/components/{i}" for i in range(typed.num_components)}
     extra = {p for p in paths if p.count("/") == 2} - expected_groups
     if extra:
@@ -314,11 +316,12 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
         budget.require(2 * _data_bytes(chk, f, kind), f"loading {path}", max_memory)
         if plan is not None:
             comps = _client(chk, f, *plan)
+            prior_mean = _read(chk, f["/prior_mean"], "/prior_mean", WEIGHT_MAX) if "/prior_mean" in f else None
         else:
             members, precisions = _global(chk, f, layout, meta, spec.num_classes)
         sha = open_file_sha256(f)  # the bytes that were validated, through the same open file
     if kind == schema.KIND_CLIENT:
-        return ClientPosterior(str(path), sha, spec, layout, frozen_mapping(meta), tuple(comps))
+        return ClientPosterior(str(path), sha, spec, layout, frozen_mapping(meta), tuple(comps), prior_mean)
     return GlobalEnsemble(str(path), sha, spec, layout, frozen_mapping(meta), tuple(members),
                           None if precisions is None else tuple(precisions))
 

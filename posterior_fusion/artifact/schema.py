@@ -62,6 +62,7 @@ def client_path_re() -> re.Pattern:
     """The whitelist of client-artifact paths; curvature dataset names come from the block-type table."""
     names = _dataset_names()
     return re.compile("^(" + "|".join([
+        r"/prior_mean",
         r"/components",
         rf"/components/{_IDX}",
         rf"/components/{_IDX}/map",

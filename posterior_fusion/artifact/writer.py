@@ -132,13 +132,16 @@ def readable(path: str | os.PathLike) -> Callable[[Path], None]:
 def write_client_artifact(
     path: str | os.PathLike, spec: ModelSpec, layout: ParameterLayout,
     metadata: dict[str, Any], components: Sequence[Component], compression: Compression = PLAIN,
+    prior_mean: torch.Tensor | None = None,
 ) -> None:
     """Write a client artifact atomically. ``metadata`` must hold at least ``n_data``,
     ``class_counts``, ``temperature``, ``prior_precision`` and ``structure``. A ``compression``
     budget > 0: Kronecker factors stored as top-r eigenpairs plus an isotropic remainder within that
     relative error per factor, in its metric (``frobenius`` or ``precision``), eigenvectors float16 where
     asked (:mod:`posterior_fusion.curvature.compressed`; recorded per block and as metadata ``compress``,
-    ``compress_metric``, ``compress_vectors``, whatever ``metadata`` said; readers use the compact form)."""
+    ``compress_metric``, ``compress_vectors``, whatever ``metadata`` said; readers use the compact form).
+    ``prior_mean`` ``(d,)``: the centre of the components' prior N(prior_mean, λ0⁻¹ I) when it is not zero (the
+    pretrained base), stored as ``/prior_mean``."""
     meta = dict(metadata, num_components=len(components))
     for key in COMPRESSION_KEYS:  # recorded here, from what is written, and only here
         meta.pop(key, None)
@@ -151,6 +154,9 @@ def write_client_artifact(
 
     def fill(f: h5py.File) -> None:
         _root(f, KIND_CLIENT, spec, layout, meta)
+        if prior_mean is not None:
+            require_finite(path, "/prior_mean", prior_mean, "the base")
+            f.create_dataset("prior_mean", data=_np(prior_mean.to(torch.float32)))
         comps = f.create_group("components")
         for comp in components:
             write_component(comps.create_group(str(comp.index)), comp, compression)

@@ -79,6 +79,12 @@ class FusionInputs:
         vals = sorted(c.prior_precision for c in self.clients)
         return vals[len(vals) // 2]
 
+    def prior_mean(self) -> torch.Tensor | None:
+        """The centre of the clients' shared prior ``N(μ0, λ0⁻¹ I)``, ``(d,)`` float64: the pretrained base they
+        fine-tuned, or ``None`` for zero (random starting points); :func:`check_compatible` made them equal."""
+        mean = self.clients[0].prior_mean
+        return None if mean is None else mean.double()
+
     def mode_maps(self, m: int | None = None) -> torch.Tensor:
         """MAP of component ``m`` (default ``options.component``) of every client, ``(C, d)``."""
         m = self.options.component if m is None else m
@@ -224,6 +230,12 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
         said = {p: f"the base {str(sha)[:12]}…" if sha else "no pretrained base" for p, sha in bases.items()}
         raise IncompatibleArtifactsError(f"{odd.path}: fine-tuned from {said[odd.path]}, {ref.path} from "
                                          f"{said[ref.path]}: clients must share one base")
+    for c in clients[1:]:
+        a, b = ref.prior_mean, c.prior_mean
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+            raise IncompatibleArtifactsError(f"{c.path}: its prior is centred at {'zero' if b is None else 'a base'}, "
+                                             f"{ref.path}'s at {'zero' if a is None else 'another point'}: clients "
+                                             "must share one prior (one base)")
     names = {c.path: tuple(c.metadata.get("class_names") or ()) for c in clients}
     named = {v for v in names.values() if v}
     if len(named) > 1:

@@ -58,8 +58,10 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig) -> dict:
-    """Client metadata, including ``fit_fingerprint``: a hash of everything that determines the result."""
+def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig,
+                 prior_mean: torch.Tensor | None = None) -> dict:
+    """Client metadata, including ``fit_fingerprint``: a hash of everything that determines the result
+    (``prior_mean`` ``(d,)``: the prior's centre when it is a base, not zero)."""
     cfg.validate()
     n = len(data)
     cfg = cfg.resolved(n)
@@ -72,6 +74,8 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
     h.update(data.input_transform.to_json().encode())
     for w in inits:
         h.update(w.detach().cpu().float().numpy().tobytes())
+    if prior_mean is not None:
+        h.update(b"prior_mean" + prior_mean.detach().cpu().float().numpy().tobytes())
     return {
         "n_data": n, "class_counts": data.class_counts(), "num_classes": data.num_classes,
         "dataset": data.dataset, "data_sha256": data.sha256(), "input_transform": data.input_transform.to_dict(),
@@ -149,17 +153,20 @@ def check_component_count(count: int, source: str | os.PathLike | None = None) -
 
 def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig, log=print,
               done: list[Component] | None = None,
-              on_component: Callable[[dict, list[Component]], None] | None = None) -> tuple[dict, list[Component]]:
+              on_component: Callable[[dict, list[Component]], None] | None = None,
+              prior_mean: torch.Tensor | None = None) -> tuple[dict, list[Component]]:
     """Fit one component per initial vector in ``inits``; returns ``(metadata, components)``.
 
     ``done``: components already finished by an interrupted run (indices 0..k-1), kept as they
     are. ``on_component(metadata, components_so_far)`` is called after each new component.
+    ``prior_mean`` ``(d,)``: the prior N(prior_mean, λ0⁻¹ I) is centred there (a pretrained base: the
+    weight decay pulls to it), else at zero.
     """
     check_component_count(len(inits))
     if data.num_classes != spec.num_classes:
         raise IncompatibleArtifactsError(f"data has {data.num_classes} classes, model {spec.name!r} outputs {spec.num_classes}")
     spec.check_input(data.input_shape(), data.source or "data")
-    metadata = fit_metadata(spec, data, inits, cfg)
+    metadata = fit_metadata(spec, data, inits, cfg, prior_mean)
     cfg = cfg.resolved(len(data))
     device = resolve_device(cfg.device)
     probe = spec.build()
@@ -189,6 +196,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     comps = list(done or [])
     if [c.index for c in comps] != list(range(len(comps))) or len(comps) > len(inits):
         raise ConfigError("resumed components must be 0..k-1 of the same run")
+    if prior_mean is not None and prior_mean.shape != (layout.dim,):
+        raise IncompatibleArtifactsError(f"the prior mean has shape {tuple(prior_mean.shape)}, model needs ({layout.dim},)")
     soft_targets = private_teacher(cfg, x, y, spec.num_classes, log) if cfg.private is not None and len(comps) < len(inits) else None
     for m in range(len(comps), len(inits)):
         w0 = inits[m]
@@ -200,7 +209,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         torch.manual_seed(component_seed)
         t0 = time.perf_counter()
         res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}",
-                        soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0)
+                        soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0,
+                        prior_mean=None if prior_mean is None else prior_mean.to(device))
         t1 = time.perf_counter()
         curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
                                     torch.Generator().manual_seed(component_seed), log, cfg.kfac, cfg.capture_dtype)
@@ -228,13 +238,15 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
 
 def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg: FitConfig,
                 out: str | os.PathLike, init_info: dict[str, Any], resume: bool = False,
-                log: Callable[[str], None] = print) -> tuple[dict, list[Component]]:
+                log: Callable[[str], None] = print,
+                prior_mean: torch.Tensor | None = None) -> tuple[dict, list[Component]]:
     """Fit and write the client artifact ``out``, saving a partial artifact after each
-    component (``.<out>.partial.h5``); with ``resume`` a partial run of the same fit continues."""
+    component (``.<out>.partial.h5``); with ``resume`` a partial run of the same fit continues.
+    ``prior_mean``: the base the prior is centred at (:func:`fit_components`), stored in the artifact."""
     check_component_count(len(inits), init_info.get("file"))
     layout = ParameterLayout.from_model(spec.build())
     init_info = dict(init_info, fingerprint=init_fingerprint(spec, inits))
-    fingerprint = fit_metadata(spec, data, inits, cfg)["fit_fingerprint"]
+    fingerprint = fit_metadata(spec, data, inits, cfg, prior_mean)["fit_fingerprint"]
     inputs = [data.source or None, init_info.get("file")]
     with output_lock(out, inputs):  # checked writable and not an input before the work; one writer at a time
         done = resume_state(out, fingerprint, len(inits), resume, log)
@@ -242,16 +254,17 @@ def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cf
 
         def save_partial(meta: dict, comps: list[Component]) -> None:
             write_client_artifact(partial, spec, layout, dict(meta, init=init_info, partial=True), comps,
-                                  cfg.compression)
+                                  cfg.compression, prior_mean)
 
         try:
-            meta, comps = fit_components(spec, data, inits, cfg, log=log, done=done, on_component=save_partial)
+            meta, comps = fit_components(spec, data, inits, cfg, log=log, done=done, on_component=save_partial,
+                                         prior_mean=prior_mean)
         except KeyboardInterrupt:
             kept = f"the finished components are kept in {partial}; " if partial.exists() else ""
             raise ResumeError(f"interrupted; {kept}rerun the same command with `resume` to continue") from None
         meta["init"] = init_info
         try:
-            write_client_artifact(out, spec, layout, meta, comps, cfg.compression)
+            write_client_artifact(out, spec, layout, meta, comps, cfg.compression, prior_mean)
         except OutputError as exc:
             raise OutputError(f"{exc}; the finished components are kept in {partial} (rerun with `resume`)") from None
         partial.unlink(missing_ok=True)

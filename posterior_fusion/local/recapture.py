@@ -174,13 +174,16 @@ def silo_loss(source: ClientPosterior, x: torch.Tensor, y: torch.Tensor, batch_s
 
 
 def step_ratio(point: torch.Tensor, centre: torch.Tensor, curvature, gradient: torch.Tensor, temperature: float,
-               prior_precision: float, loss_at_point: float, loss_at_centre: float) -> float:
+               prior_precision: float, loss_at_point: float, loss_at_centre: float,
+               prior_mean: torch.Tensor | None = None) -> float:
     """Levenberg–Marquardt gain ratio ρ of the step s = ŵ − w* (``point`` w*, ``centre`` ŵ, ``(d,)``):
     the decrease of the silo's tempered negative log-posterior f(w) = L(w)/T + ½λ‖w‖² (L the summed
     cross-entropy, given at both points) over the decrease its quadratic model predicts,
     −(rᵀs + ½ sᵀ Λ s) with r = g/T + λ w* and Λ = G/T + λ I (undamped). ρ ≈ 1: the Gaussian of the
-    refresh round describes the silo's posterior along the step; ρ ≤ 0: the step left that region."""
-    w, c = point.double().cpu(), centre.double().cpu()
+    refresh round describes the silo's posterior along the step; ρ ≤ 0: the step left that region.
+    ``prior_mean`` ``(d,)``: the prior's centre μ0 (a base; ‖w − μ0‖² in f, λ (w* − μ0) in r), default zero."""
+    mu = 0.0 if prior_mean is None else prior_mean.double().cpu()
+    w, c = point.double().cpu() - mu, centre.double().cpu() - mu  # the prior's coordinates: s is unchanged
     s = c - w
     r = gradient.double().cpu() / temperature + prior_precision * w
     quad = curvature.astype(torch.float64).precision(temperature, prior_precision).quadratic_form(s)
@@ -194,33 +197,38 @@ def step_ratio(point: torch.Tensor, centre: torch.Tensor, curvature, gradient: t
 
 def refresh_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, temperature: float,
                    prior_precision: float, n_data: int, damping: float | str,
-                   loss: Callable[[torch.Tensor], float]) -> tuple[torch.Tensor, float, float]:
+                   loss: Callable[[torch.Tensor], float],
+                   prior_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float]:
     """The refresh round's centre at w* = ``point``: ``(ŵ (d,) float64, the damping used, its ratio ρ)``.
     ``damping`` a number: that Levenberg–Marquardt step; ``"auto"``: the smallest of ``AUTO_DAMPINGS``
     whose ρ (:func:`step_ratio`) reaches ``RATIO_FLOOR`` — the largest step the silo's own loss
     confirms, chosen without the server's data (the largest damping if none does: ρ then says so). ``loss`` maps a
-    ``(d,)`` point to the silo's summed cross-entropy (one forward pass per call)."""
+    ``(d,)`` point to the silo's summed cross-entropy (one forward pass per call); ``prior_mean``: the
+    prior's centre (default zero)."""
     at_point = loss(point)
     curvature = curvature.astype(torch.float64)  # once: the conversions inside are then no-ops for every d
     tried = AUTO_DAMPINGS if damping == "auto" else (float(damping),)
     for d in tried:
-        centre = newton_centre(point, curvature, gradient, temperature, prior_precision, n_data, d)
-        ratio = step_ratio(point, centre, curvature, gradient, temperature, prior_precision, at_point, loss(centre))
+        centre = newton_centre(point, curvature, gradient, temperature, prior_precision, n_data, d, prior_mean)
+        ratio = step_ratio(point, centre, curvature, gradient, temperature, prior_precision, at_point, loss(centre),
+                           prior_mean)
         if ratio >= RATIO_FLOOR:
             break
     return centre, d, ratio
 
 
 def newton_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, temperature: float,
-                  prior_precision: float, n_data: int = 1, damping: float = 0.0) -> torch.Tensor:
-    """ŵ = w* − Λ_d⁻¹ (g/T + λ w*) with Λ_d = damped(G, n, d)/T + λ I (module docstring), float64
-    ``(d,)``; ``point`` ``(d,)`` is w*, ``gradient`` ``(d,)`` the summed cross-entropy's g at w*.
-    ``damping`` 0: the plain Gauss–Newton centre."""
+                  prior_precision: float, n_data: int = 1, damping: float = 0.0,
+                  prior_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """ŵ = w* − Λ_d⁻¹ (g/T + λ (w* − μ0)) with Λ_d = damped(G, n, d)/T + λ I (module docstring), float64
+    ``(d,)``; ``point`` ``(d,)`` is w*, ``gradient`` ``(d,)`` the summed cross-entropy's g at w*, ``prior_mean``
+    μ0 the prior's centre (default zero). ``damping`` 0: the plain Gauss–Newton centre."""
     w = point.double().cpu()
+    pull = w if prior_mean is None else w - prior_mean.double().cpu()
     curv = curvature.astype(torch.float64)
     if damping > 0:
         curv = curv.damped(n_data, damping)
-    return w - curv.precision(temperature, prior_precision).solve(gradient.cpu() / temperature + prior_precision * w)
+    return w - curv.precision(temperature, prior_precision).solve(gradient.cpu() / temperature + prior_precision * pull)
 
 
 def _expansion_points(source: ClientPosterior, at: GlobalEnsemble | None) -> list[tuple[int, torch.Tensor, dict, Component]]:
@@ -296,7 +304,8 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         g = loss_gradient(model, x, y, batch)
         n_data = int(meta["n_data"])
         centre, used, ratio = refresh_centre(point, curv, g, ref.temperature, ref.prior_precision,
-                                             n_data, damping, silo_loss(source, x, y, batch, point.dtype))
+                                             n_data, damping, silo_loss(source, x, y, batch, point.dtype),
+                                             source.prior_mean)
         passed = ratio >= RATIO_FLOOR
         training.update(gradient_norm=float(g.norm()), newton_step_norm=float((centre - point.double().cpu()).norm()),
                         damping=used, step_ratio=ratio, gain_test="passed" if passed else "failed")
@@ -353,5 +362,5 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
                                 damping, capture_dtype, trust_radius)
-        write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression)
+        write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression, source.prior_mean)
     return meta

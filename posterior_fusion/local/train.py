@@ -24,17 +24,23 @@ class TrainResult:
 
 def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
               seed: int, desc: str = "train", soft_targets: torch.Tensor | None = None,
-              soft_weight: float = 0.0) -> TrainResult:
+              soft_weight: float = 0.0, prior_mean: torch.Tensor | None = None) -> TrainResult:
     """Train ``model`` in place on ``x`` ``(n, ...)``, ``y`` ``(n,)``; shuffling uses ``seed``.
 
     ``cfg.weight_decay`` must be resolved (see :meth:`FitConfig.resolved`). With
     ``soft_targets`` ``(n, classes)`` (a teacher's probabilities) the loss is
     ``(1 − soft_weight) · CE(y) + soft_weight · CE(soft_targets)`` (HBFL's eq. 4.2 with
-    α = 1 − soft_weight; the cross-entropy equals the KL up to a constant)."""
+    α = 1 − soft_weight; the cross-entropy equals the KL up to a constant). ``prior_mean`` ``(d,)``: the weight
+    decay pulls to it (the gradient of ``½ wd ‖w − prior_mean‖²``, the prior centred at a pretrained base)
+    instead of to zero."""
     if cfg.weight_decay is None:
         raise ValueError("train_map needs a resolved weight decay (FitConfig.resolved(n))")
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    params = list(model.parameters())
+    centres = None if prior_mean is None else [c.detach() for c in torch.split(prior_mean, [p.numel() for p in params])]
+    # the decay toward a centre enters the gradient before momentum, as SGD's own weight_decay does toward zero
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                          weight_decay=cfg.weight_decay if centres is None else 0.0)
     loss_fn = nn.CrossEntropyLoss()
     n = x.shape[0]
     steps = math.ceil(n / cfg.batch_size)
@@ -62,6 +68,11 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
                 loss = (1 - soft_weight) * loss + soft_weight * soft
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if centres is not None:
+                with torch.no_grad():
+                    for p, c in zip(params, centres):
+                        if p.grad is not None:  # as SGD: a parameter without a gradient is not decayed
+                            p.grad.add_(p - c.view_as(p), alpha=cfg.weight_decay)
             opt.step()
             loss_acc += loss.detach().double() * len(idx)
             correct_acc += (out.argmax(-1) == y[idx]).sum()

@@ -1,8 +1,9 @@
 """HBFL's aggregation (Heterogeneous Bayesian Federated Learning, paper ``003``, eqs. 3.8–3.12).
 
 Each client's tempered likelihood p(D_k|θ)^{1/T} is a scaled Gaussian: its Laplace posterior
-N(ŵ_k, (G_k/T_k + λ0 I)⁻¹) divided by the prior N(0, λ0⁻¹ I) (eq. 3.8: Λ = Λ1 − Λ2, η = η1 − η2),
-so its precision is Λ_k = G_k / T_k and its information vector η_k = (G_k / T_k + λ0) ŵ_k. The
+N(ŵ_k, (G_k/T_k + λ0 I)⁻¹) divided by the prior N(μ0, λ0⁻¹ I) (eq. 3.8: Λ = Λ1 − Λ2, η = η1 − η2; μ0 zero,
+or the base the clients fine-tuned), so its precision is Λ_k = G_k / T_k and its information vector
+η_k = (G_k / T_k + λ0) ŵ_k − λ0 μ0. The
 global objective is Π_k p(D_k|θ)^{q_k/T} with q_k = n_k / n (eq. 3.12), *without* a global prior:
 
     Λ = Σ_k q_k Λ_k ,   μ = Λ⁻¹ Σ_k q_k η_k .
@@ -64,13 +65,15 @@ class HBFLSettings(QuadraticSettings):
 
 
 
-def prior_information(comp, temperature: float, prior_precision: float, null_tol: float | None) -> torch.Tensor:
-    """``λ0 Π ŵ`` ``(d,)`` float64: the prior's part of eq. 3.8's information vector, kept only where the client
+def prior_information(comp, temperature: float, prior_precision: float, null_tol: float | None,
+                      prior_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``λ0 Π (ŵ − μ0)`` ``(d,)`` float64 (μ0 = ``prior_mean``, the prior's centre: the base the clients fine-tuned,
+    default zero): the prior's part of eq. 3.8's information vector, kept only where the client
     has curvature. ``null_tol`` None: ``Π`` projects onto the eigen-directions of each block of ``G/T`` with an
     eigenvalue above :data:`NULL_RESOLUTION` × the block's largest (what float32 curvature resolves), so
     ``Π ŵ = ŵ`` where ``G`` has full rank; a number: the soft projector ``Π = G/T (G/T + εI)⁻¹``,
     ``ε = null_tol · mean diag(G/T)`` (``Π ŵ = ŵ − ε (G/T + εI)⁻¹ ŵ``)."""
-    w = comp.map.double()
+    w = comp.map.double() if prior_mean is None else comp.map.double() - prior_mean.double()
     if null_tol is None:
         return prior_precision * torch.cat([_resolved_part(b, w[off : off + b.dim])
                                             for b, off in zip(comp.curvature.blocks, comp.curvature.offsets)])
@@ -127,7 +130,8 @@ def hbfl(inputs: FusionInputs, settings: HBFLSettings) -> FusionResult:
     extra = torch.zeros_like(avg)
     if settings.mean == "paper":
         for qk, comp, t, c in zip(q, comps, temps, inputs.clients):
-            extra += float(qk) * prior_information(comp, t, inputs.prior_precision(c), settings.null_tol)
+            extra += float(qk) * prior_information(comp, t, inputs.prior_precision(c), settings.null_tol,
+                                                   inputs.prior_mean())
     if inputs.clients[0].structure != "kron":  # Σ of diagonal or dense blocks: closed form
         settings = dataclasses.replace(settings, solver="exact")
     # q_k Λ_k = q_k G_k / T_k: the curvature tempered at T_k / q_k, no prior

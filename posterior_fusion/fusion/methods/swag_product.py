@@ -5,9 +5,9 @@ D_k = ½ diag(v_k) and U_k = Dev_kᵀ / √(2(K−1)) ``(d, K)``. By Woodbury it
 diagonal minus a rank-K term, Σ_k⁻¹ = diag(1/D_k) − V_k V_kᵀ with
 V_k = D_k⁻¹ U_k (I + U_kᵀ D_k⁻¹ U_k)^{-1/2}. The global precision and mean,
 
-    Λ = Σ_k (Σ_k⁻¹ − λ0_k I) + λ0 I = diag(δ) − V Vᵀ ,   μ = Λ⁻¹ Σ_k Σ_k⁻¹ μ_k ,
+    Λ = Σ_k (Σ_k⁻¹ − λ0_k I) + λ0 I = diag(δ) − V Vᵀ ,   μ = Λ⁻¹ (Σ_k Σ_k⁻¹ μ_k + (λ0 − Σ_k λ0_k) μ0) ,
 
-(V = [V_1 … V_C], ``(d, C·K)``) are solved with Woodbury once more:
+(V = [V_1 … V_C], ``(d, C·K)``; μ0 the prior's centre: zero, or the base the clients fine-tuned) are solved with Woodbury once more:
 Λ⁻¹ = Δ⁻¹ + Δ⁻¹ V M⁻¹ Vᵀ Δ⁻¹ with M = I − Vᵀ Δ⁻¹ V; samples are
 μ + Δ^{-1/2} z₁ + Δ⁻¹ V M^{-1/2} z₂. Nothing ``(d, d)`` is formed: memory O(d·C·K).
 """
@@ -77,8 +77,9 @@ class SwagProduct:
 
 
 def multiply(moments: list[SwagMoments], prior_precisions: list[float], server_prior_precision: float,
-             min_variance: float = 0.0) -> SwagProduct:
-    """The product of the SWAG Gaussians over the over-counted prior (module docstring)."""
+             min_variance: float = 0.0, prior_mean: torch.Tensor | None = None) -> SwagProduct:
+    """The product of the SWAG Gaussians over the over-counted prior (module docstring), the prior
+    centred at ``prior_mean`` ``(d,)`` (a base; default zero)."""
     parts = [swag_precision(m, min_variance) for m in moments]
     delta = sum(p[0] for p in parts) + (server_prior_precision - sum(prior_precisions))
     if not bool((delta > 0).all()):
@@ -86,6 +87,8 @@ def multiply(moments: list[SwagMoments], prior_precisions: list[float], server_p
                                        "the clients' diagonal precision); a larger prior variance avoids this")
     V = torch.cat([p[1] for p in parts], dim=1)
     rhs = sum(p[0] * m.mean.double() - p[1] @ (p[1].T @ m.mean.double()) for p, m in zip(parts, moments))
+    if prior_mean is not None:  # the prior terms' information (λ0 − Σ_c λ_c) μ0
+        rhs = rhs + (server_prior_precision - sum(prior_precisions)) * prior_mean.double()
     DiV = V / delta[:, None]
     M = torch.eye(V.shape[1], dtype=torch.float64) - V.T @ DiV
     m_inv_sqrt = _inv_sqrt_psd(M, "I − Vᵀ Δ⁻¹ V") if V.shape[1] else M
@@ -117,7 +120,7 @@ def swag_product(inputs: FusionInputs, settings: SwagProductSettings) -> FusionR
                                            f"{comp.index} has none (fit-local `swag`)")
         moments.append(comp.swag)
     prod = multiply(moments, [inputs.prior_precision(c) for c in inputs.clients], inputs.server_prior_precision(),
-                    settings.min_variance)
+                    settings.min_variance, inputs.prior_mean())
     if settings.num_samples == 0:
         return FusionResult([prod.mean.float()], {"swag_product_rank": int(prod.V.shape[1])})
     gen = torch.Generator().manual_seed(inputs.options.sampling_seed)

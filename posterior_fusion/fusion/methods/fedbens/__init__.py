@@ -76,14 +76,18 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     temps = [inputs.temperature(c) for c in inputs.clients]
     lams = [inputs.prior_precision(c) for c in inputs.clients]
     W0, components = start_rows(inputs, settings.starts, modes)
-    centres = client_centres(inputs, components) if settings.prior_centre == "clients" else None
+    mu0 = inputs.prior_mean()  # the clients' prior's centre: None (zero) or the base they fine-tuned
+    if settings.prior_centre == "clients":
+        centres = client_centres(inputs, components)
+    else:  # "prior": where the clients' prior is centred, zero or the base
+        centres = None if mu0 is None else mu0.float().expand(len(components), -1).contiguous()
     solved = solve_modes(inputs, settings, clients, temps, lams, inputs.server_prior_precision(), W0, centres)
     best, info, lam0, laplace_step = solved.modes, solved.info, solved.server_prior, solved.laplace_step
     info["resolved"] = {"solver": settings.solver, "prior_centre": settings.prior_centre,
                         "server_prior": settings.server_prior}
     # several starts may end on one mode (with EM, measured: every start of one component index): one member
     # each, weighted by its share of the starts — the predictive of the duplicated rows, once per mode
-    groups, share = merge_coinciding(best, components if centres is not None else [0] * len(components))
+    groups, share = merge_coinciding(best, components if settings.prior_centre == "clients" else [0] * len(components))
     merged = len(groups) < len(components)
     if merged:
         keep = [g[0] for g in groups]
@@ -97,18 +101,20 @@ def fedbens(inputs: FusionInputs, settings: FedBEnsSettings) -> FusionResult:
     if not settings.laplace:
         return FusionResult([w.clone() for w in best], info)
     return _with_laplace(settings, clients, temps, lams, lam0, best, centres, laplace_step, share, merged, info,
-                         inputs.options.progress)
+                         inputs.options.progress, mu0)
 
 
 def _with_laplace(settings: FedBEnsSettings, clients, temps, lams, lam0, best: torch.Tensor, centres,
-                  laplace_step, share: torch.Tensor, merged: bool, info: dict, show_progress: bool) -> FusionResult:
-    """The result with a Laplace approximation of the global posterior at each mode and the modes' weights."""
+                  laplace_step, share: torch.Tensor, merged: bool, info: dict, show_progress: bool,
+                  mu0: torch.Tensor | None = None) -> FusionResult:
+    """The result with a Laplace approximation of the global posterior at each mode and the modes' weights
+    (``mu0`` ``(d,)``: the model's prior centre, the base; None: zero)."""
     curvatures, errors = laplace_step or mode_precisions(clients, temps, lams, lam0, best, show_progress)
     values = negative_log_posterior(clients, temps, lams, lam0, best, centres)
     laplace = {"prior_precision": lam0, "prior_rule": settings.laplace_prior, "server_prior_precision": lam0,
                "server_prior": settings.server_prior}
     if settings.laplace_prior == "evidence":
-        delta, evidence = evidence_prior_precision(list(best), curvatures)
+        delta, evidence = evidence_prior_precision(list(best if mu0 is None else best.double() - mu0), curvatures)
         laplace.update({"prior_precision": delta, "log_evidence_terms": evidence})
     precisions = [c.precision(1.0, laplace["prior_precision"]) for c in curvatures]
     if settings.mode_weights == "laplace":

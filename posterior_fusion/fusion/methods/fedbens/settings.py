@@ -17,7 +17,7 @@ STARTS = ("median", "clients", "median+clients")
 SOLVERS = ("auto", "adam", "em")
 
 
-PRIOR_CENTRES = ("auto", "zero", "clients")
+PRIOR_CENTRES = ("auto", "prior", "clients")
 
 
 LAPLACE_PRIORS = ("server", "evidence")
@@ -65,11 +65,13 @@ class FedBEnsSettings(OptimiserSettings):
                                        "responsibilities at s): the clients' quadratics predict at most this many nats "
                                        "per sample of extra loss anywhere inside; 0 = no region.", bounds=(0, 1e6))
 
-    prior_centre: str = setting("auto", "Where the over-counted prior is divided out: 'zero' (the paper: N(0, λ⁻¹) "
+    prior_centre: str = setting("auto", "Where the over-counted prior is divided out: 'prior' (where the clients' "
+                                        "prior is centred — zero from random starting points, the paper's N(0, λ⁻¹) "
                                         "C − 1 times, which multiplies the weights by C along directions no client's "
-                                        "curvature sees), 'clients' (at each mode's λ-weighted client average of the "
+                                        "curvature sees; the base when the clients fine-tuned one: the exact product), "
+                                        "'clients' (at each mode's λ-weighted client average of the "
                                         "MAPs of its component index: those directions keep the clients' average) or "
-                                        "'auto' ('clients' when solver=auto runs EM, else 'zero').",
+                                        "'auto' ('clients' when solver=auto runs EM, else 'prior').",
                                 choices=PRIOR_CENTRES)
     server_prior: str = setting("auto", "The server prior's precision, how hard the modes are pulled to the prior "
                                         "centre: 'auto' ('evidence' when solver=auto runs EM, else 'clients'), "
@@ -115,6 +117,6 @@ def resolve_auto(settings: FedBEnsSettings, has_val: bool, structure: str = "kro
     auto_em = settings.solver == "auto" and (validation_free or settings.server_prior == "evidence"
                                              or settings.trust_radius > 0)
     solver = settings.solver if settings.solver != "auto" else ("em" if auto_em else "adam")
-    centre = settings.prior_centre if settings.prior_centre != "auto" else ("clients" if auto_em else "zero")
+    centre = settings.prior_centre if settings.prior_centre != "auto" else ("clients" if auto_em else "prior")
     prior = settings.server_prior if settings.server_prior != "auto" else ("evidence" if auto_em else "clients")
     return dataclasses.replace(settings, solver=solver, prior_centre=centre, server_prior=prior)

@@ -1,0 +1,240 @@
+"""Fusion from a shared pretrained base (README.md): pretrain a base on data no silo holds, let five silos
+fine-tune it (every weight, the prior N(base, σ0² I)), fuse with every method, and set the rows beside the
+same silos trained from shared random starting points, each silo alone, the base alone and centralised
+fine-tuning on the pooled silos. One JSON file of rows per (setting, α, seed); ``--report`` prints the table.
+
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/pretrained_base/run.py --setting same-domain \\
+        --alphas 0.1,0.4 --seeds 0,1,2 --work runs/pretrained_base --json-dir docs/results/pretrained_base
+    .venv/bin/python experiments/pretrained_base/run.py --report docs/results/pretrained_base
+
+Settings (``--setting``):
+- ``same-domain``: the base is trained on half of the Fashion-MNIST training images of classes 0–4
+  (T-shirt, trouser, pullover, dress, coat; drawn once with seed 12345); its head never sees classes 5–9.
+  The silos split the other 45,000 training images (all ten classes); test: the 10,000 test images.
+- ``cross-domain``: the same base; the silos split scikit-learn's digits (1,797 8×8 images, resized to
+  28×28 bilinearly, Fashion-MNIST's input transform), 400 of them held out as the test set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from posterior_fusion.artifact.reader import load_client
+from posterior_fusion.data.idx import load_fmnist
+from posterior_fusion.data.prepare import partition_to_files
+from posterior_fusion.data.silo import SiloData, read_silo, write_silo
+from posterior_fusion.data.transform import InputTransform
+from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.local.config import TrainConfig, fit_config_from
+from posterior_fusion.local.fit import fit_and_write
+from posterior_fusion.local.init import base_weights, initial_weights
+from posterior_fusion.local.train import train_map
+from posterior_fusion.metrics import evaluate_members
+from posterior_fusion.models import ModelSpec
+from posterior_fusion.posterior import build_model
+
+PUBLIC_CLASSES = (0, 1, 2, 3, 4)
+PUBLIC_SEED = 12345
+FMNIST = InputTransform.constants("fmnist")
+# (row label, method, settings): every fusion of one cell; kron curvature, so 'product' does not apply
+FUSIONS = [
+    ("client ensemble", "ensemble", {}),
+    ("label-shift pool", "ensemble", {"pooling": "label-shift"}),
+    ("fedbens (default)", "fedbens", {}),
+    ("fedbens, prior centre at the prior", "fedbens", {"prior_centre": "prior"}),
+    ("fedlpa", "fedlpa", {}),
+    ("fedfisher", "fedfisher", {}),
+    ("fisher-merge", "fisher-merge", {}),
+    ("regmean", "regmean", {}),
+    ("hbfl", "hbfl", {}),
+    ("fedavg", "fedavg", {}),
+]
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+def prepare(work: Path, setting: str) -> tuple[Path, Path | None]:
+X
+    work.mkdir(parents=True, exist_ok=True)
+    public, pool, test = work / "public.h5", work / f"pool_{setting}.h5", work / f"test_{setting}.h5"
+    if not public.exists():
+        x, y = load_fmnist("train")
+        rng = np.random.default_rng(PUBLIC_SEED)
+        chosen = np.concatenate([rng.permutation(np.flatnonzero(y == k))[: (y == k).sum() // 2] for k in PUBLIC_CLASSES])
+        rest = np.setdiff1d(np.arange(len(y)), chosen)
+        write_silo(public, SiloData(x[chosen], y[chosen], "fmnist", 10, transform=FMNIST))
+        write_silo(work / "pool_same-domain.h5", SiloData(x[rest], y[rest], "fmnist", 10, transform=FMNIST))
+        xt, yt = load_fmnist("test")
+        write_silo(work / "test_same-domain.h5", SiloData(xt, yt, "fmnist", 10, transform=FMNIST))
+    if setting == "cross-domain" and not pool.exists():
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        small = torch.from_numpy(d.images.astype(np.float32) * (255 / 16))[:, None]
+        big = torch.nn.functional.interpolate(small, size=(28, 28), mode="bilinear", align_corners=False)
+        x = big[:, 0].round().clamp(0, 255).to(torch.uint8).numpy()
+        write_silo(pool, SiloData(x, d.target.astype(np.int64), "digits", 10, transform=FMNIST))
+        return pool, None
+    return pool, (test if setting == "same-domain" else None)
+
+
+def pretrain(work: Path, spec: ModelSpec, epochs: int) -> Path:
+    """The base: SGD on the public file from PyTorch's default initialisation (seed 0), stored as safetensors."""
+    path = work / f"base_{spec.name}.safetensors"
+    if path.exists():
+        return path
+    data = read_silo(work / "public.h5")
+    x, y = data.tensors()
+    torch.manual_seed(0)
+    model = spec.build()
+    res = train_map(model, x, y, TrainConfig(epochs=epochs, weight_decay=5e-4, lr=0.05), seed=0, desc="pretrain")
+    log(f"base: {len(y)} public images, {epochs} epochs, train accuracy {res.final_accuracy:.3f}")
+    save_file({k: v.detach().clone().contiguous() for k, v in model.named_parameters()}, str(path))
+    return path
+
+
+def metrics_row(label: str, spec: ModelSpec, members, test: SiloData, served: int, **extra) -> dict:
+    m = evaluate_members(spec, members, test, **extra)
+    return {"row": label, "accuracy": 100 * m["accuracy"], "nll": m["nll"], "ece": m["ece"], "served": served}
+
+
+def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epochs: int, temperature: float,
+                prior_var: float, prior_mean: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """One network trained on the pooled silos from ``start`` with the silos' own recipe (weight decay T·λ0/n)."""
+    x = torch.cat([s.tensors()[0] for s in silos])
+    y = torch.cat([s.tensors()[1] for s in silos])
+    model = build_model(spec, start)
+    model.train()
+    cfg = TrainConfig(epochs=epochs, weight_decay=temperature / prior_var / len(y))
+    torch.manual_seed(seed)
+    train_map(model, x, y, cfg, seed=seed, desc="centralised", prior_mean=prior_mean)
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+
+def run_cell(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base_path: Path) -> list[dict]:
+    work = Path(args.work) / setting / f"a{alpha}_s{seed}"
+    pool, test_file = prepare(Path(args.work), setting)
+    split = work / "data"
+    if not (split / "client_0.h5").exists():
+        kw = {"test": test_file} if test_file is not None else {"test_size": 400}
+        partition_to_files(split, source=pool, clients=args.clients, alpha=alpha, partition_seed=seed,
+                           val_size=0, min_size=10 if setting == "same-domain" else 5, **kw)
+    silos = [read_silo(split / f"client_{c}.h5") for c in range(args.clients)]
+    test = read_silo(split / "test.h5")
+    base, base_sha = base_weights(spec, base_path)
+    rows = [metrics_row("base alone", spec, [base], test, 1)]
+    for start in ("base", "scratch"):
+        inits = [base.clone() for _ in range(args.components)] if start == "base" else \
+            initial_weights(spec, args.components, seed)
+        prior_mean = base if start == "base" else None
+        paths, fit_seconds = [], []
+        for c, silo in enumerate(silos):
+            out = work / start / f"post_{c}.h5"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if not out.exists():
+                cfg = fit_config_from({"structure": "kron", "kfac": args.kfac, "epochs": args.epochs,
+                                       "temperature": args.temperature, "prior_var": args.prior_var,
+                                       "train_seed": 100 * seed + c})
+                info = {"base_sha256": base_sha} if start == "base" else {"init_seed": seed}
+                fit_and_write(spec, silo, inits, cfg, out, info, log=lambda m: None, prior_mean=prior_mean)
+            paths.append(out)
+            for comp in load_client(out).components:
+                t = comp.training
+                fit_seconds.append((t["curvature_seconds"], t["train_seconds"] / max(1, t["epochs"])))
+        mb = statistics.mean(p.stat().st_size for p in paths) / args.components / 2**20
+        capture = statistics.mean(c for c, _ in fit_seconds) / statistics.mean(e for _, e in fit_seconds)
+        tag = "from the base" if start == "base" else "from random starts"
+        alone = []
+        for p in paths:
+            members = [c.map for c in load_client(p).components]
+            alone.append(evaluate_members(spec, members, test)["accuracy"] * 100)
+        rows.append({"row": f"each silo alone ({tag})", "accuracy": statistics.mean(alone),
+                     "accuracy_min": min(alone), "accuracy_max": max(alone), "served": args.components})
+        for label, method, settings in FUSIONS:
+            t0 = time.time()
+            _, res, _ = fuse([str(p) for p in paths], method, FusionOptions(progress=False), settings)
+            row = metrics_row(f"{label} ({tag})", spec, res.members, test, len(res.members),
+                              weights=res.mode_weights, pooling=res.pooling(spec.num_classes))
+            row.update(server_seconds=round(time.time() - t0, 1), artifact_mb_per_component=round(mb, 3),
+                       capture_per_epoch=round(capture, 2))
+            rows.append(row)
+            log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
+        start_w = base if start == "base" else inits[0]
+        w = centralised(spec, silos, start_w, args.epochs, args.temperature, args.prior_var, prior_mean, seed)
+        rows.append(metrics_row(f"centralised ({tag})", spec, [w], test, 1))
+    for r in rows:
+        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs)
+    return rows
+
+
+def report(folder: Path) -> None:
+    rows = [r for p in sorted(folder.glob("*.json")) for r in json.loads(p.read_text())]
+    for setting in sorted({r["setting"] for r in rows}):
+        alphas = sorted({r["alpha"] for r in rows if r["setting"] == setting})
+        print(f"\n{setting}: test accuracy % (mean ± std over seeds) · NLL / ECE\n")
+        print("| row | served | " + " | ".join(f"α = {a}" for a in alphas) + " |")
+        print("|---|---|" + "---|" * len(alphas))
+        labels = list(dict.fromkeys(r["row"] for r in rows if r["setting"] == setting))
+        for label in labels:
+            cells, served = [], ""
+            for a in alphas:
+                rs = [r for r in rows if r["setting"] == setting and r["alpha"] == a and r["row"] == label]
+                if not rs:
+                    cells.append("—")
+                    continue
+                served = rs[0]["served"]
+                acc = [r["accuracy"] for r in rs]
+                sd = f" ± {statistics.stdev(acc):.2f}" if len(acc) > 1 else ""
+                nll = f" · {statistics.mean(r['nll'] for r in rs):.3f} / {statistics.mean(r['ece'] for r in rs):.3f}" \
+                    if "nll" in rs[0] else ""
+                cells.append(f"{statistics.mean(acc):.2f}{sd}{nll} ({len(acc)})")
+            print(f"| {label} | {served} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setting", choices=["same-domain", "cross-domain"], default="same-domain")
+    ap.add_argument("--alphas", default="0.1,0.4")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--model", default="lenet")
+    ap.add_argument("--model-kwargs", default="{}")
+    ap.add_argument("--clients", type=int, default=5)
+    ap.add_argument("--components", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=5, help="local (and centralised) fine-tuning epochs")
+    ap.add_argument("--pretrain-epochs", type=int, default=10)
+    ap.add_argument("--kfac", default="expand")
+    ap.add_argument("--temperature", type=float, default=0.1)
+    ap.add_argument("--prior-var", type=float, default=0.1)
+    ap.add_argument("--work", default="runs/pretrained_base")
+    ap.add_argument("--json-dir", default="docs/results/pretrained_base")
+    ap.add_argument("--report", default=None, help="print the table of the JSON files in this folder and exit")
+    args = ap.parse_args()
+    if args.report:
+        report(Path(args.report))
+        return
+    spec = ModelSpec(args.model, json.loads(args.model_kwargs))
+    prepare(Path(args.work), args.setting)
+    base_path = pretrain(Path(args.work), spec, args.pretrain_epochs)
+    Path(args.json_dir).mkdir(parents=True, exist_ok=True)
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for alpha in [float(a) for a in args.alphas.split(",")]:
+            out = Path(args.json_dir) / f"{spec.name}_{args.setting}_a{alpha}_s{seed}.json"
+            if out.exists():
+                continue
+            rows = run_cell(args, args.setting, alpha, seed, spec, base_path)
+            out.write_text(json.dumps(rows, indent=1))
+            log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
