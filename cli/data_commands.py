@@ -103,6 +103,6 @@ def partition(source, test_path, test_size, dataset, clients, alpha, partition_s
     say(f"source: {summary['source']}  {shape} partition_seed={partition_seed} scheme={scheme}")
     for i, c in enumerate(summary["clients"]):
         say(f"client_{i}: n={c['n']:6d}  class counts {c['class_counts']}")
-    say(f"server_val: {summary['server_val']}\ntest: {summary['test']}")
+    say(f"server_val: {summary['server_val'] or 'none (--val-size 0)'}\ntest: {summary['test']}")
     if summary.get("server_unlabeled"):
         say(f"server_unlabeled: {summary['server_unlabeled']} ({unlabeled_size} samples, no labels)")

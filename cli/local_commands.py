@@ -116,7 +116,9 @@ def fit_options(fn, only: tuple[str, ...] | None = None):
 @click.command("fit-local")
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Silo data file (from partition).")
 @click.option("--init", "init_path", default=None, type=click.Path(dir_okay=False),
-              help="Init file from 'pfuse init' (fixes model and M) [default: derive from --init-seed].")
+              help="Init file from 'pfuse init' (fixes model and M; from 'init --from BASE' every component "
+                   "fine-tunes the base and the prior N(base, σ0² I) is centred at it) [default: derive from "
+                   "--init-seed, the prior centred at zero].")
 @click.option("--init-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the shared starting points when no --init file is given.")
 @model_option
 @model_kwargs_option

@@ -46,6 +46,11 @@ def test_partition_is_disjoint_and_complete(tmp_path):
     held = {x.tobytes() for s in [read_silo(c["path"]) for c in third["clients"]] for x in s.x}
     held |= {x.tobytes() for x in read_silo(third["server_val"]).x}
     assert sum(c["n"] for c in third["clients"]) == 6000 - 200 - 300 and not any(x.tobytes() in held for x in unl.x)
+    # --val-size 0: every training sample goes to a client, no validation file is written
+    none = json.loads(invoke("partition", "--clients", "3", "--alpha", "0.3", "--out-dir", str(tmp_path / "e"),
+                             "--data-dir", str(EMBEDDED_FMNIST_DIR), "--val-size", "0", "--json").stdout)
+    assert none["server_val"] is None and not (tmp_path / "e" / "server_val.h5").exists()
+    assert sum(c["n"] for c in none["clients"]) == 6000
     bad = CliRunner().invoke(pfuse, ["partition", "--out-dir", str(tmp_path / "d"), "--data-dir", str(EMBEDDED_FMNIST_DIR),
                                      "--unlabeled-size", "5900"])
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "lower --unlabeled-size" in bad.stderr

@@ -321,3 +321,54 @@ def test_importing_the_flower_integration_silences_rays_notice_only():
                          env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"})
     assert out.returncode == 0, out.stderr
     assert "Tip: In future versions of Ray" not in out.stderr and "another future change" in out.stderr
+
+
+def test_a_run_that_fine_tunes_a_base_uses_the_node_s_copy_checked_by_hash(tmp_path, small_silo, task_identity):
+    """Run config base-sha256: the node trains from its own copy of the base (node config 'base') with the prior
+    centred there; a node without a copy, or with another file, refuses in one line before training; the server
+    leaves out a reply fine-tuned from another base (or from none)."""
+    from flwr.app import ConfigRecord, Context
+    from safetensors.torch import save_file
+    from torch.nn.utils import parameters_to_vector
+
+    from posterior_fusion.models import ModelSpec
+
+    silo = tmp_path / "s.h5"
+    write_silo(silo, SiloData(small_silo.x[:120], small_silo.y[:120], "fmnist", 10))
+    bases = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = ModelSpec("mlp", {"hidden": 4}).build()
+        path = tmp_path / f"base{seed}.safetensors"
+        save_file({k: v.detach().clone() for k, v in model.named_parameters()}, str(path))
+        bases.append((path, parameters_to_vector(model.parameters()).detach(), hashlib.sha256(path.read_bytes()).hexdigest()))
+    run = FederatedSettings(model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1,
+                            base_sha256=bases[0][2])
+    assert FederatedSettings.from_json(run.to_json()) == run
+    assert FederatedSettings.from_run_config({"model": "mlp", "model-kwargs": '{"hidden": 4}', "components": 1,
+                                              "base-sha256": bases[0][2]}).base_sha256 == bases[0][2]
+    with pytest.raises(ConfigError, match="base-sha256 must be"):
+        FederatedSettings(base_sha256="not a hash")
+    train = Message(RecordDict({"config": ConfigRecord({"settings": run.to_json()})}), dst_node_id=1,
+                    message_type="train")
+
+    def node(base):
+        config = {"silo": str(silo), "state-dir": str(tmp_path / "st")} | ({"base": str(base)} if base else {})
+        return Context(run_id=1, node_id=1, node_config=config, state=RecordDict(), run_config={})
+
+    blob = client_train(train, node(bases[0][0])).content["artifact"]["artifact"]
+    (tmp_path / "c.h5").write_bytes(blob)
+    art = posterior_fusion.load(tmp_path / "c.h5")
+    assert art.metadata["init"]["base_sha256"] == bases[0][2] and torch.equal(art.prior_mean, bases[0][1])
+    with pytest.raises(ConfigError, match="node config 'base'"):
+        client_train(train, node(None))
+    with pytest.raises(IncompatibleArtifactsError, match="is not the base"):
+        client_train(train, node(bases[1][0]))
+    logs = []
+    scratch = client_train(Message(RecordDict({"config": ConfigRecord({"settings": FederatedSettings(
+        model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1).to_json()})}),
+        dst_node_id=1, message_type="train"), node(None)).content["artifact"]["artifact"]
+    paths = collect_replies([Reply(0, blob), Reply(1, scratch)], tmp_path / "srv", "skip", logs.append,
+                            base_sha256=bases[0][2])
+    assert [p.name for p in paths] == ["client_0.h5"]
+    assert any("client 1: reply rejected (fine-tuned from no base, the run asks for the base" in m for m in logs)

@@ -64,7 +64,8 @@ def log(msg: str) -> None:
 
 
 def prepare(work: Path, setting: str) -> tuple[Path, Path | None]:
-X
+    """Write the public pretraining file (``work/public.h5``) and the silos' pool of ``setting``; returns
+    ``(pool file, test file or None: partition holds a test split out of the pool)``."""
     work.mkdir(parents=True, exist_ok=True)
     public, pool, test = work / "public.h5", work / f"pool_{setting}.h5", work / f"test_{setting}.h5"
     if not public.exists():

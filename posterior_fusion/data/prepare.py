@@ -150,7 +150,7 @@ def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, unlabeled_id
                  names: tuple[str, ...] = ()) -> dict:
     """Write the split into a private folder and rename it to ``out`` as a whole: a killed run
     never leaves a folder mixing two splits (``out`` may hold only an earlier split's files)."""
-    summary = dict(summary, clients=[], server_val=str(out / "server_val.h5"),
+    summary = dict(summary, clients=[], server_val=str(out / "server_val.h5") if len(val_idx) else None,
                    test=str(out / "test.h5") if test_data is not None else None, transform=t.to_dict(),
                    server_unlabeled=str(out / "server_unlabeled.h5") if unlabeled_idx is not None else None)
     with atomic_folder(out, owned=lambda n: bool(_SPLIT_FILE.match(n))) as tmp:
@@ -160,7 +160,9 @@ def _write_split(out: Path, x, y, name, k, t, parts, pool, val_idx, unlabeled_id
             write_silo(tmp / f"client_{c}.h5", silo)
             summary["clients"].append({"path": str(out / f"client_{c}.h5"), "n": len(silo),
                                        "class_counts": silo.class_counts()})
-        write_silo(tmp / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t, class_names=names))
+        if len(val_idx):  # val_size 0: no server validation file
+            write_silo(tmp / "server_val.h5", SiloData(x[val_idx], y[val_idx], name, k, transform=t,
+                                                       class_names=names))
         if unlabeled_idx is not None:
             write_silo(tmp / "server_unlabeled.h5", SiloData(x[unlabeled_idx], None, name, k, transform=t,
                                                              class_names=names))

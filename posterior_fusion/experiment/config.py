@@ -137,6 +137,8 @@ class ExperimentConfig:
         ranges.check(f"{where}: prior_var", self.prior_var, ranges.PRIOR_VAR)
         ranges.check(f"{where}: val_size", self.val_size, (0, 1_000_000))
         ranges.check(f"{where}: unlabeled_size", self.unlabeled_size, (0, 10_000_000))
+        if self.tune and not self.val_size:
+            raise ConfigError(f"{where}: tune needs server validation data: set val_size > 0")
         if self.distill and not self.unlabeled_size:
             raise ConfigError(f"{where}: distill needs unlabeled server data: set unlabeled_size")
         for label, spec in self.variants.items():

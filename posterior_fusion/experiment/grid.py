@@ -356,7 +356,8 @@ def run_experiment(cfg: ExperimentConfig, work: str | os.PathLike, jobs: int = 1
     cells = [Cell(a, c, s) for a in cfg.alphas for c in cfg.clients for s in cfg.seeds]
     for n_cell, cell in enumerate(cells, 1):
         pkey, summary = partition_cell(cfg, cell, work)
-        test, val = read_silo(summary["test"]), read_silo(summary["server_val"])
+        test = read_silo(summary["test"])
+        val = read_silo(summary["server_val"]) if summary.get("server_val") else None  # val_size 0: none
         unlabeled = read_silo(summary["server_unlabeled"], labels=False) if summary.get("server_unlabeled") else None
         log(f"[{n_cell}/{len(cells)}] alpha={cell.alpha} clients={cell.clients} seed={cell.seed}: "
             f"{[c['n'] for c in summary['clients']]} samples")

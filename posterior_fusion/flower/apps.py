@@ -2,7 +2,8 @@
 
 Run config keys (names as on the CLI):
 - fit settings sent to every node: model, model-kwargs, components, init-seed, structure,
-  temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed;
+  temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed, and
+  base-sha256 (fine-tune a shared base: each node's own copy, node config ``base``, checked by hash);
 - the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
 - the refresh round (``pfuse recapture --at`` on every node, then fuse again): refresh (bool),
   refresh-damping (``recapture --damping``);

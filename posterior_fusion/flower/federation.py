@@ -44,7 +44,14 @@ from flwr.serverapp import Grid, ServerApp
 from posterior_fusion import budget, ranges
 from posterior_fusion.artifact import load_client
 from posterior_fusion.compat import RENAMED_RUN_CONFIG_KEYS, rename_keys
-from posterior_fusion.errors import ArtifactError, ConfigError, FederationError, PfuseError, ResourceLimitError
+from posterior_fusion.errors import (
+    ArtifactError,
+    ConfigError,
+    FederationError,
+    IncompatibleArtifactsError,
+    PfuseError,
+    ResourceLimitError,
+)
 from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
@@ -63,13 +70,17 @@ class FederatedSettings:
     chooses in its own node config."""
 
     def __init__(self, model: str = "lenet", model_kwargs: dict | None = None, components: int = 5,
-                 init_seed: int = 0, **fit: Any) -> None:
+                 init_seed: int = 0, base_sha256: str | None = None, **fit: Any) -> None:
         table = _server_fit_settings()
         unknown = sorted(set(fit) - set(table))
         if unknown:
             raise ConfigError(f"no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
         self.model, self.model_kwargs = model, dict(model_kwargs or {})
         self.components, self.init_seed = components, init_seed
+        if base_sha256 is not None and (not isinstance(base_sha256, str) or len(base_sha256) != 64
+                                        or any(ch not in "0123456789abcdef" for ch in base_sha256)):
+            raise ConfigError("base-sha256 must be the 64 hexadecimal digits of the base file's SHA-256")
+        self.base_sha256 = base_sha256
         self.fit = {name: fit.get(name, s.default) for name, s in table.items()}
 
     def __getattr__(self, name: str) -> Any:
@@ -82,8 +93,9 @@ class FederatedSettings:
         return isinstance(other, FederatedSettings) and self.to_json() == other.to_json()
 
     def to_json(self) -> str:
+        base = {"base_sha256": self.base_sha256} if self.base_sha256 else {}
         return json.dumps({"model": self.model, "model_kwargs": self.model_kwargs, "components": self.components,
-                           "init_seed": self.init_seed, **self.fit}, sort_keys=True)
+                           "init_seed": self.init_seed, **base, **self.fit}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> FederatedSettings:
@@ -100,7 +112,7 @@ class FederatedSettings:
         settings' names with ``-``)."""
         cfg = rename_keys(cfg, RENAMED_RUN_CONFIG_KEYS, "run config", print)
         kwargs = json.loads(str(cfg.get("model-kwargs", "{}")))
-        keys = {"model": "model", "components": "components", "init-seed": "init_seed",
+        keys = {"model": "model", "components": "components", "init-seed": "init_seed", "base-sha256": "base_sha256",
                 **{s.run_config_key: name for name, s in _server_fit_settings().items()}}
         return cls(model_kwargs=kwargs, **{name: cfg[key] for key, name in keys.items() if key in cfg})
 
@@ -116,14 +128,21 @@ def _server_fit_settings() -> dict:
 
 
 def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
-                    log: Callable[[str], None] = lambda m: None, private: PrivateModelConfig | None = None) -> None:
+                    log: Callable[[str], None] = lambda m: None, private: PrivateModelConfig | None = None,
+                    base: str | os.PathLike | None = None) -> None:
     """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does (``private``:
-    the node's own architecture, HBFL's heterogeneous client — chosen by the node, not the server)."""
+    the node's own architecture, HBFL's heterogeneous client — chosen by the node, not the server), or,
+    when the run names a base by its SHA-256, what ``pfuse init --from BASE`` + ``fit-local --init`` do with
+    the node's own copy ``base`` (node config ``base``), refused in one line unless its SHA-256 is the run's."""
     cfg = settings.fit_config()
     if private is not None:
         cfg = replace(cfg, private=private)
         cfg.validate()
-    fit_silo_file(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log)
+    if settings.base_sha256 and base is None:
+        raise ConfigError(f"the run fine-tunes the base {settings.base_sha256[:12]}…: set this node's node config "
+                          "'base' to its copy of the base file")
+    fit_silo_file(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log,
+                  base=base if settings.base_sha256 else None, base_sha256=settings.base_sha256)
 
 
 def node_private_model(context: Context) -> PrivateModelConfig | None:
@@ -167,7 +186,9 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
     silo = node_silo(context, silo_dir)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
-        fit_to_artifact(settings, silo, out, private=node_private_model(context))
+        base = context.node_config.get("base")
+        fit_to_artifact(settings, silo, out, private=node_private_model(context),
+                        base=None if base is None else Path(str(base)))
         blob = out.read_bytes()
     state = node_state_dir(context, silo)
     state.mkdir(parents=True, exist_ok=True)
@@ -264,11 +285,13 @@ def reply_from_message(key: int, msg: Message) -> Reply:
 
 
 def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "skip",
-                    log: Callable[[str], None] = print, max_memory: int | str | None = None) -> list[Path]:
+                    log: Callable[[str], None] = print, max_memory: int | str | None = None,
+                    base_sha256: str | None = None) -> list[Path]:
     """Write each reply's bytes to ``out_dir/client_<key>.h5`` and validate it as a file.
 
-    A reply with an error, no bytes, bytes over the memory budget, or an artifact the reader
-    refuses is logged and left out (``skip``) or stops the run (``fail``). Keys are the
+    A reply with an error, no bytes, bytes over the memory budget, an artifact the reader
+    refuses, or one fine-tuned from another base than ``base_sha256`` (None: from no base) is logged and
+    left out (``skip``) or stops the run (``fail``). Keys are the
     server's own; two replies with one key are refused. Returns the accepted paths, ordered by key.
     """
     if on_bad_reply not in BAD_REPLY_POLICIES:
@@ -284,7 +307,11 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
         if problem is None:
             def checked(tmp: Path, blob: bytes = r.blob) -> None:  # validated before it takes the name
                 tmp.write_bytes(blob)
-                load_client(tmp, max_memory)
+                init = load_client(tmp, max_memory).metadata.get("init")
+                got = init.get("base_sha256") if isinstance(init, dict) else None
+                if got != base_sha256:
+                    said = lambda sha: f"the base {str(sha)[:12]}…" if sha else "no base"  # noqa: E731
+                    raise IncompatibleArtifactsError(f"fine-tuned from {said(got)}, the run asks for {said(base_sha256)}")
 
             try:
                 budget.require(3 * len(r.blob), f"checking the reply of client {r.key}", max_memory)
@@ -293,7 +320,7 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
                 continue
             except ArtifactError as exc:
                 problem = f"invalid artifact: {exc.reason} [{exc.hdf5_path}]"
-            except ResourceLimitError as exc:
+            except (ResourceLimitError, IncompatibleArtifactsError) as exc:
                 problem = str(exc)
         r.error = problem
         message = f"client {r.key}: reply rejected ({problem})"
@@ -418,7 +445,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
                                   + "; ".join(f"node {ids[k]}: {why}" for k, why in sorted(missing.items())))
         log(f"{len(missing)} node(s) did not reply; continuing without them")
     replies = [reply_from_message(k, m) for k, m in sorted(answers.items())]
-    paths = collect_replies(replies, out, on_bad_reply, log, max_memory)
+    paths = collect_replies(replies, out, on_bad_reply, log, max_memory, settings.base_sha256)
     silo_files = name_by_silo(replies, paths, out, log)
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
                                 val_path, log=log, max_memory=max_memory, robust=robust)
@@ -457,7 +484,8 @@ def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, meth
         raise FederationError(f"{len(missing)} node(s) did not answer the refresh round: "
                               + "; ".join(f"node {ids[k]}: {why}" for k, why in sorted(missing.items())))
     replies = [reply_from_message(k, m) for k, m in sorted(answers.items())]
-    refreshed = collect_replies(replies, out / "refresh", on_bad_reply, log, max_memory)
+    refreshed = collect_replies(replies, out / "refresh", on_bad_reply, log, max_memory,
+                                first_meta["federation"]["settings"].get("base_sha256"))
     inputs, result, meta = fuse(refreshed, method, options or FusionOptions(progress=False), method_settings,
                                 val_path, log=log, max_memory=max_memory)
     left_out = nodes_left_out(ids, missing, replies, refreshed)
