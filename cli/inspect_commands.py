@@ -57,7 +57,9 @@ def inspect_cmd(file, as_json, max_memory):
         return
     s = preview(file)
     say(f"{s['file']}  ({s['kind']} artifact, {_bytes(s['file_bytes'])}, sha256 {s['sha256'][:16]}…)")
-    say(f"model: {s['model'].get('name', '?')} {s['model'].get('kwargs', {})}  parameters d={s['num_params']}")
+    tuned = f"  fine-tuning {s['model']['finetune']} of a base (frozen weights stored once)" \
+        if s["model"].get("finetune") else ""
+    say(f"model: {s['model'].get('name', '?')} {s['model'].get('kwargs', {})}  parameters d={s['num_params']}{tuned}")
     say("layout:")
     for e in s["layout"]:
         say(f"  {e['name']:<14} {str(tuple(e['shape'])):<18} offset {e['offset']}")

@@ -28,7 +28,7 @@ from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture.policy import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
-from posterior_fusion.local.init import base_weights, initial_weights
+from posterior_fusion.local.init import base_weights, finetune_start, initial_weights
 from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.runtime import resolve_device
@@ -164,7 +164,12 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     prior_mean = None
     if init_path is not None and isinstance(init_art.metadata.get("base"), dict):
         init_info["base_sha256"] = str(init_art.metadata["base"].get("sha256"))
-        prior_mean = inits[0]  # fine-tuning a base: the prior N(base, λ0⁻¹ I) is centred at it
+        # fine-tuning a base (all of it, or cfg.finetune's part): the prior N(start, λ0⁻¹ I) is centred at it
+        spec, inits, prior_mean = finetune_start(spec, inits[0], cfg.finetune, len(inits),
+                                                 int(init_art.metadata.get("init_seed", 0) or 0))
+    elif cfg.finetune != "all":
+        raise ConfigError(f"--finetune {cfg.finetune} fine-tunes part of a pretrained base: give --init a file from "
+                          "`pfuse init --from BASE`")
     meta, comps = fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr,
                                 prior_mean=prior_mean)
     if as_json:

@@ -23,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
 import torch
 from safetensors.torch import save_file
@@ -35,7 +36,7 @@ from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.local.config import TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
-from posterior_fusion.local.init import base_weights, initial_weights
+from posterior_fusion.local.init import base_weights, finetune_start, initial_weights
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
@@ -111,7 +112,8 @@ def metrics_row(label: str, spec: ModelSpec, members, test: SiloData, served: in
 
 def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epochs: int, temperature: float,
                 prior_var: float, prior_mean: torch.Tensor | None, seed: int) -> torch.Tensor:
-    """One network trained on the pooled silos from ``start`` with the silos' own recipe (weight decay T·λ0/n)."""
+    """One network (``spec``'s trainable parameters) trained on the pooled silos from ``start`` with the
+    silos' own recipe (weight decay T·λ0/n toward ``prior_mean``)."""
     x = torch.cat([s.tensors()[0] for s in silos])
     y = torch.cat([s.tensors()[1] for s in silos])
     model = build_model(spec, start)
@@ -122,7 +124,7 @@ def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epo
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
-def run_cell(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base_path: Path) -> list[dict]:
+def cell_data(args, setting: str, alpha: float, seed: int) -> tuple[Path, list[SiloData], SiloData]:
     work = Path(args.work) / setting / f"a{alpha}_s{seed}"
     pool, test_file = prepare(Path(args.work), setting)
     split = work / "data"
@@ -131,50 +133,59 @@ def run_cell(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base_
         partition_to_files(split, source=pool, clients=args.clients, alpha=alpha, partition_seed=seed,
                            val_size=0, min_size=10 if setting == "same-domain" else 5, **kw)
     silos = [read_silo(split / f"client_{c}.h5") for c in range(args.clients)]
-    test = read_silo(split / "test.h5")
+    return work, silos, read_silo(split / "test.h5")
+
+
+def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base_path: Path, start: str) -> list[dict]:
+    """Every row of one cell for one way of starting: ``scratch`` (shared random starting points) or
+    ``base:<finetune>`` (the pretrained base, ``fit-local --finetune``)."""
+    work, silos, test = cell_data(args, setting, alpha, seed)
     base, base_sha = base_weights(spec, base_path)
-    rows = [metrics_row("base alone", spec, [base], test, 1)]
-    for start in ("base", "scratch"):
-        inits = [base.clone() for _ in range(args.components)] if start == "base" else \
-            initial_weights(spec, args.components, seed)
-        prior_mean = base if start == "base" else None
-        paths, fit_seconds = [], []
-        for c, silo in enumerate(silos):
-            out = work / start / f"post_{c}.h5"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if not out.exists():
-                cfg = fit_config_from({"structure": "kron", "kfac": args.kfac, "epochs": args.epochs,
-                                       "temperature": args.temperature, "prior_var": args.prior_var,
-                                       "train_seed": 100 * seed + c})
-                info = {"base_sha256": base_sha} if start == "base" else {"init_seed": seed}
-                fit_and_write(spec, silo, inits, cfg, out, info, log=lambda m: None, prior_mean=prior_mean)
-            paths.append(out)
-            for comp in load_client(out).components:
-                t = comp.training
-                fit_seconds.append((t["curvature_seconds"], t["train_seconds"] / max(1, t["epochs"])))
-        mb = statistics.mean(p.stat().st_size for p in paths) / args.components / 2**20
-        capture = statistics.mean(c for c, _ in fit_seconds) / statistics.mean(e for _, e in fit_seconds)
-        tag = "from the base" if start == "base" else "from random starts"
-        alone = []
-        for p in paths:
-            members = [c.map for c in load_client(p).components]
-            alone.append(evaluate_members(spec, members, test)["accuracy"] * 100)
-        rows.append({"row": f"each silo alone ({tag})", "accuracy": statistics.mean(alone),
-                     "accuracy_min": min(alone), "accuracy_max": max(alone), "served": args.components})
-        for label, method, settings in FUSIONS:
-            t0 = time.time()
-            _, res, _ = fuse([str(p) for p in paths], method, FusionOptions(progress=False), settings)
-            row = metrics_row(f"{label} ({tag})", spec, res.members, test, len(res.members),
-                              weights=res.mode_weights, pooling=res.pooling(spec.num_classes))
-            row.update(server_seconds=round(time.time() - t0, 1), artifact_mb_per_component=round(mb, 3),
-                       capture_per_epoch=round(capture, 2))
-            rows.append(row)
-            log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
-        start_w = base if start == "base" else inits[0]
-        w = centralised(spec, silos, start_w, args.epochs, args.temperature, args.prior_var, prior_mean, seed)
-        rows.append(metrics_row(f"centralised ({tag})", spec, [w], test, 1))
+    rows = [metrics_row("base alone", spec, [base], test, 1)] if start == "base:all" else []
+    finetune = start.split(":", 1)[1] if start != "scratch" else "all"
+    if start == "scratch":
+        tuned, inits, prior_mean = spec, initial_weights(spec, args.components, seed), None
+    else:
+        tuned, inits, prior_mean = finetune_start(spec, base, finetune, args.components, seed)
+    paths, fit_seconds = [], []
+    for c, silo in enumerate(silos):
+        out = work / start.replace(":", "_") / f"post_{c}.h5"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not out.exists():
+            cfg = fit_config_from({"structure": "kron", "kfac": args.kfac, "epochs": args.epochs,
+                                   "temperature": args.temperature, "prior_var": args.prior_var,
+                                   "train_seed": 100 * seed + c, "finetune": finetune})
+            info = {"init_seed": seed} if start == "scratch" else {"base_sha256": base_sha}
+            fit_and_write(tuned, silo, inits, cfg, out, info, log=lambda m: None, prior_mean=prior_mean)
+        paths.append(out)
+        for comp in load_client(out).components:
+            t = comp.training
+            fit_seconds.append((t["curvature_seconds"], t["train_seconds"] / max(1, t["epochs"])))
+    with h5py.File(paths[0]) as f:  # the frozen base weights are stored once per artifact, not per component
+        frozen = f["frozen"].size * 4 if "frozen" in f else 0
+    per_component = statistics.mean(p.stat().st_size - frozen for p in paths) / args.components
+    capture = statistics.mean(c for c, _ in fit_seconds) / statistics.mean(e for _, e in fit_seconds)
+    tag = "from random starts" if start == "scratch" else f"base, finetune {finetune}"
+    cost = {"artifact_mb_per_component": round(per_component / 2**20, 4),
+            "component_pct_of_model": round(100 * per_component / (4 * base.numel()), 2),
+            "capture_per_epoch": round(capture, 2)}
+    alone = []
+    for p in paths:
+        alone.append(evaluate_members(tuned, [c.map for c in load_client(p).components], test)["accuracy"] * 100)
+    rows.append({"row": f"each silo alone ({tag})", "accuracy": statistics.mean(alone), "accuracy_min": min(alone),
+                 "accuracy_max": max(alone), "served": args.components, **cost})
+    for label, method, settings in FUSIONS:
+        t0 = time.time()
+        _, res, _ = fuse([str(p) for p in paths], method, FusionOptions(progress=False), settings)
+        row = metrics_row(f"{label} ({tag})", tuned, res.members, test, len(res.members),
+                          weights=res.mode_weights, pooling=res.pooling(spec.num_classes))
+        row.update(server_seconds=round(time.time() - t0, 1), **cost)
+        rows.append(row)
+        log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
+    w = centralised(tuned, silos, inits[0], args.epochs, args.temperature, args.prior_var, prior_mean, seed)
+    rows.append(metrics_row(f"centralised ({tag})", tuned, [w], test, 1))
     for r in rows:
-        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs)
+        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs, start=start)
     return rows
 
 
@@ -213,6 +224,8 @@ def main() -> None:
     ap.add_argument("--components", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=5, help="local (and centralised) fine-tuning epochs")
     ap.add_argument("--pretrain-epochs", type=int, default=10)
+    ap.add_argument("--starts", default="base:all,scratch,base:head,base:last:2,base:lora:4",
+                    help="comma-separated: scratch (shared random starting points) or base:<fit-local --finetune>")
     ap.add_argument("--kfac", default="expand")
     ap.add_argument("--temperature", type=float, default=0.1)
     ap.add_argument("--prior-var", type=float, default=0.1)
@@ -229,12 +242,13 @@ def main() -> None:
     Path(args.json_dir).mkdir(parents=True, exist_ok=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
-            out = Path(args.json_dir) / f"{spec.name}_{args.setting}_a{alpha}_s{seed}.json"
-            if out.exists():
-                continue
-            rows = run_cell(args, args.setting, alpha, seed, spec, base_path)
-            out.write_text(json.dumps(rows, indent=1))
-            log(f"wrote {out}")
+            for start in args.starts.split(","):
+                out = Path(args.json_dir) / f"{spec.name}_{args.setting}_a{alpha}_s{seed}_{start.replace(':', '')}.json"
+                if out.exists():
+                    continue
+                rows = run_start(args, args.setting, alpha, seed, spec, base_path, start)
+                out.write_text(json.dumps(rows, indent=1))
+                log(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ naming the file and the HDF5 path.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,22 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
     meta = chk.json_attr(f, "metadata", "/")
     if not isinstance(meta, dict):
         raise chk.bad_schema("/", "metadata must be a JSON object")
+    frozen = sum(math.prod(shape) for _, shape in spec.frozen_shapes())
+    if spec.finetune != "all":
+        chk.dataset(f, "/frozen", (frozen,))
+    elif "/frozen" in f:
+        raise chk.bad_schema("/frozen", "only an artifact of a fine-tuning model spec (finetune) holds frozen weights")
     return str(kind), spec, layout, meta
+
+
+def _with_frozen(chk: _Checker, f: h5py.File, spec: ModelSpec) -> ModelSpec:
+    """``spec`` holding the base weights it freezes, read from ``/frozen`` (finite, bounded as weights)."""
+    shapes = spec.frozen_shapes()
+    if not shapes:
+        return spec
+    values = _read(chk, f["/frozen"], "/frozen", WEIGHT_MAX).float()
+    sizes = [math.prod(shape) for _, shape in shapes]
+    return spec.with_base({name: t.reshape(shape) for (name, shape), t in zip(shapes, torch.split(values, sizes))})
 
 
 WEIGHT_MAX = 1e12  # a stored weight vector (MAP, member, student, SWAG mean) at most this in absolute value
@@ -220,6 +236,8 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dic
         raise chk.bad_schema("/", f"metadata num_members must be an integer in [1, {schema.MAX_MEMBERS}]")
     paths = _walk(chk, f, schema.global_path_re())
     expected = {"/members"} | {f"/members/{i}" for i in range(n)} | {f"/members/{i}/weights" for i in range(n)}
+    if "/frozen" in f:  # the frozen weights of a fine-tuning spec: checked with the header (_header)
+        expected.add("/frozen")
     with_curvature = "/members/0/curvature" in paths
     records = None
     if with_curvature:
@@ -319,6 +337,7 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
             prior_mean = _read(chk, f["/prior_mean"], "/prior_mean", WEIGHT_MAX) if "/prior_mean" in f else None
         else:
             members, precisions = _global(chk, f, layout, meta, spec.num_classes)
+        spec = _with_frozen(chk, f, spec)
         sha = open_file_sha256(f)  # the bytes that were validated, through the same open file
     if kind == schema.KIND_CLIENT:
         return ClientPosterior(str(path), sha, spec, layout, frozen_mapping(meta), tuple(comps), prior_mean)

@@ -49,6 +49,7 @@ def _dataset_names() -> str:
 def global_path_re() -> re.Pattern:
     """The whitelist of global-artifact paths (members, and optionally their Laplace curvature)."""
     return re.compile("^(" + "|".join([
+        r"/frozen",
         r"/members",
         rf"/members/{_IDX}",
         rf"/members/{_IDX}/weights",
@@ -63,6 +64,7 @@ def client_path_re() -> re.Pattern:
     names = _dataset_names()
     return re.compile("^(" + "|".join([
         r"/prior_mean",
+        r"/frozen",
         r"/components",
         rf"/components/{_IDX}",
         rf"/components/{_IDX}/map",

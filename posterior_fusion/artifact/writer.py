@@ -65,7 +65,12 @@ def text_attr(text: str) -> np.bytes_:
 
 
 def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, metadata: dict) -> None:
+    """The root attributes and, for a fine-tuning spec, its frozen base weights once as ``/frozen``."""
     meta_text = metadata_json(f.filename, metadata)
+    if spec.finetune != "all":
+        frozen = spec.frozen_vector()
+        require_finite(f.filename, "/frozen", frozen, "the base")
+        f.create_dataset("frozen", data=_np(frozen))
     f.attrs["format"] = text_attr(FORMAT_NAME)
     f.attrs["format_version"] = np.int64(FORMAT_VERSION)
     f.attrs["artifact_kind"] = text_attr(kind)

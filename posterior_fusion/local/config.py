@@ -11,10 +11,11 @@ from typing import Any
 
 from posterior_fusion import ranges
 from posterior_fusion.curvature.compressed import COMPRESS_METRICS, VECTOR_DTYPES, Compression
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, shown
 from posterior_fusion.local.capture import capture_dtype_problem
 from posterior_fusion.local.capture.policy import CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
 from posterior_fusion.local.ppd import PPDConfig
+from posterior_fusion.models.finetune import FINETUNE_RE
 from posterior_fusion.runtime import DEVICES
 from posterior_fusion.settings import check_declared, convert, setting
 
@@ -127,12 +128,20 @@ class FitConfig:
                                                  "them orthonormal again, and the recorded error is that of the "
                                                  "stored form).",
                                       choices=VECTOR_DTYPES)
+    finetune: str = setting("all", "What a silo fine-tunes of the init file's pretrained base (`init --from`): all "
+                                    "(every weight), head (the last module with parameters), last:K (the last K), "
+                                    "or lora:R (rank-R adapters on every other Linear/Conv2d, the head trained as "
+                                    "it is); the rest stays frozen at the base, bit for bit, and only the trained "
+                                    "parameters and their curvature are stored per component.")
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
         check_declared(self)
+        if not isinstance(self.finetune, str) or not FINETUNE_RE.fullmatch(self.finetune):
+            raise ConfigError(f"`finetune` must be all, head, last:K or lora:R (K, R in 1..9999), got "
+                              f"{shown(self.finetune, 40)}")
         ranges.check("temperature", self.temperature, ranges.TEMPERATURE)
         ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
         ranges.check("curvature_batch_size", self.curvature_batch_size, ranges.BATCH_SIZE)
@@ -169,6 +178,8 @@ class FitConfig:
             out.pop("kfac")
         if out["capture_dtype"] == "float32":
             out.pop("capture_dtype")
+        if out["finetune"] == "all":
+            out.pop("finetune")
         if out["compress"] == 0:
             out.pop("compress")
         if out["compress_metric"] == "frobenius" or "compress" not in out:

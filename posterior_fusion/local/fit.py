@@ -38,7 +38,7 @@ from posterior_fusion.local.capture import capture, capture_dtype_problem
 from posterior_fusion.local.capture.laplace import laplace_backends
 from posterior_fusion.local.capture.policy import block_policy, curvature_bytes
 from posterior_fusion.local.config import FitConfig
-from posterior_fusion.local.init import base_weights, init_fingerprint, initial_weights
+from posterior_fusion.local.init import base_weights, finetune_start, init_fingerprint, initial_weights
 from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import train_map
@@ -279,6 +279,8 @@ def fit_silo_file(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.P
     ``base``: a pretrained base file instead (``pfuse init --from`` + ``fit-local --init``: every component
     starts at it, the prior is centred there), refused in one line when ``base_sha256`` is given and differs."""
     data = read_silo(silo_path, num_classes=spec.num_classes)
+    if base is None and cfg.finetune != "all":
+        raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base, and this fit has none")
     if base is None:
         meta, _ = fit_and_write(spec, data, initial_weights(spec, components, init_seed), cfg, out,
                                 {"init_seed": init_seed}, resume=resume, log=log)
@@ -287,6 +289,7 @@ def fit_silo_file(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.P
     if base_sha256 is not None and sha != base_sha256:
         raise IncompatibleArtifactsError(f"{base}: SHA-256 {sha[:12]}… is not the base {base_sha256[:12]}… this "
                                          "federation fine-tunes")
-    meta, _ = fit_and_write(spec, data, [w.clone() for _ in range(components)], cfg, out,
-                            {"base_sha256": sha}, resume=resume, log=log, prior_mean=w)
+    spec, inits, prior_mean = finetune_start(spec, w, cfg.finetune, components, init_seed)
+    meta, _ = fit_and_write(spec, data, inits, cfg, out, {"base_sha256": sha}, resume=resume, log=log,
+                            prior_mean=prior_mean)
     return meta

@@ -42,6 +42,43 @@ def initial_weights(spec: ModelSpec, num_modes: int, init_seed: int) -> list[tor
     return out
 
 
+def finetune_start(spec: ModelSpec, base: torch.Tensor, setting: str, components: int,
+                   init_seed: int = 0) -> tuple[ModelSpec, list[torch.Tensor], torch.Tensor]:
+    """What ``fit-local --finetune SETTING`` trains from a base ``(d,)`` of ``spec``'s architecture: ``(the
+    fine-tuning spec holding the base, M equal starting points (d_t,), the prior's centre (d_t,))`` — the
+    trainable part of the base (LoRA's adapter factors drawn once with ``init_seed``, B = 0: the base's
+    function), the prior N(start, σ0² I) centred there."""
+    if setting == "all":
+        return spec, [base.clone() for _ in range(components)], base
+    with torch.device("meta"):
+        layout = ParameterLayout.from_model(spec.build())
+    if base.shape != (layout.dim,):
+        raise IncompatibleArtifactsError(f"the base has {base.numel()} weights, model {spec.name!r} {layout.dim}")
+    named = {e.name: t.clone() for e, t in zip(layout.entries, layout.split(base.float()))}
+    tuned = ModelSpec(spec.name, dict(spec.kwargs), spec.provider, setting, named)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed * 1_000_003)
+        start = parameters_to_vector(tuned.build().parameters()).detach().clone()
+    return tuned, [start.clone() for _ in range(components)], start
+
+
+def full_base(spec: ModelSpec, weights: torch.Tensor) -> torch.Tensor:
+    """A model of ``spec`` with flat ``weights`` as a base for the architecture: ``(d,)`` in the
+    architecture's parameter order (a fine-tuning spec's frozen weights put back, LoRA merged)."""
+    if spec.finetune == "all":
+        return weights.float().clone()
+    from torch.nn.utils import vector_to_parameters
+
+    from posterior_fusion.models.finetune import merged_state
+
+    model = spec.build()
+    vector_to_parameters(weights.float().clone(), model.parameters())
+    state = merged_state(model)
+    with torch.device("meta"):
+        names = [n for n, _ in ModelSpec(spec.name, dict(spec.kwargs), spec.provider).build().named_parameters()]
+    return torch.cat([state[n].reshape(-1).float() for n in names])
+
+
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -59,9 +96,10 @@ def base_weights(spec: ModelSpec, path: str | os.PathLike,
     sha = file_sha256(path)
     if path.suffix != ".safetensors":
         base = load_global(path, max_memory)
-        if base.model_spec != spec or base.layout != ParameterLayout.from_model(spec.build()):
+        arch = ModelSpec(base.model_spec.name, dict(base.model_spec.kwargs), base.model_spec.provider)
+        if arch != spec:
             raise IncompatibleArtifactsError(f"{path}: holds {base.model_spec.to_json()}, not {spec.to_json()}")
-        return base.members[0].float().clone(), sha
+        return full_base(base.model_spec, base.members[0]), sha
     from safetensors import safe_open
 
     model = spec.build()

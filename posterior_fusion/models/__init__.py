@@ -15,8 +15,8 @@ import functools
 import inspect
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -102,15 +102,23 @@ TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients, momentum and on
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model named in :data:`MODEL_REGISTRY` with validated keyword arguments."""
+    """A model named in :data:`MODEL_REGISTRY` with validated keyword arguments; ``finetune`` what of it a
+    silo fine-tunes (:mod:`.finetune`; not ``all``: the frozen weights come from ``base``, the pretrained
+    weights by the architecture's parameter names — not part of the spec's JSON, readers take them from
+    the artifact's ``/frozen``)."""
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     provider: str | None = field(default=None, compare=False)  # "package==version" of a plugin model
+    finetune: str = "all"
+    base: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or len(self.name) > 128:
             raise ModelSpecError("model name must be a short string")
+        from posterior_fusion.models.finetune import check_finetune
+
+        check_finetune(self.finetune)
         builder, allowed, provider = resolve_model(self.name, self.provider)
         object.__setattr__(self, "provider", provider)
         if not isinstance(self.kwargs, dict):
@@ -166,12 +174,47 @@ class ModelSpec:
 
     def build(self) -> nn.Module:
         """The model, on PyTorch's default device. Off the meta device its size is checked first
-        (:meth:`check_size` with the default budget), so a hostile spec allocates nothing."""
+        (:meth:`check_size` with the default budget), so a hostile spec allocates nothing. A fine-tuning
+        spec's model has its trainable parameters only, the frozen weights buffers holding ``base``'s."""
         import torch
 
-        if torch.get_default_device().type != "meta":
+        meta = torch.get_default_device().type == "meta"
+        if not meta:
             self.check_size()
-        return self._construct()
+        model = self._construct()
+        if self.finetune == "all":
+            return model
+        if self.base is None and not meta:
+            raise ModelSpecError(f"model {self.name!r} fine-tunes {self.finetune} of a base this spec does not hold "
+                                 "(its frozen weights come with the artifact, `/frozen`)")
+        from posterior_fusion.models.finetune import apply_finetune
+
+        return apply_finetune(model, self.finetune, None if meta else self.base)  # on meta: shapes only
+
+    def frozen_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of the base weights a fine-tuning spec freezes (none for ``all``), read on the
+        meta device: the layout of an artifact's ``/frozen``."""
+        import torch
+
+        from posterior_fusion.models.finetune import frozen_names
+
+        with torch.device("meta"):
+            return frozen_names(self._construct(), self.finetune)
+
+    def with_base(self, base: Mapping[str, Any] | None) -> ModelSpec:
+        """This spec holding ``base`` (pretrained weights by parameter name) for its frozen weights."""
+        return replace(self, base=base)
+
+    def frozen_vector(self):
+        """The frozen weights ``(Σ sizes,)`` float32 in :meth:`frozen_shapes` order (from ``base``)."""
+        import torch
+
+        shapes = self.frozen_shapes()
+        if shapes and self.base is None:
+            raise ModelSpecError(f"model {self.name!r} fine-tunes {self.finetune}: no base to store")
+        if not shapes:
+            return torch.zeros(0)
+        return torch.cat([torch.as_tensor(self.base[n]).detach().float().reshape(-1) for n, _ in shapes])
 
     def fitted_to(self, input_shape: tuple[int, ...], num_classes: int, where: str) -> ModelSpec:
         """This spec with what the data determines filled in where the spec leaves it out and the
@@ -192,7 +235,7 @@ class ModelSpec:
                                      f"{key}={kwargs[key]}; leave it out to take it from the data")
             if key not in kwargs and (key not in params or params[key].default != value):
                 kwargs[key] = value
-        return ModelSpec(self.name, kwargs, self.provider)
+        return ModelSpec(self.name, kwargs, self.provider, self.finetune, self.base)
 
     def check_input(self, sample_shape: tuple[int, ...], where: str) -> None:
         """Refuse data whose per-sample shape (after the loader's channel axis) does not fit
@@ -232,6 +275,8 @@ class ModelSpec:
         obj = {"name": self.name, "kwargs": self.kwargs}
         if self.provider:
             obj["provider"] = self.provider
+        if self.finetune != "all":
+            obj["finetune"] = self.finetune
         return json.dumps(obj, sort_keys=True)
 
     @classmethod
@@ -240,7 +285,8 @@ class ModelSpec:
             obj = json.loads(text)
         except (json.JSONDecodeError, TypeError) as exc:
             raise ModelSpecError(f"model spec is not valid JSON: {exc}") from None
-        if (not isinstance(obj, dict) or not {"name", "kwargs"} <= set(obj) <= {"name", "kwargs", "provider"}
+        if (not isinstance(obj, dict) or not {"name", "kwargs"} <= set(obj) <= {"name", "kwargs", "provider", "finetune"}
                 or not isinstance(obj["name"], str) or not isinstance(obj.get("provider", ""), str)):
-            raise ModelSpecError('model spec must be {"name": str, "kwargs": {...}} (and optionally "provider")')
-        return cls(obj["name"], obj["kwargs"], obj.get("provider"))
+            raise ModelSpecError('model spec must be {"name": str, "kwargs": {...}} (and optionally "provider", '
+                                 '"finetune")')
+        return cls(obj["name"], obj["kwargs"], obj.get("provider"), obj.get("finetune", "all"))
