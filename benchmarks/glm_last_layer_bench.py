@@ -5,7 +5,7 @@ predictive) and the metrics.
     nice -n 19 .venv/bin/python benchmarks/glm_last_layer_bench.py --work runs/glmll \
         --json docs/results/predictive/glm_last_layer.json
 
-Three LeNet clients (α = 0.5, M = 2, kron, 5 epochs) on 9,000 Fashion-MNIST training images (the
+Three clients (α = 0.5, M = 2, 5 epochs; LeNet with kron unless ``--model``/``--structure`` say otherwise) on 9,000 Fashion-MNIST training images (the
 installed full set); fedbens with its Laplace posterior (100 steps); the full 10,000-image test set.
 """
 
@@ -33,6 +33,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="runs/glmll")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default="lenet")
+    ap.add_argument("--model-kwargs", default="{}")
+    ap.add_argument("--structure", default="kron", help="the clients' curvature (kron, diag, diag+full)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -40,6 +43,7 @@ def main() -> None:
         run("partition", "--clients", 3, "--alpha", 0.5, "--partition-seed", 0, "--max-train", 9000, "--out-dir", work)
         for c in range(3):
             run("fit-local", "--data", work / f"client_{c}.h5", "-M", 2, "--epochs", 5, "--train-seed", c,
+                "--model", args.model, "--model-kwargs", args.model_kwargs, "--structure", args.structure,
                 "--out", work / f"post_{c}.h5")
         run("fuse", *(work / f"post_{c}.h5" for c in range(3)), "--method", "fedbens", "--set", "steps=100", "--set", "solver=adam",
             "--out", work / "g.h5")
@@ -49,7 +53,8 @@ def main() -> None:
         if r["exit"]:
             raise SystemExit(r["error"])
         m = json.loads(r["stdout"])
-        rows.append({"predictive": predictive, "seconds": r["seconds"], "peak_mib": r["peak_mib"],
+        rows.append({"model": args.model, "model_kwargs": args.model_kwargs, "structure": args.structure,
+                     "predictive": predictive, "seconds": r["seconds"], "peak_mib": r["peak_mib"],
                      "n": m["n"], "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"]})
         print(json.dumps(rows[-1]), flush=True)
     save_rows(args.json, rows)

@@ -278,7 +278,11 @@ def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
     """Logit mean ``(n, C)`` and covariance ``scale · J Λ_ll⁻¹ Jᵀ`` ``(n, C, C)`` with only the last
     ``nn.Linear`` uncertain: ``J = [e_c ⊗ φ, e_c]`` (weight row-major, then bias) and ``Λ_ll`` the
     blocks of ``precision`` over that layer. Batches are sized from the memory budget (as
-    :func:`logit_moments`, for the last layer's Jacobians) unless ``batch_size`` is given."""
+    :func:`logit_moments`, for the last layer's Jacobians) unless ``batch_size`` is given. A Kronecker
+    block over the layer's weight uses its factors (:func:`_kron_covariance`: no Jacobian row formed);
+    any other block whitens the Jacobian's columns it covers."""
+    from posterior_fusion.models.jacobians import FactoredJacobian
+
     model = spec.build()
     torch.nn.utils.vector_to_parameters(w.detach().clone().to(torch.float32), model.parameters())
     model.eval()
@@ -299,22 +303,31 @@ def last_layer_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
         raise ConfigError("the last layer's weight and bias are not adjacent in the parameter vector")
     prec = restricted(precision, start, start + size)
     if batch_size is None:
-        batch_size = glm_batch_size(C, size, max_memory, largest=512)
+        batch_size = glm_batch_size(C, size, max_memory, largest=STRUCTURED_BATCH)
     feats: list[torch.Tensor] = []
     handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
-    eye = torch.eye(C, dtype=torch.float64)
     means, covs = [], []
     try:
         with torch.no_grad():
             for i in range(0, x.shape[0], batch_size):
                 feats.clear()
                 logits = model(x[i : i + batch_size]).double()
-                phi = feats[0].reshape(logits.shape[0], -1).double()  # (b, F)
-                J = torch.einsum("ce,bf->bcef", eye, phi).reshape(len(phi), C, C * F)  # e_c ⊗ φ
-                if last.bias is not None:
-                    J = torch.cat([J, eye.expand(len(phi), C, C)], dim=2)
-                U = prec.whiten(J.reshape(-1, size).to(prec.dtype)).double().reshape(len(phi), C, size)
-                covs.append(scale * torch.einsum("bcd,bed->bce", U, U))
+                phi = feats[0].reshape(logits.shape[0], -1)  # (b, F)
+                cov = torch.zeros(len(phi), C, C, dtype=torch.float64)
+                for block, off in zip(prec.blocks, prec.offsets):
+                    if isinstance(block, Kron) and (off, block.dim) == (0, C * F):  # the weight: factored, no J row
+                        g = torch.eye(C, dtype=phi.dtype).expand(len(phi), C, C)[..., None]  # (b, C, O = C, 1)
+                        cov += _kron_covariance(block, FactoredJacobian(g, phi[:, :, None]))
+                        continue
+                    cols = torch.arange(off, off + block.dim)  # J = [e_c ⊗ φ, e_c] over this block's columns
+                    weight_cols, bias_cols = cols[cols < C * F], cols[cols >= C * F] - C * F
+                    J = torch.zeros(len(phi), C, block.dim, dtype=torch.float64)
+                    rows, feat = weight_cols // F, weight_cols % F
+                    J[:, rows, torch.arange(len(weight_cols))] = phi.double()[:, feat]
+                    J[:, bias_cols, len(weight_cols) + torch.arange(len(bias_cols))] = 1.0
+                    U = block.whiten(J.reshape(-1, block.dim).to(block.dtype)).double().reshape(len(phi), C, -1)
+                    cov += torch.einsum("bcd,bed->bce", U, U)
+                covs.append(scale * cov)
                 means.append(logits)
     finally:
         handle.remove()

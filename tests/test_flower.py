@@ -360,6 +360,12 @@ def test_a_run_that_fine_tunes_a_base_uses_the_node_s_copy_checked_by_hash(tmp_p
     (tmp_path / "c.h5").write_bytes(blob)
     art = posterior_fusion.load(tmp_path / "c.h5")
     assert art.metadata["init"]["base_sha256"] == bases[0][2] and torch.equal(art.prior_mean, bases[0][1])
+    head = FederatedSettings(model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1,
+                             base_sha256=bases[0][2], finetune="head")  # a fit setting: it travels as every other
+    blob_head = client_train(Message(RecordDict({"config": ConfigRecord({"settings": head.to_json()})}), dst_node_id=1,
+                                     message_type="train"), node(bases[0][0])).content["artifact"]["artifact"]
+    (tmp_path / "h.h5").write_bytes(blob_head)
+    assert posterior_fusion.load(tmp_path / "h.h5").layout.names == ["3.weight", "3.bias"]
     with pytest.raises(ConfigError, match="node config 'base'"):
         client_train(train, node(None))
     with pytest.raises(IncompatibleArtifactsError, match="is not the base"):
