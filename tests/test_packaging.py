@@ -52,3 +52,47 @@ def test_wheel_in_a_fresh_environment_runs_the_demo(tmp_path):
     rows = json.loads(demo.stdout)
     # the quick demo demonstrates: every row well above chance (10 classes: 10 %)
     assert {r["method"] for r in rows} == {"default", "fedbens", "fedavg"} and min(r["accuracy"] for r in rows) > 0.35, rows
+
+
+def _dummy_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    """A minimal wheel (metadata only) of ``name`` ``version`` requiring ``requires``."""
+    import zipfile
+
+    dist = f"{name.replace('-', '_')}-{version}"
+    meta = "Metadata-Version: 2.1\n" f"Name: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    files = {f"{dist}.dist-info/METADATA": meta,
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}.dist-info/RECORD"] = "".join(f"{p},,\n" for p in files) + f"{dist}.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+def test_installing_the_wheel_keeps_the_installed_torch(tmp_path):
+    """The resolver's real choice, offline: a local index offers a newer torch and a torchvision that needs
+    it (as PyPI does), and a laplace-torch that needs torchvision (as its metadata does); installing the
+    wheel with every extra but flower into this environment (torch installed) installs no torch,
+    torchvision or CUDA package. (Had the package required laplace-torch, pip would pick torchvision 99 and
+    with it torch 99: the dummy index makes that choice possible.)"""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
+                                                             "__pycache__", "demo-run"))
+    index = tmp_path / "index"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(index), str(src)], check=True, capture_output=True, timeout=300)
+    wheel = glob.glob(str(index / "posterior_fusion-*.whl"))[0]
+    _dummy_wheel(index, "torch", "99.0")
+    _dummy_wheel(index, "nvidia-cuda-runtime", "99.0")
+    _dummy_wheel(index, "torchvision", "99.0", ("torch==99.0", "nvidia-cuda-runtime"))
+    _dummy_wheel(index, "laplace-torch", "0.3", ("torch", "torchvision"))
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(index),
+                        "--report", str(report), "-q", f"{wheel}[data,plot]"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
+    assert "posterior-fusion" in names and not names & {"torch", "torchvision", "nvidia-cuda-runtime", "laplace-torch"}, names
+    # the laplace extra is what would pull them: the dummy index makes the resolver's choice visible
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(index),
+                        "--report", str(report), "-q", f"{wheel}[laplace]"], capture_output=True, text=True, timeout=300)
+    picked = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]} if r.returncode == 0 else set()
+    assert r.returncode != 0 or "torch" in picked, (r.returncode, picked)

@@ -1,7 +1,8 @@
 """Fusion from a shared pretrained base (README.md): pretrain a base on data no silo holds, let five silos
 fine-tune it (every weight, the prior N(base, σ0² I)), fuse with every method, and set the rows beside the
 same silos trained from shared random starting points, each silo alone, the base alone and centralised
-fine-tuning on the pooled silos. One JSON file of rows per (setting, α, seed); ``--report`` prints the table.
+fine-tuning on the pooled silos. Starts (``--starts``): ``scratch`` and ``base:<fit-local --finetune>``. One JSON
+file of rows per (setting, α, seed, start); ``--report`` prints the table.
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/pretrained_base/run.py --setting same-domain \\
         --alphas 0.1,0.4 --seeds 0,1,2 --work runs/pretrained_base --json-dir docs/results/pretrained_base

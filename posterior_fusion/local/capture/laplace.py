@@ -30,6 +30,14 @@ def laplace_backends():
     try:
         from laplace import Laplace
         from laplace.curvature import AsdlGGN, CurvlinopsGGN
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("laplace", "asdl", "asdfghjkl", "curvlinops", "backpack"):
+            raise ConfigError(f"laplace-torch cannot be imported (missing module {exc.name!r}); the default `capture: "
+                              "fast` does not need it") from None
+        raise ConfigError("`capture: laplace` needs laplace-torch, an optional extra: `pip install --no-deps "
+                          "laplace-torch==0.3 backpack-for-pytorch curvlinops-for-pytorch asdfghjkl` (no-deps: its "
+                          "metadata would replace your torch through torchvision); the default `capture: fast` does "
+                          "not need it") from None
     except Exception as exc:  # noqa: BLE001 - any import failure of the optional backend is one line
         first = (str(exc).splitlines() or [""])[0][:160]
         raise ConfigError(f"laplace-torch cannot be imported ({type(exc).__name__}: {first}); the usual cause is a "
