@@ -196,7 +196,7 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
 predictive_options = [
     click.option("--predictive", default="map", show_default=True, type=click.Choice(PREDICTIVES),
                  help="map: average the members' softmax; mc: Monte-Carlo over weight samples around each mode; "
-                      "glm: linearised predictive (needs a fedbens artifact with its Laplace posterior); glm-last-layer: the same with only the last Linear layer uncertain (far cheaper)."),
+                      "glm: linearised predictive (needs a fedbens artifact with its Laplace posterior); glm-last-layer: the same with only the last Linear layer uncertain (faster; docs/benchmarks.md)."),
     click.option("--samples", default=30, show_default=True, type=bounded(ranges.SAMPLES), help="Samples per mode for mc (and --link mc)."),
     click.option("--link", default="probit", show_default=True, type=click.Choice(LINKS),
                  help="glm: probit approximation or Monte-Carlo over the Gaussian logits."),
