@@ -77,7 +77,9 @@ def test_capture_dtype_needs_the_fast_capture():
 
     with pytest.raises(ConfigError, match="which this model cannot use"):
         capture("kron", Twice(), x, y, 8, "exact", "fast", capture_dtype="bfloat16")
-    assert capture("kron", Twice(), x, y, 8, "exact", "fast")[1] == "laplace"  # float32: falls back as before
+    with pytest.raises(ConfigError, match="fast capture cannot take"):  # float32: refused too, no fall-back
+        capture("kron", Twice(), x, y, 8, "exact", "fast")
+    assert capture("kron", Twice(), x, y, 8, "exact", "laplace")[1] == "laplace"  # laplace-torch when asked
     with pytest.raises(ConfigError, match="unknown `capture_dtype`"):
         capture("kron", _net(), x, y, 8, "exact", "fast", capture_dtype="float16")
     with pytest.raises(ConfigError, match="needs the fast capture"):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import install_fake_plugin
 from torch import nn
 
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import capture, inputs, outputs
 from posterior_fusion.local.capture import gram as gram_module
 from posterior_fusion.local.capture.gram import CHUNK_COLUMNS
@@ -266,14 +267,17 @@ def test_mc_capture_is_unbiased(fmnist_train, structure):
     assert err2.sqrt() < 0.2 * (draws[0] - ref).norm()
 
 
-def test_unsupported_models_fall_back_to_laplace(fmnist_train):
+def test_unsupported_models_are_refused_by_the_fast_capture_and_taken_by_laplace_on_request(fmnist_train):
+    """The default capture never falls back to laplace-torch: a model it cannot take is one ConfigError line
+    naming why and the option; `capture: laplace` computes it with laplace-torch when asked."""
     x, y = _data("lenet", fmnist_train, 64, torch.float32)
     grouped = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Conv2d(4, 4, 3, groups=2), nn.ReLU(), nn.Flatten(),
                             nn.Linear(4 * 24 * 24, 10)).eval()
     assert "groups" in unsupported_reason(grouped)
-    notes = []
-    curv, how = capture("diag", grouped, x, y, 32, method="fast", log=notes.append)
-    assert how == "laplace" and "fast capture not available" in notes[0]
+    with pytest.raises(ConfigError, match="groups.*capture: laplace"):
+        capture("diag", grouped, x, y, 32, method="fast")
+    curv, how = capture("diag", grouped, x, y, 32, method="laplace")
+    assert how == "laplace"
     assert curv.blocks[0].to_tensors()["diag"].shape == (sum(p.numel() for p in grouped.parameters()),)
     x, y = _data("mlp", fmnist_train, 64, torch.float32)
 

@@ -37,8 +37,9 @@ def tinytransformer(num_classes: int = 10, width: int = 8) -> nn.Module:
 
 def test_a_stock_transformer_is_refused_before_training_not_after(tmp_path, monkeypatch, small_silo):
     """``nn.TransformerEncoderLayer`` (its ``nn.MultiheadAttention``) under ``--structure kron``: the fast
-    capture cannot take it and laplace-torch refuses its parameters; ``fit-local`` says so in one line,
-    exit 2, before the first epoch (no training line), and writes nothing."""
+    capture cannot take it (and never falls back to laplace-torch), and laplace-torch, asked for, refuses its
+    parameters; ``fit-local`` says so in one line, exit 2, before the first epoch (no training line), and
+    writes nothing."""
     install_fake_plugin(tmp_path, monkeypatch, "ttplug", "0.1", "tinytransformer", TRANSFORMER)
     silo = SiloData(small_silo.x[:64, ::4, ::4].copy(), small_silo.y[:64], "fmnist", 10)
     write_silo(tmp_path / "s.h5", silo)
@@ -46,7 +47,14 @@ def test_a_stock_transformer_is_refused_before_training_not_after(tmp_path, monk
                                    "-M", "1", "--epochs", "50", "--structure", "kron", "--out", str(tmp_path / "c.h5")])
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.exit_code == 2 and len(errors) == 1, r.output
-    assert "kron capture" in errors[0] and "nothing was trained" in errors[0], errors
+    assert "fast capture cannot take" in errors[0] and "nothing was trained" in errors[0], errors
+    # asked for laplace-torch, which cannot take nn.MultiheadAttention's parameters: refused the same way
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "tinytransformer",
+                                   "-M", "1", "--epochs", "50", "--structure", "kron", "--capture", "laplace",
+                                   "--out", str(tmp_path / "c.h5")])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "kron capture (laplace)" in errors[0], r.output
+    assert "nothing was trained" in errors[0] and not (tmp_path / "c.h5").exists()
     assert "training" not in r.stderr.replace("nothing was trained", ""), r.stderr
     assert "Traceback" not in r.output and not (tmp_path / "c.h5").exists()
 

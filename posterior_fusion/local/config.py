@@ -96,9 +96,9 @@ class FitConfig:
     curvature_batch_size: int = setting(256, "Batch size of the curvature pass.", bounds=ranges.BATCH_SIZE)
     ggn: str = setting("exact", "exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one "
                                   "sampled label (faster).", choices=GGN_TYPES)
-    capture: str = setting("fast", "fast: this package's capture (one forward + one batched backward per batch) "
-                                     "for models whose parameters all sit in Linear/Conv2d layers, laplace-torch "
-                                     "otherwise; laplace: always laplace-torch.", choices=CAPTURE_METHODS)
+    capture: str = setting("fast", "fast: this package's capture (one forward + one batched backward per batch; a "
+                                     "model it cannot take is refused before training); laplace: laplace-torch "
+                                     "(an optional install), the oracle.", choices=CAPTURE_METHODS)
     kfac: str = setting("expand", "K-FAC for weight-shared (convolution) layers, structure kron: expand (sums "
                                     "over samples and output positions, laplace-torch's default) or reduce (each "
                                     "sample's positions summed first: far cheaper on convolutions; Eschenhagen et "

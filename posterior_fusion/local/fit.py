@@ -133,12 +133,16 @@ def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: t
             warnings.simplefilter("ignore")  # the probe's own warnings repeat in the real capture
             capture(cfg.structure, model, x, y, 2, cfg.ggn, cfg.capture, torch.Generator().manual_seed(0),
                     lambda m: None, cfg.kfac, cfg.capture_dtype)
+    except ConfigError as exc:
+        if "capture cannot take" not in str(exc):
+            raise
+        raise ModelSpecError(f"model {spec.name!r}: {exc}; nothing was trained") from None
     except PfuseError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of a library's capture is the model's, said in one line
         why = str(exc).strip().splitlines()[0][:200].rstrip(".") if str(exc).strip() else type(exc).__name__
-        raise ModelSpecError(f"model {spec.name!r}: the {cfg.structure} capture ({cfg.capture}, with laplace-torch where "
-                             f"the fast capture cannot take the model) fails on it: {why}; nothing was trained "
+        raise ModelSpecError(f"model {spec.name!r}: the {cfg.structure} capture ({cfg.capture}) fails on it: {why}; "
+                             "nothing was trained "
                              "(docs/methods.md, layer policy: use layers it supports, or another structure)") from None
 
 

@@ -49,8 +49,8 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
 
     ``ggn="exact"``: exact GGN (one backward pass per class); ``"mc"``: Monte-Carlo Fisher with
     one sampled label (``generator`` draws it on the fast path). ``method="fast"`` uses
-    :mod:`.fast` when the model is supported (else laplace-torch,
-    with a log line); the last-layer full block of ``diag+full`` is always exact on the fast path
+    :mod:`.fast` and refuses, in one line, a model it cannot take (never a silent fall-back to laplace-torch,
+    which only ``method="laplace"`` uses); the last-layer full block of ``diag+full`` is always exact on the fast path
     (closed form, cheaper than sampling). ``kfac`` ("expand" or "reduce") applies to ``kron``.
     ``capture_dtype`` "bfloat16": the fast capture's forward and backward passes under bfloat16
     autocast (the factors still summed in float64 from those vectors); refused where the fast
@@ -73,7 +73,9 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     if method == "fast":
         if reason is None:
             return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator, **extra), "fast"
-        log(f"fast capture not available ({reason}); using laplace-torch")
+        raise ConfigError(f"the fast capture cannot take this model ({reason}); `capture: laplace` computes the "
+                          "curvature with laplace-torch (an optional install) where it supports the layers — or use "
+                          "the layers of docs/methods.md's layer policy")
     if x.device.type != "cpu":
         model, x, y = copy.deepcopy(model).cpu(), x.cpu(), y.cpu()  # laplace-torch's backends run here on the CPU
     return LAPLACE_CAPTURE[structure](model, x, y, batch_size, ggn, **extra), "laplace"

@@ -34,10 +34,10 @@ def laplace_backends():
         if exc.name not in ("laplace", "asdl", "asdfghjkl", "curvlinops", "backpack"):
             raise ConfigError(f"laplace-torch cannot be imported (missing module {exc.name!r}); the default `capture: "
                               "fast` does not need it") from None
-        raise ConfigError("`capture: laplace` needs laplace-torch, an optional extra: `pip install --no-deps "
-                          "laplace-torch==0.3 backpack-for-pytorch curvlinops-for-pytorch asdfghjkl` (no-deps: its "
-                          "metadata would replace your torch through torchvision); the default `capture: fast` does "
-                          "not need it") from None
+        raise ConfigError("`capture: laplace` needs laplace-torch, an optional install: laplace-torch==0.3, "
+                          "backpack-for-pytorch, curvlinops-for-pytorch and asdfghjkl without their dependencies "
+                          "(pip install's no-deps option: their metadata would replace your torch through "
+                          "torchvision; README, 'With pip'); the default `capture: fast` does not need it") from None
     except Exception as exc:  # noqa: BLE001 - any import failure of the optional backend is one line
         first = (str(exc).splitlines() or [""])[0][:160]
         raise ConfigError(f"laplace-torch cannot be imported ({type(exc).__name__}: {first}); the usual cause is a "
