@@ -35,28 +35,171 @@ def tinytransformer(num_classes: int = 10, width: int = 8) -> nn.Module:
 '''
 
 
-def test_a_stock_transformer_is_refused_before_training_not_after(tmp_path, monkeypatch, small_silo):
-    """``nn.TransformerEncoderLayer`` (its ``nn.MultiheadAttention``) under ``--structure kron``: the fast
-    capture cannot take it (and never falls back to laplace-torch), and laplace-torch, asked for, refuses its
-    parameters; ``fit-local`` says so in one line, exit 2, before the first epoch (no training line), and
-    writes nothing."""
-    install_fake_plugin(tmp_path, monkeypatch, "ttplug", "0.1", "tinytransformer", TRANSFORMER)
+TWICE = '''
+from torch import nn
+
+
+class Twice(nn.Module):
+    """One Linear applied twice per pass: a layer the fast capture cannot take (its factors need one input each)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.shared = nn.Linear(49, 49)
+        self.head = nn.Linear(49, num_classes)
+
+    def forward(self, x):
+        return self.head(self.shared(self.shared(x.reshape(x.shape[0], -1)).tanh()))
+
+
+def twice(num_classes: int = 10) -> nn.Module:
+    return Twice(num_classes)
+'''
+
+
+def test_a_model_the_capture_cannot_take_is_refused_before_training_not_after(tmp_path, monkeypatch, small_silo):
+    """A layer that runs twice per pass: the fast capture cannot take it and never falls back to laplace-torch;
+    ``fit-local`` says so in one line naming ``--capture laplace``, exit 2, before the first epoch (no training
+    line), and writes nothing."""
+    install_fake_plugin(tmp_path, monkeypatch, "twplug", "0.1", "twice", TWICE)
     silo = SiloData(small_silo.x[:64, ::4, ::4].copy(), small_silo.y[:64], "fmnist", 10)
     write_silo(tmp_path / "s.h5", silo)
-    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "tinytransformer",
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "twice",
                                    "-M", "1", "--epochs", "50", "--structure", "kron", "--out", str(tmp_path / "c.h5")])
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.exit_code == 2 and len(errors) == 1, r.output
-    assert "fast capture cannot take" in errors[0] and "nothing was trained" in errors[0], errors
-    # asked for laplace-torch, which cannot take nn.MultiheadAttention's parameters: refused the same way
-    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "tinytransformer",
-                                   "-M", "1", "--epochs", "50", "--structure", "kron", "--capture", "laplace",
-                                   "--out", str(tmp_path / "c.h5")])
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.exit_code == 2 and len(errors) == 1 and "kron capture (laplace)" in errors[0], r.output
-    assert "nothing was trained" in errors[0] and not (tmp_path / "c.h5").exists()
-    assert "training" not in r.stderr.replace("nothing was trained", ""), r.stderr
+    assert "fast capture cannot take" in errors[0] and "--capture laplace" in errors[0], errors
+    assert "nothing was trained" in errors[0] and "training" not in r.stderr.replace("nothing was trained", "")
     assert "Traceback" not in r.output and not (tmp_path / "c.h5").exists()
+
+
+def test_a_stock_transformer_runs_the_whole_flow(tmp_path, monkeypatch, small_silo):
+    """``nn.TransformerEncoderLayer`` (its ``nn.MultiheadAttention`` built as four Linear maps) on the fast
+    path: fit-local with each structure, the layer policy recorded (attention projections K-FAC, LayerNorm
+    diagonal, the positional nn.Embedding the prior alone, announced), every K-FAC fusion method, and each
+    predictive of the fused posterior."""
+    import posterior_fusion
+
+    install_fake_plugin(tmp_path, monkeypatch, "ttplug", "0.1", "tinytransformer", TRANSFORMER)
+    for c in range(2):
+        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 64:(c + 1) * 64, ::4, ::4].copy(),
+                                                   small_silo.y[c * 64:(c + 1) * 64], "fmnist", 10))
+    for structure in ("kron", "diag", "diag+full"):
+        for c in range(2):
+            r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / f"s{c}.h5"), "--model",
+                                           "tinytransformer", "-M", "1", "--epochs", "1", "--structure", structure,
+                                           "--train-seed", str(c), "--out", str(tmp_path / f"{structure}{c}.h5")])
+            assert r.exit_code == 0, r.output
+            assert "no curvature, the prior alone" in r.stderr and "nn.Embedding (pos.weight)" in r.stderr
+        art = posterior_fusion.load(tmp_path / f"{structure}0.h5")
+        assert art.components[0].training["capture"] == "fast"
+    policy = posterior_fusion.load(tmp_path / "kron0.h5").metadata["curvature_blocks"]
+    assert policy["encoder.self_attn.q_proj.weight"] == "kron" and policy["encoder.self_attn.out_proj.bias"] == "dense"
+    assert policy["encoder.norm1.weight"] == "diag" and policy["pos.weight"] == "prior"
+    pair = [str(tmp_path / "kron0.h5"), str(tmp_path / "kron1.h5")]
+    for method in ("fedbens", "fedavg", "fisher-merge", "fedfisher", "regmean", "fedlpa", "hbfl", "ensemble"):
+        r = CliRunner().invoke(pfuse, ["fuse", *pair, "--method", method, "--out", str(tmp_path / f"g_{method}.h5")])
+        assert r.exit_code == 0, (method, r.output)
+    for predictive in ("map", "glm", "glm-last-layer", "mc"):
+        r = CliRunner().invoke(pfuse, ["evaluate", str(tmp_path / "g_fedbens.h5"), "--data", str(tmp_path / "s0.h5"),
+                                       "--predictive", predictive, "--json"])
+        assert r.exit_code == 0, (predictive, r.output)
+
+
+def test_attention_kfac_equals_curvlinops():
+    """K-FAC (expand and reduce, exact GGN) of a self-attention block built from nn.MultiheadAttention equals
+    curvlinops' factors (through laplace-torch's backend, float64): its projections share their weights over
+    the tokens, expand and reduce differ there."""
+    import torch
+    from torch import nn
+
+    from posterior_fusion.local.capture import capture
+    from posterior_fusion.models.attention import linear_attention
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(3, 8)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.embed(x)
+            return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    model = linear_attention(Block()).double().eval()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 5, 3, generator=g, dtype=torch.float64), torch.randint(0, 4, (12,), generator=g)
+    out = {}
+    for kfac in ("expand", "reduce"):
+        fast, how = capture("kron", model, x, y, 4, "exact", "fast", kfac=kfac)
+        ref, _ = capture("kron", model, x, y, 4, "exact", "laplace", kfac=kfac)
+        assert how == "fast" and len(fast.blocks) == len(ref.blocks) == 12
+        scale = max(t.norm().item() for blk in ref.blocks for t in blk.to_tensors().values())
+        for a, b in zip(ref.blocks, fast.blocks, strict=True):
+            for ta, tb in zip(a.to_tensors().values(), b.to_tensors().values(), strict=True):
+                # the key projection's bias has no curvature (a softmax ignores a shift of every score in a
+                # row): both factors are rounding noise there, compared against the largest factor
+                assert (ta - tb).norm().item() < 1e-10 * max(ta.norm().item(), 1e-12 * scale), kfac
+        out[kfac] = fast
+    q_expand, q_reduce = out["expand"].blocks[2].to_tensors(), out["reduce"].blocks[2].to_tensors()
+    assert ((q_expand["kron_A"] - q_reduce["kron_A"]).norm() / q_expand["kron_A"].norm()).item() > 1e-3
+
+
+def test_the_transformer_glm_covariance_is_the_full_jacobian_one():
+    """The GLM logit covariance of a transformer with attention (the structured, layer-by-layer path) equals
+    J Λ⁻¹ Jᵀ from autograd Jacobians and the dense precision, float64, to 1e-5 relative."""
+    import math
+
+    import torch
+    from conftest import random_psd
+    from torch import nn
+
+    from posterior_fusion.curvature import BlockDiag, Diag, Kron
+    from posterior_fusion.layout import ParameterLayout
+    from posterior_fusion.predictive import logit_moments
+
+    class Enc(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch = nn.Linear(7, 8)
+            self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.encoder(self.patch(x.reshape(x.shape[0], 7, 7))).mean(1))
+
+    class Spec:  # the part of ModelSpec logit_moments uses
+        num_classes = 3
+
+        def build(self):
+            from posterior_fusion.models.attention import linear_attention
+
+            torch.manual_seed(0)
+            return linear_attention(Enc())
+
+    spec = Spec()
+    model = spec.build()
+    layout = ParameterLayout.from_model(model)
+    gen = torch.Generator().manual_seed(3)
+    blocks = [Kron(random_psd(e.shape[0], gen), random_psd(math.prod(e.shape[1:]), gen)) if e.matrix_shape
+              else Diag(torch.rand(e.size, generator=gen, dtype=torch.float64) + 0.1) for e in layout.entries]
+    prec = BlockDiag(blocks).precision(0.5, 1.0)
+    w = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    x = torch.randn(5, 49, generator=gen)
+    _, cov = logit_moments(spec, w, prec, x)
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    dmodel = spec.build().double()
+
+    def f(flat):
+        parts = torch.split(flat, [math.prod(s) for s in shapes])
+        return torch.func.functional_call(dmodel, {n: t.reshape(s) for n, t, s in zip(names, parts, shapes)},
+                                          (x.double(),))
+
+    J = torch.autograd.functional.jacobian(f, w.double())  # (n, C, d)
+    ref = torch.einsum("ncd,de,nke->nck", J, torch.linalg.inv(prec.to_dense().double()), J)
+    assert ((cov - ref).norm() / ref.norm()).item() < 1e-5
 
 
 EMBEDDED = '''
@@ -116,3 +259,25 @@ def test_fit_local_states_the_artifact_size_before_training(tmp_path, small_silo
         comp = summarize(posterior_fusion.load(out))["components"][0]
         actual = comp["curvature_bytes"] + 4 * posterior_fusion.load(out).layout.dim
         assert abs(stated - actual) <= 0.05 * actual, (structure, stated, actual)
+
+
+def test_a_stock_transformer_s_state_dict_is_a_base(tmp_path, monkeypatch):
+    """A pretrained stock transformer's parameters (``in_proj_weight`` packed) read as a base: the model built
+    from it (attention as four Linear maps) computes what the stock model computes."""
+    import torch
+    from safetensors.torch import save_file
+    from torch.nn.utils import vector_to_parameters
+
+    from posterior_fusion.local.init import base_weights
+    from posterior_fusion.models import ModelSpec
+
+    install_fake_plugin(tmp_path, monkeypatch, "ttplug2", "0.1", "tinytransformer", TRANSFORMER)
+    spec = ModelSpec("tinytransformer", {})
+    torch.manual_seed(5)
+    stock = spec._construct().eval()  # the plugin's module as it is, nn.MultiheadAttention inside
+    save_file({k: v.detach().clone() for k, v in stock.named_parameters()}, str(tmp_path / "b.safetensors"))
+    w, _ = base_weights(spec, tmp_path / "b.safetensors")
+    model = spec.build().eval()
+    vector_to_parameters(w, model.parameters())
+    x = torch.randn(4, 49)
+    torch.testing.assert_close(model(x), stock(x), rtol=1e-5, atol=1e-5)

@@ -102,12 +102,18 @@ def base_weights(spec: ModelSpec, path: str | os.PathLike,
         return full_base(base.model_spec, base.members[0]), sha
     from safetensors import safe_open
 
-    model = spec.build()
+    from posterior_fusion.models.attention import packed_names
+
+    with torch.device("meta"):
+        model = spec.build()
     wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
-            missing, extra = sorted(set(wanted) - names), sorted(names - set(wanted))
+            # a stock nn.MultiheadAttention's packed in_proj tensors stand for its q / k / v projections
+            packed = {n: src for n, src in packed_names(model).items() if n not in names and src[0] in names}
+            covered = (set(wanted) - set(packed)) | {src for src, _ in packed.values()}
+            missing, extra = sorted(covered - names), sorted(names - covered)
             if missing or extra:
                 raise IncompatibleArtifactsError(
                     f"{path}: its tensors do not match {spec.name}'s parameters (missing "
@@ -115,14 +121,17 @@ def base_weights(spec: ModelSpec, path: str | os.PathLike,
                     f"{', '.join(shown(n, 40) for n in extra[:3]) or 'none'})")
             total = 0
             for name, shape in wanted.items():
-                piece = f.get_slice(name)
-                if tuple(piece.get_shape()) != shape or piece.get_dtype() not in SAFETENSORS_DTYPES:
+                source = packed[name][0] if name in packed else name
+                need = (3 * shape[0], *shape[1:]) if name in packed else shape
+                piece = f.get_slice(source)
+                if tuple(piece.get_shape()) != need or piece.get_dtype() not in SAFETENSORS_DTYPES:
                     raise IncompatibleArtifactsError(
-                        f"{path}: tensor {shown(name, 40)} is {piece.get_dtype()} {tuple(piece.get_shape())}; the model "
-                        f"needs a float tensor of shape {shape}")
+                        f"{path}: tensor {shown(source, 40)} is {piece.get_dtype()} {tuple(piece.get_shape())}; the "
+                        f"model needs a float tensor of shape {need}")
                 total += 4 * math.prod(shape)
             budget.require(2 * total, f"reading {path}", max_memory)
-            tensors = {name: f.get_tensor(name).float() for name in wanted}
+            tensors = {name: (f.get_tensor(packed[name][0]).float().chunk(3)[packed[name][1]] if name in packed
+                              else f.get_tensor(name).float()) for name in wanted}
     except PfuseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the parser's refusals (SafetensorError derives from Exception only)

@@ -174,14 +174,18 @@ class ModelSpec:
 
     def build(self) -> nn.Module:
         """The model, on PyTorch's default device. Off the meta device its size is checked first
-        (:meth:`check_size` with the default budget), so a hostile spec allocates nothing. A fine-tuning
-        spec's model has its trainable parameters only, the frozen weights buffers holding ``base``'s."""
+        (:meth:`check_size` with the default budget), so a hostile spec allocates nothing. Every
+        ``nn.MultiheadAttention`` is built as :class:`~posterior_fusion.models.attention.LinearAttention` (the
+        same function from the same weights, its projections ``nn.Linear``). A fine-tuning spec's model has
+        its trainable parameters only, the frozen weights buffers holding ``base``'s."""
         import torch
 
         meta = torch.get_default_device().type == "meta"
         if not meta:
             self.check_size()
-        model = self._construct()
+        from posterior_fusion.models.attention import linear_attention
+
+        model = linear_attention(self._construct())  # attention as four Linear maps (the same function)
         if self.finetune == "all":
             return model
         if self.base is None and not meta:
@@ -196,10 +200,11 @@ class ModelSpec:
         meta device: the layout of an artifact's ``/frozen``."""
         import torch
 
+        from posterior_fusion.models.attention import linear_attention
         from posterior_fusion.models.finetune import frozen_names
 
         with torch.device("meta"):
-            return frozen_names(self._construct(), self.finetune)
+            return frozen_names(linear_attention(self._construct()), self.finetune)
 
     def with_base(self, base: Mapping[str, Any] | None) -> ModelSpec:
         """This spec holding ``base`` (pretrained weights by parameter name) for its frozen weights."""

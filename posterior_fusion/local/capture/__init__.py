@@ -73,7 +73,7 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     if method == "fast":
         if reason is None:
             return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator, **extra), "fast"
-        raise ConfigError(f"the fast capture cannot take this model ({reason}); `capture: laplace` computes the "
+        raise ConfigError(f"the fast capture cannot take this model ({reason}); `capture` laplace computes the "
                           "curvature with laplace-torch (an optional install) where it supports the layers — or use "
                           "the layers of docs/methods.md's layer policy")
     if x.device.type != "cpu":
