@@ -364,10 +364,12 @@ def exchange(grid: Grid, messages: list[Message], keys: list[int], timeout_s: fl
 
     Replies are matched by the id of the message they answer (Flower's own "node unavailable"
     error replies come from the SuperLink, not from the node). Waits until every message is
-    answered, or ``timeout_s`` seconds (0 = no limit), logging a line every 30 s while waiting.
+    answered, or ``timeout_s`` seconds (0 = no limit), logging every 30 s how many replied and which nodes
+    are still working.
     Returns ``(replies by key, why each other key is missing)``.
     """
     returned = {str(i) for i in grid.push_messages(messages) if i}
+    nodes = {str(m.metadata.message_id or ""): m.metadata.dst_node_id for m in messages}
     waiting, missing = {}, {}
     for key, m in zip(keys, messages):
         mid = str(m.metadata.message_id or "")
@@ -387,7 +389,9 @@ def exchange(grid: Grid, messages: list[Message], keys: list[int], timeout_s: fl
         if waiting:
             if time.time() - last >= 30:
                 last = time.time()
-                log(f"waiting for {len(waiting)} of {len(messages)} node(s), {last - t0:.0f}s")
+                busy = sorted(nodes.get(mid, "?") for mid in waiting)
+                log(f"{len(replies)} of {len(messages)} node(s) replied; still working: node "
+                    f"{', '.join(map(str, busy[:8]))}{', …' if len(busy) > 8 else ''} ({last - t0:.0f}s)")
             time.sleep(poll_s)
     for key in waiting.values():
         missing[key] = f"no reply within the round timeout ({timeout_s:g}s)"
