@@ -211,11 +211,17 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 @click.option("--kfac", default=None, type=click.Choice(KFAC_TYPES),
               help="K-FAC for weight-shared layers (structure kron): expand or reduce [default: the source artifact's, "
                    "expand where it records none].")
+@click.option("--merge", is_flag=True,
+              help="For an artifact that fine-tuned part of a base (fit-local --finetune head, last:K, lora:R): write "
+                   "one of the whole architecture instead — each component's weights with the frozen ones put back "
+                   "and LoRA merged (W + B A), the curvature captured over every weight there — so fuse combines the "
+                   "products ΔW with their own curvature, not the adapter factors [default: off].")
 @lambda fn: fit_options(fn, only=("capture_dtype", "device", "compress", "compress_metric", "compress_vectors"))
 @max_memory_option
 @handle_errors
 def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_radius, ggn, capture, curvature_batch_size,
-                  out, as_json, kfac, capture_dtype, device, compress, compress_metric, compress_vectors, max_memory):
+                  out, as_json, kfac, merge, capture_dtype, device, compress, compress_metric, compress_vectors,
+                  max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
@@ -231,7 +237,7 @@ def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_rad
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
                              max_memory, log=log_to_stderr, kfac=kfac, capture_dtype=capture_dtype, device=device,
                              compression=Compression(compress, compress_metric, compress_vectors),
-                             at_path=at_path, damping=damping, trust_radius=trust_radius)
+                             at_path=at_path, damping=damping, trust_radius=trust_radius, merge=merge)
     if as_json:
         echo_json({"out": out, "structure": meta["structure"], "n_data": meta["n_data"],
                    "recaptured_from": meta["recaptured_from"], "refreshed_at": meta.get("refreshed_at")})

@@ -15,6 +15,7 @@ from torch.func import functional_call, jacrev
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import posterior_fusion
+import posterior_fusion.data.silo
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.errors import ArtifactError, ModelSpecError
@@ -175,6 +176,27 @@ def test_lora_adapters_kfac_is_the_dense_ggn_and_fused_adapters_merge_into_the_w
     assert r.exit_code == 0, r.output
     r = _run("evaluate", tmp_path / "g.h5", "--data", tmp_path / "s0.h5", "--predictive", "glm", "--json")
     assert r.exit_code == 0, r.output
+    # recapture --merge: the products ΔW with their own curvature, an artifact of the whole architecture
+    for c in range(2):
+        r = _run("recapture", "--from", tmp_path / f"c{c}.h5", "--data", tmp_path / f"s{c}.h5", "--merge",
+                 "--out", tmp_path / f"m{c}.h5")
+        assert r.exit_code == 0, r.output
+    lora, merged = posterior_fusion.load(tmp_path / "c0.h5"), posterior_fusion.load(tmp_path / "m0.h5")
+    assert merged.model_spec == SPEC and merged.metadata["merged_from"] == {"finetune": "lora:2"}
+    torch.testing.assert_close(merged.components[0].map, full_base(lora.model_spec, lora.components[0].map))
+    torch.testing.assert_close(merged.prior_mean, full_base(lora.model_spec, lora.prior_mean))
+    plain = SPEC.build()
+    vector_to_parameters(merged.components[0].map.clone(), plain.parameters())
+    silo = posterior_fusion.data.silo.read_silo(tmp_path / "s0.h5")
+    again, _ = capture("kron", plain, *silo.tensors(), 256)
+    for a, b in zip(again.blocks, merged.components[0].curvature.blocks, strict=True):
+        for ta, tb in zip(a.to_tensors().values(), b.to_tensors().values(), strict=True):
+            torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-7)
+    assert _run("fuse", tmp_path / "m0.h5", tmp_path / "m1.h5", "--method", "fedbens",
+                "--out", tmp_path / "gm.h5").exit_code == 0
+    r = _run("recapture", "--from", tmp_path / "m0.h5", "--data", tmp_path / "s0.h5", "--merge", "--out",
+             tmp_path / "x.h5")
+    assert r.exit_code == 2 and "nothing to merge" in r.stderr
 
 
 def test_fine_tuning_refusals_are_one_line(tmp_path, small_silo):

@@ -38,6 +38,7 @@ from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.local.config import TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import base_weights, finetune_start, initial_weights
+from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
@@ -125,6 +126,10 @@ def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epo
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
+def silo_file(work: Path, c: int) -> Path:
+    return work / "data" / f"client_{c}.h5"
+
+
 def cell_data(args, setting: str, alpha: float, seed: int) -> tuple[Path, list[SiloData], SiloData]:
     work = Path(args.work) / setting / f"a{alpha}_s{seed}"
     pool, test_file = prepare(Path(args.work), setting)
@@ -143,14 +148,15 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
     work, silos, test = cell_data(args, setting, alpha, seed)
     base, base_sha = base_weights(spec, base_path)
     rows = [metrics_row("base alone", spec, [base], test, 1)] if start == "base:all" else []
-    finetune = start.split(":", 1)[1] if start != "scratch" else "all"
+    merge = start.endswith("+merge")  # the artifacts of `fit-local --finetune` merged (`recapture --merge`)
+    finetune = start.removesuffix("+merge").split(":", 1)[1] if start != "scratch" else "all"
     if start == "scratch":
         tuned, inits, prior_mean = spec, initial_weights(spec, args.components, seed), None
     else:
         tuned, inits, prior_mean = finetune_start(spec, base, finetune, args.components, seed)
     paths, fit_seconds = [], []
     for c, silo in enumerate(silos):
-        out = work / start.replace(":", "_") / f"post_{c}.h5"
+        out = work / start.removesuffix("+merge").replace(":", "_") / f"post_{c}.h5"
         out.parent.mkdir(parents=True, exist_ok=True)
         if not out.exists():
             cfg = fit_config_from({"structure": "kron", "kfac": args.kfac, "epochs": args.epochs,
@@ -158,6 +164,11 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
                                    "train_seed": 100 * seed + c, "finetune": finetune})
             info = {"init_seed": seed} if start == "scratch" else {"base_sha256": base_sha}
             fit_and_write(tuned, silo, inits, cfg, out, info, log=lambda m: None, prior_mean=prior_mean)
+        if merge:
+            merged = out.with_name(f"merged_{c}.h5")
+            if not merged.exists():
+                recapture_to_file(out, silo_file(work, c), merged, None, log=lambda m: None, merge=True)
+            out = merged
         paths.append(out)
         for comp in load_client(out).components:
             t = comp.training
@@ -166,25 +177,28 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
         frozen = f["frozen"].size * 4 if "frozen" in f else 0
     per_component = statistics.mean(p.stat().st_size - frozen for p in paths) / args.components
     capture = statistics.mean(c for c, _ in fit_seconds) / statistics.mean(e for _, e in fit_seconds)
-    tag = "from random starts" if start == "scratch" else f"base, finetune {finetune}"
+    tag = "from random starts" if start == "scratch" else f"base, finetune {finetune}" + (", merged ΔW" if merge else "")
     cost = {"artifact_mb_per_component": round(per_component / 2**20, 4),
             "component_pct_of_model": round(100 * per_component / (4 * base.numel()), 2),
             "capture_per_epoch": round(capture, 2)}
     alone = []
     for p in paths:
-        alone.append(evaluate_members(tuned, [c.map for c in load_client(p).components], test)["accuracy"] * 100)
+        art = load_client(p)
+        alone.append(evaluate_members(art.model_spec, [c.map for c in art.components], test)["accuracy"] * 100)
     rows.append({"row": f"each silo alone ({tag})", "accuracy": statistics.mean(alone), "accuracy_min": min(alone),
                  "accuracy_max": max(alone), "served": args.components, **cost})
+    served_spec = load_client(paths[0]).model_spec  # the merged artifacts': the whole architecture
     for label, method, settings in FUSIONS:
         t0 = time.time()
         _, res, _ = fuse([str(p) for p in paths], method, FusionOptions(progress=False), settings)
-        row = metrics_row(f"{label} ({tag})", tuned, res.members, test, len(res.members),
+        row = metrics_row(f"{label} ({tag})", served_spec, res.members, test, len(res.members),
                           weights=res.mode_weights, pooling=res.pooling(spec.num_classes))
         row.update(server_seconds=round(time.time() - t0, 1), **cost)
         rows.append(row)
         log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
-    w = centralised(tuned, silos, inits[0], args.epochs, args.temperature, args.prior_var, prior_mean, seed)
-    rows.append(metrics_row(f"centralised ({tag})", tuned, [w], test, 1))
+    if not merge:  # the merged start fuses the same silos' networks: its centralised row is the unmerged one's
+        w = centralised(tuned, silos, inits[0], args.epochs, args.temperature, args.prior_var, prior_mean, seed)
+        rows.append(metrics_row(f"centralised ({tag})", tuned, [w], test, 1))
     for r in rows:
         r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs, start=start)
     return rows
@@ -225,8 +239,9 @@ def main() -> None:
     ap.add_argument("--components", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=5, help="local (and centralised) fine-tuning epochs")
     ap.add_argument("--pretrain-epochs", type=int, default=10)
-    ap.add_argument("--starts", default="base:all,scratch,base:head,base:last:2,base:lora:4",
-                    help="comma-separated: scratch (shared random starting points) or base:<fit-local --finetune>")
+    ap.add_argument("--starts", default="base:all,scratch,base:head,base:last:2,base:lora:4,base:lora:4+merge",
+                    help="comma-separated: scratch (shared random starting points) or base:<fit-local --finetune>, "
+                         "with +merge the same artifacts merged into the whole architecture (recapture --merge)")
     ap.add_argument("--kfac", default="expand")
     ap.add_argument("--temperature", type=float, default=0.1)
     ap.add_argument("--prior-var", type=float, default=0.1)

@@ -52,6 +52,7 @@ message back is one client artifact (the same size as the first).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -71,9 +72,11 @@ from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, shown
 from posterior_fusion.files import output_lock
+from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.fit import library_versions
+from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, build_model, frozen_mapping
 from posterior_fusion.runtime import resolve_device
 
@@ -231,6 +234,25 @@ def newton_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, temper
     return w - curv.precision(temperature, prior_precision).solve(gradient.cpu() / temperature + prior_precision * pull)
 
 
+def merged_source(source: ClientPosterior) -> ClientPosterior:
+    """``source`` (a fine-tuning spec) as an artifact of its whole architecture: each component's MAP the
+    whole weight vector (:func:`~posterior_fusion.local.init.full_base`: frozen weights back, LoRA merged),
+    its curvature to be captured again, the prior's centre the whole base; metadata ``merged_from`` records
+    the ``finetune`` setting. One line when ``source`` fine-tuned every weight."""
+    from posterior_fusion.local.init import full_base
+
+    spec = source.model_spec
+    if spec.finetune == "all":
+        raise ConfigError(f"{source.path}: fine-tuned every weight already (`finetune` all): nothing to merge")
+    arch = ModelSpec(spec.name, dict(spec.kwargs), spec.provider)
+    comps = tuple(dataclasses.replace(c, map=full_base(spec, c.map), swag=None, student=None)
+                  for c in source.components)
+    meta = dict(source.metadata, merged_from={"finetune": spec.finetune})
+    mean = None if source.prior_mean is None else full_base(spec, source.prior_mean)
+    return ClientPosterior(source.path, source.sha256, arch, ParameterLayout.from_model(arch.build()),
+                           frozen_mapping(meta), comps, mean)
+
+
 def _expansion_points(source: ClientPosterior, at: GlobalEnsemble | None) -> list[tuple[int, torch.Tensor, dict, Component]]:
     """``(index, w, training record, source component)`` per point the curvature is taken at."""
     if at is None:
@@ -245,7 +267,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
               log: Callable[[str], None] = print, kfac: str | None = None,
               device: str = "auto", at: GlobalEnsemble | None = None,
               damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32",
-              trust_radius: float = TRUST_RADIUS) -> tuple[dict, list[Component]]:
+              trust_radius: float = TRUST_RADIUS, merge: bool = False) -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn``, ``curvature_batch_size`` and ``kfac`` default to the source's (``kfac``: "expand" where
@@ -257,8 +279,16 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     the refresh round (module docstring): centre ŵ_k (the Levenberg–Marquardt step with
     ``damping``), curvature G(w*_k); SWAG moments and FedPPD students (which belong to the local
     MAPs) are dropped. ``at`` is checked first (:func:`check_refresh_global`, ``trust_radius``).
+    ``merge``: a source that fine-tuned part of a base (``finetune`` head, last:K, lora:R) becomes one of its
+    whole architecture — every component's weights with the frozen ones put back and LoRA merged, W + B A,
+    its curvature captured over every weight there, the prior's centre the whole base — so the server fuses
+    the products ΔW with their own curvature rather than the adapter factors (:func:`merged_source`).
     """
     damping = check_damping(damping)
+    if merge:
+        if at is not None:
+            raise ConfigError("`merge` and a refresh round (`at`) do not combine: merge first, then refresh")
+        source = merged_source(source)
     if at is not None:
         check_refresh_global(source, at, trust_radius)
     meta = dict(source.metadata)
@@ -325,6 +355,8 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     for key in ("kfac", "curvature_blocks", "capture_dtype"):
         meta.pop(key, None)
     recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}
+    if "merged_from" in meta:
+        recipe["merged_from"] = meta["merged_from"]
     if at is not None:
         meta["refreshed_at"] = {"file_sha256": at.sha256, "method": at.method, "members": len(at.members),
                                 "damping": damping}
@@ -349,17 +381,21 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
                       compression: Compression = PLAIN, at_path: str | os.PathLike | None = None,
                       damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32",
-                      trust_radius: float = TRUST_RADIUS) -> dict:
+                      trust_radius: float = TRUST_RADIUS, merge: bool = False) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
     the source's. Returns the new metadata."""
     compression.validate()
+    if merge and at_path is not None:
+        raise ConfigError("`merge` and a refresh round (`at`) do not combine: merge first, then refresh")
     inputs = [source_path, silo_path] + ([at_path] if at_path is not None else [])
     with output_lock(out, inputs=inputs):  # checked before anything is loaded
         source = load_client(source_path, max_memory)
         at = load_global(at_path, max_memory) if at_path is not None else None
         structure = source.structure if structure is None else structure
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
+        if merge:
+            source = merged_source(source)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
                                 damping, capture_dtype, trust_radius)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression, source.prior_mean)
