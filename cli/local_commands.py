@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from posterior_fusion import ranges
-from posterior_fusion.artifact import load_global, write_global_artifact
+from posterior_fusion.artifact import load_client, load_global, write_global_artifact
 from posterior_fusion.cli.common import (
     bounded,
     echo_json,
@@ -244,3 +244,33 @@ def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_rad
     else:
         where = f", refreshed at the {meta['refreshed_at']['members']} members of {at_path}" if at_path else ""
         say(f"wrote {out}: structure {meta['structure']}, n={meta['n_data']} (recaptured from {source_path}{where})")
+
+
+@click.command("audit")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
+              help="The silo FILE was fitted on (its SHA-256 is checked against the artifact's).")
+@click.option("--holdout", "holdout_path", default=None, type=click.Path(dir_okay=False),
+              help="Labelled samples the silo never trained on (e.g. a test split): the membership attack's "
+                   "non-members [default: no membership reading].")
+@click.option("--other", "other_path", default=None, type=click.Path(dir_okay=False),
+              help="Another silo's data file: how much of its input directions the artifact's input factor spans, "
+                   "beside the silo's own [default: not compared].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@max_memory_option
+@handle_errors
+def audit_cmd(file, data_path, holdout_path, other_path, as_json, max_memory):
+    """What a client artifact reveals about its silo, before you share it: the stored label distribution,
+    how much of the silo's input statistics the first layer's K-FAC input factor holds, and a membership
+    attack (loss threshold) against its networks. Changes nothing; no privacy mechanism is applied."""
+    from posterior_fusion.local.audit import audit, describe
+
+    art = load_client(file, max_memory)
+    classes = art.model_spec.num_classes
+    read = lambda p: None if p is None else read_silo(p, num_classes=classes, max_memory=max_memory)  # noqa: E731
+    report = audit(art, read(data_path), read(holdout_path), read(other_path))
+    if as_json:
+        echo_json(report)
+    else:
+        for line in describe(report):
+            say(line)

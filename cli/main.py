@@ -26,6 +26,7 @@ COMMANDS = {
     "evaluate": ("server_commands", "evaluate_cmd", "Accuracy, NLL, calibration and uncertainty metrics of global artifacts."),
     "predict": ("server_commands", "predict_cmd", "Write predictive class probabilities (map, mc or glm)."),
     "inspect": ("inspect_commands", "inspect_cmd", "Validate an artifact and summarise it."),
+    "audit": ("local_commands", "audit_cmd", "What a client artifact reveals about its silo (labels, inputs, membership)."),
     "demo": ("server_commands", "demo_cmd", "Partition -> fit-local -> fuse with every method -> table."),
     "experiment": ("experiment_commands", "experiment_cmd", "Run or resume a cached grid of experiments."),
 }
