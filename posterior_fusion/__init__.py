@@ -19,6 +19,7 @@ _LAZY = {
     "BlockDiag": "posterior_fusion.curvature", "PfuseError": "posterior_fusion.errors",
     "ParameterLayout": "posterior_fusion.layout", "ModelSpec": "posterior_fusion.models",
     "read_data": "posterior_fusion.data.silo", "GaussianMixture": "posterior_fusion.mixture",
+    "write_base": "posterior_fusion.local.init",
 }
 __all__ = [*_LAZY, "__version__"]
 

@@ -90,3 +90,19 @@ def test_a_base_that_does_not_fit_the_model_is_one_line(tmp_path):
     junk.write_bytes(b"\xff" * 64)
     r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "--from", junk, "--out", tmp_path / "i.h5")
     assert r.exit_code == 2 and "not a readable safetensors file" in r.stderr, r.output
+
+
+def test_the_python_api_writes_a_base_from_a_module(tmp_path):
+    """``posterior_fusion.write_base(module, path)``: the module's parameters by name, read back by ``init --from``
+    as exactly its flat parameter vector; its SHA-256 is the one returned."""
+    from posterior_fusion.local.init import base_weights
+
+    torch.manual_seed(3)
+    model = ModelSpec("mlp", {"in_features": 49, "hidden": 6}).build()
+    sha = posterior_fusion.write_base(model, tmp_path / "b.safetensors")
+    assert sha == hashlib.sha256((tmp_path / "b.safetensors").read_bytes()).hexdigest()
+    w, read_sha = base_weights(ModelSpec("mlp", {"in_features": 49, "hidden": 6}), tmp_path / "b.safetensors")
+    assert read_sha == sha and torch.equal(w, parameters_to_vector(model.parameters()).detach())
+    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--from", tmp_path / "b.safetensors",
+             "--out", tmp_path / "i.h5")
+    assert r.exit_code == 0 and posterior_fusion.load(tmp_path / "i.h5").metadata["base"]["sha256"] == sha

@@ -13,7 +13,7 @@ from torch.nn.utils import parameters_to_vector
 from posterior_fusion import budget
 from posterior_fusion.artifact.h5check import file_sha256
 from posterior_fusion.artifact.reader import load_global
-from posterior_fusion.errors import IncompatibleArtifactsError, PfuseError, shown
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, PfuseError, shown
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
@@ -77,6 +77,24 @@ def full_base(spec: ModelSpec, weights: torch.Tensor) -> torch.Tensor:
     with torch.device("meta"):
         names = [n for n, _ in ModelSpec(spec.name, dict(spec.kwargs), spec.provider).build().named_parameters()]
     return torch.cat([state[n].reshape(-1).float() for n in names])
+
+
+def write_base(model: torch.nn.Module, path: str | os.PathLike) -> str:
+    """Write ``model``'s parameters, by name (``named_parameters()``), as a ``.safetensors`` base for
+    ``pfuse init --from`` (atomically; no pickle); returns the file's SHA-256, the base's name everywhere
+    downstream. A stock ``nn.MultiheadAttention``'s packed projections are written as they are (the reader
+    splits them)."""
+    from safetensors.torch import save_file
+
+    from posterior_fusion.files import check_output, write_atomically
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ConfigError(f"{path}: a base is written as a .safetensors file")
+    check_output(path)
+    tensors = {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters()}
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp)))
+    return file_sha256(path)
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
