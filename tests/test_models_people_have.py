@@ -281,3 +281,60 @@ def test_a_stock_transformer_s_state_dict_is_a_base(tmp_path, monkeypatch):
     vector_to_parameters(w, model.parameters())
     x = torch.randn(4, 49)
     torch.testing.assert_close(model(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, small_silo):
+    """A BatchNorm ResNet fine-tuned from a pretrained base: its running statistics are the base's, frozen bit for
+    bit — stored once per artifact, untouched by training (evaluation mode throughout), the fused model's the
+    same — while its affine parameters get the exact GGN diagonal; the same model from random starting points,
+    or a base without statistics, is refused in one line before training."""
+    import h5py
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import posterior_fusion
+    from posterior_fusion.models import builtin
+
+    torch.manual_seed(0)
+    net = builtin.resnet20(in_channels=1, width=4, norm="batch").train()
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.randn(16, 1, 28, 28) + 0.5)  # statistics that are not the initial ones
+    posterior_fusion.write_base(net, tmp_path / "base.safetensors")
+    stats = {n: b for n, b in net.named_buffers() if n.endswith(("running_mean", "running_var"))}
+    for c in range(2):
+        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 60:(c + 1) * 60], small_silo.y[c * 60:(c + 1) * 60],
+                                                   "fmnist", 10))
+    kw = '{"in_channels": 1, "width": 4, "norm": "batch"}'
+    run = lambda *a: CliRunner().invoke(pfuse, [str(v) for v in a])  # noqa: E731
+    r = run("fit-local", "--data", tmp_path / "s0.h5", "--model", "resnet20", "--model-kwargs", kw, "-M", "1",
+            "--epochs", "50", "--out", tmp_path / "x.h5")
+    assert r.exit_code == 2 and "BatchNorm" in r.stderr and "pretrained base" in r.stderr and r.stderr.count("\n") == 1
+    assert "training" not in r.stderr and not (tmp_path / "x.h5").exists()
+    assert run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "base.safetensors",
+               "--out", tmp_path / "i.h5").exit_code == 0
+    for structure in ("kron", "diag"):
+        for c in range(2):
+            r = run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--epochs", "2",
+                    "--structure", structure, "--train-seed", c, "--out", tmp_path / f"{structure}{c}.h5")
+            assert r.exit_code == 0, r.output
+    art = posterior_fusion.load(tmp_path / "kron0.h5")
+    assert art.metadata["curvature_blocks"]["blocks.0.n1.weight"] == "diag"
+    with h5py.File(tmp_path / "kron0.h5") as f:
+        assert torch.equal(torch.from_numpy(f["frozen"][()]), torch.cat([t.reshape(-1) for t in stats.values()]))
+    for method in ("fedbens", "fedavg"):
+        assert run("fuse", tmp_path / "kron0.h5", tmp_path / "kron1.h5", "--method", method,
+                   "--out", tmp_path / f"g_{method}.h5").exit_code == 0
+        model = posterior_fusion.load(tmp_path / f"g_{method}.h5").models()[0]
+        buffers = dict(model.named_buffers())
+        assert all(torch.equal(buffers[n], t) for n, t in stats.items())
+        model.train()  # frozen: evaluation mode whatever is asked
+        assert not any(m.training for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    for predictive in ("map", "glm"):
+        r = run("evaluate", tmp_path / "g_fedbens.h5", "--data", tmp_path / "s0.h5", "--predictive", predictive, "--json")
+        assert r.exit_code == 0, r.output
+    bare = load_file(str(tmp_path / "base.safetensors"))
+    save_file({k: v for k, v in bare.items() if "running" not in k}, str(tmp_path / "nostats.safetensors"))
+    r = run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "nostats.safetensors",
+            "--out", tmp_path / "j.h5")
+    assert r.exit_code == 2 and "running statistics" in r.stderr and r.stderr.count("\n") == 1, r.output

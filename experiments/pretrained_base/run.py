@@ -27,7 +27,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.idx import load_fmnist
@@ -37,7 +36,7 @@ from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.local.config import TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
-from posterior_fusion.local.init import base_weights, finetune_start, initial_weights
+from posterior_fusion.local.init import base_weights, finetune_start, initial_weights, write_base
 from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
@@ -103,7 +102,7 @@ def pretrain(work: Path, spec: ModelSpec, epochs: int) -> Path:
     model = spec.build()
     res = train_map(model, x, y, TrainConfig(epochs=epochs, weight_decay=5e-4, lr=0.05), seed=0, desc="pretrain")
     log(f"base: {len(y)} public images, {epochs} epochs, train accuracy {res.final_accuracy:.3f}")
-    save_file({k: v.detach().clone().contiguous() for k, v in model.named_parameters()}, str(path))
+    write_base(model, path)
     return path
 
 

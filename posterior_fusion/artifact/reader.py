@@ -126,11 +126,12 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
     meta = chk.json_attr(f, "metadata", "/")
     if not isinstance(meta, dict):
         raise chk.bad_schema("/", "metadata must be a JSON object")
-    frozen = sum(math.prod(shape) for _, shape in spec.frozen_shapes())
-    if spec.finetune != "all":
-        chk.dataset(f, "/frozen", (frozen,))
+    shapes = spec.frozen_shapes()
+    if shapes:
+        chk.dataset(f, "/frozen", (sum(math.prod(shape) for _, shape in shapes),))
     elif "/frozen" in f:
-        raise chk.bad_schema("/frozen", "only an artifact of a fine-tuning model spec (finetune) holds frozen weights")
+        raise chk.bad_schema("/frozen", "only an artifact of a fine-tuning model spec (finetune) or with BatchNorm "
+                                        "holds frozen weights")
     return str(kind), spec, layout, meta
 
 

@@ -67,7 +67,7 @@ def text_attr(text: str) -> np.bytes_:
 def _root(f: h5py.File, kind: str, spec: ModelSpec, layout: ParameterLayout, metadata: dict) -> None:
     """The root attributes and, for a fine-tuning spec, its frozen base weights once as ``/frozen``."""
     meta_text = metadata_json(f.filename, metadata)
-    if spec.finetune != "all":
+    if spec.frozen_shapes():
         frozen = spec.frozen_vector()
         require_finite(f.filename, "/frozen", frozen, "the base")
         f.create_dataset("frozen", data=_np(frozen))

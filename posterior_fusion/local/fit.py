@@ -38,7 +38,13 @@ from posterior_fusion.local.capture import capture, capture_dtype_problem
 from posterior_fusion.local.capture.laplace import laplace_backends
 from posterior_fusion.local.capture.policy import block_policy, curvature_bytes
 from posterior_fusion.local.config import FitConfig
-from posterior_fusion.local.init import base_weights, finetune_start, init_fingerprint, initial_weights
+from posterior_fusion.local.init import (
+    base_statistics,
+    base_weights,
+    finetune_start,
+    init_fingerprint,
+    initial_weights,
+)
 from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import train_map
@@ -290,6 +296,8 @@ def fit_silo_file(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.P
                                 {"init_seed": init_seed}, resume=resume, log=log)
         return meta
     w, sha = base_weights(spec, base)
+    statistics = base_statistics(spec, base)  # a BatchNorm model's, frozen at the base's
+    spec = spec.with_base(statistics) if statistics else spec
     if base_sha256 is not None and sha != base_sha256:
         raise IncompatibleArtifactsError(f"{base}: SHA-256 {sha[:12]}… is not the base {base_sha256[:12]}… this "
                                          "federation fine-tunes")

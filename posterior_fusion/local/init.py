@@ -54,7 +54,7 @@ def finetune_start(spec: ModelSpec, base: torch.Tensor, setting: str, components
         layout = ParameterLayout.from_model(spec.build())
     if base.shape != (layout.dim,):
         raise IncompatibleArtifactsError(f"the base has {base.numel()} weights, model {spec.name!r} {layout.dim}")
-    named = {e.name: t.clone() for e, t in zip(layout.entries, layout.split(base.float()))}
+    named = {**(spec.base or {}), **{e.name: t.clone() for e, t in zip(layout.entries, layout.split(base.float()))}}
     tuned = ModelSpec(spec.name, dict(spec.kwargs), spec.provider, setting, named)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed * 1_000_003)
@@ -79,6 +79,43 @@ def full_base(spec: ModelSpec, weights: torch.Tensor) -> torch.Tensor:
     return torch.cat([state[n].reshape(-1).float() for n in names])
 
 
+def base_statistics(spec: ModelSpec, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The BatchNorm running statistics a base holds for ``spec`` (``{name: tensor}``; empty for a model
+    without BatchNorm): from a ``.safetensors`` file's ``….running_mean`` / ``….running_var`` tensors, or a
+    global artifact's frozen statistics. A BatchNorm model's base must hold all of them, finite."""
+    from posterior_fusion.models.finetune import statistics_names
+
+    with torch.device("meta"):
+        from posterior_fusion.models.attention import linear_attention
+
+        wanted = dict(statistics_names(linear_attention(spec._construct())))
+    if not wanted:
+        return {}
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        held = load_global(path).model_spec.base or {}
+        found = {n: held[n] for n in wanted if n in held}
+    else:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                found = {n: f.get_tensor(n).float() for n in wanted if n in set(f.keys())}
+        except Exception as exc:  # noqa: BLE001 - the parser's refusals (SafetensorError derives from Exception only)
+            raise IncompatibleArtifactsError(f"{path}: not a readable safetensors file ({shown(str(exc), 120)})") from None
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        raise IncompatibleArtifactsError(f"{path}: model {spec.name!r} has BatchNorm; the base holds no "
+                                         f"{', '.join(shown(n, 40) for n in missing[:3])} (its running statistics, "
+                                         "which stay frozen at the base's)")
+    bad = next((n for n, t in found.items() if tuple(t.shape) != wanted[n] or not torch.isfinite(t).all()
+                or (n.endswith("running_var") and bool((t < 0).any()))), None)
+    if bad is not None:
+        raise IncompatibleArtifactsError(f"{path}: tensor {shown(bad, 40)} is not a finite statistic of shape "
+                                         f"{wanted[bad]} (a variance >= 0)")
+    return found
+
+
 def write_base(model: torch.nn.Module, path: str | os.PathLike) -> str:
     """Write ``model``'s parameters, by name (``named_parameters()``), as a ``.safetensors`` base for
     ``pfuse init --from`` (atomically; no pickle); returns the file's SHA-256, the base's name everywhere
@@ -93,6 +130,8 @@ def write_base(model: torch.nn.Module, path: str | os.PathLike) -> str:
         raise ConfigError(f"{path}: a base is written as a .safetensors file")
     check_output(path)
     tensors = {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters()}
+    tensors.update({name: b.detach().cpu().contiguous().clone() for name, b in model.named_buffers()
+                    if name.endswith(("running_mean", "running_var"))})  # BatchNorm's statistics
     write_atomically(path, lambda tmp: save_file(tensors, str(tmp)))
     return file_sha256(path)
 
@@ -131,7 +170,11 @@ def base_weights(spec: ModelSpec, path: str | os.PathLike,
             # a stock nn.MultiheadAttention's packed in_proj tensors stand for its q / k / v projections
             packed = {n: src for n, src in packed_names(model).items() if n not in names and src[0] in names}
             covered = (set(wanted) - set(packed)) | {src for src, _ in packed.values()}
-            missing, extra = sorted(covered - names), sorted(names - covered)
+            from posterior_fusion.models.finetune import statistics_names
+
+            held = [n for n, _ in statistics_names(model)]  # a BatchNorm's statistics: base_statistics reads them
+            statistics = set(held) | {n.rsplit(".", 1)[0] + ".num_batches_tracked" for n in held}
+            missing, extra = sorted(covered - names), sorted(names - covered - statistics)
             if missing or extra:
                 raise IncompatibleArtifactsError(
                     f"{path}: its tensors do not match {spec.name}'s parameters (missing "

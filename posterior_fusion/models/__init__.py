@@ -48,7 +48,8 @@ def non_parameter_state(model: nn.Module) -> str | None:
             where = f"layer {mname!r} ({type(module).__name__})" if mname else type(module).__name__
             return (f"{where} keeps state outside its parameters ({', '.join(state[:3])}); an artifact stores "
                     "parameters only, so its readers would predict with fresh statistics — use GroupNorm or "
-                    "LayerNorm (resnet20: `norm: group`) or a model without BatchNorm")
+                    "LayerNorm (resnet20: `norm: group`), a model without BatchNorm, or fine-tune a pretrained base "
+                    "(pfuse init from a base file), whose BatchNorm statistics stay frozen")
     return None
 _ALLOWED_TYPES = {int: int, float: float, bool: bool, str: str, "int": int, "float": float, "bool": bool, "str": str,
                   "list[int]": list, "list[int] | None": list}
@@ -186,13 +187,19 @@ class ModelSpec:
         from posterior_fusion.models.attention import linear_attention
 
         model = linear_attention(self._construct())  # attention as four Linear maps (the same function)
-        if self.finetune == "all":
+        from posterior_fusion.models.finetune import apply_finetune, statistics_names
+
+        batch_norm = bool(statistics_names(model))
+        if self.finetune == "all" and not batch_norm:
             return model
         if self.base is None and not meta:
+            if self.finetune == "all":
+                raise ModelSpecError(f"model {self.name!r} has BatchNorm, whose running statistics an artifact would "
+                                     "not carry from random starting points: fine-tune a pretrained base (pfuse "
+                                     "init from a base file; its statistics stay frozen), or use GroupNorm or "
+                                     "LayerNorm (resnet20: `norm: group`)")
             raise ModelSpecError(f"model {self.name!r} fine-tunes {self.finetune} of a base this spec does not hold "
                                  "(its frozen weights come with the artifact, `/frozen`)")
-        from posterior_fusion.models.finetune import apply_finetune
-
         return apply_finetune(model, self.finetune, None if meta else self.base)  # on meta: shapes only
 
     def frozen_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

@@ -51,6 +51,8 @@ class _Block(nn.Module):
         super().__init__()
 
         def normal(c: int) -> nn.Module:
+            if norm == "batch":
+                return nn.BatchNorm2d(c)
             return nn.GroupNorm(min(8, c), c) if norm == "group" else nn.Identity()
 
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
@@ -67,13 +69,14 @@ class _Block(nn.Module):
 
 class ResNet20(nn.Module):
     """ResNet-20-style network for 32x32 colour images (3 stages of 3 basic blocks, widths
-    w, 2w, 4w) without BatchNorm: ``norm="none"`` (every parameter is a conv or linear weight,
-    so K-FAC capture applies) or ``"group"`` (GroupNorm; use the diag structure)."""
+    w, 2w, 4w): ``norm="none"`` (every parameter is a conv or linear weight, so K-FAC capture
+    applies), ``"group"`` (GroupNorm) or ``"batch"`` (BatchNorm: only fine-tuned from a pretrained base,
+    whose statistics stay frozen — ``models/finetune.py``)."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 16, norm: str = "none") -> None:
         super().__init__()
-        if norm not in ("none", "group"):
-            raise ValueError("norm must be 'none' or 'group'")
+        if norm not in ("none", "group", "batch"):
+            raise ValueError("norm must be 'none', 'group' or 'batch'")
         self.stem = nn.Conv2d(in_channels, width, 3, 1, 1, bias=False)
         blocks, cin = [], width
         for stage, cout in enumerate((width, 2 * width, 4 * width)):

@@ -86,11 +86,63 @@ class LoRAConv2d(nn.Module):
         return out + self.lora_B(self.lora_A(x))
 
 
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
+STATISTICS = ("running_mean", "running_var")  # a BatchNorm's statistics, frozen at the base's
+
+
+class FrozenBatchNorm1d(nn.BatchNorm1d):
+    """A BatchNorm1d that always normalises with its stored statistics (evaluation mode, whatever ``train``
+    asks): the statistics are the base's, frozen, identical in every silo and in the fused model."""
+
+    def train(self, mode: bool = True) -> FrozenBatchNorm1d:
+        return super().train(False)
+
+
+class FrozenBatchNorm2d(nn.BatchNorm2d):
+    """:class:`FrozenBatchNorm1d` for images."""
+
+    def train(self, mode: bool = True) -> FrozenBatchNorm2d:
+        return super().train(False)
+
+
+def freeze_statistics(model: nn.Module, base: Mapping[str, torch.Tensor] | None) -> None:
+    """Every BatchNorm of ``model`` in evaluation mode for good, its running statistics non-persistent
+    buffers holding ``base``'s (by name, e.g. ``blocks.0.n1.running_mean``; None: its own, for shapes),
+    its batch counter dropped."""
+    for name, module in model.named_modules():
+        if not isinstance(module, BATCH_NORMS):
+            continue
+        prefix = f"{name}." if name else ""
+        for stat in STATISTICS:
+            value = base.get(f"{prefix}{stat}") if base is not None else None
+            own = getattr(module, stat)
+            value = own.detach().clone() if value is None else value.detach().to(own.dtype).clone().reshape(own.shape)
+            delattr(module, stat)
+            module.register_buffer(stat, value, persistent=False)
+        if hasattr(module, "num_batches_tracked"):
+            delattr(module, "num_batches_tracked")
+            module.register_buffer("num_batches_tracked", None, persistent=False)
+        module.__class__ = FrozenBatchNorm1d if isinstance(module, nn.BatchNorm1d) else FrozenBatchNorm2d
+        module.train(False)
+
+
+def statistics_names(architecture: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every BatchNorm's running statistics, in module order: frozen at the base's."""
+    out = []
+    for name, module in architecture.named_modules():
+        if isinstance(module, BATCH_NORMS) and module.track_running_stats:
+            prefix = f"{name}." if name else ""
+            out += [(f"{prefix}{stat}", tuple(getattr(module, stat).shape)) for stat in STATISTICS]
+    return out
+
+
 def apply_finetune(model: nn.Module, setting: str, base: Mapping[str, torch.Tensor] | None) -> nn.Module:
     """``model`` (the base's architecture) as ``setting`` fine-tunes it, in place: frozen weights become
     buffers holding ``base``'s values (by the architecture's parameter names; None: the model's own, for
-    shapes on the meta device), trainable ones start at ``base``'s values (adapters as the class says)."""
+    shapes on the meta device), trainable ones start at ``base``'s values (adapters as the class says);
+    every BatchNorm's statistics are frozen at the base's (:func:`freeze_statistics`)."""
     check_finetune(setting)
+    freeze_statistics(model, base)
     if setting == "all":
         if base is not None:
             with torch.no_grad():
@@ -125,16 +177,18 @@ def apply_finetune(model: nn.Module, setting: str, base: Mapping[str, torch.Tens
 
 def frozen_names(architecture: nn.Module, setting: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of the base's parameters that ``setting`` freezes, in the architecture's parameter
-    order (a ``lora:R`` setting every one but the head's): what an artifact of a fine-tuning spec stores once as
+    order (a ``lora:R`` setting every one but the head's), then every BatchNorm's running statistics
+    (:func:`statistics_names`; frozen under every setting, ``all`` included): what an artifact of a fine-tuning spec stores once as
     ``/frozen``."""
     check_finetune(setting)
+    stats = statistics_names(architecture)
     if setting == "all":
-        return []
+        return stats
     named = [(n, tuple(p.shape)) for n, p in architecture.named_parameters()]
     modules = parameter_modules(architecture)
     keep = 1 if setting in ("head",) or setting.startswith("lora:") else int(setting.split(":")[1])
     trainable = {f"{n}.{p}" if n else p for n, m in modules[len(modules) - keep:] for p, _ in m.named_parameters(recurse=False)}
-    return [(n, s) for n, s in named if n not in trainable]
+    return [(n, s) for n, s in named if n not in trainable] + stats
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
