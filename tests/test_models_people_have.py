@@ -338,3 +338,24 @@ def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, 
     r = run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "nostats.safetensors",
             "--out", tmp_path / "j.h5")
     assert r.exit_code == 2 and "running statistics" in r.stderr and r.stderr.count("\n") == 1, r.output
+
+
+def test_the_builtin_transformer_is_stock_pytorch_on_the_fast_path():
+    """``transformer``: rows as tokens, stock nn.TransformerEncoder layers (attention as four Linear maps when
+    built), fixed sinusoidal positions (no parameter, no state in the artifact); every parameter gets a block
+    of the fast capture (none the prior alone)."""
+    import torch
+
+    from posterior_fusion.local.capture import capture
+    from posterior_fusion.local.capture.policy import block_policy
+    from posterior_fusion.models import ModelSpec, non_parameter_state
+    from posterior_fusion.models.attention import LinearAttention
+
+    spec = ModelSpec("transformer", {"row_size": 8, "width": 16, "layers": 2, "heads": 4})
+    model = spec.build().eval()
+    assert sum(isinstance(m, LinearAttention) for m in model.modules()) == 2 and non_parameter_state(model) is None
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
+    assert model(x).shape == (6, 10)
+    assert all(kind != "prior" for _, kind in block_policy(model, "kron"))
+    curv, how = capture("kron", model, x, y, 4)
+    assert how == "fast" and curv.dim == sum(p.numel() for p in model.parameters())

@@ -1,8 +1,11 @@
-"""The whole flow on scikit-learn's real data sets: digits (1,797 8x8 images) and
-breast cancer (569 tabular rows, 30 features): import -> partition (5 clients, α = 0.1 and 0.5)
--> fit-local (kron, diag, diag+full) -> fuse (every method) -> evaluate, over 3 partition seeds.
+"""The whole flow on scikit-learn's real data sets: digits (1,797 8x8 images; an MLP, and a transformer from
+stock PyTorch layers reading the rows as tokens) and breast cancer (569 tabular rows, 30 features):
+import -> partition (5 clients, α = 0.1 and 0.5) -> fit-local (kron, diag, diag+full) -> fuse (every method,
+and the label-shift pool) -> evaluate, over 3 partition seeds.
 
     .venv/bin/python experiments/own_data/own_data.py --out runs/own_data [--seeds 0,1,2] [--epochs 20]
+    .venv/bin/python experiments/own_data/own_data.py --out runs/own_data_transformer --datasets digits_transformer \
+        --structures kron --components 3
 
 Writes results.csv and results.md (accuracy / NLL / ECE, mean ± std over seeds) into --out.
 """
@@ -29,7 +32,12 @@ DATASETS = {
     "digits": {"source": "sklearn:digits", "model": ModelSpec("mlp", {"in_features": 64, "hidden": 32}), "test": 400},
     "breast_cancer": {"source": "sklearn:breast_cancer",
                       "model": ModelSpec("mlp", {"in_features": 30, "hidden": 16, "num_classes": 2}), "test": 120},
+    # a transformer from stock PyTorch layers (nn.TransformerEncoderLayer: its attention on the fast path) on the
+    # digits read row by row: 8 tokens of 8 values
+    "digits_transformer": {"source": "sklearn:digits", "test": 400,
+                           "model": ModelSpec("transformer", {"row_size": 8, "width": 32, "layers": 2, "heads": 4})},
 }
+POOL = "label-shift pool"  # the client ensemble's members pooled under label shift (ensemble pooling=label-shift)
 
 
 def main() -> None:
@@ -38,11 +46,13 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--components", type=int, default=5)
+    ap.add_argument("--datasets", default="digits,breast_cancer", help=f"comma-separated, of {', '.join(DATASETS)}")
+    ap.add_argument("--structures", default="kron,diag,diag+full")
     args = ap.parse_args()
     out = Path(args.out)
     rows = []
     t_start = time.time()
-    for name, cfg in DATASETS.items():
+    for name, cfg in ((n, DATASETS[n]) for n in args.datasets.split(",")):
         src = out / name / "all.h5"
         import_data(cfg["source"], src)
         for alpha in (0.1, 0.5):
@@ -51,7 +61,7 @@ def main() -> None:
                 summary = partition_to_files(part, clients=5, alpha=alpha, partition_seed=seed, val_size=60,
                                              min_size=10, source=src, test_size=cfg["test"])
                 test = read_silo(summary["test"])
-                for structure in ("kron", "diag", "diag+full"):
+                for structure in args.structures.split(","):
                     fit = FitConfig(structure=structure, train_seed=seed,
                                     train=TrainConfig(epochs=args.epochs, batch_size=32))
                     paths = []
@@ -60,13 +70,15 @@ def main() -> None:
                         if not paths[-1].exists():
                             fit_silo_file(cfg["model"], c["path"], paths[-1], args.components, seed, fit,
                                                  log=lambda m: None)
-                    for method in METHODS:
+                    for method in [*METHODS, POOL]:
+                        named, settings = ("ensemble", {"pooling": "label-shift"}) if method == POOL else (method, {})
                         try:
-                            _, res, meta = fuse(paths, method, FusionOptions(sampling_seed=seed, progress=False),
-                                                applicable_settings(method, {}), val_path=summary["server_val"])
+                            _, res, meta = fuse(paths, named, FusionOptions(sampling_seed=seed, progress=False),
+                                                applicable_settings(named, settings), val_path=summary["server_val"])
                         except MethodNotApplicableError:
                             continue
-                        m = evaluate_members(cfg["model"], res.members, test)
+                        m = evaluate_members(cfg["model"], res.members, test, weights=res.mode_weights,
+                                             pooling=res.pooling(cfg["model"].num_classes))
                         row = {"dataset": name, "alpha": alpha, "seed": seed, "structure": structure, "method": method,
                                "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "members": len(res.members)}
                         rows.append(row)
@@ -90,7 +102,7 @@ def main() -> None:
              f"({time.time() - t_start:.0f} s)", "",
              "| data set | structure | method | α=0.1 accuracy | α=0.1 NLL | α=0.1 ECE | α=0.5 accuracy | α=0.5 NLL | α=0.5 ECE |",
              "|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({k[:3] for k in groups}, key=lambda k: (k[0], k[1], list(METHODS).index(k[2])))
+    keys = sorted({k[:3] for k in groups}, key=lambda k: (k[0], k[1], [*METHODS, POOL].index(k[2])))
     for ds, st, me in keys:
         cells = []
         for a in (0.1, 0.5):

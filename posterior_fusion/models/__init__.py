@@ -32,6 +32,8 @@ MODEL_REGISTRY: dict[str, tuple[Callable[..., nn.Module], dict[str, type]]] = {
     "cnn": (builtin.cnn, {"num_classes": int, "in_channels": int, "bias": bool}),
     "mlp": (builtin.mlp, {"num_classes": int, "in_features": int, "hidden": int, "bias": bool, "hidden_sizes": list}),
     "resnet20": (builtin.resnet20, {"num_classes": int, "in_channels": int, "width": int, "norm": str}),
+    "transformer": (builtin.transformer, {"num_classes": int, "in_channels": int, "row_size": int, "width": int,
+                                          "layers": int, "heads": int}),
 }
 ENTRY_POINT_GROUP = "posterior_fusion.models"
 

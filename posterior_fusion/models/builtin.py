@@ -1,7 +1,11 @@
-"""Built-in architectures (the FedBEns LeNet and CNN, a configurable MLP, a ResNet-20-style network)."""
+"""Built-in architectures (the FedBEns LeNet and CNN, a configurable MLP, a ResNet-20-style network, a
+small transformer built from stock PyTorch layers)."""
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import nn
 
 
@@ -94,3 +98,38 @@ class ResNet20(nn.Module):
 
 def resnet20(num_classes: int = 10, in_channels: int = 3, width: int = 16, norm: str = "none") -> ResNet20:
     return ResNet20(num_classes, in_channels, width, norm)
+
+
+class RowTransformer(nn.Module):
+    """A transformer classifier from stock PyTorch layers on images read row by row: each of the H rows
+    (its W·C values) is a token, embedded by an ``nn.Linear``, plus fixed sinusoidal positions (a
+    non-persistent buffer, not a parameter), then ``layers`` ``nn.TransformerEncoderLayer`` (batch first,
+    ``heads`` heads, feed-forward 2·width, no dropout), ``nn.LayerNorm``, the tokens' mean and a linear head."""
+
+    def __init__(self, num_classes: int, in_channels: int, row_size: int, width: int, layers: int, heads: int,
+                 max_rows: int = 256) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError("width must be a multiple of heads")
+        self.embed = nn.Linear(row_size * in_channels, width)
+        position = torch.arange(max_rows, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, width, 2, dtype=torch.float32) * (-math.log(10000.0) / width))
+        table = torch.zeros(max_rows, width)
+        table[:, 0::2], table[:, 1::2] = torch.sin(position * freq), torch.cos(position * freq[: width // 2])
+        self.register_buffer("positions", table, persistent=False)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True), layers,
+            enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4:  # (N, C, H, W) -> H tokens of W·C values
+            x = x.permute(0, 2, 3, 1).reshape(x.shape[0], x.shape[2], -1)
+        h = self.embed(x) + self.positions[: x.shape[1]]
+        return self.head(self.norm(self.encoder(h)).mean(1))
+
+
+def transformer(num_classes: int = 10, in_channels: int = 1, row_size: int = 28, width: int = 64, layers: int = 2,
+                heads: int = 4) -> RowTransformer:
+    return RowTransformer(num_classes, in_channels, row_size, width, layers, heads)
