@@ -33,7 +33,8 @@ from posterior_fusion.data.idx import load_fmnist
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform
-from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.errors import IncompatibleArtifactsError
+from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.local.config import TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import base_weights, finetune_start, initial_weights, write_base
@@ -203,6 +204,49 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
     return rows
 
 
+def run_refresh(args, setting: str, alpha: float, seed: int, spec: ModelSpec, start: str) -> list[dict]:
+    """The refresh round as a lever (``<start>+refresh``): fedbens' default on the start's artifacts, then two
+    training-free rounds (each silo recaptures its own artifact at the fused modes, `recapture --at`, damping
+    auto, its default trust radius) each fused again by the default."""
+    work, silos, test = cell_data(args, setting, alpha, seed)
+    plain = start.removesuffix("+refresh")
+    folder = work / plain.replace(":", "_")
+    paths = [folder / f"post_{c}.h5" for c in range(len(silos))]
+    tag = "from random starts" if plain == "scratch" else f"base, finetune {plain.split(':', 1)[1]}"
+    rows, current = [], None
+    for rnd in range(3):
+        inputs, refused = (paths if rnd == 0 else []), 0
+        for c, p in enumerate(paths):
+            if rnd == 0:
+                break
+            out = folder / f"refresh{rnd}_{c}.h5"
+            try:
+                if not out.exists():
+                    recapture_to_file(p, silo_file(work, c), out, None, log=lambda m: None, at_path=current,
+                                      damping="auto")
+                inputs.append(out)
+            except IncompatibleArtifactsError:  # the silo's trust radius refuses the global: recorded, no round
+                refused += 1
+        if refused:
+            rows.append({"row": f"fedbens (default), refresh round {rnd} ({tag})", "refused_by_silos": refused,
+                         "accuracy": float("nan"), "served": 0})
+            log(f"{setting} α={alpha} seed {seed} refresh round {rnd}: refused by {refused} silo(s)")
+            break
+        t0 = time.time()
+        fused_inputs, res, meta = fuse([str(p) for p in inputs], "fedbens", FusionOptions(progress=False), {})
+        current = folder / f"refresh_global{rnd}.h5"
+        write_fused(current, fused_inputs, res, meta)
+        label = ["one-shot", "after one refresh round", "after two refresh rounds"][rnd]
+        row = metrics_row(f"fedbens (default), {label} ({tag})", fused_inputs.spec, res.members, test,
+                          len(res.members), weights=res.mode_weights, pooling=res.pooling(spec.num_classes))
+        row.update(server_seconds=round(time.time() - t0, 1))
+        rows.append(row)
+        log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
+    for r in rows:
+        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs, start=start)
+    return rows
+
+
 def report(folder: Path) -> None:
     rows = [r for p in sorted(folder.glob("*.json")) for r in json.loads(p.read_text())]
     for setting in sorted({r["setting"] for r in rows}):
@@ -219,6 +263,10 @@ def report(folder: Path) -> None:
                     cells.append("—")
                     continue
                 served = rs[0]["served"]
+                if any("refused_by_silos" in r for r in rs):
+                    cells.append("refused by the silos' trust radius (" + " / ".join(
+                        str(r.get("refused_by_silos", 0)) for r in rs) + f" of {len(rs[0].get('clients', [])) or 5})")
+                    continue
                 acc = [r["accuracy"] for r in rs]
                 sd = f" ± {statistics.stdev(acc):.2f}" if len(acc) > 1 else ""
                 nll = f" · {statistics.mean(r['nll'] for r in rs):.3f} / {statistics.mean(r['ece'] for r in rs):.3f}" \
@@ -240,7 +288,8 @@ def main() -> None:
     ap.add_argument("--pretrain-epochs", type=int, default=10)
     ap.add_argument("--starts", default="base:all,scratch,base:head,base:last:2,base:lora:4,base:lora:4+merge",
                     help="comma-separated: scratch (shared random starting points) or base:<fit-local --finetune>, "
-                         "with +merge the same artifacts merged into the whole architecture (recapture --merge)")
+                         "with +merge the same artifacts merged into the whole architecture (recapture --merge), "
+                         "with +refresh fedbens before and after two refresh rounds on that start's artifacts")
     ap.add_argument("--kfac", default="expand")
     ap.add_argument("--temperature", type=float, default=0.1)
     ap.add_argument("--prior-var", type=float, default=0.1)
@@ -261,7 +310,8 @@ def main() -> None:
                 out = Path(args.json_dir) / f"{spec.name}_{args.setting}_a{alpha}_s{seed}_{start.replace(':', '')}.json"
                 if out.exists():
                     continue
-                rows = run_start(args, args.setting, alpha, seed, spec, base_path, start)
+                rows = (run_refresh(args, args.setting, alpha, seed, spec, start) if start.endswith("+refresh")
+                        else run_start(args, args.setting, alpha, seed, spec, base_path, start))
                 out.write_text(json.dumps(rows, indent=1))
                 log(f"wrote {out}")
 
