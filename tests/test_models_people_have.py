@@ -359,3 +359,37 @@ def test_the_builtin_transformer_is_stock_pytorch_on_the_fast_path():
     assert all(kind != "prior" for _, kind in block_policy(model, "kron"))
     curv, how = capture("kron", model, x, y, 4)
     assert how == "fast" and curv.dim == sum(p.numel() for p in model.parameters())
+
+
+def test_a_layer_whose_input_is_not_one_row_per_sample_is_refused_by_the_fast_capture():
+    """A Linear run once for the whole batch (its output broadcast over the samples), or a sequence-first
+    transformer: per-sample curvature cannot be taken there, so the fast capture refuses the model in one line
+    instead of treating tokens as samples; a batch-first transformer passes."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.local.capture import capture
+    from posterior_fusion.models.attention import linear_attention
+    from posterior_fusion.models.layers import unsupported_reason
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query = nn.Linear(3, 8)
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(x + self.query(torch.eye(3)[:2]).mean(0))
+
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    assert "one row per sample" in unsupported_reason(Shared(), x[:2])
+    with pytest.raises(ConfigError, match="one row per sample"):
+        capture("kron", Shared(), x, y, 4)
+    first = linear_attention(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=False), 1,
+                                                   enable_nested_tensor=False)).eval()
+    assert "one row per sample" in unsupported_reason(first, torch.randn(2, 5, 8))
+    batch_first = linear_attention(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1,
+                                                         enable_nested_tensor=False)).eval()
+    assert unsupported_reason(batch_first, torch.randn(2, 5, 8)) is None

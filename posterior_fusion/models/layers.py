@@ -47,18 +47,30 @@ def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) ->
     if not any(isinstance(m, SUPPORTED_LAYERS) for m in model.modules()):
         return "the model has no Linear or Conv2d layer"
     if example is not None:
-        calls: dict[nn.Module, int] = {}
         layers = captured_layers(model)
-        handles = [m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1))
-                   for m in layers]
-        try:
-            with torch.no_grad():
-                model(example)
-        finally:
-            for h in handles:
-                h.remove()
-        if any(calls.get(m, 0) != 1 for m in layers):
-            return "a Linear/Conv2d or normalisation layer does not run exactly once per forward pass"
+        names = {m: n for n, m in model.named_modules()}
+        for batch in (example, example[:1]):  # two batch sizes: a leading size that does not follow them is no batch
+            calls: dict[nn.Module, int] = {}
+            rows: dict[nn.Module, int] = {}
+
+            def seen(m, i, o):
+                calls[m] = calls.get(m, 0) + 1
+                rows[m] = i[0].shape[0] if i[0].dim() else -1
+
+            handles = [m.register_forward_hook(seen) for m in layers]
+            try:
+                with torch.no_grad():
+                    model(batch)
+            finally:
+                for h in handles:
+                    h.remove()
+            if any(calls.get(m, 0) != 1 for m in layers):
+                return "a Linear/Conv2d or normalisation layer does not run exactly once per forward pass"
+            odd = next((m for m in layers if rows.get(m) != batch.shape[0]), None)
+            if odd is not None:
+                return (f"{type(odd).__name__} {names.get(odd, '?')}'s input does not hold one row per sample (its "
+                        f"leading size is {rows.get(odd)} for a batch of {batch.shape[0]}: computed once for the batch, "
+                        "or a sequence-first layout), so per-sample curvature cannot be taken there")
     return None
 
 
