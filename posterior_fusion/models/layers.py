@@ -53,7 +53,7 @@ def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) ->
             calls: dict[nn.Module, int] = {}
             rows: dict[nn.Module, int] = {}
 
-            def seen(m, i, o):
+            def seen(m, i, o, calls=calls, rows=rows):
                 calls[m] = calls.get(m, 0) + 1
                 rows[m] = i[0].shape[0] if i[0].dim() else -1
 
