@@ -69,6 +69,11 @@ def inspect_cmd(file, as_json, max_memory):
     if s["kind"] == "client":
         say(f"structure: {s['structure']}  n_data={meta.get('n_data')}  T={meta.get('temperature')}  "
                    f"λ0={meta.get('prior_precision')}  class counts {meta.get('class_counts')}")
+        if isinstance(meta.get("dp"), dict):
+            d = meta["dp"]
+            say(f"differential privacy: (ε, δ) = ({d.get('epsilon', float('nan')):.3g}, {d.get('delta', float('nan')):.3g}) "
+                f"for the whole artifact (target ε {d.get('target_epsilon')}; DP-SGD noise {d.get('noise_multiplier', 0):.3g}, "
+                f"clip {d.get('clip')}; curvature and counts noise {d.get('release_noise', 0):.3g})")
         say("prior: " + ("N(base, 1/λ0), centred at the pretrained base the silo fine-tuned" if s["prior_centre"] == "base"
                          else "N(0, 1/λ0), centred at zero"))
         if meta.get("class_names"):

@@ -9,7 +9,7 @@ pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check -
 pip_install torch==2.13.0 numpy scipy click h5py tqdm safetensors pytest pytest-xdist ruff matplotlib triton
 # laplace-torch and backpack declare torchvision; install them without it and list their real needs.
 pip_install --no-deps laplace-torch backpack-for-pytorch curvlinops-for-pytorch asdfghjkl
-pip_install einops unfoldNd einconv linear_operator opt_einsum torchmetrics scikit-learn
+pip_install einops unfoldNd einconv linear_operator opt_einsum torchmetrics scikit-learn opacus
 pip_install "flwr[simulation]"
 pip_install --no-deps -e .
 if .venv/bin/python -c "import torchvision" >/dev/null 2>&1; then .venv/bin/python -m pip uninstall -y -q torchvision; fi

@@ -247,6 +247,43 @@ def run_refresh(args, setting: str, alpha: float, seed: int, spec: ModelSpec, st
     return rows
 
 
+SINGLE = ("fedbens (default)", "fedbens, prior centre at the prior", "fedlpa", "fedfisher", "fisher-merge", "regmean",
+          "hbfl", "fedavg")
+
+
+def summary(folder: Path) -> None:
+    """One line per (setting, start, α): the client ensemble, the label-shift pool, fedbens' default, the best
+    single-network fusion (by mean accuracy over the seeds), centralised fine-tuning of the same parameters,
+    each silo alone, and the costs per component (mean ± std over seeds; n seeds)."""
+    rows = [r for p in sorted(folder.glob("*.json")) for r in json.loads(p.read_text())]
+
+    def cell(vals: list[float]) -> str:
+        return f"{statistics.mean(vals):.2f}" + (f" ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else "")
+
+    print("| setting | start | α | seeds | silo alone | client ensemble | label-shift pool | fedbens | best single "
+          "network | centralised | MB / component (% of the model) | capture ÷ epoch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for setting in sorted({r["setting"] for r in rows}):
+        for start in dict.fromkeys(r["start"] for r in rows if r["setting"] == setting and "refresh" not in r["start"]):
+            for alpha in sorted({r["alpha"] for r in rows if r["setting"] == setting}):
+                rs = [r for r in rows if (r["setting"], r["start"], r["alpha"]) == (setting, start, alpha)]
+                if not rs:
+                    continue
+                by = {}
+                for r in rs:
+                    by.setdefault(r["row"].rsplit(" (", 1)[0], []).append(r)
+                acc = {k: [r["accuracy"] for r in v] for k, v in by.items()}
+                fused = {k: v for k, v in acc.items() if k in SINGLE}
+                best = max(fused, key=lambda k: statistics.mean(fused[k]))
+                cost = next(r for r in rs if "artifact_mb_per_component" in r)
+                central = cell(acc["centralised"]) if "centralised" in acc else "(unmerged)"
+                print(f"| {setting} | {start} | {alpha} | {len(acc['client ensemble'])} | {cell(acc['each silo alone'])} | "
+                      f"{cell(acc['client ensemble'])} | {cell(acc['label-shift pool'])} | "
+                      f"{cell(acc['fedbens (default)'])} | {best}: {cell(fused[best])} | {central} | "
+                      f"{cost['artifact_mb_per_component']:.3f} ({cost['component_pct_of_model']:.0f} %) | "
+                      f"{cost['capture_per_epoch']:.2f} |")
+
+
 def report(folder: Path) -> None:
     rows = [r for p in sorted(folder.glob("*.json")) for r in json.loads(p.read_text())]
     for setting in sorted({r["setting"] for r in rows}):
@@ -296,9 +333,13 @@ def main() -> None:
     ap.add_argument("--work", default="runs/pretrained_base")
     ap.add_argument("--json-dir", default="docs/results/pretrained_base")
     ap.add_argument("--report", default=None, help="print the table of the JSON files in this folder and exit")
+    ap.add_argument("--summary", default=None, help="print the one-line-per-start summary of this folder and exit")
     args = ap.parse_args()
     if args.report:
         report(Path(args.report))
+        return
+    if args.summary:
+        summary(Path(args.summary))
         return
     spec = ModelSpec(args.model, json.loads(args.model_kwargs))
     prepare(Path(args.work), args.setting)

@@ -236,6 +236,12 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
             raise IncompatibleArtifactsError(f"{c.path}: its prior is centred at {'zero' if b is None else 'a base'}, "
                                              f"{ref.path}'s at {'zero' if a is None else 'another point'}: clients "
                                              "must share one prior (one base)")
+    private = {c.path: isinstance(c.metadata.get("dp"), dict) for c in clients}
+    if len(set(private.values())) > 1:
+        odd = next(c for c in clients[1:] if private[c.path] != private[ref.path])
+        said = {True: "is differentially private", False: "is not differentially private"}
+        raise IncompatibleArtifactsError(f"{odd.path}: {said[private[odd.path]]}, {ref.path} {said[private[ref.path]][3:]}"
+                                         ": a fusion of both would not carry one guarantee")
     names = {c.path: tuple(c.metadata.get("class_names") or ()) for c in clients}
     named = {v for v in names.values() if v}
     if len(named) > 1:

@@ -14,6 +14,7 @@ from posterior_fusion.curvature.compressed import COMPRESS_METRICS, VECTOR_DTYPE
 from posterior_fusion.errors import ConfigError, shown
 from posterior_fusion.local.capture import capture_dtype_problem
 from posterior_fusion.local.capture.policy import CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
+from posterior_fusion.local.dp import DPConfig
 from posterior_fusion.local.ppd import PPDConfig
 from posterior_fusion.models.finetune import FINETUNE_RE
 from posterior_fusion.runtime import DEVICES
@@ -133,6 +134,7 @@ class FitConfig:
                                     "or lora:R (rank-R adapters on every other Linear/Conv2d, the head trained as "
                                     "it is); the rest stays frozen at the base, bit for bit, and only the trained "
                                     "parameters and their curvature are stored per component.")
+    dp: DPConfig | None = None  # differential privacy of the whole artifact (local/dp.py)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -151,6 +153,14 @@ class FitConfig:
         self.compression.validate()
         if self.ppd is not None:
             self.ppd.validate()
+        if self.dp is not None:
+            self.dp.validate()
+            refused = [what for what, on in (("structure " + self.structure, self.structure != "diag"),
+                                             ("swag", self.train.swag), ("ppd", self.ppd is not None),
+                                             ("a private model", self.private is not None)) if on]
+            if refused:
+                raise ConfigError(f"`dp` covers the diag structure's release without SWAG, FedPPD or a private "
+                                  f"model; not {', '.join(refused)}")
         if self.private is not None:
             self.private.validate()
         if self.curvature_batch_size < 1:
@@ -186,7 +196,7 @@ class FitConfig:
             out.pop("compress_metric")
         if out["compress_vectors"] == "float32" or "compress" not in out:
             out.pop("compress_vectors")
-        for optional in ("ppd", "private"):
+        for optional in ("ppd", "private", "dp"):
             if out[optional] is None:
                 out.pop(optional)
         return out
@@ -201,6 +211,9 @@ class FitConfig:
 
 # ------------------------------------------------------------------- fit settings, flat
 
+DP_SWITCH_HELP = ("Differential privacy of the whole artifact (diag structure): DP-SGD training through Opacus, "
+                  "the GGN diagonal and the class counts through the Gaussian mechanism, composed by one RDP "
+                  "accountant into (dp_epsilon, dp_delta), recorded in the artifact (needs the `dp` extra: opacus).")
 PPD_SWITCH_HELP = ("FedPPD: also run an SGLD chain from each component's MAP and distil its posterior predictive "
                    "into a student network stored beside the MAP (fuse --method fedppd / fedppd-distill).")
 
@@ -245,6 +258,8 @@ def fit_settings() -> list[FitSetting]:
     experiment TOML's ``[fit]`` keys are these names (read at call time, so a field added to one of
     the records appears everywhere)."""
     return [*_declared(FitConfig, "", ()), *_declared(TrainConfig, "", ("train",)),
+            FitSetting("dp", ("dp",), bool, False, DP_SWITCH_HELP),
+            *_declared(DPConfig, "dp_", ("dp",)),
             FitSetting("ppd", ("ppd",), bool, False, PPD_SWITCH_HELP),
             *_declared(PPDConfig, "ppd_", ("ppd",)),
             *[replace(s, name="private_" + s.name.removeprefix("private_")) for s in _declared(PrivateModelConfig, "private_", ("private",))]]
@@ -263,8 +278,9 @@ def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
     for name, s in table.items():
         if len(s.path) == 2:
             parts.setdefault(s.path[:1], {})[s.path[1]] = flat[name]
-    own = {s.path[0]: flat[name] for name, s in table.items() if len(s.path) == 1 and s.path[0] != "ppd"}
+    own = {s.path[0]: flat[name] for name, s in table.items() if len(s.path) == 1 and s.path[0] not in ("ppd", "dp")}
     cfg = FitConfig(**own, train=TrainConfig(**parts[("train",)]),
+                    dp=DPConfig(**parts[("dp",)]) if flat["dp"] else None,
                     ppd=PPDConfig(**parts[("ppd",)]) if flat["ppd"] else None,
                     private=PrivateModelConfig(**parts[("private",)]) if flat["private_model"] else None)
     cfg.validate()

@@ -23,6 +23,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion import ranges
 from posterior_fusion.artifact.writer import write_client_artifact
+from posterior_fusion.curvature import BlockDiag, Diag
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import (
     ConfigError,
@@ -47,7 +48,7 @@ from posterior_fusion.local.init import (
 )
 from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
-from posterior_fusion.local.train import train_map
+from posterior_fusion.local.train import TrainResult, train_map
 from posterior_fusion.models import ModelSpec, non_parameter_state
 from posterior_fusion.models.layers import unsupported_reason
 from posterior_fusion.posterior import Component, frozen_mapping
@@ -177,7 +178,20 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         raise IncompatibleArtifactsError(f"data has {data.num_classes} classes, model {spec.name!r} outputs {spec.num_classes}")
     spec.check_input(data.input_shape(), data.source or "data")
     metadata = fit_metadata(spec, data, inits, cfg, prior_mean)
-    cfg = cfg.resolved(len(data))
+    dp_plan = noise = None
+    if cfg.dp is not None:  # every data-dependent quantity through a mechanism (local/dp.py)
+        from posterior_fusion.local import dp
+
+        if done:
+            raise ConfigError("a differentially private fit cannot be resumed (its noise and budget are the run's own)")
+        dp_plan = dp.plan(cfg.dp, len(data), cfg.train.batch_size, cfg.train.epochs, len(inits))
+        noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # fresh per run
+        counts = dp.private_counts(data.class_counts(), dp_plan.release_noise, noise)
+        metadata.update(class_counts=counts, n_data=sum(counts), dp=dp_plan.record(cfg.dp))
+        metadata.pop("data_sha256", None)  # a deterministic function of the data: not released
+        cfg = cfg.resolved(sum(counts))  # the weight decay from the released size
+    else:
+        cfg = cfg.resolved(len(data))
     device = resolve_device(cfg.device)
     probe = spec.build()
     state = non_parameter_state(probe)
@@ -218,26 +232,37 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         component_seed = cfg.train_seed * 1_000_003 + m
         torch.manual_seed(component_seed)
         t0 = time.perf_counter()
-        res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}",
-                        soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0,
-                        prior_mean=None if prior_mean is None else prior_mean.to(device))
-        t1 = time.perf_counter()
-        curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
-                                    torch.Generator().manual_seed(component_seed), log, cfg.kfac, cfg.capture_dtype)
+        if dp_plan is not None:
+            dp.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
+                             int.from_bytes(os.urandom(8), "little") >> 1, prior_mean)
+            res = TrainResult(float("nan"), float("nan"), None)  # the loss and accuracy are not released
+            t1 = time.perf_counter()
+            curv = BlockDiag([Diag(dp.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))])
+            captured_by = "fast"
+        else:
+            res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}",
+                            soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0,
+                            prior_mean=None if prior_mean is None else prior_mean.to(device))
+            t1 = time.perf_counter()
+            curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
+                                        torch.Generator().manual_seed(component_seed), log, cfg.kfac, cfg.capture_dtype)
         t2 = time.perf_counter()
         if captured_by == "fast":  # what each parameter's block holds (docs/methods.md, "Layer policy")
             metadata["curvature_blocks"] = dict(block_policy(model, cfg.structure))
         training = {"seed": component_seed, "epochs": cfg.train.epochs, "final_loss": res.final_loss,
                     "final_accuracy": res.final_accuracy, "train_seconds": round(t1 - t0, 3),
                     "curvature_seconds": round(t2 - t1, 3), "capture": captured_by, "device": device.type}
+        if dp_plan is not None:  # the loss and accuracy on the silo are not released
+            training.pop("final_loss")
+            training.pop("final_accuracy")
         student = None
         if cfg.ppd is not None:
             w_map = parameters_to_vector(model.parameters()).detach().clone()
             student, record = distil_ppd(lambda: spec.build().to(device), w_map, x, y, cfg.ppd, cfg.prior_precision,
                                          cfg.temperature, seed=component_seed)
             training.update(ppd_samples=record["samples"], ppd_seconds=round(time.perf_counter() - t2, 3))
-        log(f"component {m + 1}/{len(inits)}: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} "
-            f"train {t1 - t0:.1f}s curvature {t2 - t1:.1f}s")
+        said = "" if dp_plan is not None else f"loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} "
+        log(f"component {m + 1}/{len(inits)}: {said}train {t1 - t0:.1f}s curvature {t2 - t1:.1f}s")
         w = parameters_to_vector(model.parameters()).detach().cpu().clone()
         comps.append(Component(m, w, curv, frozen_mapping(training), cfg.temperature, cfg.prior_precision, res.swag,
                                student))

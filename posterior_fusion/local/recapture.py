@@ -292,6 +292,9 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     if at is not None:
         check_refresh_global(source, at, trust_radius)
     meta = dict(source.metadata)
+    if isinstance(meta.get("dp"), dict):
+        raise ConfigError(f"{source.path}: is differentially private; a recapture would release the silo's curvature "
+                          "again outside its accounted budget")
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
                                          "finish it with fit-local `resume` first")
