@@ -156,7 +156,7 @@ class FitConfig:
         if self.dp is not None:
             self.dp.validate()
             refused = [what for what, on in (("structure " + self.structure, self.structure != "diag"),
-                                             ("swag", self.train.swag), ("ppd", self.ppd is not None),
+                                             ("SWAG moments", self.train.swag), ("a FedPPD student", self.ppd is not None),
                                              ("a private model", self.private is not None)) if on]
             if refused:
                 raise ConfigError(f"`dp` covers the diag structure's release without SWAG, FedPPD or a private "
