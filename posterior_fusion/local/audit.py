@@ -9,8 +9,9 @@ owner before sharing it. Three readings, each an attack a server could run on th
   for another silo's directions (``--other``), so the owner sees how specific to their data it is;
 - **membership**: a loss-threshold attack against the artifact's networks (their averaged prediction):
   the silo's samples (members) against samples the silo never trained on (``--holdout``), scored by the
-  negative cross-entropy; reported as the ROC AUC (0.5: no signal) and the true-positive rate at a 1 %
-  false-positive rate.
+  negative cross-entropy within each class (a skewed silo is not told apart by its labels); reported as the
+  ROC AUC (0.5: no signal) and the true-positive rate at a 1 % false-positive rate, class-weighted as the
+  silo's samples.
 
 Nothing here changes an artifact; no differential privacy is applied (docs/security.md).
 """
@@ -78,18 +79,29 @@ def artifact_first_factor(art: ClientPosterior) -> torch.Tensor | None:
 
 def membership(art: ClientPosterior, members: SiloData, holdout: SiloData) -> dict:
     """The loss-threshold attack: ROC AUC of −CE(members) against −CE(holdout) under the artifact's networks'
-    averaged prediction, and the true-positive rate at the threshold with a 1 % false-positive rate."""
+    averaged prediction, and the true-positive rate at the threshold with a 1 % false-positive rate — both
+    within each class and averaged with the members' class weights, so a silo whose labels are skewed against
+    the held-out set's is not "found" by its label distribution (which the counts reveal anyway)."""
     spec = art.model_spec
-    scores = []
+    scores, labels = [], []
     for data in (members, holdout):
         x, y = data.tensors()
         probs, _ = ensemble_probabilities(spec, [c.map for c in art.components], x)
         scores.append(torch.log(probs.double().clamp_min(1e-30)).gather(1, y[:, None]).squeeze(1))
-    inside, outside = scores
-    threshold = torch.quantile(outside, 0.99)
-    return {"auc": auroc(torch.cat(scores), torch.cat([torch.ones(len(inside)), torch.zeros(len(outside))]).bool()),
-            "tpr_at_1pct_fpr": float((inside > threshold).double().mean()),
-            "members": len(inside), "non_members": len(outside)}
+        labels.append(y)
+    (inside, outside), (y_in, y_out) = scores, labels
+    auc = tpr = weight = 0.0
+    for k in torch.unique(y_in):
+        a, b = inside[y_in == k], outside[y_out == k]
+        if len(a) == 0 or len(b) == 0:
+            continue
+        w = float(len(a))
+        auc += w * auroc(torch.cat([a, b]), torch.cat([torch.ones(len(a)), torch.zeros(len(b))]).bool())
+        tpr += w * float((a > torch.quantile(b, 0.99)).double().mean())
+        weight += w
+    if weight == 0:
+        raise DataError("the held-out samples share no class with the silo: no membership reading")
+    return {"auc": auc / weight, "tpr_at_1pct_fpr": tpr / weight, "members": len(inside), "non_members": len(outside)}
 
 
 def audit(art: ClientPosterior, data: SiloData, holdout: SiloData | None = None, other: SiloData | None = None,
