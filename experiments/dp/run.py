@@ -76,11 +76,13 @@ def report(folder: Path) -> None:
     print("| method | ε (target) | " + " | ".join(f"α = {a}: accuracy · NLL / ECE" for a in alphas)
           + " | attack AUC (mean, max over silos) |")
     print("|---|---|" + "---|" * len(alphas) + "---|")
-    for label, _, _ in FUSIONS:
+    recipes = sorted({(r.get("lr", 0.01), r.get("batch_size", 64)) for r in rows})
+    for (lr, batch), (label, _, _) in ((rec, f) for rec in recipes for f in FUSIONS):
         for eps in sorted({r["target_epsilon"] for r in rows}):
             cells, auc = [], []
             for a in alphas:
-                rs = [r for r in rows if (r["row"], r["target_epsilon"], r["alpha"]) == (label, eps, a)]
+                rs = [r for r in rows if (r["row"], r["target_epsilon"], r["alpha"], r.get("lr", 0.01),
+                                          r.get("batch_size", 64)) == (label, eps, a, lr, batch)]
                 if not rs:
                     cells.append("—")
                     continue
@@ -91,7 +93,7 @@ def report(folder: Path) -> None:
                 auc += [(r["attack_auc_mean"], r["attack_auc_max"]) for r in rs]
             shown = "∞ (no privacy)" if math.isinf(eps) else f"{eps:g}"
             attack = f"{statistics.mean(a for a, _ in auc):.3f}, {max(m for _, m in auc):.3f}" if auc else "—"
-            print(f"| {label} | {shown} | " + " | ".join(cells) + f" | {attack} |")
+            print(f"| {label} (lr {lr:g}, batch {batch}) | {shown} | " + " | ".join(cells) + f" | {attack} |")
 
 
 def main() -> None:
