@@ -640,3 +640,21 @@ def test_a_misspelt_boolean_is_one_clear_error_everywhere(tmp_path, two_clients)
     assert r.exit_code == 2 and "'laplace' must be bool" in r.stderr and r.stderr.count("\n") == 1
     for word, value in (("yes", True), ("0", False), ("False", False)):
         assert FederatedSettings.from_run_config({"swag": word}).fit_config().train.swag is value
+
+
+def test_the_data_commands_and_reading_a_data_file_do_not_import_torch(tmp_path):
+    """`pfuse import-data` / `partition` build their options, and a data file is read and described, without
+    importing torch (their --help starts in a fraction of a second; docs/benchmarks.md, "Start-up")."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from posterior_fusion.data.silo import SiloData, write_silo
+
+    write_silo(tmp_path / "d.h5", SiloData(np.zeros((4, 3, 3), np.uint8), np.arange(4) % 2, "toy", 2))
+    code = ("import sys; import cli.data_commands; from posterior_fusion.data.silo import read_silo, describe_data; "
+            f"describe_data({str(tmp_path / 'd.h5')!r}); read_silo({str(tmp_path / 'd.h5')!r}).class_counts(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stderr

@@ -19,16 +19,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import torch
 
 from posterior_fusion import budget
 from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import DataError
 from posterior_fusion.files import atomic_h5_write, require_regular_file
 from posterior_fusion.hdf5_safety import MAX_COMPRESSION_RATIO, plain_dataset_problem, read_native
+
+if TYPE_CHECKING:
+    import torch
 
 DATA_FORMAT = "posterior-fusion-data"
 DATA_FORMAT_VERSION = 1
@@ -77,6 +80,8 @@ class SiloData:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Transformed float32 inputs and int64 labels ``(n,)``."""
+        import torch  # here, not at import: reading and describing data files needs no torch
+
         return self.inputs(), torch.from_numpy(self.labels().astype(np.int64))
 
     def input_shape(self) -> tuple[int, ...]:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from posterior_fusion.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_CHANNELS = 100_000
 SCALE_RANGE = (1e-8, 1e8)   # scale and std of an input transform
@@ -102,6 +105,8 @@ class InputTransform:
 
     def apply(self, x: np.ndarray, where: str = "data") -> torch.Tensor:
         """float32 tensor: ``(n, C, H, W)`` for images (a channel axis is added to ``(n, H, W)``), ``(n, F)`` for vectors."""
+        import torch  # here, not at import: describing data files needs no torch
+
         t = torch.from_numpy(np.asarray(x, dtype=np.float32)) * self.scale
         if t.ndim == 3:
             t = t.unsqueeze(1)
