@@ -150,9 +150,13 @@ server inputs (second row); where only the clients' M modes may be served, `fedb
 validation data is the strongest fusion measured; without it, its default solver stands at {gap}
 against the paper's validation-selected protocol on the same client sets (rows four and five).
 
-What the table does not cover: silos that fine-tune a shared pretrained network, models other than
-LeNet at these sizes (ResNet-20: `experiments/resnet20_fmnist/`), and clients that lie about their
-class counts (the label-shift pool trusts them; `fuse --robust` screens curvature only).
+What the table does not cover: silos that fine-tune a shared pretrained network
+(`experiments/pretrained_base/`: there one fused network reaches the client ensemble when the silos fine-tune
+the last layers, or the whole network followed by one refresh round — one to three seeds so far), models
+other than LeNet at these sizes (ResNet-20: `experiments/resnet20_fmnist/`; a stock transformer:
+`experiments/own_data/`), differentially private artifacts (`experiments/dp/`), and clients that lie about
+their class counts (`fuse --robust` caps count claims and leaves out a client unlike the others:
+`experiments/pool_robustness/`).
 """
 
 
