@@ -69,7 +69,7 @@ def test_the_clipped_curvature_has_its_sensitivity_and_sums_to_the_ggn_diagonal(
     x = torch.randn(20, 6)
     x[3] *= 1e3  # a sample whose contribution dwarfs the others
     y = torch.randint(0, 4, (20,))
-    cfg = DPConfig(curvature_clip=0.5)
+    cfg = DPConfig(dp_curvature_clip=0.5)
     whole = private_diagonal(model, x, cfg, 0.0, torch.Generator()).double()
     for i in range(len(x)):
         keep = torch.arange(len(x)) != i

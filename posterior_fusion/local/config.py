@@ -259,7 +259,7 @@ def fit_settings() -> list[FitSetting]:
     the records appears everywhere)."""
     return [*_declared(FitConfig, "", ()), *_declared(TrainConfig, "", ("train",)),
             FitSetting("dp", ("dp",), bool, False, DP_SWITCH_HELP),
-            *_declared(DPConfig, "dp_", ("dp",)),
+            *_declared(DPConfig, "", ("dp",)),  # its fields carry the dp_ prefix themselves
             FitSetting("ppd", ("ppd",), bool, False, PPD_SWITCH_HELP),
             *_declared(PPDConfig, "ppd_", ("ppd",)),
             *[replace(s, name="private_" + s.name.removeprefix("private_")) for s in _declared(PrivateModelConfig, "private_", ("private",))]]

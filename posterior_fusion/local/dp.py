@@ -3,12 +3,12 @@ depends on the silo's data goes through a mechanism, and one accountant composes
 for. Under add/remove-one-sample neighbouring:
 
 - **training** of each of the M components: DP-SGD through Opacus (per-sample gradients of a
-  ``GradSampleModule``, each clipped to ``clip`` in L2, Gaussian noise of standard deviation
+  ``GradSampleModule``, each clipped to ``dp_clip`` in L2, Gaussian noise of standard deviation
   ``noise_multiplier · clip`` on their sum, batches drawn by Poisson sampling at rate q = batch / n); the
   weight decay toward the prior's centre is data-independent and applied after each noisy step;
 - **curvature** (structure ``diag`` only): each sample's contribution to the exact GGN diagonal,
   ``c_n = Σ_r (J_nᵀ s_nr)²`` (s_nr the columns of a square root of the cross-entropy Hessian), is clipped to
-  ``curvature_clip`` in L2, so adding or removing a sample moves the sum by at most ``curvature_clip`` (its
+  ``dp_curvature_clip`` in L2, so adding or removing a sample moves the sum by at most ``dp_curvature_clip`` (its
   L2 sensitivity); Gaussian noise of standard deviation ``release_noise · curvature_clip`` on every
   coordinate; negative values set to 0 (post-processing). One release per component;
 - **class counts**: the histogram with Gaussian noise of standard deviation ``release_noise`` (sensitivity 1),
@@ -18,7 +18,7 @@ for. Under add/remove-one-sample neighbouring:
   accuracy are not recorded.
 
 The accountant: Rényi DP (Opacus' ``compute_rdp``) of the subsampled Gaussian for all training steps plus the
-M + 1 full-batch Gaussian releases, converted to (ε, δ) once. ``training_share`` of ε calibrates the training
+M + 1 full-batch Gaussian releases, converted to (ε, δ) once. ``dp_training_share`` of ε calibrates the training
 noise (Opacus' ``get_noise_multiplier``, at δ/2) and the rest the releases (at δ/2); both noises are then
 scaled down together as far as the composed ε stays within the target; that composed ε is recorded.
 """
@@ -40,13 +40,13 @@ from posterior_fusion.settings import check_declared, setting
 class DPConfig:
     """Differential privacy of the whole client artifact (module docstring)."""
 
-    epsilon: float = setting(8.0, "The (ε, δ) guarantee of the whole artifact: ε, composed over every component's "
+    dp_epsilon: float = setting(8.0, "The (ε, δ) guarantee of the whole artifact: ε, composed over every component's "
                                   "training, curvature and the class counts.", bounds=(1e-3, 1e3))
-    delta: float | None = setting(None, "δ [default: 1/n, n the silo's size].", bounds=(1e-12, 0.1))
-    clip: float = setting(1.0, "Per-sample gradient norm bound of DP-SGD.", bounds=(1e-6, 1e6))
-    curvature_clip: float = setting(1.0, "Per-sample bound of each sample's contribution to the GGN diagonal "
+    dp_delta: float | None = setting(None, "δ [default: 1/n, n the silo's size].", bounds=(1e-12, 0.1))
+    dp_clip: float = setting(1.0, "Per-sample gradient norm bound of DP-SGD.", bounds=(1e-6, 1e6))
+    dp_curvature_clip: float = setting(1.0, "Per-sample bound of each sample's contribution to the GGN diagonal "
                                          "(L2): its sensitivity.", bounds=(1e-9, 1e9))
-    training_share: float = setting(0.8, "Part of ε that calibrates the training noise; the rest calibrates the "
+    dp_training_share: float = setting(0.8, "Part of ε that calibrates the training noise; the rest calibrates the "
                                          "curvature and count releases.", bounds=(0.05, 0.95))
 
     def validate(self) -> None:
@@ -68,12 +68,12 @@ class DPPlan:
     def record(self, cfg: DPConfig) -> dict:
         import opacus
 
-        return {"epsilon": self.epsilon, "delta": self.delta, "target_epsilon": cfg.epsilon, "accountant": "rdp",
+        return {"epsilon": self.epsilon, "delta": self.delta, "target_epsilon": cfg.dp_epsilon, "accountant": "rdp",
                 "mechanism": "DP-SGD (Opacus, Poisson sampling) for training; Gaussian mechanism on the clipped "
                              "per-sample GGN diagonal and on the class counts",
                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps,
-                "clip": cfg.clip, "curvature_clip": cfg.curvature_clip, "release_noise": self.release_noise,
-                "releases": self.releases, "training_share": cfg.training_share, "opacus": opacus.__version__}
+                "clip": cfg.dp_clip, "curvature_clip": cfg.dp_curvature_clip, "release_noise": self.release_noise,
+                "releases": self.releases, "training_share": cfg.dp_training_share, "opacus": opacus.__version__}
 
 
 def composed_epsilon(noise_multiplier: float, sample_rate: float, steps: int, release_noise: float, releases: int,
@@ -103,19 +103,19 @@ def plan(cfg: DPConfig, n: int, batch_size: int, epochs: int, components: int) -
     from opacus.accountants.rdp import RDPAccountant
     from opacus.accountants.utils import get_noise_multiplier
 
-    delta = cfg.delta if cfg.delta is not None else 1.0 / n
+    delta = cfg.dp_delta if cfg.dp_delta is not None else 1.0 / n
     q = min(1.0, batch_size / n)
     steps = max(1, components * epochs * math.ceil(n / batch_size))
     releases = components + 1
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Optimal order")
-            sigma = get_noise_multiplier(target_epsilon=cfg.training_share * cfg.epsilon, target_delta=delta / 2,
+            sigma = get_noise_multiplier(target_epsilon=cfg.dp_training_share * cfg.dp_epsilon, target_delta=delta / 2,
                                          sample_rate=q, steps=steps, accountant="rdp")
     except ValueError as exc:
-        raise ConfigError(f"`dp_epsilon` {cfg.epsilon:g}: no training noise reaches it ({exc})") from None
+        raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g}: no training noise reaches it ({exc})") from None
     orders = RDPAccountant.DEFAULT_ALPHAS
-    rest = (1 - cfg.training_share) * cfg.epsilon
+    rest = (1 - cfg.dp_training_share) * cfg.dp_epsilon
 
     def release_eps(s: float) -> float:
         with warnings.catch_warnings():
@@ -125,13 +125,13 @@ def plan(cfg: DPConfig, n: int, batch_size: int, epochs: int, components: int) -
 
     lo, hi = 1e-3, 1e4
     if release_eps(hi) > rest:
-        raise ConfigError(f"`dp_epsilon` {cfg.epsilon:g} leaves too little for the curvature and count releases")
+        raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g} leaves too little for the curvature and count releases")
     for _ in range(100):  # the smallest release noise within its share (bisection in log space)
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if release_eps(mid) > rest else (lo, mid)
     release = hi
     total = composed_epsilon(sigma, q, steps, release, releases, delta)
-    while total > cfg.epsilon:  # RDP composition is tighter than the split in practice; make sure of it
+    while total > cfg.dp_epsilon:  # RDP composition is tighter than the split in practice; make sure of it
         sigma, release = sigma * 1.02, release * 1.02
         total = composed_epsilon(sigma, q, steps, release, releases, delta)
     # the split was calibrated part by part (each at δ/2); composed once, the same proportions need less noise:
@@ -139,7 +139,7 @@ def plan(cfg: DPConfig, n: int, batch_size: int, epochs: int, components: int) -
     lo, hi = 0.05, 1.0
     for _ in range(40):
         mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if composed_epsilon(sigma * mid, q, steps, release * mid, releases, delta) <= cfg.epsilon \
+        lo, hi = (lo, mid) if composed_epsilon(sigma * mid, q, steps, release * mid, releases, delta) <= cfg.dp_epsilon \
             else (mid, hi)
     sigma, release = sigma * hi, release * hi
     total = composed_epsilon(sigma, q, steps, release, releases, delta)
@@ -180,16 +180,16 @@ def per_sample_ggn_diagonal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def private_diagonal(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_noise: float,
                      generator: torch.Generator, batch_size: int = 64) -> torch.Tensor:
-    """The released GGN diagonal ``(d,)``: per-sample contributions clipped to ``curvature_clip`` (L2), summed,
+    """The released GGN diagonal ``(d,)``: per-sample contributions clipped to ``dp_curvature_clip`` (L2), summed,
     Gaussian noise ``release_noise · curvature_clip`` per coordinate, floored at 0."""
     total = None
     model.eval()
     for i in range(0, len(x), batch_size):
         c = per_sample_ggn_diagonal(model, x[i: i + batch_size]).double()
-        scale = (cfg.curvature_clip / c.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)
+        scale = (cfg.dp_curvature_clip / c.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)
         part = (c * scale[:, None]).sum(0)
         total = part if total is None else total + part
-    noise = release_noise * cfg.curvature_clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
+    noise = release_noise * cfg.dp_curvature_clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
     return (total + noise).clamp_min(0).float()
 
 
@@ -207,7 +207,7 @@ def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg,
         raise ConfigError(f"`dp_epsilon`: Opacus cannot train this model privately ({str(errors[0])[:160]})")
     gsm = GradSampleModule(model)
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=train_cfg.lr, momentum=train_cfg.momentum),
-                      noise_multiplier=plan_.noise_multiplier, max_grad_norm=dp.clip,
+                      noise_multiplier=plan_.noise_multiplier, max_grad_norm=dp.dp_clip,
                       expected_batch_size=max(1, round(plan_.sample_rate * len(x))))
     gen = torch.Generator().manual_seed(seed)
     params = list(model.parameters())
