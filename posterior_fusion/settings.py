@@ -91,18 +91,20 @@ def convert(value: Any, tp: Any, name: str, where: str = "") -> Any:
         raise ConfigError(f"{label} must be {type_name(tp)}, got {str(value)[:40]!r}") from None
 
 
-def check_declared(record: Any, where: str = "") -> None:
+def check_declared(record: Any, where: str = "", prefix: str = "") -> None:
     """Refuse (one :class:`ConfigError` line) a field of ``record`` outside its declared ``bounds``
-    or ``choices``."""
+    or ``choices``; ``prefix``: what the record's settings are called by outside it (``ppd_`` for
+    FedPPD's), so the message names the setting (and the CLI its flag) as the user wrote it."""
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
         bounds, choices = f.metadata.get("bounds"), f.metadata.get("choices")
+        name = prefix + f.name
         if value is None or isinstance(value, bool):
             continue
         if bounds is not None and not isinstance(value, str):
-            ranges.check(f"{where} setting {f.name!r}" if where else f.name, value, bounds)
+            ranges.check(f"{where} setting {name!r}" if where else name, value, bounds)
         if choices is not None and value not in choices:
-            label = f"{where} setting {f.name}" if where else f"setting {f.name}"
+            label = f"{where} setting {name}" if where else f"setting {name}"
             raise ConfigError(f"{label} must be one of {', '.join(choices)}; got {str(value)[:40]!r}")
 
 

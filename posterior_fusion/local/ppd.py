@@ -41,7 +41,7 @@ class PPDConfig:
                              bounds=(0.0, 1e6))
 
     def validate(self) -> None:
-        check_declared(self)
+        check_declared(self, prefix="ppd_")
         if (self.steps < 1 or not 0 <= self.burn_in < self.steps or self.thin < 1 or not self.step_size > 0
                 or self.batch_size < 1 or not self.student_lr > 0 or not self.perturb >= 0):
             raise ConfigError("`ppd` needs steps >= 1, 0 <= burn_in < steps, thin >= 1, step_size > 0, batch_size >= 1, "
