@@ -28,7 +28,7 @@ from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture.policy import CAPTURE_METHODS
 from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.fit import fit_and_write
-from posterior_fusion.local.init import base_statistics, base_weights, finetune_start, initial_weights
+from posterior_fusion.local.init import finetune_start, initial_weights, read_base
 from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.runtime import resolve_device
@@ -87,9 +87,7 @@ def init(model, model_kwargs, components, init_seed, transform_from, base_path, 
     if transform_from:
         meta["input_transform"] = read_silo(transform_from, labels=False).input_transform.to_dict()
     if base_path is not None:
-        w, sha = base_weights(spec, base_path, max_memory)
-        statistics = base_statistics(spec, base_path)  # a BatchNorm model's, frozen at the base's
-        spec = spec.with_base(statistics) if statistics else spec
+        spec, w, sha = read_base(spec, base_path, max_memory)  # with a BatchNorm model's statistics, frozen
         ws = [w.clone() for _ in range(components)]
         meta["base"] = {"sha256": sha, "file": Path(base_path).name}
     else:

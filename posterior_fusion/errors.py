@@ -65,6 +65,10 @@ class ConfigError(PfuseError):
     """A command-line, config-file or API option has an invalid value (configuration only)."""
 
 
+class CaptureNotApplicableError(ConfigError):
+    """The chosen curvature capture cannot take this model (its layers): the model or the option must change."""
+
+
 class ResumeError(PfuseError):
     """A partial run cannot be resumed (it was made with other settings, data or inits)."""
 

@@ -8,18 +8,14 @@ import math
 
 import pytest
 import torch
-from click.testing import CliRunner
 from conftest import random_psd
-from safetensors.torch import save_file
 from test_fusion import TINY, TINY_LAYOUT, client, dense_neg_log_posterior, random_curvature
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 import posterior_fusion
 from posterior_fusion.artifact import Component, write_client_artifact
-from posterior_fusion.cli.main import pfuse
 from posterior_fusion.curvature import BlockDiag, Dense, Diag
-from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.errors import ArtifactError, IncompatibleArtifactsError
 from posterior_fusion.fusion import METHODS, FusionInputs, FusionOptions
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings
@@ -29,7 +25,6 @@ from posterior_fusion.fusion.types import check_compatible
 from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.local.recapture import newton_centre, step_ratio
 from posterior_fusion.local.train import train_map
-from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import SwagMoments
 
 F64 = dict(dtype=torch.float64)
@@ -217,34 +212,3 @@ def test_artifact_keeps_the_prior_mean_and_checks_it(tmp_path):
         check_compatible(moved)
     with pytest.raises(IncompatibleArtifactsError, match="one prior"):
         check_compatible([clients[0], dataclasses.replace(clients[1], prior_mean=None)])
-
-
-def test_fit_local_from_a_base_centres_the_prior_there(tmp_path, small_silo):
-    """`init --from` → fit-local: the artifact stores the base as its prior mean, inspect says so, and fedbens
-    and product fuse such clients; from random starting points the prior stays at zero."""
-    spec = ModelSpec("mlp", {"in_features": 49, "hidden": 6})
-    torch.manual_seed(0)
-    model = spec.build()
-    save_file({k: v.detach().clone() for k, v in model.named_parameters()}, str(tmp_path / "base.safetensors"))
-    base = parameters_to_vector(model.parameters()).detach()
-    run = lambda *a: CliRunner().invoke(pfuse, [str(v) for v in a])  # noqa: E731
-    r = run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden": 6}', "-M", "1",
-            "--from", tmp_path / "base.safetensors", "--out", tmp_path / "i.h5")
-    assert r.exit_code == 0, r.output
-    for c in range(2):
-        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 60:(c + 1) * 60, ::4, ::4].copy(),
-                                                   small_silo.y[c * 60:(c + 1) * 60], "fmnist", 10))
-        r = run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--epochs", "1",
-                "--structure", "diag", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
-        assert r.exit_code == 0, r.output
-        assert torch.equal(posterior_fusion.load(tmp_path / f"c{c}.h5").prior_mean, base)
-    r = run("inspect", tmp_path / "c0.h5")
-    assert r.exit_code == 0 and "prior: N(base, 1/λ0)" in r.output, r.output
-    for method in ("product", "fedbens"):
-        r = run("fuse", tmp_path / "c0.h5", tmp_path / "c1.h5", "--method", method, "--out", tmp_path / f"{method}.h5")
-        assert r.exit_code == 0, r.output
-    r = run("fit-local", "--data", tmp_path / "s0.h5", "--model", "mlp", "--model-kwargs",
-            '{"in_features": 49, "hidden": 6}', "-M", "1", "--epochs", "1", "--structure", "diag",
-            "--out", tmp_path / "scratch.h5")
-    assert r.exit_code == 0 and posterior_fusion.load(tmp_path / "scratch.h5").prior_mean is None, r.output
-    assert "prior: N(0, 1/λ0)" in run("inspect", tmp_path / "scratch.h5").output

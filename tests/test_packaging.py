@@ -15,15 +15,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_in_a_fresh_environment_runs_the_demo(tmp_path):
-    # Build from a copy, so the checkout gets no build/ or egg-info folders.
+def _build_wheel(tmp_path: Path, folder: Path) -> str:
+    """The project's wheel, built into ``folder`` from a copy (the checkout gets no build/ or egg-info folders)."""
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "logs", "build", "*.egg-info",
                                                              "__pycache__", "demo-run"))
-    wheel_dir = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheel_dir), str(src)], check=True, capture_output=True, timeout=300)
-    wheel = glob.glob(str(wheel_dir / "posterior_fusion-*.whl"))[0]
+                    str(folder), str(src)], check=True, capture_output=True, timeout=300)
+    return glob.glob(str(folder / "posterior_fusion-*.whl"))[0]
+
+
+def test_wheel_in_a_fresh_environment_runs_the_demo(tmp_path):
+    wheel = _build_wheel(tmp_path, tmp_path / "wheel")
     fresh = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True, timeout=120)
     # offline (--no-index: the local wheel only); --ignore-installed: never uninstall the project's own
@@ -74,13 +77,8 @@ def test_installing_the_wheel_keeps_the_installed_torch(tmp_path):
     wheel with every extra but flower into this environment (torch installed) installs no torch,
     torchvision or CUDA package. (Had the package required laplace-torch, pip would pick torchvision 99 and
     with it torch 99: the dummy index makes that choice possible.)"""
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
-                                                             "__pycache__", "demo-run"))
     index = tmp_path / "index"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(index), str(src)], check=True, capture_output=True, timeout=300)
-    wheel = glob.glob(str(index / "posterior_fusion-*.whl"))[0]
+    wheel = _build_wheel(tmp_path, index)
     _dummy_wheel(index, "torch", "99.0")
     _dummy_wheel(index, "nvidia-cuda-runtime", "99.0")
     _dummy_wheel(index, "torchvision", "99.0", ("torch==99.0", "nvidia-cuda-runtime"))

@@ -32,7 +32,9 @@ def _run(*args):
 
 def test_init_from_a_safetensors_base_runs_through_fit_local_and_fuse(tmp_path, small_silo):
     """Every starting point is the base exactly; the base's SHA-256 is in the init file, each client
-    artifact and the fused global; clients fine-tuned from another base, or from none, are refused."""
+    artifact and the fused global; the prior is centred at the base (stored, shown by inspect) and the
+    methods that divide it out fuse such clients; from random starts it stays at zero; clients fine-tuned
+    from another base, or from none, are refused."""
     path, w = _base(tmp_path, 0)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--from", path, "--out", tmp_path / "i.h5")
@@ -46,8 +48,14 @@ def test_init_from_a_safetensors_base_runs_through_fit_local_and_fuse(tmp_path, 
                  "--structure", "diag", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
         assert r.exit_code == 0, r.output
         assert posterior_fusion.load(tmp_path / f"c{c}.h5").metadata["init"]["base_sha256"] == sha
+        assert torch.equal(posterior_fusion.load(tmp_path / f"c{c}.h5").prior_mean, w)  # the prior centred at it
+    r = _run("inspect", tmp_path / "c0.h5")
+    assert r.exit_code == 0 and "prior: N(base, 1/λ0)" in r.output, r.output
     r = _run("fuse", tmp_path / "c0.h5", tmp_path / "c1.h5", "--method", "fedavg", "--out", tmp_path / "g.h5")
     assert r.exit_code == 0 and posterior_fusion.load(tmp_path / "g.h5").metadata["base_sha256"] == sha, r.output
+    for method in ("product", "fedbens"):  # the methods that divide the prior out at its centre
+        r = _run("fuse", tmp_path / "c0.h5", tmp_path / "c1.h5", "--method", method, "--out", tmp_path / f"{method}.h5")
+        assert r.exit_code == 0, r.output
     # a fused global as the next base: its first member
     r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--from", tmp_path / "g.h5",
              "--out", tmp_path / "i2.h5")
@@ -60,6 +68,8 @@ def test_init_from_a_safetensors_base_runs_through_fit_local_and_fuse(tmp_path, 
          "--out", tmp_path / "d1.h5")
     _run("fit-local", "--data", tmp_path / "s1.h5", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--epochs", "1",
          "--structure", "diag", "--out", tmp_path / "e1.h5")
+    assert posterior_fusion.load(tmp_path / "e1.h5").prior_mean is None  # random starts: the prior at zero
+    assert "prior: N(0, 1/λ0)" in _run("inspect", tmp_path / "e1.h5").output
     for odd, words in (("d1.h5", "the base"), ("e1.h5", "no pretrained base")):
         r = _run("fuse", tmp_path / "c0.h5", tmp_path / odd, "--method", "fedavg", "--out", tmp_path / "x.h5")
         lines = r.stderr.strip().splitlines()

@@ -26,6 +26,7 @@ from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.curvature import BlockDiag, Diag
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import (
+    CaptureNotApplicableError,
     ConfigError,
     IncompatibleArtifactsError,
     ModelSpecError,
@@ -40,11 +41,10 @@ from posterior_fusion.local.capture.laplace import laplace_backends
 from posterior_fusion.local.capture.policy import block_policy, curvature_bytes
 from posterior_fusion.local.config import FitConfig
 from posterior_fusion.local.init import (
-    base_statistics,
-    base_weights,
     finetune_start,
     init_fingerprint,
     initial_weights,
+    read_base,
 )
 from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
@@ -140,9 +140,7 @@ def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: t
             warnings.simplefilter("ignore")  # the probe's own warnings repeat in the real capture
             capture(cfg.structure, model, x, y, 2, cfg.ggn, cfg.capture, torch.Generator().manual_seed(0),
                     lambda m: None, cfg.kfac, cfg.capture_dtype)
-    except ConfigError as exc:
-        if "capture cannot take" not in str(exc):
-            raise
+    except CaptureNotApplicableError as exc:
         raise ModelSpecError(f"model {spec.name!r}: {exc}; nothing was trained") from None
     except PfuseError:
         raise
@@ -320,9 +318,7 @@ def fit_silo_file(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.P
         meta, _ = fit_and_write(spec, data, initial_weights(spec, components, init_seed), cfg, out,
                                 {"init_seed": init_seed}, resume=resume, log=log)
         return meta
-    w, sha = base_weights(spec, base)
-    statistics = base_statistics(spec, base)  # a BatchNorm model's, frozen at the base's
-    spec = spec.with_base(statistics) if statistics else spec
+    spec, w, sha = read_base(spec, base)  # with a BatchNorm model's statistics, frozen at the base's
     if base_sha256 is not None and sha != base_sha256:
         raise IncompatibleArtifactsError(f"{base}: SHA-256 {sha[:12]}… is not the base {base_sha256[:12]}… this "
                                          "federation fine-tunes")

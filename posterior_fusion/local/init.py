@@ -79,30 +79,10 @@ def full_base(spec: ModelSpec, weights: torch.Tensor) -> torch.Tensor:
     return torch.cat([state[n].reshape(-1).float() for n in names])
 
 
-def base_statistics(spec: ModelSpec, path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The BatchNorm running statistics a base holds for ``spec`` (``{name: tensor}``; empty for a model
-    without BatchNorm): from a ``.safetensors`` file's ``….running_mean`` / ``….running_var`` tensors, or a
-    global artifact's frozen statistics. A BatchNorm model's base must hold all of them, finite."""
-    from posterior_fusion.models.finetune import statistics_names
-
-    with torch.device("meta"):
-        from posterior_fusion.models.attention import linear_attention
-
-        wanted = dict(statistics_names(linear_attention(spec._construct())))
-    if not wanted:
-        return {}
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        held = load_global(path).model_spec.base or {}
-        found = {n: held[n] for n in wanted if n in held}
-    else:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                found = {n: f.get_tensor(n).float() for n in wanted if n in set(f.keys())}
-        except Exception as exc:  # noqa: BLE001 - the parser's refusals (SafetensorError derives from Exception only)
-            raise IncompatibleArtifactsError(f"{path}: not a readable safetensors file ({shown(str(exc), 120)})") from None
+def _checked_statistics(path: Path, spec: ModelSpec, wanted: dict[str, tuple[int, ...]],
+                        found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A BatchNorm model's running statistics as a base holds them (``wanted``: name → shape): all of them,
+    finite, variances >= 0; one line naming the file otherwise."""
     missing = [n for n in wanted if n not in found]
     if missing:
         raise IncompatibleArtifactsError(f"{path}: model {spec.name!r} has BatchNorm; the base holds no "
@@ -141,28 +121,45 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 def base_weights(spec: ModelSpec, path: str | os.PathLike,
                  max_memory: int | str | None = None) -> tuple[torch.Tensor, str]:
-    """A pretrained base for ``spec``: ``(w (d,) float32 in the model's parameter order, the file's SHA-256)``.
+    """:func:`read_base`'s ``(weights, SHA-256)``."""
+    return read_base(spec, path, max_memory)[1:]
+
+
+def read_base(spec: ModelSpec, path: str | os.PathLike,
+              max_memory: int | str | None = None) -> tuple[ModelSpec, torch.Tensor, str]:
+    """A pretrained base for ``spec``: ``(spec holding the base's BatchNorm statistics where the model has
+    BatchNorm — they stay frozen at the base's —, w (d,) float32 in the model's parameter order, the file's
+    SHA-256)``.
 
     ``path``: a ``.safetensors`` file (the ``safetensors`` format, no pickle) holding exactly the model's
-    parameters by name (``model.named_parameters()``), each of its shape, in a float type; or one of the
-    project's global artifacts of the same model (its first member: a fused model becomes the next
-    base). Header, names, shapes and types are checked before any tensor is read, the bytes against
-    ``max_memory``; values must be finite. One line naming the file otherwise."""
+    parameters by name (``model.named_parameters()``), each of its shape, in a float type, plus a BatchNorm
+    model's running statistics; or one of the project's global artifacts of the same model (its first member:
+    a fused model becomes the next base). Header, names, shapes and types are checked before any tensor is
+    read, the bytes against ``max_memory``; values must be finite. One line naming the file otherwise. The
+    file is opened once."""
+    from posterior_fusion.models.finetune import statistics_names
+
     path = Path(path)
     require_regular_file(path)
     sha = file_sha256(path)
+    with torch.device("meta"):
+        model = spec.build()
+    held = dict(statistics_names(model))  # a BatchNorm model's running statistics: name → shape
+
+    def holding(found: dict[str, torch.Tensor]) -> ModelSpec:
+        return spec.with_base(_checked_statistics(path, spec, held, found)) if held else spec
+
     if path.suffix != ".safetensors":
         base = load_global(path, max_memory)
         arch = ModelSpec(base.model_spec.name, dict(base.model_spec.kwargs), base.model_spec.provider)
         if arch != spec:
             raise IncompatibleArtifactsError(f"{path}: holds {base.model_spec.to_json()}, not {spec.to_json()}")
-        return full_base(base.model_spec, base.members[0]), sha
+        frozen = base.model_spec.base or {}
+        return holding({n: frozen[n] for n in held if n in frozen}), full_base(base.model_spec, base.members[0]), sha
     from safetensors import safe_open
 
     from posterior_fusion.models.attention import packed_names
 
-    with torch.device("meta"):
-        model = spec.build()
     wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -170,9 +167,6 @@ def base_weights(spec: ModelSpec, path: str | os.PathLike,
             # a stock nn.MultiheadAttention's packed in_proj tensors stand for its q / k / v projections
             packed = {n: src for n, src in packed_names(model).items() if n not in names and src[0] in names}
             covered = (set(wanted) - set(packed)) | {src for src, _ in packed.values()}
-            from posterior_fusion.models.finetune import statistics_names
-
-            held = [n for n, _ in statistics_names(model)]  # a BatchNorm's statistics: base_statistics reads them
             statistics = set(held) | {n.rsplit(".", 1)[0] + ".num_batches_tracked" for n in held}
             missing, extra = sorted(covered - names), sorted(names - covered - statistics)
             if missing or extra:
@@ -193,6 +187,7 @@ def base_weights(spec: ModelSpec, path: str | os.PathLike,
             budget.require(2 * total, f"reading {path}", max_memory)
             tensors = {name: (f.get_tensor(packed[name][0]).float().chunk(3)[packed[name][1]] if name in packed
                               else f.get_tensor(name).float()) for name in wanted}
+            found = {n: f.get_tensor(n).float() for n in held if n in names}
     except PfuseError:
         raise
     except Exception as exc:  # noqa: BLE001 - the parser's refusals (SafetensorError derives from Exception only)
@@ -200,4 +195,4 @@ def base_weights(spec: ModelSpec, path: str | os.PathLike,
     bad = next((name for name, t in tensors.items() if not torch.isfinite(t).all()), None)
     if bad is not None:
         raise IncompatibleArtifactsError(f"{path}: tensor {shown(bad, 40)} holds NaN or Inf")
-    return torch.cat([tensors[name].reshape(-1) for name, _ in model.named_parameters()]), sha
+    return holding(found), torch.cat([tensors[name].reshape(-1) for name, _ in model.named_parameters()]), sha

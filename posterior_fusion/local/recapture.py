@@ -267,7 +267,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
               log: Callable[[str], None] = print, kfac: str | None = None,
               device: str = "auto", at: GlobalEnsemble | None = None,
               damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32",
-              trust_radius: float = TRUST_RADIUS, merge: bool = False) -> tuple[dict, list[Component]]:
+              trust_radius: float = TRUST_RADIUS) -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn``, ``curvature_batch_size`` and ``kfac`` default to the source's (``kfac``: "expand" where
@@ -279,16 +279,9 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     the refresh round (module docstring): centre ŵ_k (the Levenberg–Marquardt step with
     ``damping``), curvature G(w*_k); SWAG moments and FedPPD students (which belong to the local
     MAPs) are dropped. ``at`` is checked first (:func:`check_refresh_global`, ``trust_radius``).
-    ``merge``: a source that fine-tuned part of a base (``finetune`` head, last:K, lora:R) becomes one of its
-    whole architecture — every component's weights with the frozen ones put back and LoRA merged, W + B A,
-    its curvature captured over every weight there, the prior's centre the whole base — so the server fuses
-    the products ΔW with their own curvature rather than the adapter factors (:func:`merged_source`).
+    A ``source`` from :func:`merged_source` is recaptured over its whole architecture (``merged_from`` recorded).
     """
     damping = check_damping(damping)
-    if merge:
-        if at is not None:
-            raise ConfigError("`merge` and a refresh round (`at`) do not combine: merge first, then refresh")
-        source = merged_source(source)
     if at is not None:
         check_refresh_global(source, at, trust_radius)
     meta = dict(source.metadata)
@@ -387,7 +380,9 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       trust_radius: float = TRUST_RADIUS, merge: bool = False) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
-    the source's. Returns the new metadata."""
+    the source's; ``merge``: the source as one of its whole architecture first (:func:`merged_source`: the
+    server then fuses the products ΔW with their own curvature rather than adapter factors). Returns the new
+    metadata."""
     compression.validate()
     if merge and at_path is not None:
         raise ConfigError("`merge` and a refresh round (`at`) do not combine: merge first, then refresh")

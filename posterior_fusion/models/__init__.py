@@ -205,15 +205,19 @@ class ModelSpec:
         return apply_finetune(model, self.finetune, None if meta else self.base)  # on meta: shapes only
 
     def frozen_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, shape)`` of the base weights a fine-tuning spec freezes (none for ``all``), read on the
-        meta device: the layout of an artifact's ``/frozen``."""
+        """``(name, shape)`` of the base weights a fine-tuning spec freezes (none for ``all``; a BatchNorm
+        model's statistics always), read once on the meta device: the layout of an artifact's ``/frozen``."""
+        return list(self._frozen_shapes)
+
+    @functools.cached_property
+    def _frozen_shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         import torch
 
         from posterior_fusion.models.attention import linear_attention
         from posterior_fusion.models.finetune import frozen_names
 
         with torch.device("meta"):
-            return frozen_names(linear_attention(self._construct()), self.finetune)
+            return tuple(frozen_names(linear_attention(self._construct()), self.finetune))
 
     def with_base(self, base: Mapping[str, Any] | None) -> ModelSpec:
         """This spec holding ``base`` (pretrained weights by parameter name) for its frozen weights."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from posterior_fusion.curvature import BlockDiag
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import CaptureNotApplicableError, ConfigError
 from posterior_fusion.local.capture.fast import FAST_CAPTURE
 from posterior_fusion.local.capture.laplace import LAPLACE_CAPTURE
 from posterior_fusion.local.capture.policy import CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
@@ -73,9 +73,9 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     if method == "fast":
         if reason is None:
             return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator, **extra), "fast"
-        raise ConfigError(f"the fast capture cannot take this model ({reason}); `capture` laplace computes the "
-                          "curvature with laplace-torch (an optional install) where it supports the layers — or use "
-                          "the layers of docs/methods.md's layer policy")
+        raise CaptureNotApplicableError(f"the fast capture cannot take this model ({reason}); `capture` laplace "
+                                        "computes the curvature with laplace-torch (an optional install) where it "
+                                        "supports the layers — or use the layers of docs/methods.md's layer policy")
     if x.device.type != "cpu":
         model, x, y = copy.deepcopy(model).cpu(), x.cpu(), y.cpu()  # laplace-torch's backends run here on the CPU
     return LAPLACE_CAPTURE[structure](model, x, y, batch_size, ggn, **extra), "laplace"
