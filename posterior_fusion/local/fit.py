@@ -203,9 +203,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                capture_dtype_problem(cfg.capture_dtype, cfg.capture, unsupported_reason(probe.to(device), x[:2])))
     if problem is not None:  # before any training: nothing to lose
         raise ConfigError(problem)
+    fast = cfg.capture == "fast" and unsupported_reason(probe.to(device), x[:2]) is None  # flags the per-sample embeddings
     if not done:
         probe_capture(spec, probe.to(device), x[:2], y[:2], cfg)
-        fast = cfg.capture == "fast" and unsupported_reason(probe, x[:2]) is None
         bare = prior_only(probe, cfg.structure) if fast else ""
         if bare:
             warnings.warn(f"no curvature, the prior alone, for {bare}", stacklevel=2)

@@ -18,6 +18,7 @@ from posterior_fusion.models.layers import (
     NORM_LAYERS,
     captured_layers,
     input_columns,
+    embedding_per_sample,
     norm_per_sample,
     owns_curvature,
     unsupported_reason,
@@ -89,7 +90,7 @@ def logit_jacobians(model: nn.Module, xb: torch.Tensor):
     per-parameter Jacobians of the logits, layer by layer: yields ``(k, J)`` with ``k`` the parameter's index in ``model.parameters()`` order (increasing) and ``J``
     ``∂f_c(x_n)/∂θ_k``: a :class:`FactoredJacobian` for a Linear/Conv2d weight, else a tensor
     ``(M, C, numel)`` (a bias: the output gradients summed over positions; a normalisation layer's
-    weight and bias: its per-sample gradients).
+    weight and bias, an embedding table: its per-sample gradients).
 
     One forward pass and C backward passes to the layer *outputs* (no weight gradients); a layer's
     inputs and output gradients are let go once its Jacobians are yielded. Requires
@@ -112,7 +113,9 @@ def logit_jacobians(model: nn.Module, xb: torch.Tensor):
     M, C = xb.shape[0], len(cols)
     for i, layer in enumerate(layers):
         u = inputs[i]
-        if isinstance(layer, NORM_LAYERS):
+        if isinstance(layer, nn.Embedding):
+            parts = [torch.stack([embedding_per_sample(layer, u, g[i]) for g in cols], 1)]  # (M, C, V·D)
+        elif isinstance(layer, NORM_LAYERS):
             per_class = [norm_per_sample(layer, u, g[i]) for g in cols]  # C x [(M, k) per parameter]
             parts = [torch.stack([pc[j] for pc in per_class], 1) for j in range(len(per_class[0]))]
         else:
@@ -157,6 +160,7 @@ def batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn:
 
     handles = [m.register_forward_hook(hook) for m in layers]
     low = compute_dtype is not None
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())  # the model's (xb may hold ids)
     try:
         with torch.enable_grad(), torch.autocast(xb.device.type, dtype=compute_dtype or torch.bfloat16, enabled=low):
             logits = model(xb)
@@ -168,12 +172,12 @@ def batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn:
         inputs = [ins[m] for m in layers]
     else:  # the loss Hessian's columns from float32 probabilities, back-propagated in the pass's type
         cols = backprop_columns(logits.float(), ggn, generator).to(logits.dtype)
-        inputs = [ins[m].to(xb.dtype) for m in layers]
+        inputs = [ins[m].to(dtype) if ins[m].is_floating_point() else ins[m] for m in layers]  # ids stay ids
     targets = [outs[m] for m in layers]
     for r in range(len(cols)):
         grads = torch.autograd.grad(logits, targets, cols[r], retain_graph=r < len(cols) - 1)
         on_column(r, inputs, grads)
-    return logits.detach().to(xb.dtype)
+    return logits.detach().to(dtype)
 
 
 def no_param_grads(model: nn.Module):

@@ -1,6 +1,6 @@
 """What a layer is to the curvature code: which modules own curvature (``nn.Linear`` /
 ``nn.Conv2d`` weights and biases; GroupNorm / LayerNorm / BatchNorm in evaluation mode, their affine
-parameters), which models the fast passes can serve, and how a layer's input looks to its weight
+parameters; an ``nn.Embedding`` whose input holds one row per sample, its table), which models the fast passes can serve, and how a layer's input looks to its weight
 (a convolution's unfolded patches ``(I, M·S)``; a normalisation layer's per-sample affine
 gradients). Shared by the silo's capture (:mod:`posterior_fusion.local.capture`) and the server's
 predictive (:mod:`posterior_fusion.predictive`) through :mod:`.jacobians`.
@@ -18,18 +18,55 @@ SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)  # K-FAC blocks (weight: Kron, bias: D
 
 
 NORM_LAYERS = (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)  # affine parameters: Diag blocks
+DIAG_LAYERS = (*NORM_LAYERS, nn.Embedding)  # per-sample gradients squared: Diag blocks under every structure
+
+PER_SAMPLE = "pfuse_per_sample"  # an nn.Embedding's flag: its input holds one row per sample (set by :func:`unsupported_reason`)
 
 
 def conv_problem(module: nn.Module) -> str | None:
     if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
                                           or isinstance(module.padding, str)):
         return "uses groups, a padding mode or string padding"
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
+        return "uses max_norm or scale_grad_by_freq (its table or its gradient depend on the batch)"
     return None
 
 
 def owns_curvature(module: nn.Module) -> bool:
-    """Whether the fast capture back-propagates to this module's output (it owns curvature)."""
+    """Whether the fast capture back-propagates to this module's output (it owns curvature): a
+    Linear/Conv2d or normalisation layer with parameters, or an ``nn.Embedding`` whose input holds one
+    row per sample (flagged by :func:`unsupported_reason` on an example; an embedding of positions
+    computed once for the batch is not, and stays with the prior)."""
+    if isinstance(module, nn.Embedding):
+        return getattr(module, PER_SAMPLE, False)
     return isinstance(module, SUPPORTED_LAYERS + NORM_LAYERS) and any(True for _ in module.parameters(recurse=False))
+
+
+def flag_embeddings(model: nn.Module, example: torch.Tensor) -> None:
+    """Flag each ``nn.Embedding`` of ``model`` whose input holds one row per sample (:data:`PER_SAMPLE`):
+    its leading size follows the batch at two batch sizes of ``example``. The layer policy's one
+    decision that needs data; every capture and Jacobian path makes it through :func:`unsupported_reason`."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return
+    follows = dict.fromkeys(embeddings, True)
+    for batch in (example, example[:1]):
+        seen: dict[nn.Module, int] = {}
+
+        def rows(m, i, o, seen=seen) -> None:
+            seen.setdefault(m, i[0].shape[0] if i[0].dim() else -1)
+
+        handles = [m.register_forward_hook(rows) for m in embeddings]
+        try:
+            with torch.no_grad():
+                model(batch)
+        finally:
+            for h in handles:
+                h.remove()
+        for m in embeddings:
+            follows[m] = follows[m] and seen.get(m) == batch.shape[0]
+    for m, ok in follows.items():
+        setattr(m, PER_SAMPLE, ok and len(example) > 1)
 
 
 def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) -> str | None:
@@ -37,7 +74,8 @@ def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) ->
     small input batch) it also checks that every captured layer runs exactly once per forward pass.
 
     Layer policy (:func:`block_policy`): Linear/Conv2d K-FAC (or diagonal), GroupNorm / LayerNorm /
-    BatchNorm (evaluation mode) affine parameters diagonal, any other parameter the prior alone."""
+    BatchNorm (evaluation mode) affine parameters and a per-sample embedding table diagonal, any other
+    parameter the prior alone. With ``example`` it also flags the embeddings (:func:`flag_embeddings`)."""
     for name, module in model.named_modules():
         problem = conv_problem(module)
         if problem is not None:
@@ -47,6 +85,7 @@ def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) ->
     if not any(isinstance(m, SUPPORTED_LAYERS) for m in model.modules()):
         return "the model has no Linear or Conv2d layer"
     if example is not None:
+        flag_embeddings(model, example)
         layers = captured_layers(model)
         names = {m: n for n, m in model.named_modules()}
         for batch in (example, example[:1]):  # two batch sizes: a leading size that does not follow them is no batch
@@ -86,6 +125,40 @@ def normalised_input(module: nn.Module, u: torch.Tensor) -> torch.Tensor:
     if isinstance(module, nn.LayerNorm):
         return F.layer_norm(u, module.normalized_shape, eps=module.eps)
     return F.batch_norm(u, module.running_mean, module.running_var, training=False, eps=module.eps)
+
+
+def embedding_squares(module: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``Σ_n G_n ⊙ G_n`` ``(V, D)`` (float64) for an embedding table, ``G_n = Σ_t e_{ids[n, t]} g[n, t]ᵀ`` the
+    per-sample gradient, from its input ``ids`` ``(M, ...)`` and output gradient ``g`` ``(M, ..., D)``; no
+    ``(M, V, D)`` tensor formed: the (sample, token) pairs that occur are summed first (``padding_idx``: no gradient)."""
+    M, V = ids.shape[0], module.num_embeddings
+    keys = (torch.arange(M, device=ids.device).view(M, *[1] * (ids.dim() - 1)) * V + ids).reshape(-1)
+    g = g.reshape(keys.shape[0], -1).double()
+    if module.padding_idx is not None:
+        keep = ids.reshape(-1) != module.padding_idx
+        keys, g = keys[keep], g[keep]
+    pairs, where = torch.unique(keys, return_inverse=True)
+    summed = g.new_zeros(pairs.shape[0], g.shape[1]).index_add_(0, where, g)
+    return g.new_zeros(V, g.shape[1]).index_add_(0, pairs % V, summed * summed)
+
+
+def embedding_per_sample(module: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-sample gradients ``(M, V·D)`` of an embedding table (row-major, as the parameter) from its
+    input ``ids`` ``(M, ...)`` and output gradient ``g`` ``(M, ..., D)`` (``padding_idx``: no gradient)."""
+    M, V = ids.shape[0], module.num_embeddings
+    ids = ids.reshape(M, -1)
+    g = g.reshape(M, ids.shape[1], -1)
+    if module.padding_idx is not None:
+        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    out = g.new_zeros(M, V, g.shape[2]).scatter_add_(1, ids.unsqueeze(-1).expand_as(g), g)
+    return out.reshape(M, -1)
+
+
+def diag_squares(module: nn.Module, u: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """``Σ_n`` squared per-sample gradients (float64), one tensor per parameter, of a :data:`DIAG_LAYERS` module."""
+    if isinstance(module, nn.Embedding):
+        return [embedding_squares(module, u, g)]
+    return [(t.double() ** 2).sum(0) for t in norm_per_sample(module, u, g)]
 
 
 def norm_per_sample(module: nn.Module, u: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The fast capture for models whose parameters all sit in ``nn.Linear`` / ``nn.Conv2d`` and
-normalisation layers: the same quantities as laplace-torch (:mod:`.laplace`, the test oracle),
+"""The fast capture for models whose parameters all sit in ``nn.Linear`` / ``nn.Conv2d``,
+normalisation layers and per-sample embeddings: the same quantities as laplace-torch (:mod:`.laplace`, the test oracle),
 computed with one forward pass per batch and one batched backward pass to the layer *outputs*.
 
 - exact GGN: C − 1 columns of a cross-entropy Hessian square root are back-propagated; MC Fisher:
@@ -26,11 +26,11 @@ from posterior_fusion.local.capture.policy import KFAC_TYPES
 from posterior_fusion.local.capture.sizing import pass_size
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
-    NORM_LAYERS,
+    DIAG_LAYERS,
     SUPPORTED_LAYERS,
     captured_layers,
+    diag_squares,
     input_columns,
-    norm_per_sample,
     widened,
 )
 from posterior_fusion.models.maxpool import fast_max_pooling
@@ -49,7 +49,7 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
               generator: torch.Generator | None = None, kfac: str = "expand",
               compute_dtype: torch.dtype | None = None) -> BlockDiag:
     """K-FAC GGN as laplace-torch's curvlinops backend: ``Kron(B, A)`` per Linear/Conv2d weight,
-    ``Dense(B)`` per bias, a ``Diag`` per normalisation-layer parameter and a zero ``Diag`` (the prior
+    ``Dense(B)`` per bias, a ``Diag`` per normalisation-layer parameter or embedding table and a zero ``Diag`` (the prior
     alone) for any other parameter (:func:`block_policy`).
 
     ``kfac="expand"``: A = Σ uuᵀ / (N·S) and B = Σ ggᵀ over samples *and* shared positions;
@@ -63,12 +63,12 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
     n = x.shape[0]
     A: list = [0.0] * len(layers)
     B: list = [0.0] * len(layers)
-    D: dict[int, list] = {}  # normalisation layers: squared per-sample gradients, one sum per parameter
+    D: dict[int, list] = {}  # normalisation layers, embeddings: squared per-sample gradients, one sum per parameter
 
     def on_column(r, inputs, grads):
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
-            if isinstance(layer, NORM_LAYERS):
-                parts = [(t.double() ** 2).sum(0) for t in norm_per_sample(layer, u, widened(g))]
+            if isinstance(layer, DIAG_LAYERS):
+                parts = diag_squares(layer, u, widened(g))
                 D[i] = parts if i not in D else [d + p for d, p in zip(D[i], parts)]
             elif kfac == "reduce":
                 G = reduced_grad(layer, widened(g))
@@ -118,8 +118,8 @@ def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_s
 
     def on_column(r, inputs, grads):
         for i, (layer, u, g) in enumerate(zip(layers, inputs, map(widened, grads))):
-            if isinstance(layer, NORM_LAYERS):
-                add(i, [(t.double() ** 2).sum(0) for t in norm_per_sample(layer, u, g)])
+            if isinstance(layer, DIAG_LAYERS):
+                add(i, diag_squares(layer, u, g))
             elif isinstance(layer, nn.Linear) and u.ndim == 2:  # per-sample gradient g uᵀ: square = g² (u²)ᵀ
                 if r == 0:
                     squared[i] = u.double() ** 2

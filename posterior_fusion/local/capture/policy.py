@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posterior_fusion.models.layers import NORM_LAYERS, SUPPORTED_LAYERS
+from posterior_fusion.models.layers import DIAG_LAYERS, SUPPORTED_LAYERS, owns_curvature
 
 STRUCTURES = ("kron", "diag", "diag+full")  # curvature structures a silo can capture
 GGN_TYPES = ("exact", "mc")
@@ -25,14 +25,16 @@ BLOCK_POLICY = {
 
 def block_policy(model: nn.Module, structure: str) -> list[tuple[str, str]]:
     """``(parameter name, block)`` in ``model.parameters()`` order, block a key of :data:`BLOCK_POLICY`
-    (``structure`` kron: Linear/Conv2d weights ``kron``, their biases ``dense``; diag: ``diag``)."""
+    (``structure`` kron: Linear/Conv2d weights ``kron``, their biases ``dense``; diag: ``diag``;
+    normalisation layers and per-sample embeddings ``diag`` under every structure, once the
+    embeddings are flagged on an example, :func:`~posterior_fusion.models.layers.unsupported_reason`)."""
     out = []
     for mname, module in model.named_modules():
         for pname, _ in module.named_parameters(recurse=False):
             name = f"{mname}.{pname}" if mname else pname
             if isinstance(module, SUPPORTED_LAYERS):
                 kind = ("kron" if pname == "weight" else "dense") if structure == "kron" else "diag"
-            elif isinstance(module, NORM_LAYERS):
+            elif isinstance(module, DIAG_LAYERS) and owns_curvature(module):
                 kind = "diag"
             else:
                 kind = "prior"
@@ -52,7 +54,7 @@ def curvature_bytes(model: nn.Module, structure: str) -> int:
             if isinstance(module, SUPPORTED_LAYERS) and structure == "kron":
                 out = p.shape[0]
                 total += out * out + (p[0].numel() ** 2 if pname == "weight" else 0)
-            elif isinstance(module, SUPPORTED_LAYERS + NORM_LAYERS):
+            elif isinstance(module, SUPPORTED_LAYERS) or (isinstance(module, DIAG_LAYERS) and owns_curvature(module)):
                 total += p.numel()
         if isinstance(module, nn.Linear):
             last = module
