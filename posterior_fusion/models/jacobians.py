@@ -17,8 +17,8 @@ from torch import nn
 from posterior_fusion.models.layers import (
     NORM_LAYERS,
     captured_layers,
-    input_columns,
     embedding_per_sample,
+    input_columns,
     norm_per_sample,
     owns_curvature,
     unsupported_reason,
