@@ -1,8 +1,15 @@
-"""K-FAC capture ÷ one training epoch for a stock transformer, the fast path against curvlinops' KFAC on
-the same model and batches, side by side in one run:
+"""K-FAC capture ÷ one training epoch for a stock transformer and a BatchNorm ResNet-20, the fast path
+against curvlinops' KFAC on the same model and batches, side by side in one run:
 
     PFUSE_PROGRESS=0 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/transformer_capture_bench.py --n 2048 \\
         --json docs/results/capture/transformer.json
+    PFUSE_PROGRESS=0 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/transformer_capture_bench.py --model resnet20-bn \\
+        --n 1024 --repeats 2 --json docs/results/capture/resnet20_bn.json
+
+The ResNet-20 (width 16, BatchNorm; 1 x 28 x 28 inputs, Fashion-MNIST's shape) has its statistics set by one
+pass in training mode over the inputs, then frozen (``models/finetune.py``, as fine-tuned from a base); its
+BatchNorm affine parameters get the exact GGN diagonal in the fast capture, and curvlinops takes its Conv2d
+and Linear parameters only (it supports no other layer).
 
 The model: a Linear token embedding (16 → 128), four ``nn.TransformerEncoderLayer`` (width 128, 4 heads,
 feed-forward 256, batch first), mean pooling and a 10-way head, built through ``ModelSpec``'s rules
@@ -30,6 +37,8 @@ from posterior_fusion.local.capture import capture
 from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models.attention import linear_attention
+from posterior_fusion.models.builtin import resnet20
+from posterior_fusion.models.finetune import freeze_statistics
 
 
 class Transformer(nn.Module):
@@ -48,11 +57,11 @@ class Transformer(nn.Module):
 
 
 def curvlinops_factors(model: nn.Module, x: torch.Tensor, y: torch.Tensor, fisher: str, kfac: str) -> dict:
-    """curvlinops' KFAC factors of every Linear weight and bias (``{param name: (A or None, B)}``)."""
+    """curvlinops' KFAC factors of every Linear / Conv2d weight and bias (``{param name: (A or None, B)}``)."""
     from curvlinops import KFACLinearOperator
 
     names = {id(p): n for n, p in model.named_parameters()}
-    params = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)]
+    params = [p for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)) for p in m.parameters(recurse=False)]
     op = KFACLinearOperator(model, nn.CrossEntropyLoss(reduction="sum"), params,
                             [(x[i: i + 256], y[i: i + 256]) for i in range(0, len(x), 256)],
                             fisher_type=fisher, kfac_approx=kfac, check_deterministic=False,
@@ -67,8 +76,20 @@ def curvlinops_factors(model: nn.Module, x: torch.Tensor, y: torch.Tensor, fishe
     return out
 
 
+def bn_resnet(x: torch.Tensor) -> nn.Module:
+    """A BatchNorm ResNet-20 with its statistics from one training-mode pass over ``x``, then frozen."""
+    model = resnet20(10, 1, 16, "batch")
+    model.train()
+    with torch.no_grad():
+        for i in range(0, len(x), 256):
+            model(x[i: i + 256])
+    freeze_statistics(model, None)
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("transformer", "resnet20-bn"), default="transformer")
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
@@ -76,11 +97,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(args.n, 64, 16, generator=g), torch.randint(0, 10, (args.n,), generator=g)
     torch.manual_seed(0)
-    model, model_train = linear_attention(Transformer()), linear_attention(Transformer())
-    print(f"transformer: {sum(p.numel() for p in model.parameters()):,} weights, n = {args.n}, sequence 64, "
-          f"threads {args.threads}", flush=True)
+    if args.model == "transformer":
+        x, y = torch.randn(args.n, 64, 16, generator=g), torch.randint(0, 10, (args.n,), generator=g)
+        model, model_train = linear_attention(Transformer()), linear_attention(Transformer())
+        what = "transformer 4 x 128, sequence 64"
+    else:
+        x, y = torch.randn(args.n, 1, 28, 28, generator=g), torch.randint(0, 10, (args.n,), generator=g)
+        model, model_train = bn_resnet(x), bn_resnet(x)
+        what = "resnet20 width 16, BatchNorm (statistics frozen), 1 x 28 x 28"
+    print(f"{what}: {sum(p.numel() for p in model.parameters()):,} weights, n = {args.n}, threads {args.threads}",
+          flush=True)
     train_map(model, x, y, TrainConfig(epochs=1, batch_size=64, weight_decay=0.0), seed=0, desc="epoch")  # warm-up
     model.eval()
 
@@ -127,7 +154,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": "transformer 4 x 128, sequence 64", "n": args.n, "threads": args.threads, "rows": rows},
+            json.dump({"model": what, "n": args.n, "threads": args.threads, "rows": rows},
                       f, indent=1)
 
 

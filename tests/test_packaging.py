@@ -1,5 +1,5 @@
-"""The wheel carries the embedded data: install it into a fresh environment outside the
-repository and run `pfuse demo --quick` from another folder."""
+"""The wheel carries the embedded data and the Flower app: install it into a fresh environment outside
+the repository and run `pfuse demo --quick` from another folder."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def test_wheel_in_a_fresh_environment_runs_the_demo(tmp_path):
     assert where.returncode == 0, where.stderr
     module, data = where.stdout.split()
     assert module.startswith(str(fresh)) and data.startswith(str(fresh)), where.stdout
+    app = fresh / "share" / "posterior-fusion" / "examples" / "flower" / "pyproject.toml"  # the Flower app ships too
+    assert app.read_text() == (ROOT / "examples" / "flower" / "pyproject.toml").read_text()
     demo = subprocess.run([str(python), "-c", "from posterior_fusion.cli.main import main; main()", "demo", "--quick",
                            "--out-dir", "run", "--json"], cwd=work, capture_output=True, text=True, timeout=600, env=env)
     assert demo.returncode == 0, demo.stderr[-2000:]
