@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from posterior_fusion.artifact import write_client_artifact
+from posterior_fusion.choices import COMPRESS_METRICS, VECTOR_DTYPES
 from posterior_fusion.curvature import BlockDiag, Kron
-from posterior_fusion.curvature.compressed import COMPRESS_METRICS, VECTOR_DTYPES, Compression
+from posterior_fusion.curvature.compressed import Compression
 from posterior_fusion.experiment.measure import run_measured, save_rows
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture

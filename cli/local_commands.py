@@ -1,4 +1,6 @@
-"""``pfuse init`` and ``pfuse fit-local``."""
+"""``pfuse init``, ``fit-local``, ``recapture`` and ``audit``. The options come from torch-free
+declarations (:mod:`posterior_fusion.choices`, :mod:`posterior_fusion.local.config`); the code that
+trains and captures is imported when a command runs, so ``--help`` starts without torch."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 import click
 
 from posterior_fusion import ranges
-from posterior_fusion.artifact import load_client, load_global, write_global_artifact
+from posterior_fusion.choices import CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
 from posterior_fusion.cli.common import (
     bounded,
     echo_json,
@@ -19,19 +21,24 @@ from posterior_fusion.cli.common import (
     old_spellings,
     say,
 )
-from posterior_fusion.curvature.compressed import Compression
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
-from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture.policy import CAPTURE_METHODS
-from posterior_fusion.local.config import GGN_TYPES, KFAC_TYPES, STRUCTURES, FitConfig, fit_config_from, fit_settings
-from posterior_fusion.local.fit import fit_and_write
-from posterior_fusion.local.init import finetune_start, initial_weights, read_base
-from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
-from posterior_fusion.models import ModelSpec
+from posterior_fusion.local.config import (
+    AUTO_DAMPINGS,
+    RATIO_FLOOR,
+    REFRESH_DAMPING,
+    TRUST_RADIUS,
+    FitConfig,
+    check_damping,
+    fit_config_from,
+    fit_settings,
+)
 from posterior_fusion.runtime import resolve_device
+
+if typing.TYPE_CHECKING:
+    from posterior_fusion.models import ModelSpec
 
 FIT = FitConfig()
 
@@ -44,6 +51,8 @@ def parse_model(name: str, kwargs_json: str | None, max_memory: int | str | None
         kwargs = json.loads(kwargs_json) if kwargs_json else {}
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"--model-kwargs is not valid JSON: {getattr(exc, 'msg', exc)}") from None
+    from posterior_fusion.models import ModelSpec
+
     spec = ModelSpec(name, kwargs)
     spec.check_size(max_memory)  # the spec as given first: a bomb is refused before anything else
     if fit_to is not None:
@@ -79,6 +88,10 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
 @handle_errors
 def init(model, model_kwargs, components, init_seed, transform_from, base_path, out, max_memory):
     """Write M shared starting points that every client trains from."""
+    from posterior_fusion.artifact import write_global_artifact
+    from posterior_fusion.layout import ParameterLayout
+    from posterior_fusion.local.init import initial_weights, read_base
+
     check_output(out, inputs=[transform_from, base_path])
     spec = parse_model(model, model_kwargs, max_memory)
     if components < 1:
@@ -135,6 +148,10 @@ def fit_options(fn, only: tuple[str, ...] | None = None):
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, out, resume, as_json, max_memory,
                   **settings):
     """Train M models on one silo and write their local posteriors to one artifact."""
+    from posterior_fusion.artifact import load_global
+    from posterior_fusion.local.fit import fit_and_write
+    from posterior_fusion.local.init import finetune_start, initial_weights
+
     cfg = fit_config_from(settings)
     resolve_device(cfg.device, "--device")  # before the data is read
     if init_path is not None:
@@ -228,6 +245,7 @@ def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_rad
     and --structure would have written, for the cost of the capture alone. With --at GLOBAL it is
     the silo's half of a refresh round: curvature and gradient at the fused modes.
     """
+    from posterior_fusion.curvature.compressed import Compression
     from posterior_fusion.local.recapture import recapture_to_file
 
     if damping is not None and at_path is None:
@@ -263,6 +281,7 @@ def audit_cmd(file, data_path, holdout_path, other_path, as_json, max_memory):
     """What a client artifact reveals about its silo, before you share it: the stored label distribution,
     how much of the silo's input statistics the first layer's K-FAC input factor holds, and a membership
     attack (loss threshold) against its networks. Changes nothing; no privacy mechanism is applied."""
+    from posterior_fusion.artifact import load_client
     from posterior_fusion.local.audit import audit, describe
 
     art = load_client(file, max_memory)

@@ -1,4 +1,6 @@
-"""``pfuse fuse``, ``pfuse evaluate``, ``pfuse predict``, ``pfuse demo``."""
+"""``pfuse fuse``, ``pfuse evaluate``, ``pfuse predict``, ``pfuse demo``. The options come from torch-free
+declarations (the registry's names, :mod:`posterior_fusion.choices`); fusion, prediction and the demo's
+pipeline are imported when a command runs, so ``--help`` starts without torch."""
 
 from __future__ import annotations
 
@@ -9,8 +11,7 @@ from typing import Any
 import click
 
 from posterior_fusion import ranges
-from posterior_fusion.artifact import load_global
-from posterior_fusion.artifact.writer import write_predictions
+from posterior_fusion.choices import LINKS, PREDICTIVES, STRUCTURES
 from posterior_fusion.cli.common import (
     bounded,
     echo_json,
@@ -22,17 +23,18 @@ from posterior_fusion.cli.common import (
 )
 from posterior_fusion.compat import FUSE_FLAGS_TO_SETTINGS
 from posterior_fusion.data.silo import read_silo
-from posterior_fusion.demo import DEFAULT_ROW, DEMO_DATASETS, DEMO_METHODS, LEGEND, run_demo
+from posterior_fusion.demo import DEFAULT_ROW, DEMO_DATASETS, DEMO_METHODS, legend
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output, output_lock
-from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, get_method, write_fused
-from posterior_fusion.fusion.distill import DistillConfig
-from posterior_fusion.fusion.registry import DEFAULT_METHOD, DEFAULT_SETTINGS, QUICK, resolve_default
+from posterior_fusion.fusion.registry import (
+    DEFAULT_METHOD,
+    DEFAULT_SETTINGS,
+    METHODS,
+    QUICK,
+    get_method,
+    resolve_default,
+)
 from posterior_fusion.fusion.settings import parse_pairs
-from posterior_fusion.fusion.tuning import parse_tune
-from posterior_fusion.local.config import STRUCTURES
-from posterior_fusion.metrics import check_data, choose_scale, evaluate_posterior, reliability_plot
-from posterior_fusion.predictive import LINKS, PREDICTIVES
 
 
 def legacy_settings(fn: Callable) -> Callable:
@@ -81,14 +83,8 @@ def method_help(name: str) -> str:
     return "\n".join(lines)
 
 
-def settings_epilog() -> str:
-    """Every method's settings with their defaults, for ``pfuse fuse --help``."""
-    lines = ["\b", "Method settings (--set key=value; details: --help-method NAME):"]
-    for name, entry in METHODS.items():
-        rows = entry.settings.describe()
-        text = ", ".join(f"{r['name']} (default: {r['default']})" for r in rows) or "none"
-        lines.append(f"  {name}: {text}")
-    return "\n".join(lines)
+SETTINGS_EPILOG = ("Each method's own settings, their defaults and ranges: pfuse fuse --help-method NAME "
+                   "(set them with --set key=value).")
 
 
 def show_method_help(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -100,7 +96,7 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
     ctx.exit(0)
 
 
-@click.command("fuse", epilog=settings_epilog())
+@click.command("fuse", epilog=SETTINGS_EPILOG)
 @click.argument("clients", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--method", default=None, type=click.Choice(list(METHODS)),
               help="Fusion method [default: the one docs/choosing.md recommends when nothing else is known: "
@@ -148,6 +144,9 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
              component, sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
              as_json, legacy):
     """Validate client artifacts and fuse them into a global ensemble."""
+    from posterior_fusion.fusion import applicable_settings
+    from posterior_fusion.fusion.distill import DistillConfig
+
     method, defaults = resolve_default(method, None)
     overrides = {**defaults, **applicable_settings(method, legacy)}
     for k in sorted(set(legacy) - set(overrides)):
@@ -164,6 +163,9 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
 def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                   sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
                   as_json, distill=None) -> None:
+    from posterior_fusion.fusion import FusionOptions, fuse, write_fused
+    from posterior_fusion.fusion.tuning import parse_tune
+
     opts = FusionOptions(temperature=temperature, prior_var=prior_var, component=component,
                          sampling_seed=sampling_seed, kernel=kernel, device=device)
     inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
@@ -214,6 +216,8 @@ def with_predictive_options(fn):
 
 
 def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple[float, list[dict]]:
+    from posterior_fusion.metrics import check_data, choose_scale
+
     if scale_from is None or predictive == "map":
         return scale, []
     val = read_silo(scale_from, num_classes=g.model_spec.num_classes, max_memory=max_memory)
@@ -238,6 +242,9 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
 def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, scale_from, ood, bins, plot, as_json,
                  max_memory):
     """Accuracy, NLL, ECE/MCE, Brier, entropy, AUROC(correct), selective accuracy (and OOD AUROC) of global artifacts."""
+    from posterior_fusion.artifact import load_global
+    from posterior_fusion.metrics import evaluate_posterior, reliability_plot
+
     if plot:
         check_output(plot, inputs=[*global_artifacts, data_path, ood, scale_from])
     results = []
@@ -277,6 +284,10 @@ def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, 
 @handle_errors
 def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scale, scale_from, max_memory):
     """Write the predictive class probabilities (map ensemble, mc or glm)."""
+    from posterior_fusion.artifact import load_global
+    from posterior_fusion.artifact.writer import write_predictions
+    from posterior_fusion.metrics import check_data
+
     check_output(out, inputs=[global_artifact, data_path, scale_from])
     g = load_global(global_artifact, max_memory)
     data = read_silo(data_path, num_classes=g.model_spec.num_classes, max_memory=max_memory, labels=False)
@@ -317,6 +328,8 @@ def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scal
 @handle_errors
 def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs, structure, steps, methods, seed, quick, as_json):
     """Partition -> fit-local per silo -> fuse with every method -> side-by-side test table."""
+    from posterior_fusion.demo import run_demo
+
     chosen = None if methods is None else tuple(m.strip() for m in methods.split(",") if m.strip())
     max_train = None
     if quick:
@@ -340,7 +353,7 @@ def demo_cmd(out_dir, subset, full, dataset, clients, alpha, components, epochs,
                "\nthe expected calibration error (lower is better: honest probabilities); Brier score (lower"
                "\nis better). members = models served per prediction (the serving cost).")
     for r in rows:
-        say(f"  {r['method']:<13} {LEGEND.get(r['method'], '')}")
+        say(f"  {r['method']:<13} {legend(r['method'])}")
     say("Recommended when nothing else is known: the 'default' row (what `pfuse fuse` runs without --method).")
     if quick:
         say("A quick run (6,000 images, 3 clients at α = 1, 5 epochs): `pfuse demo` runs every method on the full data;")

@@ -1,4 +1,7 @@
-"""The end-to-end demo: partition -> fit-local per silo -> fuse with every method -> evaluate."""
+"""The end-to-end demo: partition -> fit-local per silo -> fuse with every method -> evaluate.
+
+Its choices (:data:`DEMO_DATASETS`, :data:`DEMO_METHODS`, :data:`DEFAULT_ROW`) are read without torch
+(``pfuse demo --help``); the pipeline's numerics are imported when :func:`run_demo` runs."""
 
 from __future__ import annotations
 
@@ -6,25 +9,25 @@ import os
 import time
 from pathlib import Path
 
-from posterior_fusion.artifact import load_global
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, find_fmnist_dir
 from posterior_fusion.data.prepare import import_data, partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse, write_fused
-from posterior_fusion.fusion.registry import DEFAULT_METHOD, DEFAULT_SETTINGS, DEMO
+from posterior_fusion.fusion.registry import DEFAULT_METHOD, DEFAULT_SETTINGS, DEMO, METHODS
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fit import fit_silo_file
-from posterior_fusion.metrics import evaluate_members
-from posterior_fusion.models import ModelSpec
 
 DEMO_METHODS = DEMO
 DEMO_DATASETS = ("fmnist", "digits")
 DEFAULT_ROW = "default"  # the demo's row of what `pfuse fuse` runs without --method
-# one line per method, as each method states it (``FusionMethod.summary``)
-LEGEND = {name: m.summary for name, m in METHODS.items()}
-LEGEND[DEFAULT_ROW] = (f"what `pfuse fuse` runs without --method: {DEFAULT_METHOD} with "
-                       f"{', '.join(f'{k}={v}' for k, v in DEFAULT_SETTINGS.items())} (docs/choosing.md)")
+
+
+def legend(method: str) -> str:
+    """The demo table's line for a row: the method's own summary (``FusionMethod.summary``), or what the
+    default row runs."""
+    if method == DEFAULT_ROW:
+        return (f"what `pfuse fuse` runs without --method: {DEFAULT_METHOD} with "
+                f"{', '.join(f'{k}={v}' for k, v in DEFAULT_SETTINGS.items())} (docs/choosing.md)")
+    return METHODS[method].summary if method in METHODS else ""
 
 
 def fmnist_source(subset: bool = False) -> tuple[Path, str]:
@@ -52,6 +55,12 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
     ``fmnist`` (LeNet; the installed full set, or the embedded subset with ``subset`` or when the
     full set is not installed) or ``digits`` (scikit-learn's 8x8 handwritten digits, an MLP).
     ``methods`` None: the default fusion (row ``default``) and the demo's methods that apply to ``structure``."""
+    from posterior_fusion.artifact import load_global
+    from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse, write_fused
+    from posterior_fusion.local.fit import fit_silo_file
+    from posterior_fusion.metrics import evaluate_members
+    from posterior_fusion.models import ModelSpec
+
     if methods is None:
         methods = (DEFAULT_ROW, *demo_methods(structure))
     out = Path(out_dir)

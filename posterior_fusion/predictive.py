@@ -31,6 +31,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from posterior_fusion import budget, ranges
+from posterior_fusion.choices import LINKS, PREDICTIVES
 from posterior_fusion.curvature import BlockDiag, CompressedKron, Diag, Kron, Precision
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.models import ModelSpec
@@ -41,8 +42,6 @@ from posterior_fusion.runtime import release_freed_memory
 if TYPE_CHECKING:
     from posterior_fusion.models.jacobians import FactoredJacobian
 
-PREDICTIVES = ("map", "mc", "glm", "glm-last-layer")
-LINKS = ("probit", "mc")
 
 
 def _check(predictive: str, precisions, scale: float) -> None:

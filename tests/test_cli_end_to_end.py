@@ -86,7 +86,8 @@ def test_help_lists_every_option_default():
     for cmd in ("partition", "init", "fit-local", "fuse", "evaluate", "predict", "inspect", "demo"):
         out = invoke(cmd, "--help").stdout
         assert "Usage:" in out
-    assert "default: 300" in invoke("fuse", "--help").stdout
+    assert "--help-method NAME" in invoke("fuse", "--help").stdout
+    assert "[default: 300]" in invoke("fuse", "--help-method", "fedbens").stdout
 
 
 def test_demo_smoke(tmp_path):

@@ -480,7 +480,7 @@ def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypa
 # The package-level layers, bottom to top (docs/architecture.md): a package may import its own layer
 # and the layers below it, never one above. The small shared modules sit at the bottom.
 LAYERS = [
-    {"errors", "files", "ranges", "budget", "progress", "layout", "runtime", "compat", "hdf5_safety", "settings",
+    {"errors", "files", "ranges", "budget", "progress", "layout", "runtime", "compat", "hdf5_safety", "settings", "choices",
      "__init__"},
     {"curvature", "kernels", "data", "pooling"},
     {"models"},
@@ -658,3 +658,21 @@ def test_the_data_commands_and_reading_a_data_file_do_not_import_torch(tmp_path)
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_every_command_s_help_imports_no_torch():
+    """`pfuse COMMAND --help` for every command builds its options from torch-free declarations (the choices, the
+    settings records, the registry's names): torch is not imported, so help starts in a fraction of a second
+    (docs/benchmarks.md, "Start-up"); `--help-method` imports the method it describes."""
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys\n"
+            "from posterior_fusion.cli.main import COMMANDS, pfuse\n"
+            "for name in COMMANDS:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        pfuse.main([name, '--help'], standalone_mode=False)\n"
+            "    assert 'Usage:' in out.getvalue(), name\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout[-500:], out.stderr[-2000:])

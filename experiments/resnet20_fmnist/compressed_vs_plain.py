@@ -22,7 +22,8 @@ import h5py
 
 import posterior_fusion
 from posterior_fusion.artifact import write_client_artifact
-from posterior_fusion.curvature.compressed import VECTOR_DTYPES, Compression
+from posterior_fusion.choices import VECTOR_DTYPES
+from posterior_fusion.curvature.compressed import Compression
 from posterior_fusion.experiment.measure import save_rows
 
 CLI = [sys.executable, "-c", "from posterior_fusion.cli.main import main; main()"]

@@ -31,12 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion.choices import COMPRESS_METRICS, VECTOR_DTYPES
 from posterior_fusion.curvature.base import Precision
 from posterior_fusion.curvature.kron import Kron
 from posterior_fusion.errors import ConfigError
-
-COMPRESS_METRICS = ("frobenius", "precision")
-VECTOR_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,27 @@
 ``fuse(paths, method, options, settings)`` works on files; ``fuse_clients`` on loaded
 posteriors. Shared options are :class:`FusionOptions`; each method's own hyper-parameters
 are its settings record (``METHODS[name].settings``).
+
+The public names load on first use (PEP 562): the registry's names and the settings parser
+(:mod:`.settings`) are read without importing torch.
 """
 
-from posterior_fusion.fusion.from_files import fuse
-from posterior_fusion.fusion.from_posteriors import applicable_settings, fuse_clients, method_settings, write_fused
-from posterior_fusion.fusion.registry import METHODS, get_method
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionOptions, FusionResult
+from __future__ import annotations
 
-__all__ = ["FusionInputs", "FusionMethod", "FusionOptions", "FusionResult", "METHODS", "get_method", "fuse",
-           "fuse_clients", "method_settings", "applicable_settings", "write_fused"]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "fuse": "from_files", "applicable_settings": "from_posteriors", "fuse_clients": "from_posteriors",
+    "method_settings": "from_posteriors", "write_fused": "from_posteriors", "METHODS": "registry",
+    "get_method": "registry", "FusionInputs": "types", "FusionMethod": "types", "FusionOptions": "types",
+    "FusionResult": "types",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -4,21 +4,44 @@ experiment runner all build (defaults live here and nowhere else)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from posterior_fusion import ranges
-from posterior_fusion.curvature.compressed import COMPRESS_METRICS, VECTOR_DTYPES, Compression
+from posterior_fusion.choices import (
+    CAPTURE_DTYPES,
+    CAPTURE_METHODS,
+    COMPRESS_METRICS,
+    FINETUNE_RE,
+    GGN_TYPES,
+    KFAC_TYPES,
+    STRUCTURES,
+    VECTOR_DTYPES,
+)
 from posterior_fusion.errors import ConfigError, shown
-from posterior_fusion.local.capture import capture_dtype_problem
-from posterior_fusion.local.capture.policy import CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
-from posterior_fusion.local.dp import DPConfig
-from posterior_fusion.local.ppd import PPDConfig
-from posterior_fusion.models.finetune import FINETUNE_RE
 from posterior_fusion.runtime import DEVICES
 from posterior_fusion.settings import check_declared, convert, setting
+
+if typing.TYPE_CHECKING:
+    from posterior_fusion.curvature.compressed import Compression
+
+
+def capture_dtype_problem(capture_dtype: str, method: str, fast_problem: str | None) -> str | None:
+    """Why ``capture_dtype`` cannot be honoured (None when it can): a type other than float32 needs
+    the fast capture (laplace-torch's backends run in the model's type). ``fast_problem``: why the fast
+    capture cannot take the model (``models.layers.unsupported_reason``; None when it can)."""
+    if capture_dtype not in CAPTURE_DTYPES:
+        return f"unknown `capture_dtype` {capture_dtype!r}; use one of {', '.join(CAPTURE_DTYPES)}"
+    if capture_dtype == "float32":
+        return None
+    if method != "fast":
+        return f"`capture_dtype` {capture_dtype} needs the fast capture (`capture` fast), not laplace-torch"
+    if fast_problem is not None:
+        return f"`capture_dtype` {capture_dtype} needs the fast capture, which this model cannot use ({fast_problem})"
+    return None
 
 
 def auto_weight_decay(temperature: float, prior_precision: float, n_data: int) -> float:
@@ -85,6 +108,46 @@ class PrivateModelConfig:
 
 
 @dataclass(frozen=True)
+class DPConfig:
+    """Differential privacy of the whole client artifact (the mechanisms: :mod:`posterior_fusion.local.dp`)."""
+
+    dp_epsilon: float = setting(8.0, "The (ε, δ) guarantee of the whole artifact: ε, composed over every component's "
+                                  "training, curvature and the class counts.", bounds=(1e-3, 1e3))
+    dp_delta: float | None = setting(None, "δ [default: 1/n, n the silo's size].", bounds=(1e-12, 0.1))
+    dp_clip: float = setting(1.0, "Per-sample gradient norm bound of DP-SGD.", bounds=(1e-6, 1e6))
+    dp_curvature_clip: float = setting(1.0, "Per-sample bound of each sample's contribution to the GGN diagonal "
+                                         "(L2): its sensitivity.", bounds=(1e-9, 1e9))
+    dp_training_share: float = setting(0.8, "Part of ε that calibrates the training noise; the rest calibrates the "
+                                         "curvature and count releases.", bounds=(0.05, 0.95))
+
+    def validate(self) -> None:
+        check_declared(self)
+
+
+@dataclass(frozen=True)
+class PPDConfig:
+    """SGLD and distillation settings of ``pfuse fit-local --ppd`` (the chain: :mod:`posterior_fusion.local.ppd`)."""
+
+    steps: int = setting(2000, "SGLD steps of --ppd (burn-in included).", bounds=(1, 10**7))
+    burn_in: int = setting(500, "SGLD burn-in steps of --ppd.", bounds=(0, 10**7))
+    thin: int = setting(5, "Keep every this many SGLD iterates after the burn-in.", bounds=(1, 10**7))
+    step_size: float = setting(1e-5, "SGLD step size ε.", bounds=(1e-15, 1e6))
+    batch_size: int = setting(64, "Batch size of the SGLD chain and of the student's distillation.",
+                             bounds=ranges.BATCH_SIZE)
+    student_lr: float = setting(1e-3, "SGD (momentum 0.9) step of the student per SGLD sample.",
+                                bounds=ranges.LEARNING_RATE)
+    perturb: float = setting(0.1, "Std of the Gaussian input perturbation of the distillation batch.",
+                             bounds=(0.0, 1e6))
+
+    def validate(self) -> None:
+        check_declared(self, prefix="ppd_")
+        if (self.steps < 1 or not 0 <= self.burn_in < self.steps or self.thin < 1 or not self.step_size > 0
+                or self.batch_size < 1 or not self.student_lr > 0 or not self.perturb >= 0):
+            raise ConfigError("`ppd` needs steps >= 1, 0 <= burn_in < steps, thin >= 1, step_size > 0, batch_size >= 1, "
+                              "student_lr > 0, perturb >= 0")
+
+
+@dataclass(frozen=True)
 class FitConfig:
     """Everything that determines a silo's fit besides the data, the model and the starting points."""
 
@@ -108,7 +171,7 @@ class FitConfig:
                                               "bfloat16 (autocast; about 2x faster passes on a CPU with AVX512-BF16, "
                                               "factors within ~0.5 % of float32's, still summed in float64; needs "
                                               "the fast capture). Recorded in the artifact.",
-                                   choices=tuple(CAPTURE_DTYPES))
+                                   choices=CAPTURE_DTYPES)
     device: str = setting("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
                                     "where a GPU is visible). The artifact is the same whatever the device.",
                             choices=DEVICES)
@@ -176,6 +239,8 @@ class FitConfig:
     def compression(self) -> Compression:
         """How the artifact's Kronecker factors are written (``compress``, ``compress_metric``,
         ``compress_vectors``)."""
+        from posterior_fusion.curvature.compressed import Compression  # the numerics: only when a fit runs
+
         return Compression(self.compress, self.compress_metric, self.compress_vectors)
 
     def fingerprint_dict(self) -> dict:
@@ -285,3 +350,29 @@ def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
                     private=PrivateModelConfig(**parts[("private",)]) if flat["private_model"] else None)
     cfg.validate()
     return cfg
+
+
+# ------------------------------------------------------------------- the refresh round (recapture --at)
+
+# the refresh round's centre step: its damping chosen per mode by the silo's gain ratio (recapture's docstring;
+# measured against fixed dampings by experiments/without_validation/refresh_round.py)
+REFRESH_DAMPING: float | str = "auto"
+AUTO_DAMPINGS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # ``damping="auto"`` tries these, smallest first
+TRUST_RADIUS = 4.0  # a member's per-parameter squared distance from the silo's own posterior, at most (:mod:`posterior_fusion.local.recapture`'s docstring)
+RATIO_FLOOR = 0.25  # ... and keeps the first whose step the silo's loss confirms this well (:mod:`posterior_fusion.local.recapture`'s docstring)
+
+
+def check_damping(value: object, name: str = "damping") -> float | str:
+    """The refresh round's damping as given (CLI text, TOML, a Flower message): ``"auto"`` or a finite
+    number >= 0 (returned as float); anything else raises ConfigError naming ``name``."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    lo, hi = ranges.REFRESH_DAMPING
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and lo <= value <= hi):
+        raise ConfigError(f"{name} must be 'auto' or a finite number in [{lo:g}, {hi:g}], got {shown(value, 40)}")
+    return float(value)

@@ -33,24 +33,7 @@ import torch
 from torch import nn
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.settings import check_declared, setting
-
-
-@dataclass(frozen=True)
-class DPConfig:
-    """Differential privacy of the whole client artifact (module docstring)."""
-
-    dp_epsilon: float = setting(8.0, "The (ε, δ) guarantee of the whole artifact: ε, composed over every component's "
-                                  "training, curvature and the class counts.", bounds=(1e-3, 1e3))
-    dp_delta: float | None = setting(None, "δ [default: 1/n, n the silo's size].", bounds=(1e-12, 0.1))
-    dp_clip: float = setting(1.0, "Per-sample gradient norm bound of DP-SGD.", bounds=(1e-6, 1e6))
-    dp_curvature_clip: float = setting(1.0, "Per-sample bound of each sample's contribution to the GGN diagonal "
-                                         "(L2): its sensitivity.", bounds=(1e-9, 1e9))
-    dp_training_share: float = setting(0.8, "Part of ε that calibrates the training noise; the rest calibrates the "
-                                         "curvature and count releases.", bounds=(0.05, 0.95))
-
-    def validate(self) -> None:
-        check_declared(self)
+from posterior_fusion.local.config import DPConfig
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,10 @@ from posterior_fusion.errors import (
 )
 from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture import capture, capture_dtype_problem
+from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.laplace import laplace_backends
 from posterior_fusion.local.capture.policy import block_policy, curvature_bytes
-from posterior_fusion.local.config import FitConfig
+from posterior_fusion.local.config import FitConfig, capture_dtype_problem
 from posterior_fusion.local.init import (
     finetune_start,
     init_fingerprint,

@@ -13,39 +13,14 @@ D'_k). The chain is warm-started from the component's MAP.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.local.config import PPDConfig
 from posterior_fusion.progress import progress
-from posterior_fusion.settings import check_declared, setting
-
-
-@dataclass(frozen=True)
-class PPDConfig:
-    """SGLD and distillation settings of ``pfuse fit-local --ppd``."""
-
-    steps: int = setting(2000, "SGLD steps of --ppd (burn-in included).", bounds=(1, 10**7))
-    burn_in: int = setting(500, "SGLD burn-in steps of --ppd.", bounds=(0, 10**7))
-    thin: int = setting(5, "Keep every this many SGLD iterates after the burn-in.", bounds=(1, 10**7))
-    step_size: float = setting(1e-5, "SGLD step size ε.", bounds=(1e-15, 1e6))
-    batch_size: int = setting(64, "Batch size of the SGLD chain and of the student's distillation.",
-                             bounds=ranges.BATCH_SIZE)
-    student_lr: float = setting(1e-3, "SGD (momentum 0.9) step of the student per SGLD sample.",
-                                bounds=ranges.LEARNING_RATE)
-    perturb: float = setting(0.1, "Std of the Gaussian input perturbation of the distillation batch.",
-                             bounds=(0.0, 1e6))
-
-    def validate(self) -> None:
-        check_declared(self, prefix="ppd_")
-        if (self.steps < 1 or not 0 <= self.burn_in < self.steps or self.thin < 1 or not self.step_size > 0
-                or self.batch_size < 1 or not self.student_lr > 0 or not self.perturb >= 0):
-            raise ConfigError("`ppd` needs steps >= 1, 0 <= burn_in < steps, thin >= 1, step_size > 0, batch_size >= 1, "
-                              "student_lr > 0, perturb >= 0")
 
 
 def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],

@@ -75,33 +75,11 @@ from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
+from posterior_fusion.local.config import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
 from posterior_fusion.local.fit import library_versions
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, build_model, frozen_mapping
 from posterior_fusion.runtime import resolve_device
-
-# the refresh round's centre step: its damping chosen per mode by the silo's gain ratio (module docstring;
-# measured against fixed dampings by experiments/without_validation/refresh_round.py)
-REFRESH_DAMPING: float | str = "auto"
-AUTO_DAMPINGS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # ``damping="auto"`` tries these, smallest first
-TRUST_RADIUS = 4.0  # a member's per-parameter squared distance from the silo's own posterior, at most (module docstring)
-RATIO_FLOOR = 0.25  # ... and keeps the first whose step the silo's loss confirms this well (module docstring)
-
-
-def check_damping(value: object, name: str = "damping") -> float | str:
-    """The refresh round's damping as given (CLI text, TOML, a Flower message): ``"auto"`` or a finite
-    number >= 0 (returned as float); anything else raises ConfigError naming ``name``."""
-    if value == "auto":
-        return "auto"
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    lo, hi = ranges.REFRESH_DAMPING
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and lo <= value <= hi):
-        raise ConfigError(f"{name} must be 'auto' or a finite number in [{lo:g}, {hi:g}], got {shown(value, 40)}")
-    return float(value)
 
 
 def own_posterior(source: ClientPosterior) -> list[tuple[torch.Tensor, object]]:

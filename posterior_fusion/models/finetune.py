@@ -18,16 +18,15 @@ Settings (one string, recorded in the model spec as ``finetune``):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posterior_fusion.choices import FINETUNE_RE
 from posterior_fusion.errors import ModelSpecError, shown
 
-FINETUNE_RE = re.compile(r"^(all|head|last:[1-9][0-9]{0,3}|lora:[1-9][0-9]{0,3})$")
 FINETUNES = ("all", "head", "last:K", "lora:R")  # the forms, for help texts
 
 

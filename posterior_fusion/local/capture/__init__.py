@@ -15,31 +15,16 @@ import copy
 import torch
 from torch import nn
 
+from posterior_fusion.choices import CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import CaptureNotApplicableError, ConfigError
 from posterior_fusion.local.capture.fast import FAST_CAPTURE
 from posterior_fusion.local.capture.laplace import LAPLACE_CAPTURE
-from posterior_fusion.local.capture.policy import CAPTURE_DTYPES, CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
+from posterior_fusion.local.capture.policy import AUTOCAST_DTYPES
+from posterior_fusion.local.config import capture_dtype_problem
 from posterior_fusion.models.layers import unsupported_reason
 
-__all__ = ["CAPTURE_DTYPES", "CAPTURE_METHODS", "GGN_TYPES", "KFAC_TYPES", "STRUCTURES", "capture",
-           "capture_dtype_problem"]
-
-
-def capture_dtype_problem(capture_dtype: str, method: str, fast_problem: str | None) -> str | None:
-    """Why ``capture_dtype`` cannot be honoured (None when it can): a type other than float32 needs
-    the fast capture (laplace-torch's backends run in the model's type). ``fast_problem``: why the fast
-    capture cannot take the model (``fastcapture.unsupported_reason``; None when it can)."""
-    if capture_dtype not in CAPTURE_DTYPES:
-        return f"unknown `capture_dtype` {capture_dtype!r}; use one of {', '.join(CAPTURE_DTYPES)}"
-    if capture_dtype == "float32":
-        return None
-    if method != "fast":
-        return f"`capture_dtype` {capture_dtype} needs the fast capture (`capture` fast), not laplace-torch"
-    if fast_problem is not None:
-        return f"`capture_dtype` {capture_dtype} needs the fast capture, which this model cannot use ({fast_problem})"
-    return None
-
+__all__ = ["capture", "capture_dtype_problem"]
 
 
 def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256,
@@ -68,8 +53,8 @@ def capture(structure: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     if problem is not None:
         raise ConfigError(problem)
     extra = {"kfac": kfac} if structure == "kron" else {}
-    if CAPTURE_DTYPES[capture_dtype] is not None:
-        extra["compute_dtype"] = CAPTURE_DTYPES[capture_dtype]
+    if AUTOCAST_DTYPES[capture_dtype] is not None:
+        extra["compute_dtype"] = AUTOCAST_DTYPES[capture_dtype]
     if method == "fast":
         if reason is None:
             return FAST_CAPTURE[structure](model, x, y, batch_size, ggn, generator, **extra), "fast"

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from posterior_fusion.choices import KFAC_TYPES
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.local.capture.gram import float64_gram
 from posterior_fusion.local.capture.inputs import input_gram, reduced_input
 from posterior_fusion.local.capture.outputs import output_gram, per_sample_grads, reduced_grad
-from posterior_fusion.local.capture.policy import KFAC_TYPES
 from posterior_fusion.local.capture.sizing import pass_size
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from posterior_fusion.choices import GGN_TYPES
 from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.capture.policy import GGN_TYPES
 from posterior_fusion.progress import LoaderProgress
 
 

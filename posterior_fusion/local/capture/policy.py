@@ -6,13 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from posterior_fusion import choices
 from posterior_fusion.models.layers import DIAG_LAYERS, SUPPORTED_LAYERS, owns_curvature
 
-STRUCTURES = ("kron", "diag", "diag+full")  # curvature structures a silo can capture
-GGN_TYPES = ("exact", "mc")
-CAPTURE_METHODS = ("fast", "laplace")
-CAPTURE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # the fast capture's passes: the model's type, or autocast
-KFAC_TYPES = ("expand", "reduce")
+# the fast capture's passes per `capture_dtype` (posterior_fusion.choices): the model's type, or autocast
+AUTOCAST_DTYPES = dict(zip(choices.CAPTURE_DTYPES, (None, torch.bfloat16), strict=True))
 
 
 BLOCK_POLICY = {
