@@ -74,6 +74,14 @@ def inspect_cmd(file, as_json, max_memory):
             say(f"differential privacy: (ε, δ) = ({d.get('epsilon', float('nan')):.3g}, {d.get('delta', float('nan')):.3g}) "
                 f"for the whole artifact (target ε {d.get('target_epsilon')}; DP-SGD noise {d.get('noise_multiplier', 0):.3g}, "
                 f"clip {d.get('clip')}; curvature and counts noise {d.get('release_noise', 0):.3g})")
+        refresh = meta.get("refreshed_at")
+        if isinstance(refresh, dict) and isinstance(refresh.get("dp"), dict):
+            d = refresh["dp"]
+            say(f"refresh round: private, (ε, δ) = ({d.get('epsilon', float('nan')):.3g}, {d.get('delta', float('nan')):.3g}) "
+                f"over its {d.get('releases')} release(s) (gradient noise {d.get('noise_multiplier', 0):.3g} × clip "
+                f"{d.get('clip')}; the curvature is the fit's own)")
+        elif isinstance(refresh, dict):
+            say("refresh round: exact release (no privacy mechanism: the gradient and curvature at the server's points)")
         say("prior: " + ("N(base, 1/λ0), centred at the pretrained base the silo fine-tuned" if s["prior_centre"] == "base"
                          else "N(0, 1/λ0), centred at zero"))
         if meta.get("class_names"):

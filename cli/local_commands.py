@@ -27,15 +27,19 @@ from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
 from posterior_fusion.local.config import (
     AUTO_DAMPINGS,
+    PRIVATE_REFRESH_DAMPING,
     RATIO_FLOOR,
     REFRESH_DAMPING,
     TRUST_RADIUS,
     FitConfig,
+    RefreshPrivacy,
     check_damping,
     fit_config_from,
     fit_settings,
+    refresh_privacy_from,
 )
 from posterior_fusion.runtime import resolve_device
+from posterior_fusion.settings import describe
 
 if typing.TYPE_CHECKING:
     from posterior_fusion.models import ModelSpec
@@ -195,6 +199,16 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
         say(f"wrote {out}: {len(comps)} components, structure {cfg.structure}, n={meta['n_data']}")
 
 
+def refresh_privacy_options(fn):
+    """One click option per :class:`~posterior_fusion.local.config.RefreshPrivacy` setting (text, read by the
+    settings converter: ``none`` switches the mechanism off)."""
+    for row in reversed(describe(RefreshPrivacy)):
+        fn = click.option("--" + row["name"].replace("_", "-"), row["name"], default=None, metavar="NUMBER",
+                          help=f"Refresh round only (--at): {row['help'][0].lower()}{row['help'][1:]}"
+                               + (f" [default: {row['default']}]" if row["default"] is not None and "[default" not in row["help"] else ""))(fn)
+    return fn
+
+
 @click.command("recapture")
 @click.option("--from", "source_path", required=True, type=click.Path(dir_okay=False),
               help="Client artifact (from fit-local) whose trained components are reused.")
@@ -212,7 +226,8 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                    "centre (Levenberg-Marquardt; Kronecker blocks (B + n d I) x (A + d I)); 0: the plain "
                    "Gauss-Newton centre, which overshoots; auto: per member, the smallest d of "
                    f"{', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss confirms (gain ratio "
-                   f">= {RATIO_FLOOR}; one forward pass per d tried) [default: {REFRESH_DAMPING}].")
+                   f">= {RATIO_FLOOR}; one forward pass per d tried; a private round, which cannot consult the loss, "
+                   f"takes {PRIVATE_REFRESH_DAMPING:g}) [default: {REFRESH_DAMPING}].")
 @click.option("--trust-radius", default=TRUST_RADIUS, show_default=True, type=bounded(ranges.TRUST_RADIUS, float),
               help="Refresh round only (--at): refuse a global whose member lies farther than this from the silo's "
                    "own posterior (squared distance per parameter in its own precision, min over its components; a "
@@ -233,12 +248,13 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                    "one of the whole architecture instead — each component's weights with the frozen ones put back "
                    "and LoRA merged (W + B A), the curvature captured over every weight there — so fuse combines the "
                    "products ΔW with their own curvature, not the adapter factors [default: off].")
+@refresh_privacy_options
 @lambda fn: fit_options(fn, only=("capture_dtype", "device", "compress", "compress_metric", "compress_vectors"))
 @max_memory_option
 @handle_errors
 def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_radius, ggn, capture, curvature_batch_size,
-                  out, as_json, kfac, merge, capture_dtype, device, compress, compress_metric, compress_vectors,
-                  max_memory):
+                  out, as_json, kfac, merge, refresh_dp_epsilon, refresh_dp_delta, refresh_dp_clip, capture_dtype, device,
+                  compress, compress_metric, compress_vectors, max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
@@ -252,10 +268,16 @@ def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_rad
         raise ConfigError("--damping applies to a refresh round only (--at GLOBAL)")
     damping = REFRESH_DAMPING if damping is None else check_damping(damping, "--damping")
     ranges.check("--trust-radius", trust_radius, ranges.TRUST_RADIUS)
+    given = {k: v for k, v in (("refresh_dp_epsilon", refresh_dp_epsilon), ("refresh_dp_delta", refresh_dp_delta),
+                               ("refresh_dp_clip", refresh_dp_clip)) if v is not None}
+    if given and at_path is None:
+        raise ConfigError("the refresh_dp settings apply to a refresh round only (--at GLOBAL)")
+    privacy = refresh_privacy_from(given)
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
                              max_memory, log=log_to_stderr, kfac=kfac, capture_dtype=capture_dtype, device=device,
                              compression=Compression(compress, compress_metric, compress_vectors),
-                             at_path=at_path, damping=damping, trust_radius=trust_radius, merge=merge)
+                             at_path=at_path, damping=damping, trust_radius=trust_radius, merge=merge,
+                             privacy=privacy)
     if as_json:
         echo_json({"out": out, "structure": meta["structure"], "n_data": meta["n_data"],
                    "recaptured_from": meta["recaptured_from"], "refreshed_at": meta.get("refreshed_at")})

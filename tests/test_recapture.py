@@ -11,7 +11,10 @@ from conftest import fit_artifact
 from posterior_fusion.artifact import load_client
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
+from posterior_fusion.local.config import RefreshPrivacy
 from posterior_fusion.local.recapture import recapture
+
+EXACT = RefreshPrivacy(refresh_dp_epsilon=None)  # the refresh round without its mechanism (its maths checked here)
 
 
 def _dense_parts(curvature) -> list[torch.Tensor]:
@@ -159,7 +162,7 @@ def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small
     reference = [_dense_ggn_and_gradient(source.model_spec, w, *silo.tensors()) for w in members]
     steps = {}
     for d in (0.0, 1.0, 10.0):
-        meta, refreshed = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=d)
+        meta, refreshed = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=d, privacy=EXACT)
         assert len(refreshed) == 2 and meta["refreshed_at"] == {"file_sha256": "0" * 64, "method": "fedavg",
                                                                 "members": 2, "damping": d}
         assert meta["fit_fingerprint"] != source.metadata["fit_fingerprint"]
@@ -198,7 +201,7 @@ def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
     assert r.exit_code == 0, r.output
     out = tmp_path / "refreshed.h5"
     r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
-                              "--at", str(glob), "--out", str(out), "--json"])
+                              "--at", str(glob), "--refresh-dp-epsilon", "none", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     art = load_client(out)
     assert art.structure == "kron" and art.num_components == 1 and art.metadata["refreshed_at"]["members"] == 1
@@ -297,7 +300,7 @@ def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
     members = tuple(c.map + 0.3 * torch.randn(c.map.numel(), generator=gen) for c in source.components)
     at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"}, members)
     meta, comps = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping="auto",
-                            trust_radius=100.0)  # members 0.3 from the MAPs per weight: beyond the default radius
+                            trust_radius=100.0, privacy=EXACT)  # members 0.3 from the MAPs per weight: beyond the default radius
     assert meta["refreshed_at"]["damping"] == "auto"
     x, y = silo.tensors()
 
@@ -348,7 +351,7 @@ def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, m
     monkeypatch.setattr(rc, "RATIO_FLOOR", 1e9)
     with warning_module.catch_warnings(record=True) as caught:
         warning_module.simplefilter("always")
-        meta, comps = rc.recapture(source, silo, "diag", at=at, log=lambda *_: None, damping="auto")
+        meta, comps = rc.recapture(source, silo, "diag", at=at, log=lambda *_: None, damping="auto", privacy=EXACT)
     lines = [str(w.message) for w in caught]
     warnings = [line for line in lines if "does not confirm" in line]
     assert len(warnings) == 2 and all("gain_test = failed" in line for line in warnings), lines

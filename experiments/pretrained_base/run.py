@@ -35,7 +35,7 @@ from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import IncompatibleArtifactsError
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
-from posterior_fusion.local.config import TrainConfig, fit_config_from
+from posterior_fusion.local.config import RefreshPrivacy, TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import base_weights, finetune_start, initial_weights, write_base
 from posterior_fusion.local.recapture import recapture_to_file
@@ -223,7 +223,7 @@ def run_refresh(args, setting: str, alpha: float, seed: int, spec: ModelSpec, st
             try:
                 if not out.exists():
                     recapture_to_file(p, silo_file(work, c), out, None, log=lambda m: None, at_path=current,
-                                      damping="auto")
+                                      damping="auto", privacy=RefreshPrivacy(refresh_dp_epsilon=None))
                 inputs.append(out)
             except IncompatibleArtifactsError:  # the silo's trust radius refuses the global: recorded, no round
                 refused += 1

@@ -4,7 +4,9 @@ component becoming the Gauss–Newton Gaussian there) and the server fuses again
 one client set: fedbens before the round (the paper's Adam with its best validation iterate; EM to
 a stationary point without validation data), after one round (refreshed at the paper's modes, or
 at the EM modes — a pipeline that never sees validation data) and after a second round; test
-accuracy, NLL, ECE, server and silo seconds, and the bytes each round moves.
+accuracy, NLL, ECE, server and silo seconds, and the bytes each round moves. The rounds release the exact
+gradient and a new curvature (``refresh_dp_epsilon`` none) unless ``--refresh-dp-epsilon E`` asks for the
+private round (the silo's own curvature, a noisy clipped gradient; ``pfuse recapture``'s default, ε = 1).
 
     nice -n 5 .venv/bin/python experiments/without_validation/refresh_round.py --clients DIR --json OUT.json
 
@@ -25,6 +27,7 @@ from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment.measure import save_rows
 from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.local.config import refresh_privacy_from
 from posterior_fusion.local.recapture import check_damping, recapture
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.posterior import GlobalEnsemble
@@ -43,11 +46,18 @@ def main() -> None:
                     help="comma-separated dampings of the refresh at the paper's modes (numbers or auto)")
     ap.add_argument("--em-dampings", default="auto",
                     help="comma-separated dampings of the two rounds at the EM modes (numbers or auto)")
+    ap.add_argument("--refresh-dp-epsilon", default="none",
+                    help="the rounds' privacy: ε of the private round, or none (the exact release) [default: none]")
+    ap.add_argument("--refresh-dp-clip", default=None,
+                    help="the private round's per-sample gradient clip [default: recapture's, 1]")
     ap.add_argument("--no-em-pipeline", action="store_true",
                     help="leave out the refresh rounds at the EM modes (the validation-free pipeline)")
     args = ap.parse_args()
+    privacy = refresh_privacy_from({"refresh_dp_epsilon": args.refresh_dp_epsilon,
+                                    **({"refresh_dp_clip": args.refresh_dp_clip} if args.refresh_dp_clip else {})}, "")
     folder = Path(args.clients)
-    work = folder / "refresh"
+    work = folder / ("refresh" if not privacy.private else
+                     f"refresh_dp{privacy.refresh_dp_epsilon:g}_clip{privacy.refresh_dp_clip:g}")
     work.mkdir(exist_ok=True)
     paths = sorted(folder.glob("post_*.h5"))
     data = folder / "data" if (folder / "data" / "test.h5").exists() else folder  # a `pfuse demo` folder: data/
@@ -75,12 +85,14 @@ def main() -> None:
             source = load_client(p)
             meta, comps = recapture(source, read_silo(s, num_classes=source.model_spec.num_classes), source.structure,
                                     at=at, log=lambda m, name=p.name: print(f"  {name}: {m}", file=sys.stderr, flush=True),
-                                    damping=damping)
+                                    damping=damping, privacy=privacy)
             out.append(work / f"{tag}_{p.name}")
             write_client_artifact(out[-1], source.model_spec, source.layout, meta, comps)
             sent += out[-1].stat().st_size
         failed = sum(c.training.get("gain_test") == "failed" for q in out for c in load_client(q).components)
-        return out, {"damping": damping, "silo_seconds_total": round(time.time() - t0, 1),
+        return out, {"damping": damping, "refresh_dp_epsilon": privacy.refresh_dp_epsilon,
+                     "refresh_dp_clip": privacy.refresh_dp_clip if privacy.private else None,
+                     "silo_seconds_total": round(time.time() - t0, 1),
                      "bytes_up_per_client": sent // len(paths), "gain_test_failed": failed}
 
     base = {"silo_seconds_total": 0.0, "bytes_up_per_client": sum(p.stat().st_size for p in paths) // len(paths)}

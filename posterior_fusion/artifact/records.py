@@ -91,10 +91,10 @@ TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "train_seconds": (int, float), "curvature_seconds": (int, float),
     "ppd_samples": (int,), "ppd_seconds": (int, float),
     "refreshed_at_member": (int,), "gradient_norm": (int, float), "newton_step_norm": (int, float),
-    "damping": (int, float), "step_ratio": (int, float),
+    "damping": (int, float), "step_ratio": (int, float), "curvature_from": (int,),
 }
 TRAINING_CHOICES: dict[str, tuple[str, ...]] = {"capture": ("fast", "laplace"), "device": ("cpu", "cuda"),
-                                                 "gain_test": ("passed", "failed")}  # string fields: allowed values
+                                                 "gain_test": ("passed", "failed", "not run")}  # string fields: allowed values
 
 
 def parse_training(raw: Any, where: str) -> dict[str, Any]:

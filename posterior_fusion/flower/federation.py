@@ -15,7 +15,9 @@ never one the server sends, so model, structure, T and λ0 are the node's; the g
 against it first (:func:`~posterior_fusion.local.recapture.check_refresh_global`: the same model, at
 most ``-M``'s cap of members, each within the node's trust radius — node config
 ``refresh-trust-radius``, the server cannot set it). It runs ``pfuse recapture --at`` on its silo
-(GGN and gradient at the fused modes, ``refresh_damping``) and replies with the refreshed artifact,
+(``refresh_damping``) — private by the node's own settings (node config ``refresh-dp-epsilon``,
+``refresh-dp-delta``, ``refresh-dp-clip``; ``refresh-dp-epsilon = "none"`` releases the exact gradient and a
+new curvature; the server cannot set them either) — and replies with the refreshed artifact,
 which the server validates like the first and fuses again into ``global_refreshed.h5`` (the one-shot
 ``global.h5`` stays). A node that fails the second message is left out of the refreshed fusion.
 
@@ -55,7 +57,13 @@ from posterior_fusion.errors import (
 from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.local.config import FitConfig, PrivateModelConfig, fit_config_from, fit_settings
+from posterior_fusion.local.config import (
+    FitConfig,
+    PrivateModelConfig,
+    fit_config_from,
+    fit_settings,
+    refresh_privacy_from,
+)
 from posterior_fusion.local.fit import fit_silo_file
 from posterior_fusion.local.recapture import REFRESH_DAMPING, TRUST_RADIUS, check_damping, recapture_to_file
 from posterior_fusion.models import ModelSpec
@@ -221,6 +229,8 @@ def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike |
         except ValueError:
             pass
     ranges.check("node config refresh-trust-radius", radius, ranges.TRUST_RADIUS)
+    privacy = refresh_privacy_from({k.replace("-", "_"): v for k, v in context.node_config.items()
+                                    if k.startswith("refresh-dp-")}, "node config: ")
     silo = node_silo(context, silo_dir)
     first = node_state_dir(context, silo) / f"{own}.h5"
     if not first.is_file():
@@ -230,7 +240,7 @@ def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike |
         glob, out = Path(tmp) / "global.h5", Path(tmp) / "refreshed.h5"
         glob.write_bytes(at)
         recapture_to_file(first, silo, out, None, at_path=glob, damping=damping, log=lambda m: None,
-                          trust_radius=float(radius))
+                          trust_radius=float(radius), privacy=privacy)
         blob = out.read_bytes()
     reply = {"artifact": blob, "silo": str(silo)}
     if "partition-id" in context.node_config:

@@ -79,7 +79,10 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
         "input_transform": clients[0].metadata.get("input_transform"),
         "provenance": [{"file": c.path, "sha256": c.sha256, "n_data": c.n_data,
                         **({"dp": {k: c.metadata["dp"][k] for k in ("epsilon", "delta")}}
-                           if isinstance(c.metadata.get("dp"), dict) else {})} for c in clients],
+                           if isinstance(c.metadata.get("dp"), dict) else {}),
+                        **({"refresh_dp": {k: c.metadata["refreshed_at"]["dp"][k] for k in ("epsilon", "delta")}}
+                           if isinstance((c.metadata.get("refreshed_at") or {}).get("dp"), dict) else {})}
+                       for c in clients],
         "base_sha256": (clients[0].metadata.get("init") or {}).get("base_sha256")
         if isinstance(clients[0].metadata.get("init"), dict) else None,
         **({"class_names": names} if (names := next((list(c.metadata["class_names"]) for c in clients

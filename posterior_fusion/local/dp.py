@@ -74,16 +74,46 @@ def composed_epsilon(noise_multiplier: float, sample_rate: float, steps: int, re
     return float(eps)
 
 
+def release_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
+    """ε at ``delta`` of ``releases`` full-batch Gaussian mechanisms of noise ``noise_multiplier`` × sensitivity
+    (Opacus' RDP, converted once)."""
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+    from opacus.accountants.rdp import RDPAccountant
+
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order")  # a bound at the largest order is still valid
+        rdp = compute_rdp(q=1.0, noise_multiplier=noise_multiplier, steps=releases, orders=orders)
+        return float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
+
+
+def release_noise(epsilon: float, releases: int, delta: float) -> float:
+    """The smallest noise multiplier whose ``releases`` Gaussian mechanisms compose to at most ``epsilon`` at
+    ``delta`` (:func:`release_epsilon`; bisection in log space); one ConfigError line when none in [1e-3, 1e4] does."""
+    lo, hi = 1e-3, 1e4
+    if release_epsilon(hi, releases, delta) > epsilon:
+        raise ConfigError(f"ε {epsilon:g} is out of reach for {releases} releases at δ {delta:g}")
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if release_epsilon(mid, releases, delta) > epsilon else (lo, mid)
+    return hi
+
+
+def opacus_version() -> str:
+    """Opacus' version; one ConfigError line naming the extra when it is not installed."""
+    try:
+        import opacus
+    except ImportError:
+        raise ConfigError("differential privacy needs Opacus, an optional install: pip install "
+                          "'posterior-fusion[dp]'") from None
+    return opacus.__version__
+
+
 def plan(cfg: DPConfig, n: int, batch_size: int, epochs: int, components: int) -> DPPlan:
     """Calibrate the noise for a silo of ``n`` samples (module docstring); one ConfigError line when no noise
     reaches the target."""
     cfg.validate()
-    try:
-        import opacus  # noqa: F401
-    except ImportError:
-        raise ConfigError("`dp` needs Opacus, an optional install: pip install 'posterior-fusion[dp]'") from None
-    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
-    from opacus.accountants.rdp import RDPAccountant
+    opacus_version()
     from opacus.accountants.utils import get_noise_multiplier
 
     delta = cfg.dp_delta if cfg.dp_delta is not None else 1.0 / n
@@ -97,22 +127,12 @@ def plan(cfg: DPConfig, n: int, batch_size: int, epochs: int, components: int) -
                                          sample_rate=q, steps=steps, accountant="rdp")
     except ValueError as exc:
         raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g}: no training noise reaches it ({exc})") from None
-    orders = RDPAccountant.DEFAULT_ALPHAS
     rest = (1 - cfg.dp_training_share) * cfg.dp_epsilon
-
-    def release_eps(s: float) -> float:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Optimal order")
-            return float(get_privacy_spent(orders=orders, rdp=compute_rdp(q=1.0, noise_multiplier=s, steps=releases,
-                                                                          orders=orders), delta=delta / 2)[0])
-
-    lo, hi = 1e-3, 1e4
-    if release_eps(hi) > rest:
-        raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g} leaves too little for the curvature and count releases")
-    for _ in range(100):  # the smallest release noise within its share (bisection in log space)
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if release_eps(mid) > rest else (lo, mid)
-    release = hi
+    try:  # the smallest release noise within its share
+        release = release_noise(rest, releases, delta / 2)
+    except ConfigError:
+        raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g} leaves too little for the curvature and count "
+                          "releases") from None
     total = composed_epsilon(sigma, q, steps, release, releases, delta)
     while total > cfg.dp_epsilon:  # RDP composition is tighter than the split in practice; make sure of it
         sigma, release = sigma * 1.02, release * 1.02
@@ -174,6 +194,40 @@ def private_diagonal(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_n
         total = part if total is None else total + part
     noise = release_noise * cfg.dp_curvature_clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
     return (total + noise).clamp_min(0).float()
+
+
+def per_sample_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``(M, d)``: each sample's gradient of its cross-entropy, in ``model.parameters()`` order (torch.func)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    return torch.cat([g[k].reshape(len(x), -1) for k in params], 1)
+
+
+def clipped_gradient_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float,
+                         batch_size: int = 64) -> torch.Tensor:
+    """``Σ_n clip(∇ℓ_n)`` ``(d,)`` float64: each sample's gradient scaled to L2 norm at most ``clip``, so adding
+    or removing one sample moves the sum by at most ``clip`` (its L2 sensitivity)."""
+    model.eval()
+    total = None
+    for i in range(0, len(x), batch_size):
+        g = per_sample_gradients(model, x[i: i + batch_size], y[i: i + batch_size]).double()
+        part = (g * (clip / g.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)[:, None]).sum(0)
+        total = part if total is None else total + part
+    return total
+
+
+def private_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, noise_multiplier: float,
+                     generator: torch.Generator, batch_size: int = 64) -> torch.Tensor:
+    """The Gaussian mechanism on :func:`clipped_gradient_sum`: noise ``noise_multiplier · clip`` on every
+    coordinate, ``(d,)`` float64."""
+    total = clipped_gradient_sum(model, x, y, clip, batch_size)
+    return total + noise_multiplier * clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
 
 
 def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg, dp: DPConfig, plan_: DPPlan,

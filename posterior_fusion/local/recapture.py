@@ -46,8 +46,23 @@ on the LeNet demo sets at α = 0.1, points at the scale of the silo's weights bu
 2–20, the negated MAP at 9–70; the default ``TRUST_RADIUS`` is 4. The damping must be in
 ``ranges.REFRESH_DAMPING``. Anything else is refused in one line before any capture. The radius does
 not stop every point built to leak: a binning trap at the weights' scale lies at 0.35–0.44
-(docs/security.md, "Not guaranteed"). Cost for the silo: one gradient pass and one capture per mode, no training; the
+(docs/security.md). Cost for the silo: one gradient pass and one capture per mode, no training; the
 message back is one client artifact (the same size as the first).
+
+**A private refresh** (the default, ``RefreshPrivacy``: ``refresh_dp_epsilon``). The radius cannot tell a
+trap from an honest mode, so the release itself is made private. At each global member w*_k the silo
+releases one quantity: its gradient, each sample's clipped to ``refresh_dp_clip`` in L2 (adding or removing
+a sample moves the sum by at most that), plus Gaussian noise ``σ · refresh_dp_clip`` per coordinate
+(``local/dp.py``); σ is the smallest whose K releases (K members) compose, by Opacus' RDP accountant, to
+(``refresh_dp_epsilon``, ``refresh_dp_delta``; default δ = 1/n). No curvature is taken at w*_k: the component
+keeps the curvature of the silo's own component nearest to w*_k (least squared distance in its own
+precision) — already in the first artifact, so post-processing — and its centre is the damped step from
+w*_k with that curvature and the noisy gradient. ``damping`` auto would choose on the silo's loss (a release
+of its own), so a private round takes ``PRIVATE_REFRESH_DAMPING`` then and runs no gain test
+(``gain_test = "not run"``). The artifact records the mechanism, its parameters and the (ε, δ) under
+``refreshed_at.dp``; refreshing a differentially private artifact is allowed only this way, its ε then
+composed with the fit's (their sum). ``refresh_dp_epsilon`` none releases the exact gradient and a new
+curvature at the server's points, as described above.
 """
 
 from __future__ import annotations
@@ -75,7 +90,16 @@ from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
-from posterior_fusion.local.config import AUTO_DAMPINGS, RATIO_FLOOR, REFRESH_DAMPING, TRUST_RADIUS, check_damping
+from posterior_fusion.local.config import (
+    AUTO_DAMPINGS,
+    PRIVATE_REFRESH,
+    PRIVATE_REFRESH_DAMPING,
+    RATIO_FLOOR,
+    REFRESH_DAMPING,
+    TRUST_RADIUS,
+    RefreshPrivacy,
+    check_damping,
+)
 from posterior_fusion.local.fit import library_versions
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, build_model, frozen_mapping
@@ -240,12 +264,56 @@ def _expansion_points(source: ClientPosterior, at: GlobalEnsemble | None) -> lis
             for k, w in enumerate(at.members)]
 
 
+def private_refresh(source: ClientPosterior, x: torch.Tensor, y: torch.Tensor, at: GlobalEnsemble,
+                    damping: float | str, privacy: RefreshPrivacy, batch: int,
+                    log: Callable[[str], None]) -> tuple[dict, list[Component]]:
+    """The private refresh round (module docstring): ``(the refreshed_at.dp record, one component per member)``."""
+    from posterior_fusion.local import dp
+
+    version = dp.opacus_version()
+    n_data = int(source.metadata["n_data"])
+    delta = privacy.refresh_dp_delta if privacy.refresh_dp_delta is not None else 1.0 / n_data
+    releases = len(at.members)
+    sigma = dp.release_noise(privacy.refresh_dp_epsilon, releases, delta)
+    used = PRIVATE_REFRESH_DAMPING if damping == "auto" else float(damping)
+    noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # fresh per run
+    posterior = own_posterior(source)
+    comps = []
+    for k, point in enumerate(at.members):
+        t0 = time.perf_counter()
+        nearest = min(range(len(posterior)), key=lambda m: float(posterior[m][1].quadratic_form(point - posterior[m][0])))
+        ref = source.components[nearest]
+        model = build_model(source.model_spec, point).to(x.device)
+        g = dp.private_gradient(model, x, y, privacy.refresh_dp_clip, sigma, noise, min(batch, 64))
+        centre = newton_centre(point, ref.curvature, g, ref.temperature, ref.prior_precision, n_data, used,
+                               source.prior_mean)
+        stored = ref.curvature.damped(n_data, used) if used > 0 else ref.curvature
+        training = {"seed": int(ref.training.get("seed", 0)) + k, "refreshed_at_member": k, "curvature_from": nearest,
+                    "gradient_norm": float(g.norm()), "newton_step_norm": float((centre - point.double().cpu()).norm()),
+                    "damping": used, "gain_test": "not run", "device": x.device.type}
+        comps.append(Component(k, centre.to(ref.map.dtype), stored, frozen_mapping(training), ref.temperature,
+                               ref.prior_precision))
+        log(f"global mode {k + 1}/{releases}: private gradient ({time.perf_counter() - t0:.1f}s), the curvature of "
+            f"component {nearest + 1}, damping {used:g}")
+    record = {"epsilon": dp.release_epsilon(sigma, releases, delta), "delta": delta,
+              "target_epsilon": privacy.refresh_dp_epsilon, "accountant": "rdp", "releases": releases,
+              "mechanism": "Gaussian mechanism on the per-sample-clipped gradient at each global member; the "
+                           "curvature is the artifact's own (no new release)",
+              "noise_multiplier": sigma, "clip": privacy.refresh_dp_clip, "opacus": version}
+    fit_dp = source.metadata.get("dp")
+    if isinstance(fit_dp, dict):  # basic composition with the fit's own release
+        record["epsilon_with_fit"] = record["epsilon"] + float(fit_dp["epsilon"])
+        record["delta_with_fit"] = delta + float(fit_dp["delta"])
+    return record, comps
+
+
 def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str | None = None,
               curvature_batch_size: int | None = None, method: str = "fast",
               log: Callable[[str], None] = print, kfac: str | None = None,
               device: str = "auto", at: GlobalEnsemble | None = None,
               damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32",
-              trust_radius: float = TRUST_RADIUS) -> tuple[dict, list[Component]]:
+              trust_radius: float = TRUST_RADIUS,
+              privacy: RefreshPrivacy = PRIVATE_REFRESH) -> tuple[dict, list[Component]]:
     """Capture ``structure`` at every component MAP of ``source``; returns ``(metadata, components)``.
 
     ``ggn``, ``curvature_batch_size`` and ``kfac`` default to the source's (``kfac``: "expand" where
@@ -258,14 +326,21 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     ``damping``), curvature G(w*_k); SWAG moments and FedPPD students (which belong to the local
     MAPs) are dropped. ``at`` is checked first (:func:`check_refresh_global`, ``trust_radius``).
     A ``source`` from :func:`merged_source` is recaptured over its whole architecture (``merged_from`` recorded).
+    A refresh round is private unless ``privacy`` says otherwise (module docstring, "A private refresh"): then
+    ``structure`` must be the source's and ``ggn``, ``kfac``, ``capture_dtype`` and ``method`` are not used.
     """
     damping = check_damping(damping)
+    privacy.validate()
+    private = at is not None and privacy.private
     if at is not None:
         check_refresh_global(source, at, trust_radius)
     meta = dict(source.metadata)
-    if isinstance(meta.get("dp"), dict):
+    if isinstance(meta.get("dp"), dict) and not private:
         raise ConfigError(f"{source.path}: is differentially private; a recapture would release the silo's curvature "
-                          "again outside its accounted budget")
+                          "again outside its accounted budget (a private refresh round, `refresh_dp_epsilon`, may)")
+    if private and structure != source.structure:
+        raise ConfigError(f"a private refresh round keeps the artifact's own curvature ({source.structure}); it cannot "
+                          f"capture {structure} (`refresh_dp_epsilon` none would, releasing it as it is)")
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
                                          "finish it with fit-local `resume` first")
@@ -287,6 +362,19 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
                                          f"{source.path}'s model outputs {source.model_spec.num_classes}")
     where = resolve_device(device)
     x, y = (t.to(where) for t in data.tensors())
+    if private:
+        record, comps = private_refresh(source, x, y, at, damping, privacy, batch, log)
+        meta.pop("num_components", None)
+        origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
+                  "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
+        used = comps[0].training["damping"]
+        meta["refreshed_at"] = {"file_sha256": at.sha256, "method": at.method, "members": len(at.members),
+                                "damping": used, "dp": record}
+        recipe = {"from": origin["fit_fingerprint"], "structure": structure, "at": at.sha256, "damping": used,
+                  "dp": {k: record[k] for k in ("target_epsilon", "delta", "clip")}}
+        meta.update(recaptured_from=origin, library_versions=library_versions(),
+                    fit_fingerprint=hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest())
+        return meta, comps
     comps = []
     policy = None
     points = _expansion_points(source, at)
@@ -355,7 +443,8 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
                       log: Callable[[str], None] = print, kfac: str | None = None, device: str = "auto",
                       compression: Compression = PLAIN, at_path: str | os.PathLike | None = None,
                       damping: float | str = REFRESH_DAMPING, capture_dtype: str = "float32",
-                      trust_radius: float = TRUST_RADIUS, merge: bool = False) -> dict:
+                      trust_radius: float = TRUST_RADIUS, merge: bool = False,
+                      privacy: RefreshPrivacy = PRIVATE_REFRESH) -> dict:
     """What ``pfuse recapture`` does: validate the source artifact, the silo and (``at_path``) the
     global artifact of a refresh round, recapture, write ``out`` atomically. ``structure`` None:
     the source's; ``merge``: the source as one of its whole architecture first (:func:`merged_source`: the
@@ -373,6 +462,6 @@ def recapture_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLi
         if merge:
             source = merged_source(source)
         meta, comps = recapture(source, data, structure, ggn, curvature_batch_size, method, log, kfac, device, at,
-                                damping, capture_dtype, trust_radius)
+                                damping, capture_dtype, trust_radius, privacy)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression, source.prior_mean)
     return meta
