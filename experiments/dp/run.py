@@ -48,7 +48,7 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
                     "batch_size": args.batch_size, **({"dp": True, "dp_epsilon": eps} if private else {})}
         paths, aucs = [], []
         for c in range(5):
-            out = work / f"eps{eps:g}_lr{args.lr:g}_b{args.batch_size}" / f"post_{c}.h5"
+            out = work / f"eps{eps:g}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs)}" / f"post_{c}.h5"
             out.parent.mkdir(parents=True, exist_ok=True)
             if not out.exists():
                 fit_silo_file(spec, work / "data" / f"client_{c}.h5", out, 1, seed,
@@ -70,19 +70,24 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
     return rows
 
 
+def recipe_tag(epochs: int) -> str:
+    """The file-name tag of a recipe's epochs (none for the default 5, whose files came first)."""
+    return "" if epochs == 5 else f"_e{epochs}"
+
+
 def report(folder: Path) -> None:
     rows = [r for p in sorted(folder.glob("*.json")) for r in json.loads(p.read_text())]
     alphas = sorted({r["alpha"] for r in rows})
     print("| method | ε (target) | " + " | ".join(f"α = {a}: accuracy · NLL / ECE" for a in alphas)
           + " | attack AUC (mean, max over silos) |")
     print("|---|---|" + "---|" * len(alphas) + "---|")
-    recipes = sorted({(r.get("lr", 0.01), r.get("batch_size", 64)) for r in rows})
-    for (lr, batch), (label, _, _) in ((rec, f) for rec in recipes for f in FUSIONS):
+    recipes = sorted({(r.get("lr", 0.01), r.get("batch_size", 64), r.get("epochs", 5)) for r in rows})
+    for (lr, batch, epochs), (label, _, _) in ((rec, f) for rec in recipes for f in FUSIONS):
         for eps in sorted({r["target_epsilon"] for r in rows}):
             cells, auc = [], []
             for a in alphas:
                 rs = [r for r in rows if (r["row"], r["target_epsilon"], r["alpha"], r.get("lr", 0.01),
-                                          r.get("batch_size", 64)) == (label, eps, a, lr, batch)]
+                                          r.get("batch_size", 64), r.get("epochs", 5)) == (label, eps, a, lr, batch, epochs)]
                 if not rs:
                     cells.append("—")
                     continue
@@ -93,7 +98,7 @@ def report(folder: Path) -> None:
                 auc += [(r["attack_auc_mean"], r["attack_auc_max"]) for r in rs]
             shown = "∞ (no privacy)" if math.isinf(eps) else f"{eps:g}"
             attack = f"{statistics.mean(a for a, _ in auc):.3f}, {max(m for _, m in auc):.3f}" if auc else "—"
-            print(f"| {label} (lr {lr:g}, batch {batch}) | {shown} | " + " | ".join(cells) + f" | {attack} |")
+            print(f"| {label} (lr {lr:g}, batch {batch}, {epochs} epochs) | {shown} | " + " | ".join(cells) + f" | {attack} |")
 
 
 def main() -> None:
@@ -115,7 +120,7 @@ def main() -> None:
     Path(args.json_dir).mkdir(parents=True, exist_ok=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
-            out = Path(args.json_dir) / f"lenet_a{alpha}_s{seed}_lr{args.lr:g}_b{args.batch_size}.json"
+            out = Path(args.json_dir) / f"lenet_a{alpha}_s{seed}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs)}.json"
             if not out.exists():
                 out.write_text(json.dumps(run_cell(args, alpha, seed), indent=1))
 
