@@ -161,3 +161,27 @@ def test_refreshing_a_private_artifact_or_another_structure_privately(tmp_path, 
     r = CliRunner().invoke(pfuse, ["recapture", "--from", source.path, "--data", str(tmp_path / "s.h5"), "--at",
                                    str(tmp_path / "g.h5"), "--refresh-dp-epsilon", "none", "--out", str(tmp_path / "x.h5")])
     assert r.exit_code == 0 and "dp" not in load_client(tmp_path / "x.h5").metadata["refreshed_at"], r.output
+
+
+def test_a_private_artifact_is_refreshed_only_privately_its_epsilon_composed(tmp_path, small_silo):
+    """A ``fit-local --dp`` artifact: the exact refresh is refused in one line; the private one is taken (the silo
+    cannot be checked by hash: a private fit releases none) and records the fit's ε plus its own."""
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.local.config import DPConfig, FitConfig, TrainConfig
+    from posterior_fusion.local.fit import fit_and_write
+    from posterior_fusion.local.init import initial_weights
+    from posterior_fusion.models import ModelSpec
+
+    silo = SiloData(small_silo.x[:128, ::4, ::4].copy(), small_silo.y[:128], "fmnist", 10)
+    spec = ModelSpec("mlp", {"in_features": 49, "hidden": 8})
+    cfg = FitConfig(structure="diag", dp=DPConfig(dp_epsilon=4.0), train=TrainConfig(epochs=1, batch_size=32))
+    fit_and_write(spec, silo, initial_weights(spec, 1, 0), cfg, tmp_path / "p.h5", {"init_seed": 0}, log=lambda m: None)
+    source = load_client(tmp_path / "p.h5")
+    at = GlobalEnsemble("g.h5", "2" * 64, source.model_spec, source.layout, {"method": "fedavg"},
+                        (source.components[0].map,))
+    with pytest.raises(ConfigError, match="differentially private"):
+        recapture(source, silo, "diag", at=at, log=lambda m: None, privacy=RefreshPrivacy(refresh_dp_epsilon=None))
+    meta, comps = recapture(source, silo, "diag", at=at, log=lambda m: None)
+    record = meta["refreshed_at"]["dp"]
+    assert record["epsilon_with_fit"] == pytest.approx(record["epsilon"] + source.metadata["dp"]["epsilon"])
+    assert len(comps) == 1 and torch.isfinite(comps[0].map).all()

@@ -352,7 +352,8 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
                                          f"got {shown(recorded, 40)}")
     batch = recorded if curvature_batch_size is None else curvature_batch_size
     ranges.check("curvature_batch_size", batch, ranges.BATCH_SIZE)
-    if meta.get("data_sha256") != data.sha256():
+    hashed = not (isinstance(meta.get("dp"), dict) and "data_sha256" not in meta)  # a private fit releases no hash
+    if hashed and meta.get("data_sha256") != data.sha256():
         raise IncompatibleArtifactsError(
             f"{data.source or 'data'}: is not the silo {source.path} was fitted on (data SHA-256 "
             f"{data.sha256()[:12]}…, the artifact records {str(meta.get('data_sha256'))[:12]}…)")
