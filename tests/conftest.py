@@ -87,3 +87,19 @@ def install_fake_plugin(folder, monkeypatch, package: str, version: str, entry: 
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
     (dist / "entry_points.txt").write_text(f"[posterior_fusion.models]\n{entry} = {package}:{entry}\n")
     monkeypatch.syspath_prepend(str(site))
+
+
+def dense_ggn_diagonal(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diag(Σ_n J_nᵀ H_n J_n) in float64 from full per-sample Jacobians (the independent reference)."""
+    params = dict(model.named_parameters())
+    out = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float64)
+    for n in range(len(x)):
+        def f(p, xn=x[n : n + 1]):
+            return torch.func.functional_call(model, p, (xn,))[0]
+
+        jac = torch.func.jacrev(f)(params)
+        J = torch.cat([jac[k].reshape(jac[k].shape[0], -1) for k in params], 1)  # (C, d)
+        p = f(params).softmax(-1)
+        H = torch.diag(p) - torch.outer(p, p)
+        out += ((J.T @ H) * J.T).sum(1)
+    return out

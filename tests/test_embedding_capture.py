@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import install_fake_plugin, random_psd
+from conftest import dense_ggn_diagonal, install_fake_plugin, random_psd
 from torch import nn
 
 from posterior_fusion.cli.main import pfuse
@@ -48,21 +48,6 @@ def _tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 3, (n,), generator=gen)
 
 
-def _dense_ggn_diagonal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """diag(Σ_n J_nᵀ H_n J_n) ``(d,)`` float64 from autograd per-sample Jacobians (the independent reference)."""
-    params = dict(model.named_parameters())
-    out = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float64)
-    for n in range(len(x)):
-        def f(p, xn=x[n : n + 1]):
-            return torch.func.functional_call(model, p, (xn,))[0]
-
-        jac = torch.func.jacrev(f)(params)
-        J = torch.cat([jac[k].reshape(jac[k].shape[0], -1) for k in params], 1)  # (C, d)
-        p = f(params).softmax(-1)
-        out += ((J.T @ (torch.diag(p) - torch.outer(p, p))) * J.T).sum(1)
-    return out
-
-
 def _diagonal(curv) -> torch.Tensor:
     return torch.cat([b.diagonal() for b in curv.blocks])
 
@@ -77,7 +62,7 @@ def test_a_per_sample_embedding_gets_the_exact_ggn_diagonal(structure):
     x, y = _tokens(24, 1)
     curv, how = capture(structure, model, x, y, 7)
     assert how == "fast"
-    ref = _dense_ggn_diagonal(model, x)
+    ref = dense_ggn_diagonal(model, x)
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
     got = dict(zip(names, torch.split(_diagonal(curv), sizes)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import dense_ggn_diagonal
 from torch import nn
 
 import posterior_fusion
@@ -81,22 +82,6 @@ def test_expand_factors_through_the_shifted_input_gram_equal_curvlinops(monkeypa
         assert ((a - b).norm() / a.norm()).item() < 1e-10
 
 
-def _dense_ggn_diagonal(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """diag(Σ_n J_nᵀ H_n J_n) in float64 from full per-sample Jacobians (the independent reference)."""
-    params = dict(model.named_parameters())
-    out = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float64)
-    for n in range(len(x)):
-        def f(p, xn=x[n : n + 1]):
-            return torch.func.functional_call(model, p, (xn,))[0]
-
-        jac = torch.func.jacrev(f)(params)
-        J = torch.cat([jac[k].reshape(jac[k].shape[0], -1) for k in params], 1)  # (C, d)
-        p = f(params).softmax(-1)
-        H = torch.diag(p) - torch.outer(p, p)
-        out += ((J.T @ H) * J.T).sum(1)
-    return out
-
-
 class Scaled(nn.Module):
     """A parameter outside any known layer (the layer policy gives it the prior alone)."""
 
@@ -130,7 +115,7 @@ def test_layer_policy_blocks_equal_the_dense_reference(kind):
         model(x)  # running statistics that are not (0, 1)
         assert "training mode" in unsupported_reason(model)
     model.eval()
-    ref = _dense_ggn_diagonal(model, x)
+    ref = dense_ggn_diagonal(model, x)
     names = [n for n, _ in model.named_parameters()]
     policy = dict(block_policy(model, "kron"))
     assert list(policy) == names

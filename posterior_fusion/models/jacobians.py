@@ -18,6 +18,7 @@ from posterior_fusion.models.layers import (
     NORM_LAYERS,
     captured_layers,
     embedding_per_sample,
+    forward_with_hooks,
     input_columns,
     norm_per_sample,
     owns_curvature,
@@ -199,13 +200,6 @@ def no_param_grads(model: nn.Module):
 def output_bytes(model: nn.Module, x: torch.Tensor) -> list[int]:
     """Bytes of every leaf module's output for the input ``x`` (one forward pass without gradients)."""
     sizes: list[int] = []
-    handles = [m.register_forward_hook(lambda m, i, o: sizes.append(o.numel() * o.element_size()
-                                                                   if isinstance(o, torch.Tensor) else 0))
-               for m in model.modules() if not list(m.children())]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    forward_with_hooks(model, [m for m in model.modules() if not list(m.children())], x,
+                       lambda m, i, o: sizes.append(o.numel() * o.element_size() if isinstance(o, torch.Tensor) else 0))
     return sizes

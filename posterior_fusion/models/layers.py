@@ -42,31 +42,39 @@ def owns_curvature(module: nn.Module) -> bool:
     return isinstance(module, SUPPORTED_LAYERS + NORM_LAYERS) and any(True for _ in module.parameters(recurse=False))
 
 
+def forward_with_hooks(model: nn.Module, modules: list[nn.Module], batch: torch.Tensor, hook) -> None:
+    """One forward pass of ``batch`` without gradients with ``hook(module, inputs, output)`` (returning None) on
+    each of ``modules``, removed afterwards."""
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        with torch.no_grad():
+            model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def input_rows(model: nn.Module, modules: list[nn.Module], batch: torch.Tensor) -> dict[nn.Module, list[int]]:
+    """For each of ``modules``, the leading size of its input at every call of one forward pass of ``batch``
+    (-1 for a 0-d input; no entry when it did not run)."""
+    rows: dict[nn.Module, list[int]] = {}
+    forward_with_hooks(model, modules, batch,
+                       lambda m, i, o: rows.setdefault(m, []).append(i[0].shape[0] if i[0].dim() else -1))
+    return rows
+
+
 def flag_embeddings(model: nn.Module, example: torch.Tensor) -> None:
     """Flag each ``nn.Embedding`` of ``model`` whose input holds one row per sample (:data:`PER_SAMPLE`):
     its leading size follows the batch at two batch sizes of ``example``. The layer policy's one
     decision that needs data; every capture and Jacobian path makes it through :func:`unsupported_reason`."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    if not embeddings:
-        return
-    follows = dict.fromkeys(embeddings, True)
-    for batch in (example, example[:1]):
-        seen: dict[nn.Module, int] = {}
-
-        def rows(m, i, o, seen=seen) -> None:
-            seen.setdefault(m, i[0].shape[0] if i[0].dim() else -1)
-
-        handles = [m.register_forward_hook(rows) for m in embeddings]
-        try:
-            with torch.no_grad():
-                model(batch)
-        finally:
-            for h in handles:
-                h.remove()
+    follows = dict.fromkeys(embeddings, len(example) > 1)
+    for batch in (example, example[:1]) if embeddings else ():
+        rows = input_rows(model, embeddings, batch)
         for m in embeddings:
-            follows[m] = follows[m] and seen.get(m) == batch.shape[0]
+            follows[m] = follows[m] and rows.get(m, [None])[0] == batch.shape[0]
     for m, ok in follows.items():
-        setattr(m, PER_SAMPLE, ok and len(example) > 1)
+        setattr(m, PER_SAMPLE, ok)
 
 
 def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) -> str | None:
@@ -89,26 +97,13 @@ def unsupported_reason(model: nn.Module, example: torch.Tensor | None = None) ->
         layers = captured_layers(model)
         names = {m: n for n, m in model.named_modules()}
         for batch in (example, example[:1]):  # two batch sizes: a leading size that does not follow them is no batch
-            calls: dict[nn.Module, int] = {}
-            rows: dict[nn.Module, int] = {}
-
-            def seen(m, i, o, calls=calls, rows=rows):
-                calls[m] = calls.get(m, 0) + 1
-                rows[m] = i[0].shape[0] if i[0].dim() else -1
-
-            handles = [m.register_forward_hook(seen) for m in layers]
-            try:
-                with torch.no_grad():
-                    model(batch)
-            finally:
-                for h in handles:
-                    h.remove()
-            if any(calls.get(m, 0) != 1 for m in layers):
+            rows = input_rows(model, layers, batch)
+            if any(len(rows.get(m, ())) != 1 for m in layers):
                 return "a Linear/Conv2d or normalisation layer does not run exactly once per forward pass"
-            odd = next((m for m in layers if rows.get(m) != batch.shape[0]), None)
+            odd = next((m for m in layers if rows[m][0] != batch.shape[0]), None)
             if odd is not None:
                 return (f"{type(odd).__name__} {names.get(odd, '?')}'s input does not hold one row per sample (its "
-                        f"leading size is {rows.get(odd)} for a batch of {batch.shape[0]}: computed once for the batch, "
+                        f"leading size is {rows[odd][0]} for a batch of {batch.shape[0]}: computed once for the batch, "
                         "or a sequence-first layout), so per-sample curvature cannot be taken there")
     return None
 
