@@ -62,6 +62,9 @@ class Registry(MutableMapping):
     def __delitem__(self, name: str) -> None:
         del self._entries[name]
 
+    def __contains__(self, name: object) -> bool:  # a name's presence imports nothing
+        return name in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 
