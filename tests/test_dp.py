@@ -17,7 +17,7 @@ import posterior_fusion
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.dp import DPConfig, per_sample_ggn_diagonal, private_diagonal
+from posterior_fusion.local.dp import DPConfig, clipped_kron_sums, per_sample_ggn_diagonal, private_diagonal
 
 pytest.importorskip("opacus", reason="differential privacy needs the `dp` extra (opacus)")
 
@@ -82,9 +82,9 @@ def test_the_clipped_curvature_has_its_sensitivity_and_sums_to_the_ggn_diagonal(
 
 def test_private_refusals_are_one_line(tmp_path, small_silo):
     silo = _silo(tmp_path, small_silo)
-    r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--structure", "kron",
+    r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--structure", "diag+full",
              "--dp", "--out", tmp_path / "k.h5")
-    assert r.exit_code == 2 and "diag" in r.stderr and r.stderr.count("\n") == 1, r.output
+    assert r.exit_code == 2 and "diag and kron" in r.stderr and r.stderr.count("\n") == 1, r.output
     assert _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
                 "--structure", "diag", "--dp", "--out", tmp_path / "p.h5").exit_code == 0
     assert _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
@@ -106,3 +106,78 @@ def test_strong_privacy_leaves_the_membership_attack_nothing(tmp_path, small_sil
     assert r.exit_code == 0, r.output
     report = json.loads(_run("audit", tmp_path / "dp.h5", "--data", silo, "--holdout", held, "--json").stdout)
     assert abs(report["membership"]["auc"] - 0.5) < 0.12, report["membership"]
+
+
+def _convnet() -> nn.Module:
+    """Conv2d, GroupNorm (a diagonal block), Linear with a bias: every kind of block the K-FAC release holds."""
+    return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(3 * 5 * 5, 4)).double().eval()
+
+
+@pytest.mark.parametrize("kfac", ["expand", "reduce"])
+def test_the_kron_sums_without_clipping_are_the_fast_capture(kfac):
+    """With clips no sample reaches, the per-sample K-FAC contributions sum to the fast capture's factors (the input
+    factors times n) and its normalisation-layer diagonal — an independent computation of the same quantities."""
+    torch.manual_seed(0)
+    model = _convnet()
+    x, y = torch.randn(12, 1, 5, 5, dtype=torch.float64), torch.randint(0, 4, (12,))
+    A, B, D = clipped_kron_sums(model, x, 1e12, 1e12, kfac, batch_size=5)
+    fast, _ = capture("kron", model, x, y, 5, kfac=kfac)
+    blocks = fast.blocks  # conv: Kron, Dense(bias); GroupNorm: 2 x Diag; linear: Kron, Dense(bias)
+    for k, (kron, diag) in ((0, (0, None)), (1, (None, (2, 3))), (2, (4, None))):
+        if kron is not None:
+            t = blocks[kron].to_tensors()
+            torch.testing.assert_close(A[k] / len(x), t["kron_A"].double(), rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(B[k], t["kron_B"].double(), rtol=1e-9, atol=1e-12)
+        else:
+            for d, j in zip(D[k], diag):
+                torch.testing.assert_close(d.reshape(-1), blocks[j].diagonal().double(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kfac", ["expand", "reduce"])
+def test_the_clipped_kron_sums_move_by_at_most_their_clips(kfac):
+    """Removing any one sample (a worst-case one with a huge input among them) moves the input factors' sums by at
+    most ``dp_input_clip`` and the output factors' and diagonals' sums by at most ``dp_curvature_clip``
+    (Frobenius / L2 over every layer together) — the sensitivity the noise is calibrated to."""
+    torch.manual_seed(1)
+    model = _convnet()
+    x = torch.randn(10, 1, 5, 5, dtype=torch.float64)
+    x[4] *= 1e3
+    ca, cb = 0.7, 0.05
+
+    def parts(xs):
+        A, B, D = clipped_kron_sums(model, xs, ca, cb, kfac, batch_size=4)
+        return ([a for a in A if torch.is_tensor(a)], [b for b in B if torch.is_tensor(b)] + [t for d in D if d for t in d])
+
+    whole = parts(x)
+    for i in range(len(x)):
+        keep = torch.arange(len(x)) != i
+        less = parts(x[keep])
+        moved_a = sum(((u - v) ** 2).sum() for u, v in zip(whole[0], less[0])).sqrt()
+        moved_b = sum(((u - v) ** 2).sum() for u, v in zip(whole[1], less[1])).sqrt()
+        assert moved_a <= ca * (1 + 1e-9) and moved_b <= cb * (1 + 1e-9), (i, moved_a, moved_b)
+
+
+def test_a_private_kron_artifact_fuses_and_records_its_clips(tmp_path, small_silo):
+    """``fit-local --dp --structure kron``: Kronecker blocks, both clips in the record, the guarantee Opacus'
+    accountant's; fedbens and Fisher merge fuse two such artifacts."""
+    from opacus.accountants import RDPAccountant
+
+    paths = []
+    for c in range(2):
+        silo = tmp_path / f"s{c}.h5"  # LeNet's 28 x 28 images
+        write_silo(silo, SiloData(small_silo.x[120 * c: 120 * (c + 1)], small_silo.y[120 * c: 120 * (c + 1)], "fmnist", 10))
+        r = _run("fit-local", "--data", silo, "--model", "lenet", "-M", "1", "--epochs", "1", "--structure", "kron",
+                 "--dp", "--dp-epsilon", "8", "--train-seed", c, "--out", tmp_path / f"k{c}.h5")
+        assert r.exit_code == 0, r.output
+        paths.append(tmp_path / f"k{c}.h5")
+    art = posterior_fusion.load(paths[0])
+    dp = art.metadata["dp"]
+    assert dp["input_clip"] == DPConfig().dp_input_clip and "K-FAC" in dp["mechanism"]
+    assert "kron" in {b.kind for b in art.components[0].curvature.blocks}
+    acc = RDPAccountant()
+    acc.history = [(dp["noise_multiplier"], dp["sample_rate"], dp["steps"]), (dp["release_noise"], 1.0, dp["releases"])]
+    assert math.isclose(acc.get_epsilon(dp["delta"]), dp["epsilon"], rel_tol=1e-9) and dp["epsilon"] <= 8.0
+    for method, extra in (("fedbens", ("--set", "steps=5")), ("fisher-merge", ())):
+        r = _run("fuse", *paths, "--method", method, *extra, "--out", tmp_path / f"g_{method}.h5")
+        assert r.exit_code == 0, (method, r.output)

@@ -44,11 +44,11 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
     rows = []
     for eps in [float(e) for e in args.epsilons.split(",")]:
         private = math.isfinite(eps)
-        settings = {"structure": "diag", "epochs": args.epochs, "train_seed": seed, "lr": args.lr,
+        settings = {"structure": args.structure, "epochs": args.epochs, "train_seed": seed, "lr": args.lr,
                     "batch_size": args.batch_size, **({"dp": True, "dp_epsilon": eps} if private else {})}
         paths, aucs = [], []
         for c in range(5):
-            out = work / f"eps{eps:g}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs)}" / f"post_{c}.h5"
+            out = work / f"eps{eps:g}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs, args.structure)}" / f"post_{c}.h5"
             out.parent.mkdir(parents=True, exist_ok=True)
             if not out.exists():
                 fit_silo_file(spec, work / "data" / f"client_{c}.h5", out, 1, seed,
@@ -64,15 +64,16 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
                          "delta": guarantee.get("delta"), "accuracy": 100 * m["accuracy"], "nll": m["nll"],
                          "ece": m["ece"], "attack_auc_mean": statistics.mean(aucs), "attack_auc_max": max(aucs),
                          "alpha": alpha, "seed": seed, "epochs": args.epochs, "max_train": args.max_train,
-                         "lr": args.lr, "batch_size": args.batch_size,
+                         "lr": args.lr, "batch_size": args.batch_size, "structure": args.structure,
                          "server_seconds": round(time.time() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def recipe_tag(epochs: int) -> str:
-    """The file-name tag of a recipe's epochs (none for the default 5, whose files came first)."""
-    return "" if epochs == 5 else f"_e{epochs}"
+def recipe_tag(epochs: int, structure: str = "diag") -> str:
+    """The file-name tag of a recipe's epochs and structure (none for the default 5 epochs and diag, whose files
+    came first)."""
+    return ("" if epochs == 5 else f"_e{epochs}") + ("" if structure == "diag" else f"_{structure}")
 
 
 def report(folder: Path) -> None:
@@ -81,13 +82,15 @@ def report(folder: Path) -> None:
     print("| method | ε (target) | " + " | ".join(f"α = {a}: accuracy · NLL / ECE" for a in alphas)
           + " | attack AUC (mean, max over silos) |")
     print("|---|---|" + "---|" * len(alphas) + "---|")
-    recipes = sorted({(r.get("lr", 0.01), r.get("batch_size", 64), r.get("epochs", 5)) for r in rows})
-    for (lr, batch, epochs), (label, _, _) in ((rec, f) for rec in recipes for f in FUSIONS):
+    recipes = sorted({(r.get("lr", 0.01), r.get("batch_size", 64), r.get("epochs", 5), r.get("structure", "diag"))
+                      for r in rows})
+    for (lr, batch, epochs, structure), (label, _, _) in ((rec, f) for rec in recipes for f in FUSIONS):
         for eps in sorted({r["target_epsilon"] for r in rows}):
             cells, auc = [], []
             for a in alphas:
                 rs = [r for r in rows if (r["row"], r["target_epsilon"], r["alpha"], r.get("lr", 0.01),
-                                          r.get("batch_size", 64), r.get("epochs", 5)) == (label, eps, a, lr, batch, epochs)]
+                                          r.get("batch_size", 64), r.get("epochs", 5), r.get("structure", "diag"))
+                      == (label, eps, a, lr, batch, epochs, structure)]
                 if not rs:
                     cells.append("—")
                     continue
@@ -98,7 +101,8 @@ def report(folder: Path) -> None:
                 auc += [(r["attack_auc_mean"], r["attack_auc_max"]) for r in rs]
             shown = "∞ (no privacy)" if math.isinf(eps) else f"{eps:g}"
             attack = f"{statistics.mean(a for a, _ in auc):.3f}, {max(m for _, m in auc):.3f}" if auc else "—"
-            print(f"| {label} (lr {lr:g}, batch {batch}, {epochs} epochs) | {shown} | " + " | ".join(cells) + f" | {attack} |")
+            print(f"| {label} ({structure}, lr {lr:g}, batch {batch}, {epochs} epochs) | {shown} | " + " | ".join(cells)
+                  + f" | {attack} |")
 
 
 def main() -> None:
@@ -110,6 +114,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.01, help="SGD learning rate of every fit (fit-local's default)")
     ap.add_argument("--batch-size", type=int, default=64, help="SGD batch size of every fit (fit-local's default)")
     ap.add_argument("--max-train", type=int, default=12000, help="training images split among the five silos")
+    ap.add_argument("--structure", default="diag", choices=("diag", "kron"), help="the artifacts' curvature")
     ap.add_argument("--work", default="runs/dp")
     ap.add_argument("--json-dir", default="docs/results/dp")
     ap.add_argument("--report", default=None)
@@ -120,7 +125,8 @@ def main() -> None:
     Path(args.json_dir).mkdir(parents=True, exist_ok=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
-            out = Path(args.json_dir) / f"lenet_a{alpha}_s{seed}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs)}.json"
+            out = Path(args.json_dir) / (f"lenet_a{alpha}_s{seed}_lr{args.lr:g}_b{args.batch_size}"
+                                         f"{recipe_tag(args.epochs, args.structure)}.json")
             if not out.exists():
                 out.write_text(json.dumps(run_cell(args, alpha, seed), indent=1))
 

@@ -115,8 +115,15 @@ class DPConfig:
                                   "training, curvature and the class counts.", bounds=(1e-3, 1e3))
     dp_delta: float | None = setting(None, "δ [default: 1/n, n the silo's size].", bounds=(1e-12, 0.1))
     dp_clip: float = setting(1.0, "Per-sample gradient norm bound of DP-SGD.", bounds=(1e-6, 1e6))
-    dp_curvature_clip: float = setting(1.0, "Per-sample bound of each sample's contribution to the GGN diagonal "
-                                         "(L2): its sensitivity.", bounds=(1e-9, 1e9))
+    dp_curvature_clip: float = setting(1.0, "Per-sample bound of each sample's contribution to the GGN diagonal, "
+                                         "or with structure kron to the output factors and the normalisation "
+                                         "layers' diagonals (L2 / Frobenius over all layers): its sensitivity.",
+                                       bounds=(1e-9, 1e9))
+    dp_input_clip: float = setting(1000.0, "Structure kron: per-sample bound of each sample's contribution to the "
+                                           "input factors (Frobenius over all layers): their sensitivity (about the "
+                                           "median contribution keeps the factors' scale: LeNet on normalised "
+                                           "Fashion-MNIST 1,260).",
+                                   bounds=(1e-9, 1e9))
     dp_training_share: float = setting(0.8, "Part of ε that calibrates the training noise; the rest calibrates the "
                                          "curvature and count releases.", bounds=(0.05, 0.95))
 
@@ -218,12 +225,12 @@ class FitConfig:
             self.ppd.validate()
         if self.dp is not None:
             self.dp.validate()
-            refused = [what for what, on in (("structure " + self.structure, self.structure != "diag"),
+            refused = [what for what, on in (("structure " + self.structure, self.structure == "diag+full"),
                                              ("SWAG moments", self.train.swag), ("a FedPPD student", self.ppd is not None),
                                              ("a private model", self.private is not None)) if on]
             if refused:
-                raise ConfigError(f"`dp` covers the diag structure's release without SWAG, FedPPD or a private "
-                                  f"model; not {', '.join(refused)}")
+                raise ConfigError(f"`dp` covers the diag and kron structures' release without SWAG, FedPPD or a "
+                                  f"private model; not {', '.join(refused)}")
         if self.private is not None:
             self.private.validate()
         if self.curvature_batch_size < 1:

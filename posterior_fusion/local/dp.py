@@ -6,11 +6,21 @@ for. Under add/remove-one-sample neighbouring:
   ``GradSampleModule``, each clipped to ``dp_clip`` in L2, Gaussian noise of standard deviation
   ``noise_multiplier · clip`` on their sum, batches drawn by Poisson sampling at rate q = batch / n); the
   weight decay toward the prior's centre is data-independent and applied after each noisy step;
-- **curvature** (structure ``diag`` only): each sample's contribution to the exact GGN diagonal,
+- **curvature**, structure ``diag``: each sample's contribution to the exact GGN diagonal,
   ``c_n = Σ_r (J_nᵀ s_nr)²`` (s_nr the columns of a square root of the cross-entropy Hessian), is clipped to
   ``dp_curvature_clip`` in L2, so adding or removing a sample moves the sum by at most ``dp_curvature_clip`` (its
   L2 sensitivity); Gaussian noise of standard deviation ``release_noise · curvature_clip`` on every
   coordinate; negative values set to 0 (post-processing). One release per component;
+- **curvature**, structure ``kron`` (:func:`private_kron`): each sample's contributions to every layer's input
+  factor (``A_n = X_n X_nᵀ / S`` expand, ``ū_n ū_nᵀ`` reduce; X_n its input patches over the S shared
+  positions) are scaled together to Frobenius norm at most ``dp_input_clip``, its contributions to every output
+  factor (``B_n = Σ_r G_nr G_nrᵀ`` over the C − 1 columns of the exact GGN) and to the normalisation layers'
+  diagonals together to at most ``dp_curvature_clip``; the factors are summed unnormalised (dividing by n, a
+  quantity of the data, would couple every entry to one sample), so adding or removing one sample moves the two
+  parts by at most their clips. The Gaussian mechanism on both parts at once (sensitivity √2 in units of the
+  clips: noise ``release_noise · √2 · clip`` on every entry of each factor's upper triangle, mirrored), each
+  factor made positive semi-definite, the input factors divided by the released n (post-processing). One release
+  per component;
 - **class counts**: the histogram with Gaussian noise of standard deviation ``release_noise`` (sensitivity 1),
   rounded and floored at 0 (post-processing); ``n_data`` is their sum;
 - everything else the artifact holds is post-processing of these or data-independent (the MAPs, the
@@ -32,8 +42,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.config import DPConfig
+from posterior_fusion.models.layers import (
+    DIAG_LAYERS,
+    SUPPORTED_LAYERS,
+    captured_layers,
+    embedding_per_sample,
+    input_columns,
+    norm_per_sample,
+)
 
 
 @dataclass(frozen=True)
@@ -48,14 +67,18 @@ class DPPlan:
     delta: float
     epsilon: float           # the composed ε of all of it
 
-    def record(self, cfg: DPConfig) -> dict:
+    def record(self, cfg: DPConfig, structure: str = "diag") -> dict:
         import opacus
 
+        curvature = ("the clipped per-sample contributions to every K-FAC factor (input factors clipped to "
+                     "input_clip, output factors and diagonals to curvature_clip)" if structure == "kron"
+                     else "the clipped per-sample GGN diagonal")
         return {"epsilon": self.epsilon, "delta": self.delta, "target_epsilon": cfg.dp_epsilon, "accountant": "rdp",
-                "mechanism": "DP-SGD (Opacus, Poisson sampling) for training; Gaussian mechanism on the clipped "
-                             "per-sample GGN diagonal and on the class counts",
+                "mechanism": f"DP-SGD (Opacus, Poisson sampling) for training; Gaussian mechanism on {curvature} and "
+                             "on the class counts",
                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps,
                 "clip": cfg.dp_clip, "curvature_clip": cfg.dp_curvature_clip, "release_noise": self.release_noise,
+                **({"input_clip": cfg.dp_input_clip} if structure == "kron" else {}),
                 "releases": self.releases, "training_share": cfg.dp_training_share, "opacus": opacus.__version__}
 
 
@@ -228,6 +251,142 @@ def private_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: f
     coordinate, ``(d,)`` float64."""
     total = clipped_gradient_sum(model, x, y, clip, batch_size)
     return total + noise_multiplier * clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
+
+
+def _gram_norm(X: torch.Tensor) -> torch.Tensor:
+    """``‖X_n X_nᵀ‖_F`` ``(M,)`` for ``X`` ``(M, a, b)`` through the smaller of the two Grams (float64)."""
+    X = X.double()
+    G = X @ X.transpose(1, 2) if X.shape[1] <= X.shape[2] else X.transpose(1, 2) @ X
+    return G.flatten(1).norm(dim=1)
+
+
+def _sample_columns(layer: nn.Module, u: torch.Tensor) -> torch.Tensor:
+    """A Linear/Conv2d layer's input per sample as columns ``(M, I, S)`` (S the positions its weight is shared over)."""
+    if isinstance(layer, nn.Conv2d):
+        X = input_columns(layer, u)
+        return X.view(X.shape[0], u.shape[0], -1).transpose(0, 1)
+    return u.reshape(u.shape[0], -1, u.shape[-1]).transpose(1, 2)
+
+
+def _sample_grads(layer: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """A Linear/Conv2d layer's output gradient of one column per sample as ``(M, O, S)``."""
+    if isinstance(layer, nn.Conv2d):
+        return g.reshape(g.shape[0], g.shape[1], -1)
+    return g.reshape(g.shape[0], -1, g.shape[-1]).transpose(1, 2)
+
+
+def clipped_kron_sums(model: nn.Module, x: torch.Tensor, input_clip: float, curvature_clip: float,
+                      kfac: str = "expand", batch_size: int = 64) -> tuple[list, list, list]:
+    """The K-FAC capture's sums with each sample's contribution clipped, before any noise: per captured layer
+    (``captured_layers`` order) ``A`` (Linear/Conv2d: ``Σ_n s_n A_n``, ``A_n = X_n X_nᵀ / S`` for expand, ``ū_n ū_nᵀ``
+    for reduce; not divided by n), ``B`` (``Σ_n t_n B_n``, ``B_n = Σ_r G_nr G_nrᵀ`` over the C − 1 columns of the
+    exact GGN) and ``D`` (a normalisation layer's or embedding's ``Σ_n t_n d_n``, ``d_n`` its squared per-sample
+    gradients, one tensor per parameter), all float64. ``s_n = min(1, input_clip / ‖(A_n)_layers‖_F)`` and
+    ``t_n = min(1, curvature_clip / ‖((B_n)_layers, (d_n)_layers)‖)``: adding or removing one sample moves the
+    input sums by at most ``input_clip`` and the output sums by at most ``curvature_clip`` (Frobenius / L2 over all
+    layers together)."""
+    from posterior_fusion.local.capture.inputs import reduced_input
+    from posterior_fusion.local.capture.outputs import reduced_grad
+    from posterior_fusion.models.jacobians import batch_pass, no_param_grads
+
+    layers = captured_layers(model)
+    A: list = [0.0] * len(layers)
+    B: list = [0.0] * len(layers)
+    D: dict[int, list] = {}
+    model.eval()
+    with no_param_grads(model):
+        for i in range(0, len(x), batch_size):
+            xb = x[i: i + batch_size]
+            cols: list = []
+            kept: dict = {}
+
+            def on_column(r, inputs, grads, cols=cols, kept=kept):
+                kept.setdefault("inputs", inputs)
+                cols.append(grads)
+
+            batch_pass(model, layers, xb, "exact", None, on_column)
+            inputs, M = kept["inputs"], xb.shape[0]
+            a_sq = torch.zeros(M, dtype=torch.float64)
+            b_sq = torch.zeros(M, dtype=torch.float64)
+            parts: list = []
+            for k, layer in enumerate(layers):
+                u = inputs[k]
+                if isinstance(layer, DIAG_LAYERS):
+                    if isinstance(layer, nn.Embedding):
+                        per = [sum(embedding_per_sample(layer, u, c[k]).double() ** 2 for c in cols)]
+                    else:  # d_n per parameter: Σ_r of the squared per-sample gradients of column r
+                        grads = [norm_per_sample(layer, u, c[k]) for c in cols]
+                        per = [sum(gr[j].double() ** 2 for gr in grads) for j in range(len(grads[0]))]
+                    b_sq += sum((t ** 2).sum(1) for t in per)
+                    parts.append(("diag", per))
+                    continue
+                if kfac == "reduce":
+                    X = reduced_input(layer, u).double()[:, :, None]                       # (M, I, 1)
+                    G = torch.stack([reduced_grad(layer, c[k]).double() for c in cols], 2)  # (M, O, R)
+                    scale_a = 1.0
+                else:
+                    X = _sample_columns(layer, u).double()                                 # (M, I, S)
+                    G = torch.cat([_sample_grads(layer, c[k]).double() for c in cols], 2)  # (M, O, R·S)
+                    scale_a = 1.0 / X.shape[2]
+                a_sq += (scale_a * _gram_norm(X)) ** 2
+                b_sq += _gram_norm(G) ** 2
+                parts.append(("kron", (X, G, scale_a)))
+            s = (input_clip / a_sq.sqrt().clamp_min(1e-300)).clamp(max=1.0)
+            t = (curvature_clip / b_sq.sqrt().clamp_min(1e-300)).clamp(max=1.0)
+            for k, (kind, part) in enumerate(parts):
+                if kind == "diag":
+                    sums = [(t[:, None] * d).sum(0) for d in part]
+                    D[k] = sums if k not in D else [a + b for a, b in zip(D[k], sums)]
+                    continue
+                X, G, scale_a = part
+                Xs, Gs = X * s.sqrt()[:, None, None], G * t.sqrt()[:, None, None]
+                A[k] = A[k] + scale_a * torch.einsum("mis,mjs->ij", Xs, Xs)
+                B[k] = B[k] + torch.einsum("mos,mps->op", Gs, Gs)
+    return A, B, [D.get(k) for k in range(len(layers))]
+
+
+def _symmetric_noise(n: int, std: float, generator: torch.Generator) -> torch.Tensor:
+    """A symmetric ``(n, n)`` float64 matrix, its upper triangle (diagonal included) iid ``N(0, std²)``."""
+    z = torch.randn(n, n, generator=generator, dtype=torch.float64) * std
+    return torch.triu(z) + torch.triu(z, 1).T
+
+
+def _psd(a: torch.Tensor) -> torch.Tensor:
+    """The nearest positive semi-definite matrix (eigenvalues floored at 0): post-processing."""
+    w, v = torch.linalg.eigh(0.5 * (a + a.T))
+    return (v * w.clamp_min(0)) @ v.T
+
+
+def private_kron(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_noise: float, n_released: int,
+                 generator: torch.Generator, kfac: str = "expand", batch_size: int = 64) -> BlockDiag:
+    """The released K-FAC curvature (module docstring): :func:`clipped_kron_sums` with Gaussian noise on every
+    entry of each factor's upper triangle and of each diagonal — standard deviation ``release_noise · √2 ·`` the
+    part's clip (input factors ``dp_input_clip``, output factors and diagonals ``dp_curvature_clip``: two parts of
+    one release, each of sensitivity its clip) — each factor made positive semi-definite, the diagonals floored at
+    0, the input factors divided by the released size ``n_released``; blocks as :func:`fast_kron`'s."""
+    A, B, D = clipped_kron_sums(model, x, cfg.dp_input_clip, cfg.dp_curvature_clip, kfac, batch_size)
+    std_a = release_noise * math.sqrt(2.0) * cfg.dp_input_clip
+    std_b = release_noise * math.sqrt(2.0) * cfg.dp_curvature_clip
+    own = {layer: k for k, layer in enumerate(captured_layers(model))}
+    blocks = []
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        k = own.get(module)
+        if k is not None and isinstance(module, SUPPORTED_LAYERS):
+            a = _psd(A[k] + _symmetric_noise(A[k].shape[0], std_a, generator)) / max(1, n_released)
+            b = _psd(B[k] + _symmetric_noise(B[k].shape[0], std_b, generator))
+            blocks.append(Kron(b.float(), a.float()))
+            if module.bias is not None:
+                blocks.append(Dense(b.float().clone()))
+        elif k is not None:
+            blocks.extend(Diag((d.reshape(-1) + std_b * torch.randn(d.numel(), generator=generator,
+                                                                    dtype=torch.float64)).clamp_min(0).float())
+                          for d in D[k])
+        else:
+            blocks.extend(Diag(torch.zeros(p.numel())) for p in params)
+    return BlockDiag(blocks)
 
 
 def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg, dp: DPConfig, plan_: DPPlan,

@@ -185,7 +185,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         dp_plan = dp.plan(cfg.dp, len(data), cfg.train.batch_size, cfg.train.epochs, len(inits))
         noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # fresh per run
         counts = dp.private_counts(data.class_counts(), dp_plan.release_noise, noise)
-        metadata.update(class_counts=counts, n_data=sum(counts), dp=dp_plan.record(cfg.dp))
+        metadata.update(class_counts=counts, n_data=sum(counts), dp=dp_plan.record(cfg.dp, cfg.structure))
         metadata.pop("data_sha256", None)  # a deterministic function of the data: not released
         cfg = cfg.resolved(sum(counts))  # the weight decay from the released size
     else:
@@ -235,7 +235,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                              int.from_bytes(os.urandom(8), "little") >> 1, prior_mean)
             res = TrainResult(float("nan"), float("nan"), None)  # the loss and accuracy are not released
             t1 = time.perf_counter()
-            curv = BlockDiag([Diag(dp.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))])
+            curv = (dp.private_kron(model, x, cfg.dp, dp_plan.release_noise, int(metadata["n_data"]), noise, cfg.kfac)
+                    if cfg.structure == "kron" else
+                    BlockDiag([Diag(dp.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))]))
             captured_by = "fast"
         else:
             res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}",
