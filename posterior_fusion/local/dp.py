@@ -215,6 +215,7 @@ def private_diagonal(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_n
         scale = (cfg.dp_curvature_clip / c.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)
         part = (c * scale[:, None]).sum(0)
         total = part if total is None else total + part
+    total = total.cpu()  # the noise is drawn on the CPU
     noise = release_noise * cfg.dp_curvature_clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
     return (total + noise).clamp_min(0).float()
 
@@ -249,7 +250,7 @@ def private_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: f
                      generator: torch.Generator, batch_size: int = 64) -> torch.Tensor:
     """The Gaussian mechanism on :func:`clipped_gradient_sum`: noise ``noise_multiplier · clip`` on every
     coordinate, ``(d,)`` float64."""
-    total = clipped_gradient_sum(model, x, y, clip, batch_size)
+    total = clipped_gradient_sum(model, x, y, clip, batch_size).cpu()  # the noise is drawn on the CPU
     return total + noise_multiplier * clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
 
 
@@ -306,8 +307,8 @@ def clipped_kron_sums(model: nn.Module, x: torch.Tensor, input_clip: float, curv
 
             batch_pass(model, layers, xb, "exact", None, on_column)
             inputs, M = kept["inputs"], xb.shape[0]
-            a_sq = torch.zeros(M, dtype=torch.float64)
-            b_sq = torch.zeros(M, dtype=torch.float64)
+            a_sq = torch.zeros(M, dtype=torch.float64, device=xb.device)
+            b_sq = torch.zeros(M, dtype=torch.float64, device=xb.device)
             parts: list = []
             for k, layer in enumerate(layers):
                 u = inputs[k]
@@ -342,7 +343,9 @@ def clipped_kron_sums(model: nn.Module, x: torch.Tensor, input_clip: float, curv
                 Xs, Gs = X * s.sqrt()[:, None, None], G * t.sqrt()[:, None, None]
                 A[k] = A[k] + scale_a * torch.einsum("mis,mjs->ij", Xs, Xs)
                 B[k] = B[k] + torch.einsum("mos,mps->op", Gs, Gs)
-    return A, B, [D.get(k) for k in range(len(layers))]
+    cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731 (the noise is drawn on the CPU)
+    return ([cpu(a) for a in A], [cpu(b) for b in B],
+            [None if D.get(k) is None else [cpu(t) for t in D[k]] for k in range(len(layers))])
 
 
 def _symmetric_noise(n: int, std: float, generator: torch.Generator) -> torch.Tensor:
