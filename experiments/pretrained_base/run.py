@@ -37,11 +37,11 @@ from posterior_fusion.errors import IncompatibleArtifactsError
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.local.config import RefreshPrivacy, TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
-from posterior_fusion.local.init import base_weights, finetune_start, initial_weights, write_base
+from posterior_fusion.local.init import finetune_start, initial_weights, read_base, write_base
 from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
-from posterior_fusion.models import ModelSpec
+from posterior_fusion.models import ModelSpec, resolve_model
 from posterior_fusion.posterior import build_model
 
 PUBLIC_CLASSES = (0, 1, 2, 3, 4)
@@ -100,8 +100,9 @@ def pretrain(work: Path, spec: ModelSpec, epochs: int) -> Path:
     data = read_silo(work / "public.h5")
     x, y = data.tensors()
     torch.manual_seed(0)
-    model = spec.build()
+    model = resolve_model(spec.name, spec.provider)[0](**spec.kwargs)  # the architecture itself (BatchNorm trains)
     res = train_map(model, x, y, TrainConfig(epochs=epochs, weight_decay=5e-4, lr=0.05), seed=0, desc="pretrain")
+    model.eval()
     log(f"base: {len(y)} public images, {epochs} epochs, train accuracy {res.final_accuracy:.3f}")
     write_base(model, path)
     return path
@@ -146,7 +147,7 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
     """Every row of one cell for one way of starting: ``scratch`` (shared random starting points) or
     ``base:<finetune>`` (the pretrained base, ``fit-local --finetune``)."""
     work, silos, test = cell_data(args, setting, alpha, seed)
-    base, base_sha = base_weights(spec, base_path)
+    spec, base, base_sha = read_base(spec, base_path)  # with a BatchNorm model's statistics, frozen at the base's
     rows = [metrics_row("base alone", spec, [base], test, 1)] if start == "base:all" else []
     merge = start.endswith("+merge")  # the artifacts of `fit-local --finetune` merged (`recapture --merge`)
     finetune = start.removesuffix("+merge").split(":", 1)[1] if start != "scratch" else "all"
