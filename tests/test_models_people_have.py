@@ -268,7 +268,7 @@ def test_a_stock_transformer_s_state_dict_is_a_base(tmp_path, monkeypatch):
     from safetensors.torch import save_file
     from torch.nn.utils import vector_to_parameters
 
-    from posterior_fusion.local.init import base_weights
+    from posterior_fusion.local.init import read_base
     from posterior_fusion.models import ModelSpec
 
     install_fake_plugin(tmp_path, monkeypatch, "ttplug2", "0.1", "tinytransformer", TRANSFORMER)
@@ -276,7 +276,7 @@ def test_a_stock_transformer_s_state_dict_is_a_base(tmp_path, monkeypatch):
     torch.manual_seed(5)
     stock = spec._construct().eval()  # the plugin's module as it is, nn.MultiheadAttention inside
     save_file({k: v.detach().clone() for k, v in stock.named_parameters()}, str(tmp_path / "b.safetensors"))
-    w, _ = base_weights(spec, tmp_path / "b.safetensors")
+    _, w, _ = read_base(spec, tmp_path / "b.safetensors")
     model = spec.build().eval()
     vector_to_parameters(w, model.parameters())
     x = torch.randn(4, 49)

@@ -105,13 +105,13 @@ def test_a_base_that_does_not_fit_the_model_is_one_line(tmp_path):
 def test_the_python_api_writes_a_base_from_a_module(tmp_path):
     """``posterior_fusion.write_base(module, path)``: the module's parameters by name, read back by ``init --from``
     as exactly its flat parameter vector; its SHA-256 is the one returned."""
-    from posterior_fusion.local.init import base_weights
+    from posterior_fusion.local.init import read_base
 
     torch.manual_seed(3)
     model = ModelSpec("mlp", {"in_features": 49, "hidden": 6}).build()
     sha = posterior_fusion.write_base(model, tmp_path / "b.safetensors")
     assert sha == hashlib.sha256((tmp_path / "b.safetensors").read_bytes()).hexdigest()
-    w, read_sha = base_weights(ModelSpec("mlp", {"in_features": 49, "hidden": 6}), tmp_path / "b.safetensors")
+    _, w, read_sha = read_base(ModelSpec("mlp", {"in_features": 49, "hidden": 6}), tmp_path / "b.safetensors")
     assert read_sha == sha and torch.equal(w, parameters_to_vector(model.parameters()).detach())
     r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--from", tmp_path / "b.safetensors",
              "--out", tmp_path / "i.h5")

@@ -42,9 +42,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron
+from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.local.capture.fast import kron_blocks
+from posterior_fusion.local.capture.inputs import reduced_input
+from posterior_fusion.local.capture.outputs import reduced_grad
 from posterior_fusion.local.config import DPConfig
+from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
     DIAG_LAYERS,
     SUPPORTED_LAYERS,
@@ -286,9 +290,6 @@ def clipped_kron_sums(model: nn.Module, x: torch.Tensor, input_clip: float, curv
     ``t_n = min(1, curvature_clip / ‖((B_n)_layers, (d_n)_layers)‖)``: adding or removing one sample moves the
     input sums by at most ``input_clip`` and the output sums by at most ``curvature_clip`` (Frobenius / L2 over all
     layers together)."""
-    from posterior_fusion.local.capture.inputs import reduced_input
-    from posterior_fusion.local.capture.outputs import reduced_grad
-    from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 
     layers = captured_layers(model)
     A: list = [0.0] * len(layers)
@@ -370,26 +371,15 @@ def private_kron(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_noise
     A, B, D = clipped_kron_sums(model, x, cfg.dp_input_clip, cfg.dp_curvature_clip, kfac, batch_size)
     std_a = release_noise * math.sqrt(2.0) * cfg.dp_input_clip
     std_b = release_noise * math.sqrt(2.0) * cfg.dp_curvature_clip
-    own = {layer: k for k, layer in enumerate(captured_layers(model))}
-    blocks = []
-    for module in model.modules():
-        params = list(module.parameters(recurse=False))
-        if not params:
-            continue
-        k = own.get(module)
-        if k is not None and isinstance(module, SUPPORTED_LAYERS):
-            a = _psd(A[k] + _symmetric_noise(A[k].shape[0], std_a, generator)) / max(1, n_released)
-            b = _psd(B[k] + _symmetric_noise(B[k].shape[0], std_b, generator))
-            blocks.append(Kron(b.float(), a.float()))
-            if module.bias is not None:
-                blocks.append(Dense(b.float().clone()))
-        elif k is not None:
-            blocks.extend(Diag((d.reshape(-1) + std_b * torch.randn(d.numel(), generator=generator,
-                                                                    dtype=torch.float64)).clamp_min(0).float())
-                          for d in D[k])
+    layers = captured_layers(model)
+    for k, layer in enumerate(layers):
+        if isinstance(layer, SUPPORTED_LAYERS):
+            A[k] = _psd(A[k] + _symmetric_noise(A[k].shape[0], std_a, generator)) / max(1, n_released)
+            B[k] = _psd(B[k] + _symmetric_noise(B[k].shape[0], std_b, generator))
         else:
-            blocks.extend(Diag(torch.zeros(p.numel())) for p in params)
-    return BlockDiag(blocks)
+            D[k] = [(d + std_b * torch.randn(d.shape, generator=generator, dtype=torch.float64)).clamp_min(0)
+                    for d in D[k]]
+    return kron_blocks(model, layers, A, B, D)
 
 
 def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg, dp: DPConfig, plan_: DPPlan,

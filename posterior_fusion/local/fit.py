@@ -199,13 +199,13 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     if cfg.capture == "laplace":
         laplace_backends()  # a broken laplace-torch install is refused before any training
     x, y = (t.to(device) for t in data.tensors())
-    problem = (None if cfg.capture_dtype == "float32" else  # the fast capture's own check, on two samples
-               capture_dtype_problem(cfg.capture_dtype, cfg.capture, unsupported_reason(probe.to(device), x[:2])))
+    reason = unsupported_reason(probe.to(device), x[:2])  # the fast capture's own check, on two samples (flags embeddings)
+    problem = capture_dtype_problem(cfg.capture_dtype, cfg.capture, reason)
     if problem is not None:  # before any training: nothing to lose
         raise ConfigError(problem)
-    fast = cfg.capture == "fast" and unsupported_reason(probe.to(device), x[:2]) is None  # flags the per-sample embeddings
+    fast = cfg.capture == "fast" and reason is None
     if not done:
-        probe_capture(spec, probe.to(device), x[:2], y[:2], cfg)
+        probe_capture(spec, probe, x[:2], y[:2], cfg)
         bare = prior_only(probe, cfg.structure) if fast else ""
         if bare:
             warnings.warn(f"no curvature, the prior alone, for {bare}", stacklevel=2)

@@ -98,7 +98,7 @@ def _checked_statistics(path: Path, spec: ModelSpec, wanted: dict[str, tuple[int
 
 def write_base(model: torch.nn.Module, path: str | os.PathLike) -> str:
     """Write ``model``'s parameters, by name (``named_parameters()``), as a ``.safetensors`` base for
-    ``pfuse init --from`` (atomically; no pickle); returns the file's SHA-256, the base's name everywhere
+    ``pfuse init --from`` (atomically; tensors only, nothing executed on load); returns the file's SHA-256, the base's name everywhere
     downstream. A stock ``nn.MultiheadAttention``'s packed projections are written as they are (the reader
     splits them)."""
     from safetensors.torch import save_file
@@ -119,19 +119,13 @@ def write_base(model: torch.nn.Module, path: str | os.PathLike) -> str:
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def base_weights(spec: ModelSpec, path: str | os.PathLike,
-                 max_memory: int | str | None = None) -> tuple[torch.Tensor, str]:
-    """:func:`read_base`'s ``(weights, SHA-256)``."""
-    return read_base(spec, path, max_memory)[1:]
-
-
 def read_base(spec: ModelSpec, path: str | os.PathLike,
               max_memory: int | str | None = None) -> tuple[ModelSpec, torch.Tensor, str]:
     """A pretrained base for ``spec``: ``(spec holding the base's BatchNorm statistics where the model has
     BatchNorm — they stay frozen at the base's —, w (d,) float32 in the model's parameter order, the file's
     SHA-256)``.
 
-    ``path``: a ``.safetensors`` file (the ``safetensors`` format, no pickle) holding exactly the model's
+    ``path``: a ``.safetensors`` file (the ``safetensors`` format: tensors only, nothing executed on load) holding exactly the model's
     parameters by name (``model.named_parameters()``), each of its shape, in a float type, plus a BatchNorm
     model's running statistics; or one of the project's global artifacts of the same model (its first member:
     a fused model becomes the next base). Header, names, shapes and types are checked before any tensor is

@@ -112,24 +112,32 @@ def own_posterior(source: ClientPosterior) -> list[tuple[torch.Tensor, object]]:
             for comp in source.components]
 
 
-def distance_from_own_posterior(source: ClientPosterior, w: torch.Tensor,
-                                posterior: list[tuple[torch.Tensor, object]] | None = None) -> float:
-    """``min_m (w − ŵ_m)ᵀ Λ_m (w − ŵ_m) / d`` over ``source``'s components (``w`` ``(d,)``; Λ_m the
-    component's posterior precision; ``posterior``: :func:`own_posterior` where the caller has it), in
-    float64: inf for a non-finite ``w``."""
+def nearest_own_component(source: ClientPosterior, w: torch.Tensor,
+                          posterior: list[tuple[torch.Tensor, object]] | None = None) -> tuple[int, float]:
+    """``(m, q)``: the component of ``source`` nearest to ``w`` ``(d,)`` and ``q = min_m (w − ŵ_m)ᵀ Λ_m (w − ŵ_m) / d``
+    (Λ_m the component's posterior precision; ``posterior``: :func:`own_posterior` where the caller has it), in
+    float64; ``q`` inf for a non-finite ``w`` (then m = 0)."""
     v = w.double()
     if not torch.isfinite(v).all():
-        return math.inf
-    best = math.inf
-    for centre, prec in own_posterior(source) if posterior is None else posterior:
-        best = min(best, float(prec.quadratic_form(v - centre)) / v.numel())
-    return best if math.isfinite(best) else math.inf
+        return 0, math.inf
+    best, where = math.inf, 0
+    for m, (centre, prec) in enumerate(own_posterior(source) if posterior is None else posterior):
+        q = float(prec.quadratic_form(v - centre)) / v.numel()
+        if q < best:
+            best, where = q, m
+    return where, best if math.isfinite(best) else math.inf
 
 
-def check_refresh_global(source: ClientPosterior, at: GlobalEnsemble, trust_radius: float = TRUST_RADIUS) -> None:
+def distance_from_own_posterior(source: ClientPosterior, w: torch.Tensor,
+                                posterior: list[tuple[torch.Tensor, object]] | None = None) -> float:
+    """:func:`nearest_own_component`'s distance."""
+    return nearest_own_component(source, w, posterior)[1]
+
+
+def check_refresh_global(source: ClientPosterior, at: GlobalEnsemble, trust_radius: float = TRUST_RADIUS) -> list[int]:
     """The silo's trust boundary (module docstring): ``at`` holds the same model as ``source``, at most
     ``MAX_COMPONENTS`` members, each within ``trust_radius`` of the silo's own posterior; else one
-    :class:`IncompatibleArtifactsError` line naming the file."""
+    :class:`IncompatibleArtifactsError` line naming the file. Returns each member's nearest own component."""
     ranges.check("trust radius", trust_radius, ranges.TRUST_RADIUS)
     if at.model_spec != source.model_spec or at.layout != source.layout:
         raise IncompatibleArtifactsError(f"{at.path}: holds a different model than {source.path} "
@@ -138,13 +146,16 @@ def check_refresh_global(source: ClientPosterior, at: GlobalEnsemble, trust_radi
         raise IncompatibleArtifactsError(f"{at.path}: has {len(at.members)} members; a refresh round recaptures at "
                                          f"most {MAX_COMPONENTS} (the cap of -M)")
     posterior = own_posterior(source)
+    nearest = []
     for k, w in enumerate(at.members):
-        q = distance_from_own_posterior(source, w, posterior)
+        m, q = nearest_own_component(source, w, posterior)
+        nearest.append(m)
         if not q <= trust_radius:
             raise IncompatibleArtifactsError(
                 f"{at.path}: member {k} lies at {q:.3g} (squared distance per parameter) from this silo's own "
                 f"posterior, beyond the trust radius {trust_radius:g}; refused: a server-chosen point far from it can "
                 "make the refreshed artifact reveal training data (a draw from the silo's posterior averages 1)")
+    return nearest
 
 
 def loss_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -265,9 +276,10 @@ def _expansion_points(source: ClientPosterior, at: GlobalEnsemble | None) -> lis
 
 
 def private_refresh(source: ClientPosterior, x: torch.Tensor, y: torch.Tensor, at: GlobalEnsemble,
-                    damping: float | str, privacy: RefreshPrivacy, batch: int,
+                    nearest: list[int], damping: float | str, privacy: RefreshPrivacy, batch: int,
                     log: Callable[[str], None]) -> tuple[dict, list[Component]]:
-    """The private refresh round (module docstring): ``(the refreshed_at.dp record, one component per member)``."""
+    """The private refresh round (module docstring): ``(the refreshed_at.dp record, one component per member)``;
+    ``nearest``: each member's nearest own component (:func:`check_refresh_global`), whose curvature it keeps."""
     from posterior_fusion.local import dp
 
     version = dp.opacus_version()
@@ -277,24 +289,22 @@ def private_refresh(source: ClientPosterior, x: torch.Tensor, y: torch.Tensor, a
     sigma = dp.release_noise(privacy.refresh_dp_epsilon, releases, delta)
     used = PRIVATE_REFRESH_DAMPING if damping == "auto" else float(damping)
     noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # fresh per run
-    posterior = own_posterior(source)
     comps = []
     for k, point in enumerate(at.members):
         t0 = time.perf_counter()
-        nearest = min(range(len(posterior)), key=lambda m: float(posterior[m][1].quadratic_form(point - posterior[m][0])))
-        ref = source.components[nearest]
+        ref = source.components[nearest[k]]
         model = build_model(source.model_spec, point).to(x.device)
         g = dp.private_gradient(model, x, y, privacy.refresh_dp_clip, sigma, noise, min(batch, 64))
         centre = newton_centre(point, ref.curvature, g, ref.temperature, ref.prior_precision, n_data, used,
                                source.prior_mean)
         stored = ref.curvature.damped(n_data, used) if used > 0 else ref.curvature
-        training = {"seed": int(ref.training.get("seed", 0)) + k, "refreshed_at_member": k, "curvature_from": nearest,
+        training = {"seed": int(ref.training.get("seed", 0)) + k, "refreshed_at_member": k, "curvature_from": nearest[k],
                     "gradient_norm": float(g.norm()), "newton_step_norm": float((centre - point.double().cpu()).norm()),
                     "damping": used, "gain_test": "not run", "device": x.device.type}
         comps.append(Component(k, centre.to(ref.map.dtype), stored, frozen_mapping(training), ref.temperature,
                                ref.prior_precision))
         log(f"global mode {k + 1}/{releases}: private gradient ({time.perf_counter() - t0:.1f}s), the curvature of "
-            f"component {nearest + 1}, damping {used:g}")
+            f"component {nearest[k] + 1}, damping {used:g}")
     record = {"epsilon": dp.release_epsilon(sigma, releases, delta), "delta": delta,
               "target_epsilon": privacy.refresh_dp_epsilon, "accountant": "rdp", "releases": releases,
               "mechanism": "Gaussian mechanism on the per-sample-clipped gradient at each global member; the "
@@ -332,8 +342,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
     damping = check_damping(damping)
     privacy.validate()
     private = at is not None and privacy.private
-    if at is not None:
-        check_refresh_global(source, at, trust_radius)
+    nearest = check_refresh_global(source, at, trust_radius) if at is not None else []
     meta = dict(source.metadata)
     if isinstance(meta.get("dp"), dict) and not private:
         raise ConfigError(f"{source.path}: is differentially private; a recapture would release the silo's curvature "
@@ -363,11 +372,11 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
                                          f"{source.path}'s model outputs {source.model_spec.num_classes}")
     where = resolve_device(device)
     x, y = (t.to(where) for t in data.tensors())
+    origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
+              "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
+    meta.pop("num_components", None)
     if private:
-        record, comps = private_refresh(source, x, y, at, damping, privacy, batch, log)
-        meta.pop("num_components", None)
-        origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
-                  "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
+        record, comps = private_refresh(source, x, y, at, nearest, damping, privacy, batch, log)
         used = comps[0].training["damping"]
         meta["refreshed_at"] = {"file_sha256": at.sha256, "method": at.method, "members": len(at.members),
                                 "damping": used, "dp": record}
@@ -412,9 +421,6 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
             warnings.warn(f"global mode {index + 1}/{len(points)}: the silo's loss does not confirm the step at "
                           f"damping {used:g} (gain ratio {ratio:.2f} < {RATIO_FLOOR}); the component keeps it, "
                           "recorded as gain_test = failed", stacklevel=2)
-    origin = {"fit_fingerprint": meta.get("fit_fingerprint"), "structure": meta.get("structure"),
-              "file_sha256": source.sha256, "library_versions": meta.get("library_versions")}
-    meta.pop("num_components", None)
     for key in ("kfac", "curvature_blocks", "capture_dtype"):
         meta.pop(key, None)
     recipe = {"from": origin["fit_fingerprint"], "structure": structure, "ggn": ggn, "batch": batch}

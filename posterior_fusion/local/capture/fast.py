@@ -84,6 +84,14 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
     with no_param_grads(model):
         for xb, _ in _loader(x, y, pass_size(model, x, batch_size), "curvature"):
             batch_pass(model, layers, xb, ggn, generator, on_column, compute_dtype)
+    return kron_blocks(model, layers, A, B, D)
+
+
+def kron_blocks(model: nn.Module, layers: list[nn.Module], A: list, B: list, D: dict | list) -> BlockDiag:
+    """The K-FAC precision's blocks in ``model.parameters()`` order from per-layer results (``layers``: the
+    captured layers, indexing ``A``, ``B``, ``D``): ``Kron(B, A)`` per Linear/Conv2d weight and ``Dense(B)`` per
+    bias, a ``Diag`` per parameter of a normalisation layer or embedding (``D[i]``: one tensor per parameter), a
+    zero ``Diag`` (the prior alone) for any other parameter; on the CPU, in each parameter's type."""
     own = {layer: i for i, layer in enumerate(layers)}
     blocks: list[Precision] = []
     for module in model.modules():
@@ -92,7 +100,7 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
             continue
         i = own.get(module)
         if i is not None and isinstance(module, SUPPORTED_LAYERS):
-            a, b = A[i].to("cpu", module.weight.dtype), B[i].to("cpu", module.weight.dtype)  # results on the CPU
+            a, b = A[i].to("cpu", module.weight.dtype), B[i].to("cpu", module.weight.dtype)
             blocks.append(Kron(b, a))
             if module.bias is not None:
                 blocks.append(Dense(b.clone()))
