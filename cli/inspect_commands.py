@@ -84,6 +84,9 @@ def inspect_cmd(file, as_json, max_memory):
             say("refresh round: exact release (no privacy mechanism: the gradient and curvature at the server's points)")
         say("prior: " + ("N(base, 1/λ0), centred at the pretrained base the silo fine-tuned" if s["prior_centre"] == "base"
                          else "N(0, 1/λ0), centred at zero"))
+        if meta.get("batchnorm") == "fold":
+            say("BatchNorm: trained from random starting points; each component's statistics estimated on the silo "
+                "and folded into its affine parameters (stored per component for fuse --batchnorm-statistics reset)")
         if meta.get("class_names"):
             names = list(meta["class_names"])
             say(f"class names: {', '.join(map(str, names[:20]))}{', …' if len(names) > 20 else ''}")
@@ -108,6 +111,11 @@ def inspect_cmd(file, as_json, max_memory):
                        f"loss {_num(t.get('final_loss'), '.4f')} acc {_num(t.get('final_accuracy'), '.3f')}")
     else:
         say(f"method: {s['method']}  members: {s['num_members']}")
+        rule = meta.get("batchnorm_statistics")
+        if isinstance(rule, dict):
+            say(f"BatchNorm statistics: {rule.get('rule')}" + (f" (estimated on {rule.get('n')} inputs of "
+                                                              f"{rule.get('file')})" if rule.get("rule") == "reset" else
+                                                              " (the fused affine maps as fused)"))
         for key in sorted(meta):
             if key not in ("history",):
                 say(f"  {key}: {meta[key]}")

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import LINKS, PREDICTIVES, STRUCTURES
+from posterior_fusion.choices import BATCHNORM_STATISTICS, LINKS, PREDICTIVES, STRUCTURES
 from posterior_fusion.cli.common import (
     bounded,
     echo_json,
@@ -127,6 +127,10 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
                    "kernels, a tenth of the GPU memory, slower) [default: torch].")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
               help="Device for fedbens/fedfisher optimisation.")
+@click.option("--batchnorm-statistics", default="fold", show_default=True, type=click.Choice(BATCHNORM_STATISTICS),
+              help="The fused model's BatchNorm when the clients trained it from random starting points (fit-local "
+                   "--batchnorm fold): fold (the fused affine maps as they are; no data) or reset (the statistics "
+                   "estimated again on the server's --unlabeled, else --val, inputs: RESET).")
 @click.option("--tune", default=None,
               help="Choose T and/or prior variance on --val over a grid: 'T', 'prior' or 'T,prior' [default: no tuning].")
 @click.option("--tune-temperatures", default="0.01,0.03,0.1,0.3,1.0", show_default=True, help="Grid of T for --tune.")
@@ -141,8 +145,8 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @old_spellings("fuse")
 @handle_errors
 def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, distill_epochs, temperature, prior_var,
-             component, sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
-             as_json, legacy):
+             component, sampling_seed, kernel, device, batchnorm_statistics, tune, tune_temperatures, tune_prior_vars,
+             robust, max_memory, as_json, legacy):
     """Validate client artifacts and fuse them into a global ensemble."""
     from posterior_fusion.fusion import applicable_settings
     from posterior_fusion.fusion.distill import DistillConfig
@@ -157,17 +161,19 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
     with output_lock(out, inputs=[*clients, val_path, unlabeled]):
         _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                       sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
-                      as_json, DistillConfig(epochs=20 if distill_epochs is None else distill_epochs) if distill else None)
+                      as_json, DistillConfig(epochs=20 if distill_epochs is None else distill_epochs) if distill else None,
+                      batchnorm_statistics)
 
 
 def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                   sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
-                  as_json, distill=None) -> None:
+                  as_json, distill=None, batchnorm_statistics: str = "fold") -> None:
     from posterior_fusion.fusion import FusionOptions, fuse, write_fused
     from posterior_fusion.fusion.tuning import parse_tune
 
     opts = FusionOptions(temperature=temperature, prior_var=prior_var, component=component,
-                         sampling_seed=sampling_seed, kernel=kernel, device=device)
+                         sampling_seed=sampling_seed, kernel=kernel, device=device,
+                         batchnorm_statistics=batchnorm_statistics)
     inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
                                 robust=robust, max_memory=max_memory, tune=parse_tune(tune),
                                 tune_temperatures=parse_floats(tune_temperatures, "--tune-temperatures"),

@@ -37,5 +37,13 @@ the same with only the last Linear layer uncertain."""
 LINKS = ("probit", "mc")
 """The GLM predictive's link: the probit approximation, or Monte-Carlo over the Gaussian logits."""
 
+BATCHNORM_POLICIES = ("fold", "refuse")
+"""A BatchNorm model trained from random starting points: fold (train with batch statistics, then fold the silo's
+statistics into the affine parameters) or refuse (one error line before training)."""
+
+BATCHNORM_STATISTICS = ("fold", "reset")
+"""The fused model's BatchNorm: fold (the fused affine maps as they are) or reset (statistics estimated again on the
+server's inputs, RESET)."""
+
 FINETUNE_RE = re.compile(r"^(all|head|last:[1-9][0-9]{0,3}|lora:[1-9][0-9]{0,3})$")
 """What a silo fine-tunes of a pretrained base: all, head, last:K or lora:R (K, R in 1..9999)."""

@@ -68,6 +68,7 @@ class Component:
     prior_precision: float
     swag: SwagMoments | None = None
     student: torch.Tensor | None = None  # FedPPD: the distilled posterior-predictive network (d,)
+    statistics: torch.Tensor | None = None  # (2 S,): BatchNorm statistics folded into the MAP (models/batchnorm.py)
 
     def precision(self, temperature: float | None = None, prior_precision: float | None = None) -> BlockDiag:
         """``Λ = G / T + λ0 I`` (defaults: the client's T and λ0)."""

@@ -286,8 +286,8 @@ def test_a_stock_transformer_s_state_dict_is_a_base(tmp_path, monkeypatch):
 def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, small_silo):
     """A BatchNorm ResNet fine-tuned from a pretrained base: its running statistics are the base's, frozen bit for
     bit — stored once per artifact, untouched by training (evaluation mode throughout), the fused model's the
-    same — while its affine parameters get the exact GGN diagonal; the same model from random starting points,
-    or a base without statistics, is refused in one line before training."""
+    same — while its affine parameters get the exact GGN diagonal; the same model from random starting points
+    under `batchnorm` refuse, or a base without statistics, is refused in one line before training."""
     import h5py
     import torch
     from safetensors.torch import load_file, save_file
@@ -308,7 +308,7 @@ def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, 
     kw = '{"in_channels": 1, "width": 4, "norm": "batch"}'
     run = lambda *a: CliRunner().invoke(pfuse, [str(v) for v in a])  # noqa: E731
     r = run("fit-local", "--data", tmp_path / "s0.h5", "--model", "resnet20", "--model-kwargs", kw, "-M", "1",
-            "--epochs", "50", "--out", tmp_path / "x.h5")
+            "--epochs", "50", "--batchnorm", "refuse", "--out", tmp_path / "x.h5")
     assert r.exit_code == 2 and "BatchNorm" in r.stderr and "pretrained base" in r.stderr and r.stderr.count("\n") == 1
     assert "training" not in r.stderr and not (tmp_path / "x.h5").exists()
     assert run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "base.safetensors",

@@ -265,7 +265,10 @@ def test_resnet20_and_configurable_mlp_build_from_specs(kwargs):
     with pytest.raises(ModelSpecError, match="list"):
         ModelSpec("mlp", {"hidden_sizes": [0]})
     with pytest.raises(ModelSpecError, match="norm"):
-        ModelSpec("resnet20", {"norm": "batch"}).build()
+        ModelSpec("resnet20", {"norm": "layer"}).build()
+    from posterior_fusion.models.finetune import FrozenBatchNorm2d  # BatchNorm: statistics (0, 1), frozen
+
+    assert any(isinstance(m, FrozenBatchNorm2d) for m in ModelSpec("resnet20", {"norm": "batch"}).build().modules())
 
 
 def authors_partition_transcribed(y, n, alpha, num_c):

@@ -59,6 +59,7 @@ from posterior_fusion.errors import (
 from posterior_fusion.hdf5_safety import read_native
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.finetune import STATISTICS
 from posterior_fusion.posterior import (
     ClientPosterior,
     Component,
@@ -190,7 +191,13 @@ def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: Parameter
         has_student = f"{base}/ppd_student" in paths
         if has_student:
             chk.dataset(f, f"{base}/ppd_student", (d,))
-        record = ComponentRecord(i, training, blocks, rank, has_student)
+        has_statistics = f"{base}/statistics" in paths
+        if has_statistics:
+            size = statistics_size(spec)
+            if not size:
+                raise chk.bad_schema(f"{base}/statistics", "only a model with BatchNorm has BatchNorm statistics")
+            chk.dataset(f, f"{base}/statistics", (size,))
+        record = ComponentRecord(i, training, blocks, rank, has_student, has_statistics)
         for j, b in enumerate(blocks):
             for name, shape in b.datasets.items():
                 chk.dataset(f, f"{base}/curvature/{j}/{name}", shape, dataset_dtypes(b.kind, name, schema.FLOAT_DTYPES))
@@ -211,7 +218,19 @@ def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: Parameter
     return typed, records
 
 
-def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[ComponentRecord]) -> list[Component]:
+def statistics_size(spec: ModelSpec) -> int:
+    """Length of a component's folded BatchNorm ``statistics`` for ``spec`` (0 without BatchNorm)."""
+    return sum(math.prod(shape) for name, shape in spec.frozen_shapes() if name.endswith(STATISTICS))
+
+
+def variance_mask(spec: ModelSpec) -> torch.Tensor:
+    """``(2 S,)`` bool: which entries of a ``statistics`` vector are variances."""
+    return torch.cat([torch.full((math.prod(shape),), name.endswith("running_var"))
+                      for name, shape in spec.frozen_shapes() if name.endswith(STATISTICS)] or [torch.zeros(0, dtype=torch.bool)])
+
+
+def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[ComponentRecord],
+            spec: ModelSpec) -> list[Component]:
     """Phase 2 for a client artifact: read and check values; each block is rebuilt by its class."""
     comps = []
     for r in records:
@@ -224,8 +243,13 @@ def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[Co
                                  for n in ("mean", "sq_mean", "deviations")))
         student = (_read(chk, f[f"{base}/ppd_student"], f"{base}/ppd_student", WEIGHT_MAX) if r.has_student
                    else None)
+        statistics = None
+        if r.has_statistics:
+            statistics = _read(chk, f[f"{base}/statistics"], f"{base}/statistics", WEIGHT_MAX).float()
+            if statistics[variance_mask(spec)].lt(0).any():
+                raise chk.bad_value(f"{base}/statistics", "holds a negative variance")
         comps.append(Component(r.index, w, curvature, frozen_mapping(r.training),
-                               typed.temperature, typed.prior_precision, swag, student))
+                               typed.temperature, typed.prior_precision, swag, student, statistics))
     return comps
 
 
@@ -334,7 +358,7 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
             _global_plan(chk, f, layout, meta, spec.num_classes)
         budget.require(2 * _data_bytes(chk, f, kind), f"loading {path}", max_memory)
         if plan is not None:
-            comps = _client(chk, f, *plan)
+            comps = _client(chk, f, *plan, spec)
             prior_mean = _read(chk, f["/prior_mean"], "/prior_mean", WEIGHT_MAX) if "/prior_mean" in f else None
         else:
             members, precisions = _global(chk, f, layout, meta, spec.num_classes)

@@ -117,13 +117,14 @@ def parse_training(raw: Any, where: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ComponentRecord:
     """Header of ``/components/<index>``: training record, curvature blocks, SWAG rank (or None),
-    and whether it carries a FedPPD student (``ppd_student``)."""
+    and whether it carries a FedPPD student (``ppd_student``) and folded BatchNorm ``statistics``."""
 
     index: int
     training: Mapping[str, Any]
     blocks: tuple[BlockRecord, ...]
     swag_rank: int | None
     has_student: bool = False
+    has_statistics: bool = False  # BatchNorm statistics folded into the MAP, (2 S,)
 
     @staticmethod
     def parse_blocks(raw: Any, where: str, layout: ParameterLayout) -> tuple[BlockRecord, ...]:

@@ -74,4 +74,5 @@ def client_path_re() -> re.Pattern:
         rf"/components/{_IDX}/swag",
         rf"/components/{_IDX}/swag/(mean|sq_mean|deviations)",
         rf"/components/{_IDX}/ppd_student",
+        rf"/components/{_IDX}/statistics",
     ]) + ")$")

@@ -119,6 +119,9 @@ def write_component(group: h5py.Group, comp: Component, compression: Compression
     if comp.student is not None:
         require_finite(path, f"{group.name}/ppd_student", comp.student, "the FedPPD student")
         group.create_dataset("ppd_student", data=_np(comp.student))
+    if comp.statistics is not None:
+        require_finite(path, f"{group.name}/statistics", comp.statistics, "the BatchNorm statistics")
+        group.create_dataset("statistics", data=_np(comp.statistics))
 
 
 def readable(path: str | os.PathLike) -> Callable[[Path], None]:

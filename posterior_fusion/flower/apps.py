@@ -7,7 +7,8 @@ Run config keys (names as on the CLI):
 - the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
 - the refresh round (``pfuse recapture --at`` on every node, then fuse again): refresh (bool),
   refresh-damping (``recapture --damping``);
-- the fusion: method, robust, fuse-temperature, fuse-prior-var, and every setting of the method
+- the fusion: method, robust, fuse-temperature, fuse-prior-var, batchnorm-statistics (``fuse
+  --batchnorm-statistics``: reset estimates the statistics on ``val``'s inputs), and every setting of the method
   as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300``.
 """
 
@@ -30,7 +31,8 @@ serverapp = ServerApp()
 def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dict[str, Any], bool]:
     """(method, shared options, the method's settings, robust) from a flat Flower run config."""
     settings = {k[len("set."):]: v for k, v in cfg.items() if k.startswith("set.")}
-    options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False)
+    options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False,
+                            batchnorm_statistics=str(cfg.get("batchnorm-statistics", "fold")))
     method, settings = resolve_default(str(cfg["method"]) if "method" in cfg else None, settings)
     return method, options, settings, bool(cfg.get("robust", False))
 

@@ -13,6 +13,7 @@ from posterior_fusion.artifact.reader import declared_bytes
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, SchemaError
+from posterior_fusion.fusion.batchnorm import check_batchnorm_statistics, reset_members
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.from_posteriors import fuse_clients, method_settings
 from posterior_fusion.fusion.registry import get_method, resolve_default
@@ -55,6 +56,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     if not client_paths:
         raise IncompatibleArtifactsError("no client artifacts given")
     get_method(method).check_needs(unlabeled=unlabeled_path)  # the data a method needs, before anything is read
+    if options.batchnorm_statistics == "reset" and not (unlabeled_path or val_path):
+        raise ConfigError("`batchnorm_statistics` reset estimates the fused model's BatchNorm statistics on server "
+                          "inputs: give `unlabeled` (or `val`) data")
     headers = [declared_bytes(p) for p in client_paths]
     for p, h in zip(client_paths, headers):
         if h["kind"] != "client":
@@ -69,6 +73,8 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
                               f"fusing these {len(headers)} artifacts with {method} on the GPU",
                               torch.cuda.mem_get_info()[0])
     clients = [load_client(p, max_memory) for p in client_paths]
+    if options.batchnorm_statistics == "reset":
+        check_batchnorm_statistics(FusionInputs(clients, options))
     k = clients[0].model_spec.num_classes
     val = read_silo(val_path, num_classes=k, max_memory=max_memory) if val_path else None
     unlabeled = (read_silo(unlabeled_path, num_classes=k, max_memory=max_memory, labels=False)
@@ -87,6 +93,12 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
         inputs, result, metadata = tune_fusion(clients, method, options, val, tune, log=log, settings=chosen, **grids)
     else:
         inputs, result, metadata = fuse_clients(clients, method, options, chosen, val, unlabeled, log, robust)
+    if options.batchnorm_statistics == "reset":  # before any distillation: the teachers with their statistics
+        server = unlabeled if unlabeled is not None else val
+        metadata["batchnorm_statistics"] = {**reset_members(inputs, result, server.inputs(), log),
+                                            "file": str(unlabeled_path or val_path), "sha256": server.sha256()}
+    elif any(c.metadata.get("batchnorm") == "fold" for c in inputs.clients):
+        metadata["batchnorm_statistics"] = {"rule": "fold"}
     if distill is not None and not get_method(method).distils:  # a distilling method does it with this schedule
         log(f"distilling {len(result.members)} members into one model on {len(unlabeled)} unlabeled inputs")
         w, record = distill_members(inputs.spec, result.members, unlabeled.inputs(), distill,

@@ -11,9 +11,10 @@ import torch
 
 from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
+from posterior_fusion.choices import BATCHNORM_STATISTICS
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.silo import SiloData
-from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError, shown
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.pooling import AVERAGE, Pooling
@@ -26,7 +27,8 @@ class FusionOptions:
     ``temperature`` / ``prior_var`` ``None``: each client's own T / σ0² (re-tempering on the
     server otherwise); ``component``: the client component unimodal methods use;
     ``sampling_seed``: the server's random draws; ``kernel``/``device``: where and with which
-    Kronecker kernel the optimising methods compute.
+    Kronecker kernel the optimising methods compute; ``batchnorm_statistics``: the fused model's BatchNorm
+    statistics when the clients folded theirs (:mod:`posterior_fusion.fusion.batchnorm`).
     """
 
     temperature: float | None = None
@@ -36,8 +38,12 @@ class FusionOptions:
     kernel: str | None = None    # "torch" | "triton" | None ($PFUSE_KERNEL, else torch)
     device: str = "cpu"          # "cuda" uses the Triton kernels
     progress: bool = True
+    batchnorm_statistics: str = "fold"  # the fused model's BatchNorm: fold | reset (fusion/batchnorm.py)
 
     def validate(self) -> None:
+        if self.batchnorm_statistics not in BATCHNORM_STATISTICS:
+            raise ConfigError(f"`batchnorm_statistics` must be one of {', '.join(BATCHNORM_STATISTICS)}, got "
+                              f"{shown(self.batchnorm_statistics, 40)}")
         if self.temperature is not None:
             ranges.check("temperature", self.temperature, ranges.TEMPERATURE)
         if self.prior_var is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from posterior_fusion import ranges
 from posterior_fusion.choices import (
+    BATCHNORM_POLICIES,
     CAPTURE_DTYPES,
     CAPTURE_METHODS,
     COMPRESS_METRICS,
@@ -204,6 +205,12 @@ class FitConfig:
                                     "or lora:R (rank-R adapters on every other Linear/Conv2d, the head trained as "
                                     "it is); the rest stays frozen at the base, bit for bit, and only the trained "
                                     "parameters and their curvature are stored per component.")
+    batchnorm: str = setting("fold", "A BatchNorm model trained from random starting points: fold (train with batch "
+                                      "statistics, then estimate them on the silo and fold them into the affine "
+                                      "parameters, statistics (0, 1) frozen; each component's stored for the "
+                                      "server's `batchnorm_statistics` reset) or refuse. Fine-tuning a base keeps "
+                                      "the base's statistics frozen either way.",
+                             choices=BATCHNORM_POLICIES)
     dp: DPConfig | None = None  # differential privacy of the whole artifact (local/dp.py)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
@@ -262,6 +269,8 @@ class FitConfig:
             out.pop("capture_dtype")
         if out["finetune"] == "all":
             out.pop("finetune")
+        if out["batchnorm"] == "fold":
+            out.pop("batchnorm")
         if out["compress"] == 0:
             out.pop("compress")
         if out["compress_metric"] == "frobenius" or "compress" not in out:

@@ -50,6 +50,7 @@ from posterior_fusion.local.ppd import distil_ppd
 from posterior_fusion.local.resume import partial_path, resume_state
 from posterior_fusion.local.train import TrainResult, train_map
 from posterior_fusion.models import ModelSpec, non_parameter_state
+from posterior_fusion.models.batchnorm import batch_norms, check_foldable, fold_statistics, thaw
 from posterior_fusion.models.layers import unsupported_reason
 from posterior_fusion.posterior import Component, frozen_mapping
 from posterior_fusion.runtime import resolve_device
@@ -151,6 +152,24 @@ def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: t
                              "(docs/methods.md, layer policy: use layers it supports, or another structure)") from None
 
 
+def check_batchnorm_fit(spec: ModelSpec, probe: torch.nn.Module, cfg: FitConfig) -> None:
+    """A BatchNorm model trained from random starting points, refused in one line before training where its
+    statistics cannot be folded: ``batchnorm`` refuse, a layer without affine parameters, or a release that
+    would need the statistics of every iterate (SWAG moments) or a private estimate of them (``dp``)."""
+    kinds = sorted({type(m).__name__.removeprefix("Frozen") for _, m in batch_norms(probe)})
+    where = f"model {spec.name!r} has {', '.join(kinds)}"
+    if cfg.batchnorm == "refuse":
+        raise ModelSpecError(f"{where} and `batchnorm` is refuse: use GroupNorm or LayerNorm (resnet20: `norm: "
+                             "group`), fine-tune a pretrained base (its statistics stay frozen), or `batchnorm` fold")
+    check_foldable(probe, where)
+    if cfg.train.swag:
+        raise ModelSpecError(f"{where}, trained from random starting points: SWAG moments would need each "
+                             "iterate's statistics folded in; fit without `swag` (or fine-tune a base)")
+    if cfg.dp is not None:
+        raise ModelSpecError(f"{where}: BatchNorm mixes the samples of a batch, so per-sample clipping (`dp`) does "
+                             "not bound one sample's effect; use GroupNorm or LayerNorm")
+
+
 def check_component_count(count: int, source: str | os.PathLike | None = None) -> None:
     """M within ``ranges.COMPONENTS`` (the artifact format's cap), checked before any training: an init file
     with more starting points than a client artifact may hold is refused naming it."""
@@ -195,6 +214,10 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     state = non_parameter_state(probe)
     if state is not None:
         raise ModelSpecError(f"model {spec.name!r}: {state}")
+    folds = prior_mean is None and bool(batch_norms(probe))  # BatchNorm from random starting points
+    if folds:
+        check_batchnorm_fit(spec, probe, cfg)
+        metadata["batchnorm"] = "fold"
     layout = ParameterLayout.from_model(probe)
     if cfg.capture == "laplace":
         laplace_backends()  # a broken laplace-torch install is refused before any training
@@ -230,6 +253,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         component_seed = cfg.train_seed * 1_000_003 + m
         torch.manual_seed(component_seed)
         t0 = time.perf_counter()
+        statistics = None
         if dp_plan is not None:
             dp.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
                              int.from_bytes(os.urandom(8), "little") >> 1, prior_mean)
@@ -240,9 +264,12 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                     BlockDiag([Diag(dp.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))]))
             captured_by = "fast"
         else:
-            res = train_map(model, x, y, cfg.train, seed=component_seed, desc=f"component {m + 1}/{len(inits)}",
+            res = train_map(thaw(model) if folds else model, x, y, cfg.train, seed=component_seed,
+                            desc=f"component {m + 1}/{len(inits)}",
                             soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0,
                             prior_mean=None if prior_mean is None else prior_mean.to(device))
+            # the silo's statistics at the trained weights, folded into the affine parameters (models/batchnorm.py)
+            statistics = fold_statistics(model, x, cfg.curvature_batch_size) if folds else None
             t1 = time.perf_counter()
             curv, captured_by = capture(cfg.structure, model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
                                         torch.Generator().manual_seed(component_seed), log, cfg.kfac, cfg.capture_dtype)
@@ -265,7 +292,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         log(f"component {m + 1}/{len(inits)}: {said}train {t1 - t0:.1f}s curvature {t2 - t1:.1f}s")
         w = parameters_to_vector(model.parameters()).detach().cpu().clone()
         comps.append(Component(m, w, curv, frozen_mapping(training), cfg.temperature, cfg.prior_precision, res.swag,
-                               student))
+                               student, statistics))
         if on_component is not None:
             on_component(metadata, comps)
     return metadata, comps

@@ -194,14 +194,11 @@ class ModelSpec:
         batch_norm = bool(statistics_names(model))
         if self.finetune == "all" and not batch_norm:
             return model
-        if self.base is None and not meta:
-            if self.finetune == "all":
-                raise ModelSpecError(f"model {self.name!r} has BatchNorm, whose running statistics an artifact would "
-                                     "not carry from random starting points: fine-tune a pretrained base (pfuse "
-                                     "init from a base file; its statistics stay frozen), or use GroupNorm or "
-                                     "LayerNorm (resnet20: `norm: group`)")
+        if self.base is None and not meta and self.finetune != "all":
             raise ModelSpecError(f"model {self.name!r} fine-tunes {self.finetune} of a base this spec does not hold "
                                  "(its frozen weights come with the artifact, `/frozen`)")
+        # without a base, a BatchNorm model's statistics are frozen at (0, 1): a model trained from random
+        # starting points has its own folded into its affine parameters (models/batchnorm.py)
         return apply_finetune(model, self.finetune, None if meta else self.base)  # on meta: shapes only
 
     def frozen_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -228,10 +225,13 @@ class ModelSpec:
         import torch
 
         shapes = self.frozen_shapes()
-        if shapes and self.base is None:
+        if shapes and self.base is None and self.finetune != "all":
             raise ModelSpecError(f"model {self.name!r} fine-tunes {self.finetune}: no base to store")
         if not shapes:
             return torch.zeros(0)
+        if self.base is None:  # BatchNorm statistics only, frozen at (0, 1): a folded model's (models/batchnorm.py)
+            return torch.cat([(torch.ones if n.endswith("running_var") else torch.zeros)(math.prod(s))
+                              for n, s in shapes])
         return torch.cat([torch.as_tensor(self.base[n]).detach().float().reshape(-1) for n, _ in shapes])
 
     def fitted_to(self, input_shape: tuple[int, ...], num_classes: int, where: str) -> ModelSpec:
