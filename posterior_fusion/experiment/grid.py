@@ -46,6 +46,7 @@ from posterior_fusion.local.resume import partial_path
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.batchnorm import batch_norms, fold_statistics, thaw
 
 Log = Callable[[str], None]
 
@@ -339,7 +340,10 @@ def centralized_result(cfg: ExperimentConfig, cell: Cell, pkey: str, summary: di
         vector_to_parameters(initial_weights(spec, 1, cell.seed)[0], model.parameters())
         torch.manual_seed(cell.seed)
         x, y = pooled.tensors()
-        train_map(model, x, y, fit.train, seed=cell.seed)
+        folds = bool(batch_norms(model))  # BatchNorm trains with batch statistics, then folds them as a silo does
+        train_map(thaw(model) if folds else model, x, y, fit.train, seed=cell.seed)
+        if folds:
+            fold_statistics(model, x, fit.curvature_batch_size)
         m = evaluate_members(spec, [parameters_to_vector(model.parameters()).detach()], test)
         write_json(rpath, {**base, "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "brier": m["brier"],
                            "members": 1, "fuse_seconds": 0.0, "tuning": None})

@@ -74,8 +74,9 @@ class _Block(nn.Module):
 class ResNet20(nn.Module):
     """ResNet-20-style network for 32x32 colour images (3 stages of 3 basic blocks, widths
     w, 2w, 4w): ``norm="none"`` (every parameter is a conv or linear weight, so K-FAC capture
-    applies), ``"group"`` (GroupNorm) or ``"batch"`` (BatchNorm: only fine-tuned from a pretrained base,
-    whose statistics stay frozen — ``models/finetune.py``)."""
+    applies), ``"group"`` (GroupNorm) or ``"batch"`` (BatchNorm: fine-tuned from a pretrained base its
+    statistics stay frozen, ``models/finetune.py``; from random starting points each silo folds its own into
+    the affine parameters, ``models/batchnorm.py``)."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 16, norm: str = "none") -> None:
         super().__init__()
