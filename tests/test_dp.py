@@ -17,7 +17,13 @@ import posterior_fusion
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.dp import DPConfig, clipped_kron_sums, per_sample_ggn_diagonal, private_diagonal
+from posterior_fusion.local.dp import (
+    DPConfig,
+    clipped_diag_full_sums,
+    clipped_kron_sums,
+    per_sample_ggn_diagonal,
+    private_diagonal,
+)
 
 pytest.importorskip("opacus", reason="differential privacy needs the `dp` extra (opacus)")
 
@@ -82,9 +88,9 @@ def test_the_clipped_curvature_has_its_sensitivity_and_sums_to_the_ggn_diagonal(
 
 def test_private_refusals_are_one_line(tmp_path, small_silo):
     silo = _silo(tmp_path, small_silo)
-    r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--structure", "diag+full",
+    r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--swag",
              "--dp", "--out", tmp_path / "k.h5")
-    assert r.exit_code == 2 and "diag and kron" in r.stderr and r.stderr.count("\n") == 1, r.output
+    assert r.exit_code == 2 and "SWAG" in r.stderr and r.stderr.count("\n") == 1, r.output
     assert _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
                 "--structure", "diag", "--dp", "--out", tmp_path / "p.h5").exit_code == 0
     assert _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
@@ -180,4 +186,71 @@ def test_a_private_kron_artifact_fuses_and_records_its_clips(tmp_path, small_sil
     assert math.isclose(acc.get_epsilon(dp["delta"]), dp["epsilon"], rel_tol=1e-9) and dp["epsilon"] <= 8.0
     for method, extra in (("fedbens", ("--set", "steps=5")), ("fisher-merge", ())):
         r = _run("fuse", *paths, "--method", method, *extra, "--out", tmp_path / f"g_{method}.h5")
+        assert r.exit_code == 0, (method, r.output)
+
+
+def _mlp(bias: bool = True) -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4, bias=bias)).double().eval()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_diag_full_sums_without_clipping_are_the_fast_capture(bias):
+    """With a clip no sample reaches, the per-sample diagonal and last-layer blocks sum to the fast capture's
+    diag+full blocks (its diagonal from back-propagated columns, its block in closed form): the same quantities
+    computed independently."""
+    torch.manual_seed(2)
+    model = _mlp(bias)
+    x, y = torch.randn(14, 6, dtype=torch.float64), torch.randint(0, 4, (14,))
+    diag, block = clipped_diag_full_sums(model, x, 1e12, batch_size=5)
+    fast, _ = capture("diag+full", model, x, y, 5)
+    torch.testing.assert_close(diag, fast.blocks[0].diagonal().double(), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(block, fast.blocks[1].to_tensors()["dense"].double(), rtol=1e-9, atol=1e-12)
+
+
+def test_the_clipped_diag_full_sums_move_by_at_most_the_clip():
+    """Removing any one sample (a worst-case one with a huge input among them) moves the diagonal and the block's
+    upper triangle together by at most ``dp_curvature_clip`` in L2 — the sensitivity the noise is calibrated to —
+    and a clip that binds does move them by about that much."""
+    torch.manual_seed(3)
+    model = _mlp()
+    x = torch.randn(12, 6, dtype=torch.float64)
+    x[5] *= 1e3
+    clip = 0.05
+    rows, cols = torch.triu_indices(4 * 6, 4 * 6)
+
+    def released(xs):
+        diag, block = clipped_diag_full_sums(model, xs, clip, batch_size=5)
+        return torch.cat([diag, block[rows, cols]])
+
+    whole = released(x)
+    moved = [(whole - released(x[torch.arange(len(x)) != i])).norm() for i in range(len(x))]
+    assert max(moved) <= clip * (1 + 1e-9), moved
+    assert max(moved) >= 0.5 * clip  # the worst-case sample is clipped, not ignored
+
+
+def test_a_private_diag_full_artifact_fuses_and_records_its_release(tmp_path, small_silo):
+    """``fit-local --dp --structure diag+full``: a diagonal and a dense last-layer block, positive semi-definite,
+    the guarantee Opacus' accountant's; the product and Fisher merge fuse two such artifacts."""
+    from opacus.accountants import RDPAccountant
+
+    paths = []
+    for c in range(2):
+        silo = _silo(tmp_path, small_silo, f"s{c}.h5", 120 * c, 120 * (c + 1))
+        r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
+                 "--structure", "diag+full", "--dp", "--dp-epsilon", "8", "--train-seed", c,
+                 "--out", tmp_path / f"f{c}.h5")
+        assert r.exit_code == 0, r.output
+        paths.append(tmp_path / f"f{c}.h5")
+    art = posterior_fusion.load(paths[0])
+    dp = art.metadata["dp"]
+    assert "last-layer block" in dp["mechanism"]
+    kinds = [b.kind for b in art.components[0].curvature.blocks]
+    assert kinds == ["diag", "dense"]
+    dense = art.components[0].curvature.blocks[1].to_tensors()["dense"].double()
+    assert dense.shape == (10 * 33, 10 * 33) and torch.linalg.eigvalsh(dense).min() >= -1e-4 * dense.abs().max()
+    acc = RDPAccountant()
+    acc.history = [(dp["noise_multiplier"], dp["sample_rate"], dp["steps"]), (dp["release_noise"], 1.0, dp["releases"])]
+    assert math.isclose(acc.get_epsilon(dp["delta"]), dp["epsilon"], rel_tol=1e-9) and dp["epsilon"] <= 8.0
+    for method in ("product", "fisher-merge"):
+        r = _run("fuse", *paths, "--method", method, "--out", tmp_path / f"g_{method}.h5")
         assert r.exit_code == 0, (method, r.output)

@@ -232,12 +232,11 @@ class FitConfig:
             self.ppd.validate()
         if self.dp is not None:
             self.dp.validate()
-            refused = [what for what, on in (("structure " + self.structure, self.structure == "diag+full"),
-                                             ("SWAG moments", self.train.swag), ("a FedPPD student", self.ppd is not None),
+            refused = [what for what, on in (("SWAG moments", self.train.swag), ("a FedPPD student", self.ppd is not None),
                                              ("a private model", self.private is not None)) if on]
             if refused:
-                raise ConfigError(f"`dp` covers the diag and kron structures' release without SWAG, FedPPD or a "
-                                  f"private model; not {', '.join(refused)}")
+                raise ConfigError(f"`dp` covers every structure's release without SWAG, FedPPD or a private model; "
+                                  f"not {', '.join(refused)}")
         if self.private is not None:
             self.private.validate()
         if self.curvature_batch_size < 1:
@@ -292,8 +291,8 @@ class FitConfig:
 
 # ------------------------------------------------------------------- fit settings, flat
 
-DP_SWITCH_HELP = ("Differential privacy of the whole artifact (diag structure): DP-SGD training through Opacus, "
-                  "the GGN diagonal and the class counts through the Gaussian mechanism, composed by one RDP "
+DP_SWITCH_HELP = ("Differential privacy of the whole artifact (every structure): DP-SGD training through Opacus, "
+                  "the curvature and the class counts through the Gaussian mechanism, composed by one RDP "
                   "accountant into (dp_epsilon, dp_delta), recorded in the artifact (needs the `dp` extra: opacus).")
 PPD_SWITCH_HELP = ("FedPPD: also run an SGLD chain from each component's MAP and distil its posterior predictive "
                    "into a student network stored beside the MAP (fuse --method fedppd / fedppd-distill).")

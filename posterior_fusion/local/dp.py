@@ -21,6 +21,13 @@ for. Under add/remove-one-sample neighbouring:
   clips: noise ``release_noise · √2 · clip`` on every entry of each factor's upper triangle, mirrored), each
   factor made positive semi-definite, the input factors divided by the released n (post-processing). One release
   per component;
+- **curvature**, structure ``diag+full`` (:func:`private_diag_full`): each sample's contribution to the GGN
+  diagonal of every parameter but the last ``nn.Linear``'s, ``c_n``, and to that layer's full block,
+  ``G_n = H_n ⊗ φ̃_n φ̃_nᵀ`` (``H_n`` the cross-entropy Hessian at its logits, ``φ̃_n`` the layer's input with a 1
+  for the bias; ``‖G_n‖_F = ‖H_n‖_F ‖φ̃_n‖²``), are scaled together to ``√(‖c_n‖² + ‖G_n‖_F²) ≤ dp_curvature_clip``;
+  the released entries — the diagonal and the block's upper triangle, whose L2 norm is at most that — move by at
+  most the clip. Gaussian noise ``release_noise · curvature_clip`` on each, mirrored; the diagonal floored at 0
+  and the block made positive semi-definite (post-processing). One release per component;
 - **class counts**: the histogram with Gaussian noise of standard deviation ``release_noise`` (sensitivity 1),
   rounded and floored at 0 (post-processing); ``n_data`` is their sum;
 - everything else the artifact holds is post-processing of these or data-independent (the MAPs, the
@@ -42,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posterior_fusion.curvature import BlockDiag
+from posterior_fusion.curvature import BlockDiag, Dense, Diag
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture.fast import kron_blocks
 from posterior_fusion.local.capture.inputs import reduced_input
@@ -74,9 +81,10 @@ class DPPlan:
     def record(self, cfg: DPConfig, structure: str = "diag") -> dict:
         import opacus
 
-        curvature = ("the clipped per-sample contributions to every K-FAC factor (input factors clipped to "
-                     "input_clip, output factors and diagonals to curvature_clip)" if structure == "kron"
-                     else "the clipped per-sample GGN diagonal")
+        curvature = {"kron": "the clipped per-sample contributions to every K-FAC factor (input factors clipped to "
+                             "input_clip, output factors and diagonals to curvature_clip)",
+                     "diag+full": "the clipped per-sample GGN diagonal and last-layer block (clipped together to "
+                                  "curvature_clip)"}.get(structure, "the clipped per-sample GGN diagonal")
         return {"epsilon": self.epsilon, "delta": self.delta, "target_epsilon": cfg.dp_epsilon, "accountant": "rdp",
                 "mechanism": f"DP-SGD (Opacus, Poisson sampling) for training; Gaussian mechanism on {curvature} and "
                              "on the class counts",
@@ -222,6 +230,68 @@ def private_diagonal(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_n
     total = total.cpu()  # the noise is drawn on the CPU
     noise = release_noise * cfg.dp_curvature_clip * torch.randn(total.shape, generator=generator, dtype=torch.float64)
     return (total + noise).clamp_min(0).float()
+
+
+def clipped_diag_full_sums(model: nn.Module, x: torch.Tensor, curvature_clip: float,
+                           batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The diag+full capture's sums with each sample's contribution clipped, before any noise: the GGN diagonal of
+    every parameter but the last ``nn.Linear``'s, ``Σ_n t_n c_n`` ``(d − p,)``, and that layer's full block
+    ``Σ_n t_n H_n ⊗ φ̃_n φ̃_nᵀ`` ``(p, p)`` (weights row-major, then the bias, as :func:`last_layer_ggn`), float64.
+    ``H_n = diag(π_n) − π_n π_nᵀ`` at the sample's probabilities, ``φ̃_n`` the layer's input with a 1 for the bias,
+    and ``t_n = min(1, curvature_clip / √(‖c_n‖² + ‖H_n‖_F² ‖φ̃_n‖⁴))`` (``‖H_n ⊗ φ̃φ̃ᵀ‖_F = ‖H_n‖_F ‖φ̃_n‖²``): the
+    diagonal and the block's upper triangle together move by at most ``curvature_clip`` (L2) when one sample is
+    added or removed."""
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    n_out, n_in = last.weight.shape
+    has_b = last.bias is not None
+    k = n_in + 1 if has_b else n_in
+    diag = torch.zeros(0, dtype=torch.float64)
+    first = torch.zeros(n_out, k, k, dtype=torch.float64, device=x.device)
+    second = torch.zeros(n_out * k, n_out * k, dtype=torch.float64, device=x.device)
+    feats: list[torch.Tensor] = []
+    model.eval()
+    handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
+    try:
+        for i in range(0, len(x), batch_size):
+            xb = x[i: i + batch_size]
+            c = per_sample_ggn_diagonal(model, xb).double()
+            cut = c.shape[1] - (n_out * n_in + (n_out if has_b else 0))  # the diagonal part: all but the last layer
+            feats.clear()
+            with torch.no_grad():
+                probs = model(xb).softmax(-1).double()
+            phi = feats[0].reshape(len(xb), -1).double()
+            if has_b:
+                phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
+            H = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
+            block_sq = torch.linalg.matrix_norm(H).square() * phi.square().sum(1).square()
+            t = (curvature_clip / (c[:, :cut].square().sum(1) + block_sq).sqrt().clamp_min(1e-300)).clamp(max=1.0)
+            part = (t[:, None] * c[:, :cut]).sum(0).cpu()
+            diag = part if i == 0 else diag + part
+            ps = phi * t.sqrt()[:, None]
+            first += torch.einsum("no,ni,nj->oij", probs, ps, ps)
+            v = (probs[:, :, None] * ps[:, None, :]).reshape(len(xb), -1)  # (n, O·k): π_n ⊗ φ̃_n √t_n
+            second += v.T @ v
+    finally:
+        handle.remove()
+    block = (torch.block_diag(*first) - second).cpu()  # index (o, i), i < k
+    if has_b:
+        idx = torch.arange(n_out * k).reshape(n_out, k)
+        order = torch.cat([idx[:, :n_in].reshape(-1), idx[:, n_in]])  # weights row-major, then the bias
+        block = block[order][:, order]
+    return diag, block
+
+
+def private_diag_full(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_noise: float,
+                      generator: torch.Generator, batch_size: int = 64) -> BlockDiag:
+    """The released diag+full curvature: :func:`clipped_diag_full_sums` with Gaussian noise
+    ``release_noise · dp_curvature_clip`` on every diagonal entry and on every entry of the block's upper triangle
+    (one release of sensitivity ``dp_curvature_clip``), the diagonal floored at 0 and the block made positive
+    semi-definite (post-processing); blocks as :func:`fast_diag_full`'s."""
+    diag, block = clipped_diag_full_sums(model, x, cfg.dp_curvature_clip, batch_size)
+    std = release_noise * cfg.dp_curvature_clip
+    diag = (diag + std * torch.randn(diag.shape, generator=generator, dtype=torch.float64)).clamp_min(0)
+    block = _psd(block + _symmetric_noise(block.shape[0], std, generator))
+    return BlockDiag([Diag(diag.float()), Dense(block.float())])
 
 
 def per_sample_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

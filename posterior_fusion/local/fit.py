@@ -259,9 +259,13 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                              int.from_bytes(os.urandom(8), "little") >> 1, prior_mean)
             res = TrainResult(float("nan"), float("nan"), None)  # the loss and accuracy are not released
             t1 = time.perf_counter()
-            curv = (dp.private_kron(model, x, cfg.dp, dp_plan.release_noise, int(metadata["n_data"]), noise, cfg.kfac)
-                    if cfg.structure == "kron" else
-                    BlockDiag([Diag(dp.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))]))
+            if cfg.structure == "kron":
+                curv = dp.private_kron(model, x, cfg.dp, dp_plan.release_noise, int(metadata["n_data"]), noise,
+                                       cfg.kfac)
+            elif cfg.structure == "diag+full":
+                curv = dp.private_diag_full(model, x, cfg.dp, dp_plan.release_noise, noise)
+            else:
+                curv = BlockDiag([Diag(dp.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))])
             captured_by = "fast"
         else:
             res = train_map(thaw(model) if folds else model, x, y, cfg.train, seed=component_seed,
