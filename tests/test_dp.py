@@ -88,9 +88,9 @@ def test_the_clipped_curvature_has_its_sensitivity_and_sums_to_the_ggn_diagonal(
 
 def test_private_refusals_are_one_line(tmp_path, small_silo):
     silo = _silo(tmp_path, small_silo)
-    r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--swag",
+    r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--ppd",
              "--dp", "--out", tmp_path / "k.h5")
-    assert r.exit_code == 2 and "SWAG" in r.stderr and r.stderr.count("\n") == 1, r.output
+    assert r.exit_code == 2 and "FedPPD" in r.stderr and r.stderr.count("\n") == 1, r.output
     assert _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
                 "--structure", "diag", "--dp", "--out", tmp_path / "p.h5").exit_code == 0
     assert _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
@@ -254,3 +254,36 @@ def test_a_private_diag_full_artifact_fuses_and_records_its_release(tmp_path, sm
     for method in ("product", "fisher-merge"):
         r = _run("fuse", *paths, "--method", method, "--out", tmp_path / f"g_{method}.h5")
         assert r.exit_code == 0, (method, r.output)
+
+
+def test_swag_moments_of_the_private_iterates_cost_no_further_epsilon(tmp_path, small_silo):
+    """``--dp --swag``: the moments are DP-SGD's own iterates' (post-processing), so the recorded release and ε are
+    those of the same fit without SWAG — Opacus' accountant on the recorded mechanisms — and the swag fusion runs."""
+    from opacus.accountants import RDPAccountant
+
+    silo = _silo(tmp_path, small_silo)
+    records = {}
+    for swag in (False, True):
+        out = tmp_path / f"swag{swag}.h5"
+        r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "8",
+                 "--structure", "diag", "--dp", "--dp-epsilon", "4", *(("--swag", "--swag-rank", "3") if swag else ()),
+                 "--out", out)
+        assert r.exit_code == 0, r.output
+        records[swag] = posterior_fusion.load(out)
+    moments = records[True].components[0].swag
+    assert moments is not None and moments.deviations.shape[0] == 3
+    assert records[False].components[0].swag is None
+    dp = records[True].metadata["dp"]
+    keys = ("noise_multiplier", "sample_rate", "steps", "release_noise", "releases", "epsilon")
+    assert {k: dp[k] for k in keys} == {k: records[False].metadata["dp"][k] for k in keys}
+    acc = RDPAccountant()
+    acc.history = [(dp["noise_multiplier"], dp["sample_rate"], dp["steps"]), (dp["release_noise"], 1.0, dp["releases"])]
+    assert math.isclose(acc.get_epsilon(dp["delta"]), dp["epsilon"], rel_tol=1e-9)
+    # the moments' mean lies among the private iterates: near the private MAP, not at the start
+    assert (moments.mean - records[True].components[0].map).norm() < records[True].components[0].map.norm()
+    other = _silo(tmp_path, small_silo, "o.h5", 120, 240)
+    assert _run("fit-local", "--data", other, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "8",
+                "--structure", "diag", "--dp", "--dp-epsilon", "4", "--swag", "--swag-rank", "3",
+                "--out", tmp_path / "o_swag.h5").exit_code == 0
+    r = _run("fuse", tmp_path / "swagTrue.h5", tmp_path / "o_swag.h5", "--method", "swag", "--out", tmp_path / "g.h5")
+    assert r.exit_code == 0, r.output

@@ -30,6 +30,8 @@ for. Under add/remove-one-sample neighbouring:
   and the block made positive semi-definite (post-processing). One release per component;
 - **class counts**: the histogram with Gaussian noise of standard deviation ``release_noise`` (sensitivity 1),
   rounded and floored at 0 (post-processing); ``n_data`` is their sum;
+- **SWAG moments** (``swag``): the running moments of DP-SGD's own iterates, post-processing of the training's
+  release (its guarantee covers every iterate): no further ε;
 - everything else the artifact holds is post-processing of these or data-independent (the MAPs, the
   temperature and prior, the input transform, the model); the data's SHA-256 and the training loss and
   accuracy are not recorded.
@@ -55,6 +57,7 @@ from posterior_fusion.local.capture.fast import kron_blocks
 from posterior_fusion.local.capture.inputs import reduced_input
 from posterior_fusion.local.capture.outputs import reduced_grad
 from posterior_fusion.local.config import DPConfig
+from posterior_fusion.local.train import SwagCollector
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
     DIAG_LAYERS,
@@ -64,6 +67,7 @@ from posterior_fusion.models.layers import (
     input_columns,
     norm_per_sample,
 )
+from posterior_fusion.posterior import SwagMoments
 
 
 @dataclass(frozen=True)
@@ -453,10 +457,12 @@ def private_kron(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_noise
 
 
 def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg, dp: DPConfig, plan_: DPPlan,
-                  weight_decay: float, seed: int, prior_mean: torch.Tensor | None = None) -> None:
+                  weight_decay: float, seed: int, prior_mean: torch.Tensor | None = None) -> SwagMoments | None:
     """DP-SGD on ``model`` in place (module docstring): Opacus' per-sample clipping and noise, Poisson batches
     at ``plan_.sample_rate``, ``train_cfg.epochs`` epochs of about n / batch steps; SGD with the configuration's
-    learning rate and momentum; the decay toward ``prior_mean`` (zero by default) after each step."""
+    learning rate and momentum; the decay toward ``prior_mean`` (zero by default) after each step. Returns the
+    SWAG moments of the private iterates when ``train_cfg.swag`` asks for them (post-processing: DP-SGD's
+    guarantee covers every iterate), else None."""
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
     from opacus.validators import ModuleValidator
@@ -476,15 +482,18 @@ def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg,
     gsm.train()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus' hooks, the first layer
-        _dp_epochs(gsm, opt, x, y, train_cfg, plan_, steps, gen, params, centres, weight_decay)
+        swag = _dp_epochs(gsm, opt, x, y, train_cfg, plan_, steps, gen, params, centres, weight_decay)
     gsm._close()
     model.eval()
+    return swag
 
 
-def _dp_epochs(gsm, opt, x, y, train_cfg, plan_: DPPlan, steps: int, gen, params, centres, weight_decay) -> None:
+def _dp_epochs(gsm, opt, x, y, train_cfg, plan_: DPPlan, steps: int, gen, params, centres,
+               weight_decay) -> SwagMoments | None:
     loss_fn = nn.CrossEntropyLoss()
-    for _ in range(train_cfg.epochs):
-        for _ in range(steps):
+    swag = SwagCollector(train_cfg, steps)
+    for epoch in range(train_cfg.epochs):
+        for step in range(steps):
             take = torch.rand(len(x), generator=gen) < plan_.sample_rate  # Poisson sampling
             opt.zero_grad(set_to_none=True)
             if take.any():
@@ -496,5 +505,7 @@ def _dp_epochs(gsm, opt, x, y, train_cfg, plan_: DPPlan, steps: int, gen, params
             with torch.no_grad():
                 for p, c in zip(params, centres):
                     p.sub_(train_cfg.lr * weight_decay * (p - c))
+            swag.after_step(gsm, epoch, step)
+    return swag.moments()
 
 

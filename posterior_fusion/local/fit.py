@@ -255,9 +255,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         t0 = time.perf_counter()
         statistics = None
         if dp_plan is not None:
-            dp.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
-                             int.from_bytes(os.urandom(8), "little") >> 1, prior_mean)
-            res = TrainResult(float("nan"), float("nan"), None)  # the loss and accuracy are not released
+            swag = dp.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
+                                    int.from_bytes(os.urandom(8), "little") >> 1, prior_mean)
+            res = TrainResult(float("nan"), float("nan"), swag)  # the loss and accuracy are not released
             t1 = time.perf_counter()
             if cfg.structure == "kron":
                 curv = dp.private_kron(model, x, cfg.dp, dp_plan.release_noise, int(metadata["n_data"]), noise,

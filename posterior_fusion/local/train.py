@@ -22,6 +22,41 @@ class TrainResult:
     swag: SwagMoments | None
 
 
+class SwagCollector:
+    """SWAG moments (Maddox et al. 2019) of the iterates of a training run: over the last ``swag_epochs`` epochs
+    (0: a quarter), ``swag_snapshots_per_epoch`` snapshots per epoch of ``steps`` steps, the running mean and
+    second moment ``(d,)`` and the last ``swag_rank`` deviations from the running mean; nothing when ``swag`` is
+    off."""
+
+    def __init__(self, cfg: TrainConfig, steps: int) -> None:
+        self.cfg = cfg
+        self.first_epoch = cfg.epochs - ((cfg.swag_epochs or max(1, cfg.epochs // 4)) if cfg.swag else 0)
+        self.every = max(1, steps // max(1, cfg.swag_snapshots_per_epoch))
+        self.count = 0
+        self.mean: torch.Tensor | None = None
+        self.sq: torch.Tensor | None = None
+        self.devs: list[torch.Tensor] = []
+
+    def after_step(self, model: nn.Module, epoch: int, step: int) -> None:
+        """Take a snapshot of ``model``'s weights if step ``step`` (from 0) of epoch ``epoch`` is one."""
+        if not self.cfg.swag or epoch < self.first_epoch or (step + 1) % self.every:
+            return
+        w = parameters_to_vector(model.parameters()).detach().double()
+        self.count += 1
+        self.mean = w.clone() if self.mean is None else self.mean + (w - self.mean) / self.count
+        self.sq = w.square() if self.sq is None else self.sq + (w.square() - self.sq) / self.count
+        self.devs = [*self.devs, (w - self.mean).float()][-self.cfg.swag_rank:]
+
+    def moments(self) -> SwagMoments | None:
+        """The collected moments (None without ``swag`` or snapshots), warning when fewer than ``swag_rank``."""
+        if self.cfg.swag and self.count < self.cfg.swag_rank:
+            warnings.warn(f"SWAG collected {self.count} snapshots, fewer than swag_rank={self.cfg.swag_rank}: the "
+                          f"deviation matrix has rank {self.count} (train longer or lower --swag-rank)", stacklevel=3)
+        if not self.cfg.swag or self.count == 0:
+            return None
+        return SwagMoments(self.mean.float().cpu(), self.sq.float().cpu(), torch.stack(self.devs).cpu())
+
+
 def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
               seed: int, desc: str = "train", soft_targets: torch.Tensor | None = None,
               soft_weight: float = 0.0, prior_mean: torch.Tensor | None = None) -> TrainResult:
@@ -44,11 +79,7 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
     loss_fn = nn.CrossEntropyLoss()
     n = x.shape[0]
     steps = math.ceil(n / cfg.batch_size)
-    swag_epochs = (cfg.swag_epochs or max(1, cfg.epochs // 4)) if cfg.swag else 0
-    snap_every = max(1, steps // max(1, cfg.swag_snapshots_per_epoch))
-    mean = sq = None
-    devs: list[torch.Tensor] = []
-    count = 0
+    swag = SwagCollector(cfg, steps)
     loss_sum = correct = 0.0
     model.train()
     # the epoch's sums stay on x's device (float64: the same arithmetic as Python floats) and are read once per
@@ -58,7 +89,6 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
         perm = torch.randperm(n, generator=gen).to(x.device)
         loss_acc = torch.zeros((), dtype=torch.float64, device=x.device)
         correct_acc = torch.zeros((), dtype=torch.int64, device=x.device)
-        collect = epoch >= cfg.epochs - swag_epochs
         for step in range(steps):
             idx = perm[step * cfg.batch_size : (step + 1) * cfg.batch_size]
             out = model(x[idx])
@@ -76,20 +106,8 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
             opt.step()
             loss_acc += loss.detach().double() * len(idx)
             correct_acc += (out.argmax(-1) == y[idx]).sum()
-            if collect and (step + 1) % snap_every == 0:
-                w = parameters_to_vector(model.parameters()).detach().double()
-                count += 1
-                mean = w.clone() if mean is None else mean + (w - mean) / count
-                sq = w.square() if sq is None else sq + (w.square() - sq) / count
-                devs.append((w - mean).float())
-                devs = devs[-cfg.swag_rank :]
+            swag.after_step(model, epoch, step)
         loss_sum, correct = loss_acc.item(), float(correct_acc.item())
         bar.set_postfix(loss=f"{loss_sum / n:.4f}", acc=f"{correct / n:.3f}")
     model.eval()
-    swag = None
-    if cfg.swag and count < cfg.swag_rank:
-        warnings.warn(f"SWAG collected {count} snapshots, fewer than swag_rank={cfg.swag_rank}: the deviation matrix "
-                      f"has rank {count} (train longer or lower --swag-rank)", stacklevel=2)
-    if cfg.swag and count > 0:
-        swag = SwagMoments(mean.float().cpu(), sq.float().cpu(), torch.stack(devs).cpu())
-    return TrainResult(loss_sum / n, correct / n, swag)
+    return TrainResult(loss_sum / n, correct / n, swag.moments())
