@@ -185,6 +185,12 @@ def test_a_batchnorm_network_from_random_starts_runs_the_whole_flow(bn_silos):
                 "--samples", "3", "--json")
         assert r.exit_code == 0, r.output
     assert "BatchNorm statistics: reset" in run("inspect", folder / "g_fedbens_reset.h5").output
+    # another structure captured again at the same MAPs keeps each component's statistics (they still hold)
+    r = run("recapture", "--from", folder / "k0.h5", "--data", folder / "s0.h5", "--structure", "diag",
+            "--out", folder / "r0.h5")
+    assert r.exit_code == 0, r.output
+    again = posterior_fusion.load(folder / "r0.h5")
+    assert all(torch.equal(a.statistics, b.statistics) for a, b in zip(again.components, art.components))
 
 
 def test_batchnorm_refusals_are_one_line_before_training(bn_silos, tmp_path, small_silo):

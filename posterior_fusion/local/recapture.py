@@ -400,7 +400,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         training.update(curvature_seconds=round(seconds, 3), capture=captured_by, device=where.type)
         if at is None:
             comps.append(Component(index, ref.map, curv, frozen_mapping(training), ref.temperature,
-                                   ref.prior_precision, ref.swag, ref.student))
+                                   ref.prior_precision, ref.swag, ref.student, ref.statistics))
             log(f"component {index + 1}/{len(points)}: {structure} curvature {seconds:.1f}s")
             continue
         g = loss_gradient(model, x, y, batch)
