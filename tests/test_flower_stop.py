@@ -96,7 +96,7 @@ def test_a_stopped_local_run_ends_the_silos_work_and_the_stop_step_leaves_no_pro
     try:
         started = subprocess.run(
             [str(BIN / "flwr"), "run", ".", "--federation-config", "num-supernodes=3", "--run-config",
-             f'epochs=500 components=1 min-nodes=3 model="mlp" structure="diag" silo-dir="{silos}" '
+             f'epochs=5000 components=1 min-nodes=3 model="lenet" structure="diag" silo-dir="{silos}" '
              f'out-dir="{tmp_path / "out"}" val="{silos / "server_val.h5"}"'],
             env=env, cwd=app, capture_output=True, text=True, timeout=120)
         found = re.search(r"started run (\d+)", started.stdout + started.stderr)
@@ -106,7 +106,7 @@ def test_a_stopped_local_run_ends_the_silos_work_and_the_stop_step_leaves_no_pro
         stopped = subprocess.run([str(BIN / "flwr"), "stop", found.group(1)], env=env, cwd=app, capture_output=True,
                                  text=True, timeout=60)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        # flwr stop ends the silos' work: 500 epochs would take many minutes
+        # flwr stop ends the silos' work: 5,000 LeNet epochs would take far longer than the wait
         assert wait_until(lambda: not training(), 90), f"the silos kept training:\n{processes(marker)}"
         assert not (tmp_path / "out" / "global.h5").exists()
         for command in stop_step():
