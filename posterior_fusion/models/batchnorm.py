@@ -13,7 +13,9 @@ fusion, predictives, Flower) then sees ordinary parameters; the folded statistic
 component (``statistics``, ``(2 S,)``: each BatchNorm's ``μ`` then ``σ²``, in :func:`statistics_names`
 order) for the server's ``reset`` rule:
 
-- ``fold`` (the fused model as fused): the fused affine maps are the fusion of the clients' folded maps;
+- ``fold`` (the fused model as fused): the fused affine maps are the fusion of the clients' folded maps — the
+  "average statistics" rule, since read back as ``(γ, β)`` under the clients' pooled statistics and kept with
+  them a member computes this same function;
 - ``reset`` (RESET, Jordan et al. 2023, "REPAIR"): each fused member's BatchNorm is read back as
   ``(γ, β)`` under the clients' statistics (a member equal to a client's component under that
   component's own, any other under the clients' pooled statistics, each client weighted by its ``n``),
