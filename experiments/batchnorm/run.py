@@ -128,8 +128,8 @@ def report(folder: Path) -> None:
         vals = []
         for a in alphas:
             v = cells.get((row, norm, rule, a), [])
-            vals.append("—" if not v else f"{statistics.mean(v):.2f} ± {statistics.stdev(v) if len(v) > 1 else 0:.2f}"
-                        f" ({len(v)})")
+            spread = f" ± {statistics.stdev(v):.2f}" if len(v) > 1 else ""
+            vals.append("—" if not v else f"{statistics.mean(v):.2f}{spread} ({len(v)})")
         print(f"| {row} | {norm} | {rule} | " + " | ".join(vals) + " |")
 
 
