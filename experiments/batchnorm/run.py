@@ -113,6 +113,8 @@ def run_cell(args, norm: str, alpha: float, seed: int) -> list[dict]:
 
 
 def report(folder: Path) -> None:
+    """One table: a row per fusion, for each α the BatchNorm network's two statistics rules and the GroupNorm
+    network's accuracy (mean ± sd over seeds, the number of seeds in brackets)."""
     cells: dict[tuple, list[float]] = {}
     alphas = set()
     for f in sorted(folder.glob("*.json")):
@@ -120,17 +122,19 @@ def report(folder: Path) -> None:
         alphas.add(obj["alpha"])
         for r in obj["rows"]:
             cells.setdefault((r["row"], r["norm"], r["statistics"], obj["alpha"]), []).append(r["accuracy"])
-    alphas = sorted(alphas)
-    print("| row | norm | statistics | " + " | ".join(f"α = {a}" for a in alphas) + " |")
-    print("|---|---|---|" + "---|" * len(alphas))
-    order = [label for label, _, _ in FUSIONS] + ["centralised"]
-    for (row, norm, rule) in sorted({k[:3] for k in cells}, key=lambda k: (order.index(k[0]), k[1], k[2])):
-        vals = []
-        for a in alphas:
-            v = cells.get((row, norm, rule, a), [])
-            spread = f" ± {statistics.stdev(v):.2f}" if len(v) > 1 else ""
-            vals.append("—" if not v else f"{statistics.mean(v):.2f}{spread} ({len(v)})")
-        print(f"| {row} | {norm} | {rule} | " + " | ".join(vals) + " |")
+    columns = [("batch", "fold", "BatchNorm, fold"), ("batch", "reset", "BatchNorm, reset"), ("group", "fold", "GroupNorm")]
+
+    def cell(v: list[float]) -> str:
+        if not v:
+            return "—"
+        spread = f" ± {statistics.stdev(v):.2f}" if len(v) > 1 else ""
+        return f"{statistics.mean(v):.2f}{spread} ({len(v)})"
+
+    print("| | " + " | ".join(f"α = {a}: {name}" for a in sorted(alphas) for _, _, name in columns) + " |")
+    print("|---|" + "---|" * (len(alphas) * len(columns)))
+    for row in [label for label, _, _ in FUSIONS] + ["centralised"]:
+        vals = [cell(cells.get((row, norm, rule, a), [])) for a in sorted(alphas) for norm, rule, _ in columns]
+        print(f"| {row} | " + " | ".join(vals) + " |")
 
 
 def main() -> None:
