@@ -4,7 +4,7 @@ fuses with every method, its BatchNorm statistics by both rules side by side (``
 and ``reset`` on 1,000 unlabeled server images), beside the same network with GroupNorm and a centralised network
 trained on the pooled silos. One JSON file of rows per (norm, α, seed); ``--report`` prints the table.
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/batchnorm/run.py --alphas 0.1,0.4 --seeds 0,1 \\
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/batchnorm/run.py --alphas 0.1,0.4 --seeds 0,1,2 \\
         --work runs/batchnorm --json-dir docs/results/batchnorm
     .venv/bin/python experiments/batchnorm/run.py --report docs/results/batchnorm
 """
@@ -140,7 +140,7 @@ def report(folder: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--alphas", default="0.1,0.4")
-    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--norms", default="batch,group")
     p.add_argument("--clients", type=int, default=5)
     p.add_argument("--components", type=int, default=2)
