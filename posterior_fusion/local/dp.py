@@ -53,7 +53,7 @@ from torch import nn
 
 from posterior_fusion.curvature import BlockDiag, Dense, Diag
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.capture.fast import kron_blocks
+from posterior_fusion.local.capture.fast import kron_blocks, last_layer_ggn
 from posterior_fusion.local.capture.inputs import reduced_input
 from posterior_fusion.local.capture.outputs import reduced_grad
 from posterior_fusion.local.config import DPConfig
@@ -246,42 +246,29 @@ def clipped_diag_full_sums(model: nn.Module, x: torch.Tensor, curvature_clip: fl
     diagonal and the block's upper triangle together move by at most ``curvature_clip`` (L2) when one sample is
     added or removed."""
     last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
-    n_out, n_in = last.weight.shape
-    has_b = last.bias is not None
-    k = n_in + 1 if has_b else n_in
+    size = last.weight.numel() + (last.bias.numel() if last.bias is not None else 0)
     diag = torch.zeros(0, dtype=torch.float64)
-    first = torch.zeros(n_out, k, k, dtype=torch.float64, device=x.device)
-    second = torch.zeros(n_out * k, n_out * k, dtype=torch.float64, device=x.device)
+    clipped = []
     feats: list[torch.Tensor] = []
     model.eval()
     handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
     try:
         for i in range(0, len(x), batch_size):
             xb = x[i: i + batch_size]
-            c = per_sample_ggn_diagonal(model, xb).double()
-            cut = c.shape[1] - (n_out * n_in + (n_out if has_b else 0))  # the diagonal part: all but the last layer
+            c = per_sample_ggn_diagonal(model, xb).double()[:, :-size]  # the diagonal part: all but the last layer
             feats.clear()
             with torch.no_grad():
                 probs = model(xb).softmax(-1).double()
-            phi = feats[0].reshape(len(xb), -1).double()
-            if has_b:
-                phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
+            phi_sq = feats[0].reshape(len(xb), -1).double().square().sum(1) + (last.bias is not None)  # ‖φ̃_n‖²
             H = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
-            block_sq = torch.linalg.matrix_norm(H).square() * phi.square().sum(1).square()
-            t = (curvature_clip / (c[:, :cut].square().sum(1) + block_sq).sqrt().clamp_min(1e-300)).clamp(max=1.0)
-            part = (t[:, None] * c[:, :cut]).sum(0).cpu()
+            block_sq = torch.linalg.matrix_norm(H).square() * phi_sq.square()  # ‖H_n ⊗ φ̃_n φ̃_nᵀ‖_F²
+            t = (curvature_clip / (c.square().sum(1) + block_sq).sqrt().clamp_min(1e-300)).clamp(max=1.0)
+            part = (t[:, None] * c).sum(0).cpu()
             diag = part if i == 0 else diag + part
-            ps = phi * t.sqrt()[:, None]
-            first += torch.einsum("no,ni,nj->oij", probs, ps, ps)
-            v = (probs[:, :, None] * ps[:, None, :]).reshape(len(xb), -1)  # (n, O·k): π_n ⊗ φ̃_n √t_n
-            second += v.T @ v
+            clipped.append(t)
     finally:
         handle.remove()
-    block = (torch.block_diag(*first) - second).cpu()  # index (o, i), i < k
-    if has_b:
-        idx = torch.arange(n_out * k).reshape(n_out, k)
-        order = torch.cat([idx[:, :n_in].reshape(-1), idx[:, n_in]])  # weights row-major, then the bias
-        block = block[order][:, order]
+    block = last_layer_ggn(model, x, batch_size, weights=torch.cat(clipped)).double()
     return diag, block
 
 

@@ -34,21 +34,15 @@ from posterior_fusion.models.finetune import (
     BATCH_NORMS,
     FrozenBatchNorm1d,
     FrozenBatchNorm2d,
-    statistics_names,
 )
 
-__all__ = ["batch_norms", "fold_statistics", "pooled_statistics", "reset_statistics", "statistics_size", "thaw"]
+__all__ = ["batch_norms", "fold_statistics", "pooled_statistics", "reset_statistics", "thaw"]
 
 
 def batch_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every BatchNorm with running statistics, in module order (the order of
     :func:`statistics_names` and of a ``statistics`` vector)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORMS) and m.track_running_stats]
-
-
-def statistics_size(model: nn.Module) -> int:
-    """Length ``2 S`` of a ``statistics`` vector for ``model`` (S: its BatchNorm channels)."""
-    return sum(s[0] for _, s in statistics_names(model))
 
 
 def check_foldable(model: nn.Module, where: str) -> None:

@@ -163,9 +163,11 @@ def fast_diag(model, x, y, batch_size=256, ggn="exact", generator=None, compute_
     return BlockDiag([Diag(fast_diag_vector(model, x, y, batch_size, ggn, generator, compute_dtype))])
 
 
-def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
-    """Exact GGN of the last ``nn.Linear`` (weight row-major, then bias): Σ_n H_n ⊗ φ̃_n φ̃_nᵀ
-    ``(O·I + O, O·I + O)``, with φ the layer's input and H_n the CE Hessian at the logits."""
+def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact GGN of the last ``nn.Linear`` (weight row-major, then bias): Σ_n w_n H_n ⊗ φ̃_n φ̃_nᵀ
+    ``(O·I + O, O·I + O)``, with φ the layer's input, H_n the CE Hessian at the logits and ``weights`` ``(n,)``
+    per-sample weights w_n (None: 1)."""
     last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
     feats: list[torch.Tensor] = []
     handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
@@ -176,12 +178,16 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     second = torch.zeros(n_out * k, n_out * k, dtype=torch.float64, device=x.device)
     try:
         with torch.no_grad(), fast_max_pooling(model):
+            start = 0
             for xb, _ in _loader(x, x.new_zeros(len(x)), batch_size, "curvature (last layer)"):
                 feats.clear()
                 p = model(xb).softmax(-1)
                 phi = feats[0].reshape(len(xb), -1)
                 if has_b:
                     phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
+                if weights is not None:  # w_n H_n ⊗ φ̃_n φ̃_nᵀ = H_n ⊗ (√w_n φ̃_n)(√w_n φ̃_n)ᵀ
+                    phi = phi * weights[start: start + len(xb)].to(phi).sqrt()[:, None]
+                start += len(xb)
                 # per-batch products in the model's dtype (sums of ≤ batch_size terms), accumulated in float64
                 first += torch.einsum("no,ni,nj->oij", p, phi, phi).double()
                 v = p.unsqueeze(2) * phi.unsqueeze(1)  # (n, O, k): p_n ⊗ φ̃_n
