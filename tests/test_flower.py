@@ -356,3 +356,12 @@ def test_a_run_that_fine_tunes_a_base_uses_the_node_s_copy_checked_by_hash(tmp_p
                             base_sha256=bases[0][2])
     assert [p.name for p in paths] == ["client_0.h5"]
     assert any("client 1: reply rejected (fine-tuned from no base, the run asks for the base" in m for m in logs)
+
+
+def test_run_config_settings_of_another_method_are_named_and_not_used(capsys):
+    from posterior_fusion.flower.apps import fusion_from_run_config
+
+    method, _, settings, _ = fusion_from_run_config({"method": "fedavg", "set.steps": 300})
+    assert (method, settings) == ("fedavg", {}) and "set.steps is not a setting of fedavg: not used" in capsys.readouterr().out
+    _, _, settings, _ = fusion_from_run_config({"method": "fedbens", "set.steps": 300})
+    assert settings == {"steps": 300} and capsys.readouterr().out == ""

@@ -32,7 +32,7 @@ FUSIONS = [("fedbens (default)", "fedbens", {}), ("fedavg", "fedavg", {}), ("fis
 
 
 def run_cell(args, alpha: float, seed: int) -> list[dict]:
-    work = Path(args.work) / f"a{alpha}_s{seed}"
+    work = Path(args.work) / (f"a{alpha}_s{seed}" + ("" if args.max_train == 12000 else f"_n{args.max_train}"))
     if not (work / "data" / "client_0.h5").exists():
         partition_to_files(work / "data", clients=5, alpha=alpha, partition_seed=seed, val_size=0,
                            max_train=args.max_train)
@@ -48,7 +48,7 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
                     "batch_size": args.batch_size, **({"dp": True, "dp_epsilon": eps} if private else {})}
         paths, aucs = [], []
         for c in range(5):
-            out = work / f"eps{eps:g}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs, args.structure)}" / f"post_{c}.h5"
+            out = work / f"eps{eps:g}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs, args.structure, args.max_train)}" / f"post_{c}.h5"
             out.parent.mkdir(parents=True, exist_ok=True)
             if not out.exists():
                 fit_silo_file(spec, work / "data" / f"client_{c}.h5", out, 1, seed,
@@ -70,10 +70,11 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
     return rows
 
 
-def recipe_tag(epochs: int, structure: str = "diag") -> str:
-    """The file-name tag of a recipe's epochs and structure (none for the default 5 epochs and diag, whose files
-    came first)."""
-    return ("" if epochs == 5 else f"_e{epochs}") + ("" if structure == "diag" else f"_{structure}")
+def recipe_tag(epochs: int, structure: str = "diag", max_train: int = 12000) -> str:
+    """The file-name tag of a recipe's epochs, structure and training images (none for the default 5 epochs, diag
+    and 12,000 images, whose files came first)."""
+    return (("" if epochs == 5 else f"_e{epochs}") + ("" if structure == "diag" else f"_{structure}")
+            + ("" if max_train == 12000 else f"_n{max_train}"))
 
 
 def report(folder: Path) -> None:
@@ -82,15 +83,17 @@ def report(folder: Path) -> None:
     print("| method | ε (target) | " + " | ".join(f"α = {a}: accuracy · NLL / ECE" for a in alphas)
           + " | attack AUC (mean, max over silos) |")
     print("|---|---|" + "---|" * len(alphas) + "---|")
-    recipes = sorted({(r.get("lr", 0.01), r.get("batch_size", 64), r.get("epochs", 5), r.get("structure", "diag"))
-                      for r in rows})
-    for (lr, batch, epochs, structure), (label, _, _) in ((rec, f) for rec in recipes for f in FUSIONS):
+    def recipe(r: dict) -> tuple:
+        return (r.get("max_train", 12000), r.get("lr", 0.01), r.get("batch_size", 64), r.get("epochs", 5),
+                r.get("structure", "diag"))
+
+    recipes = sorted({recipe(r) for r in rows})
+    for (n, lr, batch, epochs, structure), (label, _, _) in ((rec, f) for rec in recipes for f in FUSIONS):
         for eps in sorted({r["target_epsilon"] for r in rows}):
             cells, auc = [], []
             for a in alphas:
-                rs = [r for r in rows if (r["row"], r["target_epsilon"], r["alpha"], r.get("lr", 0.01),
-                                          r.get("batch_size", 64), r.get("epochs", 5), r.get("structure", "diag"))
-                      == (label, eps, a, lr, batch, epochs, structure)]
+                rs = [r for r in rows if (r["row"], r["target_epsilon"], r["alpha"], *recipe(r))
+                      == (label, eps, a, n, lr, batch, epochs, structure)]
                 if not rs:
                     cells.append("—")
                     continue
@@ -101,7 +104,8 @@ def report(folder: Path) -> None:
                 auc += [(r["attack_auc_mean"], r["attack_auc_max"]) for r in rs]
             shown = "∞ (no privacy)" if math.isinf(eps) else f"{eps:g}"
             attack = f"{statistics.mean(a for a, _ in auc):.3f}, {max(m for _, m in auc):.3f}" if auc else "—"
-            print(f"| {label} ({structure}, lr {lr:g}, batch {batch}, {epochs} epochs) | {shown} | " + " | ".join(cells)
+            images = "" if n == 12000 else f", {n:,} images"
+            print(f"| {label} ({structure}, lr {lr:g}, batch {batch}, {epochs} epochs{images}) | {shown} | " + " | ".join(cells)
                   + f" | {attack} |")
 
 
@@ -126,7 +130,7 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
             out = Path(args.json_dir) / (f"lenet_a{alpha}_s{seed}_lr{args.lr:g}_b{args.batch_size}"
-                                         f"{recipe_tag(args.epochs, args.structure)}.json")
+                                         f"{recipe_tag(args.epochs, args.structure, args.max_train)}.json")
             if not out.exists():
                 out.write_text(json.dumps(run_cell(args, alpha, seed), indent=1))
 

@@ -7,9 +7,13 @@ Run config keys (names as on the CLI):
 - the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
 - the refresh round (``pfuse recapture --at`` on every node, then fuse again): refresh (bool),
   refresh-damping (``recapture --damping``);
+- secure aggregation (Flower's SecAgg+: the server gets sums over the nodes only; fedavg, fisher-merge, product
+  with diag): secure-aggregation (bool), secure-aggregation-clipping-range, secure-aggregation-max-weight,
+  secure-aggregation-reconstruction-threshold (:mod:`posterior_fusion.flower.secure`);
 - the fusion: method, robust, fuse-temperature, fuse-prior-var, batchnorm-statistics (``fuse
   --batchnorm-statistics``: reset estimates the statistics on ``val``'s inputs), and every setting of the method
-  as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300``.
+  as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300`` (names that are not
+  the chosen method's settings are named in the log and not used, so the table may hold another method's).
 """
 
 from __future__ import annotations
@@ -19,13 +23,25 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.flower.federation import FederatedSettings, make_client_app, run_round
-from posterior_fusion.fusion import FusionOptions
+from posterior_fusion.flower.secure import SecureAggregation, run_secure_round
+from posterior_fusion.fusion import FusionOptions, applicable_settings
 from posterior_fusion.fusion.registry import resolve_default
 from posterior_fusion.local.recapture import REFRESH_DAMPING
 
 clientapp = make_client_app()
 serverapp = ServerApp()
+
+
+def check_secure_run_config(cfg: dict[str, Any], robust: bool) -> None:
+    """What a secure round cannot do, refused before any message: the refresh round, screening and server data
+    (each reads one client's artifact)."""
+    for key, wanted in (("refresh", bool(cfg.get("refresh", False))), ("robust", robust), ("val", bool(cfg.get("val"))),
+                        ("batchnorm-statistics", str(cfg.get("batchnorm-statistics", "fold")) != "fold")):
+        if wanted:
+            raise ConfigError(f"run config `{key}` needs each client's artifact on the server; secure aggregation "
+                              "gives it only sums over the clients: unset one of them")
 
 
 def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dict[str, Any], bool]:
@@ -34,13 +50,23 @@ def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dic
     options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False,
                             batchnorm_statistics=str(cfg.get("batchnorm-statistics", "fold")))
     method, settings = resolve_default(str(cfg["method"]) if "method" in cfg else None, settings)
-    return method, options, settings, bool(cfg.get("robust", False))
+    kept = applicable_settings(method, settings)  # the table may hold another method's settings, as a grid's does
+    if set(settings) - set(kept):
+        print(f"run config: {', '.join('set.' + k for k in sorted(set(settings) - set(kept)))} "
+              f"{'is not a setting' if len(settings) - len(kept) == 1 else 'are not settings'} of {method}: not used")
+    return method, options, kept, bool(cfg.get("robust", False))
 
 
 @serverapp.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = dict(context.run_config)
     method, options, settings, robust = fusion_from_run_config(cfg)
+    if cfg.get("secure-aggregation", False):
+        check_secure_run_config(cfg, robust)
+        run_secure_round(grid, context, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
+                         method, options, settings, SecureAggregation.from_run_config(cfg),
+                         min_nodes=int(cfg.get("min-nodes", 2)), round_timeout=float(cfg.get("round-timeout", 0.0)))
+        return
     run_round(grid, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
               method=method, options=options, val_path=str(cfg["val"]) if cfg.get("val") else None,
               on_bad_reply=str(cfg.get("on-bad-reply", "skip")), min_nodes=int(cfg.get("min-nodes", 1)),

@@ -55,6 +55,7 @@ from posterior_fusion.errors import (
     ResourceLimitError,
 )
 from posterior_fusion.files import check_output, write_atomically
+from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.local.config import (
@@ -189,8 +190,11 @@ def node_state_dir(context: Context, silo: Path) -> Path:
 
 def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
     """ClientApp train handler: fit the node's silo, keep the artifact in the node's state folder
-    (named by its SHA-256, for the refresh round) and reply with its bytes."""
-    settings = FederatedSettings.from_json(str(msg.content["config"]["settings"]))
+    (named by its SHA-256, for the refresh round) and reply with its bytes — or, in the secure aggregation's
+    round, with the fusion method's statistics only (:func:`~posterior_fusion.flower.secure.secure_fit_reply`)."""
+    secure = is_secure_fit(msg)
+    config = msg.content.config_records["fitins.config" if secure else "config"]
+    settings = FederatedSettings.from_json(str(config["settings"]))
     silo = node_silo(context, silo_dir)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
@@ -200,7 +204,10 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
         blob = out.read_bytes()
     state = node_state_dir(context, silo)
     state.mkdir(parents=True, exist_ok=True)
-    write_atomically(state / f"{hashlib.sha256(blob).hexdigest()}.h5", lambda tmp_path: tmp_path.write_bytes(blob))
+    own = state / f"{hashlib.sha256(blob).hexdigest()}.h5"
+    write_atomically(own, lambda tmp_path: tmp_path.write_bytes(blob))
+    if secure:  # only the method's statistics leave, masked by SecAgg+ (flower/secure.py)
+        return secure_fit_reply(msg, own)
     reply = {"artifact": blob, "silo": str(silo)}
     if "partition-id" in context.node_config:
         reply["partition-id"] = int(context.node_config["partition-id"])
@@ -259,7 +266,7 @@ def make_client_app(silo_dir: str | os.PathLike | None = None) -> ClientApp:
     def query(msg: Message, context: Context) -> Message:
         return client_refresh(msg, context, silo_dir)
 
-    app.train()(train)
+    app.train(mods=[secure_sums_mod])(train)
     app.query()(query)
     return app
 

@@ -157,6 +157,52 @@ def no_work(settings: Any, size: FuseSize) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class SumsContext:
+    """What a server that holds only sums over clients knows besides them: the model, how many clients and samples
+    the sums cover, and the global prior ``N(prior_mean, prior_precision⁻¹ I)`` (``prior_mean`` ``(d,)`` float64, or
+    ``None`` for zero)."""
+
+    spec: ModelSpec
+    clients: int
+    n_data: int
+    prior_precision: float
+    prior_mean: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ClientSums:
+    """A method whose server step reads the clients only through sums ``Σ_c s_c`` of per-client statistics, so a
+    secure aggregation can compute it without the server seeing any one client's ``s_c``.
+
+    ``local(inputs, settings)``: the statistics ``s_c`` of the one client in ``inputs``, a list of float64 tensors
+    (their shapes depend on the model only); ``finish(sums, context, settings)``: the result from the element-wise
+    sums of those lists over the clients; ``structures``: the curvature structures ``local`` accepts (None: all).
+    The method's own ``run`` is ``finish`` over the sums of ``local`` (:func:`sum_over_clients`), so the two
+    paths are one computation."""
+
+    local: Callable[[FusionInputs, Any], list[torch.Tensor]]
+    finish: Callable[[list[torch.Tensor], SumsContext, Any], FusionResult]
+    structures: tuple[str, ...] | None = None
+
+
+def sum_over_clients(inputs: FusionInputs, sums: ClientSums, settings: Any) -> list[torch.Tensor]:
+    """``[Σ_c s_c]``: each client's statistics (``sums.local`` on that client alone) summed element-wise."""
+    total: list[torch.Tensor] | None = None
+    for c in inputs.clients:
+        s = sums.local(FusionInputs([c], inputs.options, inputs.val, inputs.unlabeled), settings)
+        total = s if total is None else [a + b for a, b in zip(total, s, strict=True)]
+    if total is None:
+        raise IncompatibleArtifactsError("no client artifacts given")
+    return total
+
+
+def sums_context(inputs: FusionInputs) -> SumsContext:
+    """The :class:`SumsContext` of clients that are all at hand."""
+    return SumsContext(inputs.spec, len(inputs.clients), sum(c.n_data for c in inputs.clients),
+                       inputs.server_prior_precision(), inputs.prior_mean())
+
+
 NEEDS = {"unlabeled": "unlabeled server data", "students": "FedPPD students", "swag_moments": "SWAG moments"}
 
 
@@ -174,7 +220,8 @@ class FusionMethod:
     structures it can fuse (None: all), so lists such as the demo's offer it only where it applies;
     ``needs``: what its inputs must hold (:data:`NEEDS`); ``dense_copies``: how many copies of the dense
     factors of every compressed Kronecker block it holds at its peak (rebuilt, decomposed, stacked;
-    measured by ``benchmarks/compact_memory.py``), for the memory estimate.
+    measured by ``benchmarks/compact_memory.py``), for the memory estimate; ``sums``: how it runs from sums
+    over clients alone (:class:`ClientSums`: secure aggregation), or None.
     """
 
     name: str
@@ -189,6 +236,7 @@ class FusionMethod:
     structures: tuple[str, ...] | None = None
     needs: tuple[str, ...] = ()  # of NEEDS: checked before any work (:meth:`check_needs`)
     dense_copies: float = 0.0  # peak copies of a compressed Kronecker block's dense factors it holds (memory estimate)
+    sums: ClientSums | None = None
 
     def applies_to(self, structure: str) -> bool:
         return self.structures is None or structure in self.structures

@@ -2,6 +2,7 @@
 
 Unimodal methods use component ``options.component`` (default 0) of every client: those
 components share their starting point across clients (shared init), as one-shot FedAvg needs.
+Its server step is a ratio of two sums over clients (``Σ_c n_c ŵ_c`` and ``Σ_c n_c``): :data:`SUMS`.
 """
 
 from __future__ import annotations
@@ -9,16 +10,38 @@ from __future__ import annotations
 import torch
 
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import (
+    ClientSums,
+    FusionInputs,
+    FusionMethod,
+    FusionResult,
+    SumsContext,
+    sum_over_clients,
+    sums_context,
+)
+
+
+def fedavg_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:
+    """The one client's ``[n_c ŵ_c (d,), n_c (1,)]``, float64."""
+    c = inputs.clients[0]
+    n = torch.tensor([float(c.n_data)], dtype=torch.float64)
+    return [n * inputs.mode_maps()[0].double(), n]
+
+
+def fedavg_finish(sums: list[torch.Tensor], context: SumsContext, settings: MethodSettings) -> FusionResult:
+    return FusionResult([(sums[0] / sums[1]).float()])
+
+
+SUMS = ClientSums(fedavg_local, fedavg_finish)
+
+
+def fedavg(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
+    return fedavg_finish(sum_over_clients(inputs, SUMS, settings), sums_context(inputs), settings)
 
 
 def fedavg_weights(inputs: FusionInputs) -> torch.Tensor:
     """``(d,)``: Σ_c (n_c / n) ŵ_c of the chosen component."""
-    return (inputs.n_weights()[:, None] * inputs.mode_maps()).sum(0)
+    return fedavg(inputs, MethodSettings()).members[0]
 
 
-def fedavg(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
-    return FusionResult([fedavg_weights(inputs)])
-
-
-METHOD = FusionMethod("fedavg", fedavg, MethodSettings, "n-weighted mean of the client MAPs")
+METHOD = FusionMethod("fedavg", fedavg, MethodSettings, "n-weighted mean of the client MAPs", sums=SUMS)

@@ -5,7 +5,8 @@
 with μ0 the prior's centre: zero from random starting points, the base when the clients fine-tuned one.
 
 Each block position is summed and solved by its own class (``Precision.sum_of``/``solve``);
-a structure whose sums leave it (Kronecker) is refused.
+a structure whose sums leave it (Kronecker) is refused. With diagonal curvature the server step reads three
+sums over clients only (:data:`SUMS`: ``Σ_c Λ_c (ŵ_c − μ0)``, ``Σ_c Λ_c``, ``Σ_c λ0_c``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,43 @@ import torch
 
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import (
+    ClientSums,
+    FusionInputs,
+    FusionMethod,
+    FusionResult,
+    SumsContext,
+    sum_over_clients,
+    sums_context,
+)
+
+
+def product_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:
+    """The one client's ``[Λ_c ⊙ (ŵ_c − μ0) (d,), diag(Λ_c) (d,), λ0_c (1,)]``, float64 (diagonal curvature only)."""
+    c = inputs.clients[0]
+    if c.structure != "diag":
+        raise MethodNotApplicableError(f"method 'product' runs from sums over clients with curvature structure diag "
+                                       f"only; {c.path} has {c.structure!r}")
+    w = inputs.mode_maps()[0].double()
+    lam0 = inputs.prior_precision(c)
+    prec = c.components[inputs.options.component].precision(inputs.temperature(c), lam0).diagonal().double()
+    mu0 = inputs.prior_mean()
+    return [prec * (w if mu0 is None else w - mu0), prec, torch.tensor([lam0], dtype=torch.float64)]
+
+
+def product_finish(sums: list[torch.Tensor], context: SumsContext, settings: MethodSettings) -> FusionResult:
+    """``μ = μ0 + (Σ Λ_c + λ0 − Σ λ0_c)⁻¹ Σ Λ_c (ŵ_c − μ0)`` element-wise."""
+    total = sums[1] + (context.prior_precision - sums[2])
+    delta = sums[0] / total
+    return FusionResult([(delta if context.prior_mean is None else context.prior_mean + delta).float()])
+
+
+SUMS = ClientSums(product_local, product_finish, structures=("diag",))
 
 
 def product(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
+    if inputs.clients[0].structure == "diag":
+        return product_finish(sum_over_clients(inputs, SUMS, settings), sums_context(inputs), settings)
     m = inputs.options.component
     comps = [c.components[m] for c in inputs.clients]
     lam0 = inputs.server_prior_precision()
@@ -45,4 +79,4 @@ def product(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
 
 
 METHOD = FusionMethod("product", product, MethodSettings, "closed-form product of client Gaussians (diag, diag+full)",
-                      structures=("diag", "diag+full"))
+                      structures=("diag", "diag+full"), sums=SUMS)

@@ -1,0 +1,151 @@
+"""Fusion from sums over clients (FedAvg, Fisher merge, the diagonal product) and its secure round on Flower's
+SecAgg+: each method's sums path against a dense float64 reference, the node's refusals, and a simulated round whose
+global equals the exact fusion of the nodes' own artifacts while the server receives no artifact and no unmasked
+statistics."""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import fit_split
+
+import posterior_fusion
+from posterior_fusion.data.silo import SiloData, write_silo
+from posterior_fusion.errors import ConfigError, FederationError
+from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.fusion.registry import METHODS
+from posterior_fusion.fusion.types import FusionInputs, sum_over_clients, sums_context
+
+flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'posterior-fusion[flower]'")
+
+from posterior_fusion.flower import FederatedSettings, make_client_app  # noqa: E402
+from posterior_fusion.flower.secure import (  # noqa: E402
+    SecureAggregation,
+    check_secure_round,
+    run_secure_round,
+    secure_statistics,
+)
+
+
+@pytest.fixture(scope="module")
+def diag_clients(tmp_path_factory, fmnist_train):
+    x, y = fmnist_train
+    silo = SiloData(x[:360], y[:360], "fmnist", 10)
+    return fit_split(tmp_path_factory.mktemp("sums"), silo, 3, 120, "diag", kwargs={"hidden": 4}, mixtures=1)
+
+
+def dense_reference(clients, method: str) -> torch.Tensor:
+    """The method's fused weights from dense float64 matrices built from the loaded artifacts."""
+    n = torch.tensor([float(c.n_data) for c in clients], dtype=torch.float64)
+    W = [c.components[0].map.double() for c in clients]
+    if method == "fedavg":
+        return sum(nc * w for nc, w in zip(n, W)) / n.sum()
+    if method == "fisher-merge":
+        F = [torch.diag(c.components[0].curvature.diagonal().double()) for c in clients]
+        return torch.linalg.solve(sum(F), sum(f @ w for f, w in zip(F, W)))
+    lam0 = clients[0].prior_precision
+    P = [torch.diag(c.components[0].curvature.diagonal().double()) / c.temperature
+         + lam0 * torch.eye(len(W[0]), dtype=torch.float64) for c in clients]
+    total = sum(P) - (len(clients) - 1) * lam0 * torch.eye(len(W[0]), dtype=torch.float64)
+    return torch.linalg.solve(total, sum(p @ w for p, w in zip(P, W)))
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fisher-merge", "product"])
+def test_each_method_from_sums_equals_a_dense_reference(diag_clients, method):
+    clients = [posterior_fusion.load(p) for p in diag_clients]
+    expected = dense_reference(clients, method)
+    _, result, _ = fuse(diag_clients, method, FusionOptions(progress=False))
+    torch.testing.assert_close(result.members[0].double(), expected, rtol=1e-5, atol=1e-6)
+    entry = METHODS[method]
+    inputs = FusionInputs(clients, FusionOptions(progress=False))
+    sums = sum_over_clients(inputs, entry.sums, entry.settings())
+    from_sums = entry.sums.finish(sums, sums_context(inputs), entry.settings()).members[0]
+    torch.testing.assert_close(from_sums.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_refuses_statistics_out_of_range_and_the_server_refuses_what_sums_cannot_do(diag_clients):
+    fusion = {"method": "product", "component": 0, "temperature": None, "prior_var": None}
+    stats, n, public = secure_statistics(diag_clients[0], fusion, 1e6, 1e6)
+    assert n == 120 and public["input_transform"] is not None and all(s.ndim == 1 for s in stats)
+    with pytest.raises(FederationError, match="secure-aggregation-clipping-range"):
+        secure_statistics(diag_clients[0], fusion, 1e-6, 1e6)
+    with pytest.raises(FederationError, match="secure-aggregation-max-weight"):
+        secure_statistics(diag_clients[0], fusion, 1e6, 100)
+    with pytest.raises(ConfigError, match="cannot run under secure aggregation"):
+        check_secure_round("ensemble", "kron", None)
+    with pytest.raises(ConfigError, match="structure diag only"):
+        check_secure_round("product", "kron", None)
+    with pytest.raises(ConfigError, match="pretrained base"):
+        check_secure_round("fedavg", "diag", "a" * 64)
+    check_secure_round("fisher-merge", "kron", None)  # the diagonal of any curvature
+    from posterior_fusion.flower.apps import check_secure_run_config
+
+    with pytest.raises(ConfigError, match="`refresh`"):
+        check_secure_run_config({"refresh": True}, robust=False)
+    with pytest.raises(ConfigError, match="secure-aggregation-reconstruction-threshold"):
+        SecureAggregation.from_run_config({"secure-aggregation-reconstruction-threshold": 0.2})
+
+
+class RecordingGrid:
+    """The server's grid, recording every reply it receives."""
+
+    def __init__(self, grid) -> None:
+        self._grid, self.replies = grid, []
+
+    def send_and_receive(self, messages, *args, **kwargs):
+        replies = list(self._grid.send_and_receive(messages, *args, **kwargs))
+        self.replies += replies
+        return replies
+
+    def __getattr__(self, name):
+        return getattr(self._grid, name)
+
+
+def test_a_secure_round_equals_the_exact_fusion_and_the_server_sees_no_artifact(tmp_path, fmnist_train, monkeypatch):
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    x, y = fmnist_train
+    silos = tmp_path / "silos"
+    silos.mkdir()
+    for c in range(3):
+        write_silo(silos / f"client_{c}.h5", SiloData(x[c * 150 : (c + 1) * 150], y[c * 150 : (c + 1) * 150], "fmnist", 10))
+    settings = FederatedSettings(model="mlp", model_kwargs={"hidden": 8}, components=1, init_seed=2, structure="diag",
+                                 epochs=1, batch_size=32, train_seed=1)
+    out = tmp_path / "flower"
+    server, grids = ServerApp(), []
+
+    @server.main()
+    def main(grid, context):
+        grids.append(RecordingGrid(grid))
+        run_secure_round(grids[0], context, settings, out, "product", FusionOptions(progress=False), {},
+                         SecureAggregation(max_weight=200), min_nodes=3)
+
+    monkeypatch.chdir(tmp_path)
+    run_simulation(server, make_client_app(silos), num_supernodes=3,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    g = posterior_fusion.load(out / "global.h5")
+    assert g.metadata["secure_aggregation"]["clients"] == 3 and g.metadata["secure_aggregation"]["n_data"] == 450
+    assert sorted(p.name for p in out.iterdir()) == ["global.h5"]  # no client artifact on the server
+    # the nodes' own artifacts (kept in their state folders) fused exactly, on files
+    own = []
+    for c in range(3):
+        key = hashlib.sha256(str((silos / f"client_{c}.h5").resolve()).encode()).hexdigest()[:16]
+        own += sorted((Path(tempfile.gettempdir()) / "pfuse-node" / key).glob("*.h5"), key=lambda p: p.stat().st_mtime)[-1:]
+    assert len(own) == 3
+    _, exact, _ = fuse(own, "product", FusionOptions(progress=False))
+    torch.testing.assert_close(g.members[0], exact.members[0], rtol=0, atol=1e-5)
+    # every reply the server received: no artifact, no array (SecAgg+ sends the masked vector as bytes)
+    replies = grids[0].replies
+    assert replies and all("artifact" not in r.content.config_records for r in replies if not r.has_error())
+    assert all(len(a) == 0 for r in replies if not r.has_error() for a in r.content.array_records.values())
+    masked = [r for r in replies if not r.has_error()
+              and any("masked" in k for rec in r.content.config_records.values() for k in rec)]
+    assert len(masked) == 3
