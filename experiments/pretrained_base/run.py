@@ -313,6 +313,41 @@ def report(folder: Path) -> None:
             print(f"| {label} | {served} | " + " | ".join(cells) + " |")
 
 
+def sizes(args, spec: ModelSpec, base_path: Path, finetunes: list[str]) -> None:
+    """Bytes of one component (the artifact of M = 1 without the frozen base, stored once per artifact) per
+    ``--finetune``, structure and compression, against the model's float32 weights: what a silo sends per component.
+    The size does not depend on the data or the training length: one epoch on the first 512 images of silo 0."""
+    _, silos, _ = cell_data(args, args.setting, 0.4, 0)
+    silo = SiloData(silos[0].x[:512], silos[0].y[:512], silos[0].dataset, silos[0].num_classes,
+                    transform=silos[0].transform)
+    spec, base, base_sha = read_base(spec, base_path)
+    print("| --finetune | trained weights (% of the model) | structure | --compress | bytes / component | % of the model |")
+    print("|---|---|---|---|---|---|")
+    with tempfile_dir() as tmp:
+        for finetune in finetunes:
+            tuned, inits, prior_mean = finetune_start(spec, base, finetune, 1, 0)
+            for structure in ("kron", "diag"):
+                for compress in (0.0, 0.05) if structure == "kron" else (0.0,):
+                    out = Path(tmp) / f"{finetune.replace(':', '_')}_{structure}_{compress}.h5"
+                    cfg = fit_config_from({"structure": structure, "kfac": args.kfac, "epochs": 1, "compress": compress,
+                                           "temperature": args.temperature, "prior_var": args.prior_var,
+                                           "finetune": finetune})
+                    fit_and_write(tuned, silo, inits, cfg, out, {"base_sha256": base_sha}, log=lambda m: None,
+                                  prior_mean=prior_mean)
+                    with h5py.File(out) as f:
+                        frozen = f["frozen"].size * 4 if "frozen" in f else 0
+                    size = out.stat().st_size - frozen
+                    trained = load_client(out).components[0].map.numel()
+                    print(f"| {finetune} | {trained:,} ({100 * trained / base.numel():.1f} %) | {structure} | "
+                          f"{compress:g} | {size:,} | {100 * size / (4 * base.numel()):.1f} % |", flush=True)
+
+
+def tempfile_dir():
+    import tempfile
+
+    return tempfile.TemporaryDirectory()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setting", choices=["same-domain", "cross-domain"], default="same-domain")
@@ -335,6 +370,9 @@ def main() -> None:
     ap.add_argument("--json-dir", default="docs/results/pretrained_base")
     ap.add_argument("--report", default=None, help="print the table of the JSON files in this folder and exit")
     ap.add_argument("--summary", default=None, help="print the one-line-per-start summary of this folder and exit")
+    ap.add_argument("--sizes", default=None, metavar="FINETUNES",
+                    help="comma-separated fit-local --finetune values: print the bytes of one component's artifact for "
+                         "each, K-FAC and diag, plain and with --compress 0.05 (one epoch on 512 images) and exit")
     args = ap.parse_args()
     if args.report:
         report(Path(args.report))
@@ -345,6 +383,9 @@ def main() -> None:
     spec = ModelSpec(args.model, json.loads(args.model_kwargs))
     prepare(Path(args.work), args.setting)
     base_path = pretrain(Path(args.work), spec, args.pretrain_epochs)
+    if args.sizes:
+        sizes(args, spec, base_path, args.sizes.split(","))
+        return
     Path(args.json_dir).mkdir(parents=True, exist_ok=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
