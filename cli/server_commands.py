@@ -131,6 +131,10 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
               help="The fused model's BatchNorm when the clients trained it from random starting points (fit-local "
                    "--batchnorm fold): fold (the fused affine maps as they are; no data) or reset (the statistics "
                    "estimated again on the server's --unlabeled, else --val, inputs: RESET).")
+@click.option("--allow-mixed-privacy", is_flag=True,
+              help="Fuse differentially private clients (fit-local --dp) with non-private ones [default: refused]; the "
+                   "global's metadata mixed_privacy lists both: it carries no guarantee for the non-private clients' "
+                   "data.")
 @click.option("--tune", default=None,
               help="Choose T and/or prior variance on --val over a grid: 'T', 'prior' or 'T,prior' [default: no tuning].")
 @click.option("--tune-temperatures", default="0.01,0.03,0.1,0.3,1.0", show_default=True, help="Grid of T for --tune.")
@@ -145,8 +149,8 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @old_spellings("fuse")
 @handle_errors
 def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, distill_epochs, temperature, prior_var,
-             component, sampling_seed, kernel, device, batchnorm_statistics, tune, tune_temperatures, tune_prior_vars,
-             robust, max_memory, as_json, legacy):
+             component, sampling_seed, kernel, device, batchnorm_statistics, allow_mixed_privacy, tune,
+             tune_temperatures, tune_prior_vars, robust, max_memory, as_json, legacy):
     """Validate client artifacts and fuse them into a global ensemble."""
     from posterior_fusion.fusion import applicable_settings
     from posterior_fusion.fusion.distill import DistillConfig
@@ -162,18 +166,18 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
         _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                       sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
                       as_json, DistillConfig(epochs=20 if distill_epochs is None else distill_epochs) if distill else None,
-                      batchnorm_statistics)
+                      batchnorm_statistics, allow_mixed_privacy)
 
 
 def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                   sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
-                  as_json, distill=None, batchnorm_statistics: str = "fold") -> None:
+                  as_json, distill=None, batchnorm_statistics: str = "fold", allow_mixed_privacy: bool = False) -> None:
     from posterior_fusion.fusion import FusionOptions, fuse, write_fused
     from posterior_fusion.fusion.tuning import parse_tune
 
     opts = FusionOptions(temperature=temperature, prior_var=prior_var, component=component,
                          sampling_seed=sampling_seed, kernel=kernel, device=device,
-                         batchnorm_statistics=batchnorm_statistics)
+                         batchnorm_statistics=batchnorm_statistics, allow_mixed_privacy=allow_mixed_privacy)
     inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
                                 robust=robust, max_memory=max_memory, tune=parse_tune(tune),
                                 tune_temperatures=parse_floats(tune_temperatures, "--tune-temperatures"),

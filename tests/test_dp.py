@@ -97,6 +97,12 @@ def test_private_refusals_are_one_line(tmp_path, small_silo):
                 "--structure", "diag", "--out", tmp_path / "n.h5").exit_code == 0
     r = _run("fuse", tmp_path / "p.h5", tmp_path / "n.h5", "--method", "fedavg", "--out", tmp_path / "g.h5")
     assert r.exit_code == 2 and "differentially private" in r.stderr and r.stderr.count("\n") == 1, r.output
+    r = _run("fuse", tmp_path / "p.h5", tmp_path / "n.h5", "--method", "fedavg", "--allow-mixed-privacy",
+             "--out", tmp_path / "g.h5")
+    assert r.exit_code == 0 and "no guarantee for the non-private" in r.stderr, r.output
+    meta = posterior_fusion.load(tmp_path / "g.h5").metadata
+    assert meta["mixed_privacy"] == {"private": [str(tmp_path / "p.h5")], "not_private": [str(tmp_path / "n.h5")]}
+    assert "dp" in meta["provenance"][0] and "dp" not in meta["provenance"][1]
     r = _run("recapture", "--from", tmp_path / "p.h5", "--data", silo, "--out", tmp_path / "r.h5")
     assert r.exit_code == 2 and "accounted budget" in r.stderr, r.output
 

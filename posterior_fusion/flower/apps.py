@@ -10,7 +10,7 @@ Run config keys (names as on the CLI):
 - secure aggregation (Flower's SecAgg+: the server gets sums over the nodes only; fedavg, fisher-merge, product
   with diag): secure-aggregation (bool), secure-aggregation-clipping-range, secure-aggregation-max-weight,
   secure-aggregation-reconstruction-threshold (:mod:`posterior_fusion.flower.secure`);
-- the fusion: method, robust, fuse-temperature, fuse-prior-var, batchnorm-statistics (``fuse
+- the fusion: method, robust, fuse-temperature, fuse-prior-var, allow-mixed-privacy, batchnorm-statistics (``fuse
   --batchnorm-statistics``: reset estimates the statistics on ``val``'s inputs), and every setting of the method
   as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300`` (names that are not
   the chosen method's settings are named in the log and not used, so the table may hold another method's).
@@ -48,7 +48,8 @@ def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dic
     """(method, shared options, the method's settings, robust) from a flat Flower run config."""
     settings = {k[len("set."):]: v for k, v in cfg.items() if k.startswith("set.")}
     options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False,
-                            batchnorm_statistics=str(cfg.get("batchnorm-statistics", "fold")))
+                            batchnorm_statistics=str(cfg.get("batchnorm-statistics", "fold")),
+                            allow_mixed_privacy=bool(cfg.get("allow-mixed-privacy", False)))
     method, settings = resolve_default(str(cfg["method"]) if "method" in cfg else None, settings)
     kept = applicable_settings(method, settings)  # the table may hold another method's settings, as a grid's does
     if set(settings) - set(kept):

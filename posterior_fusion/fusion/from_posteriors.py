@@ -52,7 +52,7 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
     options = options or FusionOptions()
     options.validate()
     chosen = method_settings(method, settings)
-    check_compatible(clients)
+    check_compatible(clients, options.allow_mixed_privacy)
     screening = None
     if robust and "robust" in {f.name for f in fields(chosen)}:  # a method that resists bad clients itself
         chosen = replace(chosen, robust=True)
@@ -63,14 +63,20 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
         for row in screening:
             if row["excluded"]:
                 log(f"robust: excluding {row['file']}: {'; '.join(row['reasons'])}")
-        check_compatible(clients)
+        check_compatible(clients, options.allow_mixed_privacy)
     entry.check_needs(clients, unlabeled)
     inputs = FusionInputs(clients, options, val, unlabeled)
     log(f"fusing {len(clients)} clients with {method} ({clients[0].structure}, M={clients[0].num_components})")
     t0 = time.perf_counter()
     result = entry(inputs, chosen)
     seconds = time.perf_counter() - t0
+    private = [c.path for c in clients if isinstance(c.metadata.get("dp"), dict)]
+    if private and len(private) < len(clients):
+        log(f"fusing {len(private)} differentially private and {len(clients) - len(private)} non-private clients "
+            "(`allow_mixed_privacy`): the global carries no guarantee for the non-private clients' data")
     metadata = {
+        **({"mixed_privacy": {"private": private, "not_private": [c.path for c in clients if c.path not in private]}}
+           if private and len(private) < len(clients) else {}),
         "method": method, "options": asdict(options), "settings": asdict(chosen), "fuse_seconds": round(seconds, 3),
         "temperature_used": [inputs.temperature(c) for c in clients],
         "prior_precision_used": [inputs.prior_precision(c) for c in clients],

@@ -28,7 +28,9 @@ class FusionOptions:
     server otherwise); ``component``: the client component unimodal methods use;
     ``sampling_seed``: the server's random draws; ``kernel``/``device``: where and with which
     Kronecker kernel the optimising methods compute; ``batchnorm_statistics``: the fused model's BatchNorm
-    statistics when the clients folded theirs (:mod:`posterior_fusion.fusion.batchnorm`).
+    statistics when the clients folded theirs (:mod:`posterior_fusion.fusion.batchnorm`);
+    ``allow_mixed_privacy``: fuse differentially private clients with non-private ones (refused otherwise: the
+    global then carries no guarantee for the non-private clients' data, and the metadata says so).
     """
 
     temperature: float | None = None
@@ -39,6 +41,7 @@ class FusionOptions:
     device: str = "cpu"          # "cuda" uses the Triton kernels
     progress: bool = True
     batchnorm_statistics: str = "fold"  # the fused model's BatchNorm: fold | reset (fusion/batchnorm.py)
+    allow_mixed_privacy: bool = False   # fuse differentially private clients with non-private ones
 
     def validate(self) -> None:
         if self.batchnorm_statistics not in BATCHNORM_STATISTICS:
@@ -263,8 +266,9 @@ class FusionMethod:
         return self.run(inputs, settings if settings is not None else self.settings())
 
 
-def check_compatible(clients: list[ClientPosterior]) -> None:
-    """Refuse sets that cannot be fused, naming the first offending file."""
+def check_compatible(clients: list[ClientPosterior], allow_mixed_privacy: bool = False) -> None:
+    """Refuse sets that cannot be fused, naming the first offending file (differentially private clients beside
+    non-private ones only without ``allow_mixed_privacy``)."""
     if not clients:
         raise IncompatibleArtifactsError("no client artifacts given")
     for c in clients:
@@ -291,11 +295,12 @@ def check_compatible(clients: list[ClientPosterior]) -> None:
                                              f"{ref.path}'s at {'zero' if a is None else 'another point'}: clients "
                                              "must share one prior (one base)")
     private = {c.path: isinstance(c.metadata.get("dp"), dict) for c in clients}
-    if len(set(private.values())) > 1:
+    if len(set(private.values())) > 1 and not allow_mixed_privacy:
         odd = next(c for c in clients[1:] if private[c.path] != private[ref.path])
         said = {True: "is differentially private", False: "is not differentially private"}
         raise IncompatibleArtifactsError(f"{odd.path}: {said[private[odd.path]]}, {ref.path} {said[private[ref.path]][3:]}"
-                                         ": a fusion of both would not carry one guarantee")
+                                         ": a fusion of both would not carry one guarantee (`allow_mixed_privacy` "
+                                         "fuses them all the same)")
     names = {c.path: tuple(c.metadata.get("class_names") or ()) for c in clients}
     named = {v for v in names.values() if v}
     if len(named) > 1:
