@@ -22,7 +22,7 @@ from posterior_fusion.fusion.types import FusionInputs, sum_over_clients, sums_c
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'posterior-fusion[flower]'")
 
-from posterior_fusion.flower import FederatedSettings, make_client_app  # noqa: E402
+from posterior_fusion.flower import FederatedSettings  # noqa: E402
 from posterior_fusion.flower.secure import (  # noqa: E402
     SecureAggregation,
     check_secure_round,
@@ -76,12 +76,12 @@ def test_a_node_refuses_statistics_out_of_range_and_the_server_refuses_what_sums
     with pytest.raises(FederationError, match="secure-aggregation-max-weight"):
         secure_statistics(diag_clients[0], fusion, 1e6, 100)
     with pytest.raises(ConfigError, match="cannot run under secure aggregation"):
-        check_secure_round("ensemble", "kron", None)
+        check_secure_round("ensemble", "kron", None, None)
     with pytest.raises(ConfigError, match="structure diag only"):
-        check_secure_round("product", "kron", None)
-    with pytest.raises(ConfigError, match="pretrained base"):
-        check_secure_round("fedavg", "diag", "a" * 64)
-    check_secure_round("fisher-merge", "kron", None)  # the diagonal of any curvature
+        check_secure_round("product", "kron", None, None)
+    with pytest.raises(ConfigError, match="run config `base`"):
+        check_secure_round("fedavg", "diag", "a" * 64, None)
+    check_secure_round("fisher-merge", "kron", None, None)  # the diagonal of any curvature
     from posterior_fusion.flower.apps import check_secure_run_config
 
     with pytest.raises(ConfigError, match="`refresh`"):
@@ -105,30 +105,55 @@ class RecordingGrid:
         return getattr(self._grid, name)
 
 
-def test_a_secure_round_equals_the_exact_fusion_and_the_server_sees_no_artifact(tmp_path, fmnist_train, monkeypatch):
+@pytest.mark.parametrize("case", ["product, diag, random starts", "fisher-merge, kron, a base's head"])
+def test_a_secure_round_equals_the_exact_fusion_and_the_server_sees_no_artifact(tmp_path, fmnist_train, monkeypatch,
+                                                                                case):
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
+
+    from posterior_fusion.flower import client_train
+    from posterior_fusion.flower.secure import secure_sums_mod
+    from posterior_fusion.local.init import write_base
+    from posterior_fusion.models import ModelSpec
 
     x, y = fmnist_train
     silos = tmp_path / "silos"
     silos.mkdir()
     for c in range(3):
         write_silo(silos / f"client_{c}.h5", SiloData(x[c * 150 : (c + 1) * 150], y[c * 150 : (c + 1) * 150], "fmnist", 10))
-    settings = FederatedSettings(model="mlp", model_kwargs={"hidden": 8}, components=1, init_seed=2, structure="diag",
-                                 epochs=1, batch_size=32, train_seed=1)
+    method, base = case.split(",")[0], None
+    fit = {"model": "mlp", "model_kwargs": {"hidden": 8}, "components": 1, "init_seed": 2, "epochs": 1,
+           "batch_size": 32, "train_seed": 1}
+    if "base" in case:
+        torch.manual_seed(5)
+        model = ModelSpec("mlp", {"hidden": 8}).build()
+        base = tmp_path / "base.safetensors"
+        sha = write_base(model, base)
+        settings = FederatedSettings(**fit, structure="kron", finetune="head", base_sha256=sha)
+    else:
+        settings = FederatedSettings(**fit, structure="diag")
     out = tmp_path / "flower"
     server, grids = ServerApp(), []
 
     @server.main()
     def main(grid, context):
         grids.append(RecordingGrid(grid))
-        run_secure_round(grids[0], context, settings, out, "product", FusionOptions(progress=False), {},
-                         SecureAggregation(max_weight=200), min_nodes=3)
+        run_secure_round(grids[0], context, settings, out, method, FusionOptions(progress=False), {},
+                         SecureAggregation(max_weight=200), min_nodes=3, base=base)
+
+    client = ClientApp()
+
+    @client.train(mods=[secure_sums_mod])
+    def train(msg, context):
+        if base is not None:
+            context.node_config["base"] = str(base)  # each node's own copy (deployment: --node-config base=...)
+        return client_train(msg, context, silo_dir=silos)
 
     monkeypatch.chdir(tmp_path)
-    run_simulation(server, make_client_app(silos), num_supernodes=3,
+    run_simulation(server, client, num_supernodes=3,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                    "init_args": {"num_cpus": 2, "include_dashboard": False}})
     g = posterior_fusion.load(out / "global.h5")
@@ -140,8 +165,11 @@ def test_a_secure_round_equals_the_exact_fusion_and_the_server_sees_no_artifact(
         key = hashlib.sha256(str((silos / f"client_{c}.h5").resolve()).encode()).hexdigest()[:16]
         own += sorted((Path(tempfile.gettempdir()) / "pfuse-node" / key).glob("*.h5"), key=lambda p: p.stat().st_mtime)[-1:]
     assert len(own) == 3
-    _, exact, _ = fuse(own, "product", FusionOptions(progress=False))
+    _, exact, _ = fuse(own, method, FusionOptions(progress=False))
     torch.testing.assert_close(g.members[0], exact.members[0], rtol=0, atol=1e-5)
+    if base is not None:  # the global is the fine-tuning spec: the base's frozen weights, the fused head
+        assert g.metadata["base_sha256"] == sha and g.model_spec == posterior_fusion.load(own[0]).model_spec
+        assert g.members[0].numel() == 8 * 10 + 10
     # every reply the server received: no artifact, no array (SecAgg+ sends the masked vector as bytes)
     replies = grids[0].replies
     assert replies and all("artifact" not in r.content.config_records for r in replies if not r.has_error())

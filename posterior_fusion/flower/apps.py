@@ -9,7 +9,8 @@ Run config keys (names as on the CLI):
   refresh-damping (``recapture --damping``);
 - secure aggregation (Flower's SecAgg+: the server gets sums over the nodes only; fedavg, fisher-merge, product
   with diag): secure-aggregation (bool), secure-aggregation-clipping-range, secure-aggregation-max-weight,
-  secure-aggregation-reconstruction-threshold (:mod:`posterior_fusion.flower.secure`);
+  secure-aggregation-reconstruction-threshold, and base (the server's copy of the base a secure round
+  fine-tunes) (:mod:`posterior_fusion.flower.secure`);
 - the fusion: method, robust, fuse-temperature, fuse-prior-var, allow-mixed-privacy, batchnorm-statistics (``fuse
   --batchnorm-statistics``: reset estimates the statistics on ``val``'s inputs), and every setting of the method
   as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300`` (names that are not
@@ -66,7 +67,8 @@ def main(grid: Grid, context: Context) -> None:
         check_secure_run_config(cfg, robust)
         run_secure_round(grid, context, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
                          method, options, settings, SecureAggregation.from_run_config(cfg),
-                         min_nodes=int(cfg.get("min-nodes", 2)), round_timeout=float(cfg.get("round-timeout", 0.0)))
+                         min_nodes=int(cfg.get("min-nodes", 2)), round_timeout=float(cfg.get("round-timeout", 0.0)),
+                         base=str(cfg["base"]) if cfg.get("base") else None)
         return
     run_round(grid, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
               method=method, options=options, val_path=str(cfg["val"]) if cfg.get("val") else None,

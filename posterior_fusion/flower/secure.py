@@ -13,7 +13,8 @@ quantises each value in ``[-clipping_range, clipping_range]`` to ``quantization_
 unbiased); a node whose statistics leave that range refuses in one line instead of being clipped.
 
 Kronecker-factored curvature cannot be summed this way (a sum of Kronecker products is not one), nor can methods
-that read each client on its own (fedbens' mixtures, the ensembles, FedLPA, RegMean's Gram inversion per client…).
+that read each client on its own (fedbens' mixtures, the ensembles, FedLPA, RegMean's Gram inversion per client…). A run that fine-tunes a
+pretrained base needs the server's own copy of it (run config ``base``, checked against ``base-sha256``).
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.serverapp import Grid
 
 from posterior_fusion.artifact import load_client, write_global_artifact
-from posterior_fusion.errors import ConfigError, FederationError
+from posterior_fusion.errors import ConfigError, FederationError, IncompatibleArtifactsError
 from posterior_fusion.files import check_output
 from posterior_fusion.fusion.from_posteriors import method_settings as chosen_settings
 from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext
 from posterior_fusion.layout import ParameterLayout
+from posterior_fusion.local.init import finetune_start, read_base
 
 SECURE_METHODS_HINT = "fedavg, fisher-merge, product (diag)"
 
@@ -83,9 +85,9 @@ class SecureAggregation:
         return out
 
 
-def check_secure_round(method: str, structure: str, base_sha256: str | None) -> None:
+def check_secure_round(method: str, structure: str, base_sha256: str | None, base: str | Path | None) -> None:
     """Refuse, before any message, a round that cannot run from sums: a method without them, a structure its
-    statistics do not cover, or a fine-tuned base (the server would need the base to write the global)."""
+    statistics do not cover, or a fine-tuned base the server holds no copy of (it writes the global from it)."""
     entry = get_method(method)
     if entry.sums is None:
         raise ConfigError(f"method {method!r} cannot run under secure aggregation: its server step reads each client "
@@ -93,9 +95,9 @@ def check_secure_round(method: str, structure: str, base_sha256: str | None) -> 
     if entry.sums.structures is not None and structure not in entry.sums.structures:
         raise ConfigError(f"method {method!r} runs from sums with curvature structure "
                           f"{', '.join(entry.sums.structures)} only, the run asks for {structure!r}")
-    if base_sha256:
-        raise ConfigError("secure aggregation runs from random starting points only: with a pretrained base the "
-                          "server would need the base's weights to write the global model")
+    if base_sha256 and base is None:
+        raise ConfigError("the run fine-tunes a pretrained base: under secure aggregation the server writes the global "
+                          "model from its own copy of it: set run config `base` to that file")
 
 
 @dataclass
@@ -140,10 +142,21 @@ class _SumsStrategy(Strategy):
 
 def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path, method: str,
                      options: FusionOptions, method_settings: Any, secure: SecureAggregation, min_nodes: int = 2,
-                     wait_s: float = 120.0, round_timeout: float = 0.0, log: Callable[[str], None] = print) -> dict:
+                     wait_s: float = 120.0, round_timeout: float = 0.0, log: Callable[[str], None] = print,
+                     base: str | Path | None = None) -> dict:
     """Server side: fit instructions out, Flower's SecAgg+ round, the global fused from the unmasked sums alone
-    (``out_dir/global.h5``; metadata ``secure_aggregation``). Returns the metadata."""
-    check_secure_round(method, settings.structure, settings.base_sha256)
+    (``out_dir/global.h5``; metadata ``secure_aggregation``). ``base``: the server's copy of the base the run
+    fine-tunes (``settings.base_sha256``), the fine-tuning spec and the prior's centre rebuilt from it as every
+    node does. Returns the metadata."""
+    check_secure_round(method, settings.structure, settings.base_sha256, base)
+    spec, prior_mean = settings.spec(), None
+    if settings.base_sha256:
+        spec, weights, sha = read_base(spec, base)
+        if sha != settings.base_sha256:
+            raise IncompatibleArtifactsError(f"{base}: SHA-256 {sha[:12]}… is not the run's base "
+                                             f"{settings.base_sha256[:12]}…")
+        spec, _, prior_mean = finetune_start(spec, weights, settings.finetune, 1, settings.init_seed)
+        prior_mean = prior_mean.double()
     secure.validate()
     options.validate()
     chosen = chosen_settings(method, method_settings)
@@ -169,17 +182,18 @@ def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path
     if len(public) != 1:
         raise FederationError("the nodes' silos differ in input transform or class names: no fusion across them")
     shared = json.loads(public.pop())
+    if shared.get("base_sha256") != settings.base_sha256:
+        raise FederationError("the nodes fine-tuned another base than the run's")
     n_total = sum(strategy.weights)
     sums = [torch.from_numpy(np.asarray(a, dtype=np.float64)) * n_total for a in strategy.aggregate]
-    spec = settings.spec()
     entry = get_method(method)
     lam0 = 1.0 / (options.prior_var if options.prior_var is not None else settings.prior_var)
-    result = entry.sums.finish(sums, SumsContext(spec, len(strategy.weights), n_total, lam0), chosen)
+    result = entry.sums.finish(sums, SumsContext(spec, len(strategy.weights), n_total, lam0, prior_mean), chosen)
     meta = {"method": method, "options": asdict(options), "settings": asdict(chosen),
             "structure": settings.structure, "server_prior_precision": lam0, "provenance": [],
             "input_transform": shared.get("input_transform"), **({"class_names": shared["class_names"]}
                                                                  if shared.get("class_names") else {}),
-            "base_sha256": None, "validation": None, **result.info,
+            "base_sha256": settings.base_sha256, "validation": None, **result.info,
             "secure_aggregation": {"protocol": "SecAgg+ (flwr)", "clients": len(strategy.weights), "n_data": n_total,
                                    "left_out": strategy.failures, "clipping_range": secure.clipping_range,
                                    "quantization_range": q, "max_weight": secure.max_weight,
@@ -223,8 +237,10 @@ def secure_statistics(artifact: str | Path, fusion: dict[str, Any], clipping_ran
     if not math.isfinite(largest) or largest > clipping_range:
         raise FederationError(f"this silo's statistics reach {largest:.4g}, outside the run's "
                               f"secure-aggregation-clipping-range {clipping_range:g}: raise it")
+    init = client.metadata.get("init")
     public = {"input_transform": client.metadata.get("input_transform"),
-              "class_names": client.metadata.get("class_names")}
+              "class_names": client.metadata.get("class_names"),
+              "base_sha256": init.get("base_sha256") if isinstance(init, dict) else None}
     return stats, n, public
 
 
