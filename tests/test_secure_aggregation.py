@@ -177,3 +177,20 @@ def test_a_secure_round_equals_the_exact_fusion_and_the_server_sees_no_artifact(
     masked = [r for r in replies if not r.has_error()
               and any("masked" in k for rec in r.content.config_records.values() for k in rec)]
     assert len(masked) == 3
+
+
+def test_a_private_node_sends_its_guarantee_in_the_clear_and_its_statistics_are_post_processing(tmp_path, small_silo):
+    pytest.importorskip("opacus", reason="differential privacy needs the `dp` extra (opacus)")
+    from click.testing import CliRunner
+
+    from posterior_fusion.cli.main import pfuse
+
+    write_silo(tmp_path / "s.h5", SiloData(small_silo.x[:120, ::2, ::2].copy(), small_silo.y[:120], "fmnist", 10))
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "mlp", "--model-kwargs",
+                                   '{"in_features": 196, "hidden": 8}', "-M", "1", "--epochs", "1", "--structure",
+                                   "diag", "--dp", "--out", str(tmp_path / "p.h5")])
+    assert r.exit_code == 0, r.output
+    dp = posterior_fusion.load(tmp_path / "p.h5").metadata["dp"]
+    stats, n, public = secure_statistics(tmp_path / "p.h5", {"method": "fisher-merge"}, 1e6, 1e6)
+    assert public["dp"] == {"epsilon": dp["epsilon"], "delta": dp["delta"]} and len(stats) == 4, (public, dp)
+    assert n == posterior_fusion.load(tmp_path / "p.h5").n_data  # the released count, not the silo's exact one

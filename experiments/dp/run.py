@@ -20,7 +20,7 @@ from pathlib import Path
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
-from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.fusion import FusionOptions, fuse, get_method
 from posterior_fusion.local.audit import membership
 from posterior_fusion.local.config import fit_config_from
 from posterior_fusion.local.fit import fit_silo_file
@@ -28,7 +28,7 @@ from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
 FUSIONS = [("fedbens (default)", "fedbens", {}), ("fedavg", "fedavg", {}), ("fisher-merge", "fisher-merge", {}),
-           ("label-shift pool", "ensemble", {"pooling": "label-shift"})]
+           ("label-shift pool", "ensemble", {"pooling": "label-shift"}), ("fedlpa", "fedlpa", {})]  # fedlpa: kron only
 
 
 def run_cell(args, alpha: float, seed: int) -> list[dict]:
@@ -57,6 +57,8 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
             aucs.append(membership(load_client(out), read_silo(work / "data" / f"client_{c}.h5"), holdout)["auc"])
         guarantee = load_client(paths[0]).metadata.get("dp", {})
         for label, method, settings_ in FUSIONS:
+            if not get_method(method).applies_to(args.structure):
+                continue
             t0 = time.time()
             _, res, _ = fuse([str(p) for p in paths], method, FusionOptions(progress=False), settings_)
             m = evaluate_members(spec, res.members, test, weights=res.mode_weights, pooling=res.pooling(10))
@@ -102,6 +104,8 @@ def report(folder: Path) -> None:
                              + f" · {statistics.mean(r['nll'] for r in rs):.3f} / {statistics.mean(r['ece'] for r in rs):.3f}"
                              + f" ({len(rs)})")
                 auc += [(r["attack_auc_mean"], r["attack_auc_max"]) for r in rs]
+            if not auc:  # this recipe never ran at this ε
+                continue
             shown = "∞ (no privacy)" if math.isinf(eps) else f"{eps:g}"
             attack = f"{statistics.mean(a for a, _ in auc):.3f}, {max(m for _, m in auc):.3f}" if auc else "—"
             images = "" if n == 12000 else f", {n:,} images"

@@ -7,7 +7,8 @@ SecAgg+ protocol (:class:`flwr.server.workflow.SecAggPlusWorkflow` on the server
 the server unmasks only ``Σ_c s_c`` and fuses from it. No artifact, MAP or curvature of one silo reaches it.
 
 What travels in the clear: the run's settings (sent by the server), each node's sample count ``n_c`` (SecAgg+'s
-weight), and its input transform and class names (shared by every silo; checked equal). The statistics travel as
+weight), its input transform and class names (shared by every silo; checked equal) and, for a private fit, its
+(ε, δ) (recorded in the global's ``secure_aggregation.dp``). The statistics travel as
 ``s_c / n_c``, which SecAgg+ weights by ``n_c``: the server gets ``Σ_c s_c / Σ_c n_c`` and multiplies back. SecAgg+
 quantises each value in ``[-clipping_range, clipping_range]`` to ``quantization_range`` levels (stochastic rounding,
 unbiased); a node whose statistics leave that range refuses in one line instead of being clipped.
@@ -178,7 +179,9 @@ def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path
     workflow(grid, LegacyContext(context, config=ServerConfig(num_rounds=1), strategy=strategy))
     if strategy.aggregate is None:
         raise FederationError("the secure aggregation did not complete (too few nodes answered: see Flower's log)")
-    public = set(strategy.public)
+    replies = [json.loads(p or "{}") for p in strategy.public]
+    guarantees = sorted((r.pop("dp", None) or {} for r in replies), key=lambda g: (g.get("epsilon", 0), g.get("delta", 0)))
+    public = {json.dumps(r, sort_keys=True) for r in replies}
     if len(public) != 1:
         raise FederationError("the nodes' silos differ in input transform or class names: no fusion across them")
     shared = json.loads(public.pop())
@@ -197,7 +200,8 @@ def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path
             "secure_aggregation": {"protocol": "SecAgg+ (flwr)", "clients": len(strategy.weights), "n_data": n_total,
                                    "left_out": strategy.failures, "clipping_range": secure.clipping_range,
                                    "quantization_range": q, "max_weight": secure.max_weight,
-                                   "reconstruction_threshold": secure.reconstruction_threshold},
+                                   "reconstruction_threshold": secure.reconstruction_threshold,
+                                   "dp": guarantees if any(guarantees) else None},
             "federation": {"engine": "flower", "nodes": nodes, "settings": json.loads(settings.to_json())}}
     write_global_artifact(out / "global.h5", spec, ParameterLayout.from_model(spec.build()), meta, result.members)
     log(f"wrote {out / 'global.h5'} from the secure sums of {len(strategy.weights)} nodes")
@@ -237,10 +241,11 @@ def secure_statistics(artifact: str | Path, fusion: dict[str, Any], clipping_ran
     if not math.isfinite(largest) or largest > clipping_range:
         raise FederationError(f"this silo's statistics reach {largest:.4g}, outside the run's "
                               f"secure-aggregation-clipping-range {clipping_range:g}: raise it")
-    init = client.metadata.get("init")
+    init, dp = client.metadata.get("init"), client.metadata.get("dp")
     public = {"input_transform": client.metadata.get("input_transform"),
               "class_names": client.metadata.get("class_names"),
-              "base_sha256": init.get("base_sha256") if isinstance(init, dict) else None}
+              "base_sha256": init.get("base_sha256") if isinstance(init, dict) else None,
+              "dp": {k: dp[k] for k in ("epsilon", "delta")} if isinstance(dp, dict) else None}
     return stats, n, public
 
 
