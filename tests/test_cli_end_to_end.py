@@ -125,3 +125,19 @@ def test_demo_offers_only_the_methods_that_apply():
 
     assert "product" not in demo_methods("kron") and "regmean" in demo_methods("kron")
     assert "product" in demo_methods("diag") and "regmean" not in demo_methods("diag")
+
+
+def test_a_diverging_fit_stops_in_its_first_epoch_with_one_line(tmp_path, small_silo):
+    """A learning rate that sends the loss to NaN stops training at the end of that epoch (SGD does not come back
+    from NaN) with one error line naming the setting to change; the output is not written."""
+    from posterior_fusion.data.silo import write_silo
+
+    write_silo(tmp_path / "s.h5", small_silo)
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "mlp", "--model-kwargs",
+                                   '{"hidden": 16}', "-M", "1", "--epochs", "10", "--lr", "1000", "--structure", "diag",
+                                   "--out", str(tmp_path / "p.h5")])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert "training diverged in epoch" in errors[0] and "of 10" in errors[0] and "--lr (1000)" in errors[0], errors
+    assert "epoch 10 of 10" not in errors[0]  # stopped when the loss left the finite numbers, not after the last epoch
+    assert not (tmp_path / "p.h5").exists()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
+from posterior_fusion.errors import NonFiniteOutputError
 from posterior_fusion.local.config import TrainConfig
 from posterior_fusion.posterior import SwagMoments
 from posterior_fusion.progress import progress
@@ -108,6 +109,10 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
             correct_acc += (out.argmax(-1) == y[idx]).sum()
             swag.after_step(model, epoch, step)
         loss_sum, correct = loss_acc.item(), float(correct_acc.item())
+        if not math.isfinite(loss_sum):  # SGD does not come back from NaN: stop here, not after the last epoch
+            raise NonFiniteOutputError(f"{desc}: training diverged in epoch {epoch + 1} of {cfg.epochs} (the loss is "
+                                       f"{loss_sum / n}): lower `lr` ({cfg.lr:g}) or raise `batch_size` "
+                                       f"({cfg.batch_size}); nothing of it is written")
         bar.set_postfix(loss=f"{loss_sum / n:.4f}", acc=f"{correct / n:.3f}")
     model.eval()
     return TrainResult(loss_sum / n, correct / n, swag.moments())
