@@ -113,7 +113,7 @@ def metrics_row(label: str, spec: ModelSpec, members, test: SiloData, served: in
     return {"row": label, "accuracy": 100 * m["accuracy"], "nll": m["nll"], "ece": m["ece"], "served": served}
 
 
-def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epochs: int, temperature: float,
+def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epochs: int, lr: float, temperature: float,
                 prior_var: float, prior_mean: torch.Tensor | None, seed: int) -> torch.Tensor:
     """One network (``spec``'s trainable parameters) trained on the pooled silos from ``start`` with the
     silos' own recipe (weight decay T·λ0/n toward ``prior_mean``)."""
@@ -121,7 +121,7 @@ def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epo
     y = torch.cat([s.tensors()[1] for s in silos])
     model = build_model(spec, start)
     model.train()
-    cfg = TrainConfig(epochs=epochs, weight_decay=temperature / prior_var / len(y))
+    cfg = TrainConfig(epochs=epochs, lr=lr, weight_decay=temperature / prior_var / len(y))
     torch.manual_seed(seed)
     train_map(model, x, y, cfg, seed=seed, desc="centralised", prior_mean=prior_mean)
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
@@ -157,10 +157,10 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
         tuned, inits, prior_mean = finetune_start(spec, base, finetune, args.components, seed)
     paths, fit_seconds = [], []
     for c, silo in enumerate(silos):
-        out = work / start.removesuffix("+merge").replace(":", "_") / f"post_{c}.h5"
+        out = work / (start.removesuffix("+merge").replace(":", "_") + lr_tag(args.lr)) / f"post_{c}.h5"
         out.parent.mkdir(parents=True, exist_ok=True)
         if not out.exists():
-            cfg = fit_config_from({"structure": "kron", "kfac": args.kfac, "epochs": args.epochs,
+            cfg = fit_config_from({"structure": "kron", "kfac": args.kfac, "epochs": args.epochs, "lr": args.lr,
                                    "temperature": args.temperature, "prior_var": args.prior_var,
                                    "train_seed": 100 * seed + c, "finetune": finetune})
             info = {"init_seed": seed} if start == "scratch" else {"base_sha256": base_sha}
@@ -178,7 +178,8 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
         frozen = f["frozen"].size * 4 if "frozen" in f else 0
     per_component = statistics.mean(p.stat().st_size - frozen for p in paths) / args.components
     capture = statistics.mean(c for c, _ in fit_seconds) / statistics.mean(e for _, e in fit_seconds)
-    tag = "from random starts" if start == "scratch" else f"base, finetune {finetune}" + (", merged ΔW" if merge else "")
+    tag = ("from random starts" if start == "scratch" else f"base, finetune {finetune}" + (", merged ΔW" if merge else "")
+           + ("" if args.lr == 0.01 else f", lr {args.lr:g}"))
     cost = {"artifact_mb_per_component": round(per_component / 2**20, 4),
             "component_pct_of_model": round(100 * per_component / (4 * base.numel()), 2),
             "capture_per_epoch": round(capture, 2)}
@@ -198,10 +199,11 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
         rows.append(row)
         log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
     if not merge:  # the merged start fuses the same silos' networks: its centralised row is the unmerged one's
-        w = centralised(tuned, silos, inits[0], args.epochs, args.temperature, args.prior_var, prior_mean, seed)
+        w = centralised(tuned, silos, inits[0], args.epochs, args.lr, args.temperature, args.prior_var, prior_mean, seed)
         rows.append(metrics_row(f"centralised ({tag})", tuned, [w], test, 1))
     for r in rows:
-        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs, start=start)
+        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs,
+                 start=start + lr_tag(args.lr), lr=args.lr)
     return rows
 
 
@@ -342,6 +344,11 @@ def sizes(args, spec: ModelSpec, base_path: Path, finetunes: list[str]) -> None:
                           f"{compress:g} | {size:,} | {100 * size / (4 * base.numel()):.1f} % |", flush=True)
 
 
+def lr_tag(lr: float) -> str:
+    """The file-name tag of a learning rate other than fit-local's default (none for 0.01, whose files came first)."""
+    return "" if lr == 0.01 else f"_lr{lr:g}"
+
+
 def tempfile_dir():
     import tempfile
 
@@ -358,6 +365,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=5)
     ap.add_argument("--components", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=5, help="local (and centralised) fine-tuning epochs")
+    ap.add_argument("--lr", type=float, default=0.01, help="local (and centralised) SGD learning rate (fit-local's)")
     ap.add_argument("--pretrain-epochs", type=int, default=10)
     ap.add_argument("--starts", default="base:all,scratch,base:head,base:last:2,base:lora:4,base:lora:4+merge",
                     help="comma-separated: scratch (shared random starting points) or base:<fit-local --finetune>, "
@@ -390,7 +398,8 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for alpha in [float(a) for a in args.alphas.split(",")]:
             for start in args.starts.split(","):
-                out = Path(args.json_dir) / f"{spec.name}_{args.setting}_a{alpha}_s{seed}_{start.replace(':', '')}.json"
+                out = Path(args.json_dir) / (f"{spec.name}_{args.setting}_a{alpha}_s{seed}_{start.replace(':', '')}"
+                                             f"{lr_tag(args.lr)}.json")
                 if out.exists():
                     continue
                 rows = (run_refresh(args, args.setting, alpha, seed, spec, start) if start.endswith("+refresh")
