@@ -45,12 +45,20 @@ from posterior_fusion.artifact import load_client, write_global_artifact
 from posterior_fusion.errors import ConfigError, FederationError, IncompatibleArtifactsError
 from posterior_fusion.files import check_output
 from posterior_fusion.fusion.from_posteriors import method_settings as chosen_settings
-from posterior_fusion.fusion.registry import get_method
+from posterior_fusion.fusion.registry import METHODS, get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.init import finetune_start, read_base
 
-SECURE_METHODS_HINT = "fedavg, fisher-merge, product (diag)"
+
+def secure_methods() -> str:
+    """The registry's methods that run from sums, with the structures they need: ``"fedavg, product (diag), …"``."""
+    out = []
+    for name in METHODS:
+        sums = METHODS[name].sums
+        if sums is not None:
+            out.append(name + (f" ({', '.join(sums.structures)})" if sums.structures else ""))
+    return ", ".join(out)
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ def check_secure_round(method: str, structure: str, base_sha256: str | None, bas
     entry = get_method(method)
     if entry.sums is None:
         raise ConfigError(f"method {method!r} cannot run under secure aggregation: its server step reads each client "
-                          f"on its own, not sums over them (the methods that can: {SECURE_METHODS_HINT})")
+                          f"on its own, not sums over them (the methods that can: {secure_methods()})")
     if entry.sums.structures is not None and structure not in entry.sums.structures:
         raise ConfigError(f"method {method!r} runs from sums with curvature structure "
                           f"{', '.join(entry.sums.structures)} only, the run asks for {structure!r}")
