@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -325,7 +326,7 @@ def sizes(args, spec: ModelSpec, base_path: Path, finetunes: list[str]) -> None:
     spec, base, base_sha = read_base(spec, base_path)
     print("| --finetune | trained weights (% of the model) | structure | --compress | bytes / component | % of the model |")
     print("|---|---|---|---|---|---|")
-    with tempfile_dir() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         for finetune in finetunes:
             tuned, inits, prior_mean = finetune_start(spec, base, finetune, 1, 0)
             for structure in ("kron", "diag"):
@@ -347,12 +348,6 @@ def sizes(args, spec: ModelSpec, base_path: Path, finetunes: list[str]) -> None:
 def lr_tag(lr: float) -> str:
     """The file-name tag of a learning rate other than fit-local's default (none for 0.01, whose files came first)."""
     return "" if lr == 0.01 else f"_lr{lr:g}"
-
-
-def tempfile_dir():
-    import tempfile
-
-    return tempfile.TemporaryDirectory()
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ from posterior_fusion.errors import ConfigError, FederationError, IncompatibleAr
 from posterior_fusion.files import check_output
 from posterior_fusion.fusion.from_posteriors import method_settings as chosen_settings
 from posterior_fusion.fusion.registry import METHODS, get_method
-from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext
+from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext, prior_precision_of
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.init import finetune_start, read_base
 
@@ -87,9 +87,8 @@ class SecureAggregation:
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> SecureAggregation:
-        out = cls(**{f.name: cfg[f"secure-aggregation-{f.name.replace('_', '-')}"]
-                     for f in cls.__dataclass_fields__.values()
-                     if f"secure-aggregation-{f.name.replace('_', '-')}" in cfg})
+        keys = {f"secure-aggregation-{name.replace('_', '-')}": name for name in cls.__dataclass_fields__}
+        out = cls(**{name: cfg[key] for key, name in keys.items() if key in cfg})
         out.validate()
         return out
 
@@ -198,7 +197,7 @@ def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path
     n_total = sum(strategy.weights)
     sums = [torch.from_numpy(np.asarray(a, dtype=np.float64)) * n_total for a in strategy.aggregate]
     entry = get_method(method)
-    lam0 = 1.0 / (options.prior_var if options.prior_var is not None else settings.prior_var)
+    lam0 = prior_precision_of(options.prior_var if options.prior_var is not None else settings.prior_var)
     result = entry.sums.finish(sums, SumsContext(spec, len(strategy.weights), n_total, lam0, prior_mean), chosen)
     meta = {"method": method, "options": asdict(options), "settings": asdict(chosen),
             "structure": settings.structure, "server_prior_precision": lam0, "provenance": [],

@@ -181,12 +181,16 @@ class ClientSums:
     ``local(inputs, settings)``: the statistics ``s_c`` of the one client in ``inputs``, a list of float64 tensors
     (their shapes depend on the model only); ``finish(sums, context, settings)``: the result from the element-wise
     sums of those lists over the clients; ``structures``: the curvature structures ``local`` accepts (None: all).
-    The method's own ``run`` is ``finish`` over the sums of ``local`` (:func:`sum_over_clients`), so the two
-    paths are one computation."""
+    The method's own ``run`` is :meth:`run`, ``finish`` over the sums of ``local``, so the two paths are one
+    computation."""
 
     local: Callable[[FusionInputs, Any], list[torch.Tensor]]
     finish: Callable[[list[torch.Tensor], SumsContext, Any], FusionResult]
     structures: tuple[str, ...] | None = None
+
+    def run(self, inputs: FusionInputs, settings: Any) -> FusionResult:
+        """The method on clients that are all at hand: ``finish`` over :func:`sum_over_clients`."""
+        return self.finish(sum_over_clients(inputs, self, settings), sums_context(inputs), settings)
 
 
 def sum_over_clients(inputs: FusionInputs, sums: ClientSums, settings: Any) -> list[torch.Tensor]:

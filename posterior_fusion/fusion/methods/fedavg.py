@@ -10,15 +10,7 @@ from __future__ import annotations
 import torch
 
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.fusion.types import (
-    ClientSums,
-    FusionInputs,
-    FusionMethod,
-    FusionResult,
-    SumsContext,
-    sum_over_clients,
-    sums_context,
-)
+from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext
 
 
 def fedavg_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:
@@ -35,13 +27,9 @@ def fedavg_finish(sums: list[torch.Tensor], context: SumsContext, settings: Meth
 SUMS = ClientSums(fedavg_local, fedavg_finish)
 
 
-def fedavg(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
-    return fedavg_finish(sum_over_clients(inputs, SUMS, settings), sums_context(inputs), settings)
-
-
 def fedavg_weights(inputs: FusionInputs) -> torch.Tensor:
     """``(d,)``: Σ_c (n_c / n) ŵ_c of the chosen component."""
-    return fedavg(inputs, MethodSettings()).members[0]
+    return SUMS.run(inputs, MethodSettings()).members[0]
 
 
-METHOD = FusionMethod("fedavg", fedavg, MethodSettings, "n-weighted mean of the client MAPs", sums=SUMS)
+METHOD = FusionMethod("fedavg", SUMS.run, MethodSettings, "n-weighted mean of the client MAPs", sums=SUMS)

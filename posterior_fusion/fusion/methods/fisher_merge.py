@@ -10,15 +10,7 @@ import torch
 
 from posterior_fusion.fusion.methods.fedavg import fedavg_local
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.fusion.types import (
-    ClientSums,
-    FusionInputs,
-    FusionMethod,
-    FusionResult,
-    SumsContext,
-    sum_over_clients,
-    sums_context,
-)
+from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext
 
 
 def fisher_merge_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:
@@ -38,9 +30,5 @@ def fisher_merge_finish(sums: list[torch.Tensor], context: SumsContext, settings
 SUMS = ClientSums(fisher_merge_local, fisher_merge_finish)
 
 
-def fisher_merge(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
-    return fisher_merge_finish(sum_over_clients(inputs, SUMS, settings), sums_context(inputs), settings)
-
-
-METHOD = FusionMethod("fisher-merge", fisher_merge, MethodSettings, "diagonal-Fisher-weighted average of MAPs",
+METHOD = FusionMethod("fisher-merge", SUMS.run, MethodSettings, "diagonal-Fisher-weighted average of MAPs",
                       sums=SUMS)

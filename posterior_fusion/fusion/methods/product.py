@@ -15,15 +15,7 @@ import torch
 
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.fusion.types import (
-    ClientSums,
-    FusionInputs,
-    FusionMethod,
-    FusionResult,
-    SumsContext,
-    sum_over_clients,
-    sums_context,
-)
+from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext
 
 
 def product_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:
@@ -51,7 +43,7 @@ SUMS = ClientSums(product_local, product_finish, structures=("diag",))
 
 def product(inputs: FusionInputs, settings: MethodSettings) -> FusionResult:
     if inputs.clients[0].structure == "diag":
-        return product_finish(sum_over_clients(inputs, SUMS, settings), sums_context(inputs), settings)
+        return SUMS.run(inputs, settings)
     m = inputs.options.component
     comps = [c.components[m] for c in inputs.clients]
     lam0 = inputs.server_prior_precision()
