@@ -74,6 +74,10 @@ def inspect_cmd(file, as_json, max_memory):
             say(f"differential privacy: (ε, δ) = ({d.get('epsilon', float('nan')):.3g}, {d.get('delta', float('nan')):.3g}) "
                 f"for the whole artifact (target ε {d.get('target_epsilon')}; DP-SGD noise {d.get('noise_multiplier', 0):.3g}, "
                 f"clip {d.get('clip')}; curvature and counts noise {d.get('release_noise', 0):.3g})")
+            for p in d.get("passes") or []:
+                if isinstance(p, dict):
+                    say(f"  also at that noise: {p.get('part')}, {p.get('steps')} steps at sampling rate "
+                        f"{p.get('sample_rate', float('nan')):.3g}")
         refresh = meta.get("refreshed_at")
         if isinstance(refresh, dict) and isinstance(refresh.get("dp"), dict):
             d = refresh["dp"]

@@ -10,9 +10,10 @@ from torch import nn
 from posterior_fusion.local.ppd import PPDConfig, distil_ppd, sgld
 
 
-def test_sgld_recovers_the_conjugate_gaussian_posterior():
-    """y = Xw + ε, ε ~ N(0, σ²), prior w ~ N(0, λ0⁻¹ I): posterior N(μ, Λ⁻¹) with
-    Λ = XᵀX/σ² + λ0 I and μ = Λ⁻¹ Xᵀy/σ². SGLD's sample mean and variances match it."""
+@pytest.mark.parametrize("centred", [False, True])
+def test_sgld_recovers_the_conjugate_gaussian_posterior(centred):
+    """y = Xw + ε, ε ~ N(0, σ²), prior w ~ N(w0, λ0⁻¹ I) (w0 = 0, or a base's weights): posterior N(μ, Λ⁻¹)
+    with Λ = XᵀX/σ² + λ0 I and μ = Λ⁻¹ (Xᵀy/σ² + λ0 w0). SGLD's sample mean and variances match it."""
     gen = torch.Generator().manual_seed(0)
     n, d, sigma2, lam0 = 50, 3, 0.25, 2.0
     X = torch.randn(n, d, generator=gen, dtype=torch.float64)
@@ -20,7 +21,8 @@ def test_sgld_recovers_the_conjugate_gaussian_posterior():
                                                                                             dtype=torch.float64)
     Lam = X.T @ X / sigma2 + lam0 * torch.eye(d, dtype=torch.float64)
     cov = torch.linalg.inv(Lam)
-    mu = cov @ X.T @ y / sigma2
+    w0 = torch.tensor([20.0, 10.0, -20.0], dtype=torch.float64) if centred else torch.zeros(d, dtype=torch.float64)
+    mu = cov @ (X.T @ y / sigma2 + lam0 * w0)
     model = nn.Linear(d, 1, bias=False).double()
 
     def nll(m, xb, yb):
@@ -29,7 +31,8 @@ def test_sgld_recovers_the_conjugate_gaussian_posterior():
     samples = []
     sgld(model, nll, X, y, steps=60000, step_size=1e-4, prior_precision=lam0, batch_size=n, burn_in=2000, thin=10,
          generator=torch.Generator().manual_seed(1),
-         on_sample=lambda k, m, xb, yb: samples.append(m.weight.detach()[0].clone()), show_progress=False)
+         on_sample=lambda k, m, xb, yb: samples.append(m.weight.detach()[0].clone()), show_progress=False,
+         prior_mean=w0 if centred else None)
     S = torch.stack(samples)
     sd = cov.diagonal().sqrt()
     assert ((S.mean(0) - mu).abs() / sd).max() < 0.2, (S.mean(0), mu)

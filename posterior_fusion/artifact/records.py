@@ -89,7 +89,7 @@ class BlockRecord:
 TRAINING_FIELDS: dict[str, tuple[type, ...]] = {
     "seed": (int,), "epochs": (int,), "final_loss": (int, float), "final_accuracy": (int, float),
     "train_seconds": (int, float), "curvature_seconds": (int, float),
-    "ppd_samples": (int,), "ppd_seconds": (int, float),
+    "ppd_samples": (int,), "ppd_seconds": (int, float), "ppd_chain_excess_noise": (int, float),
     "refreshed_at_member": (int,), "gradient_norm": (int, float), "newton_step_norm": (int, float),
     "damping": (int, float), "step_ratio": (int, float), "curvature_from": (int,),
 }

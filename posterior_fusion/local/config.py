@@ -232,11 +232,6 @@ class FitConfig:
             self.ppd.validate()
         if self.dp is not None:
             self.dp.validate()
-            refused = [what for what, on in (("a FedPPD student", self.ppd is not None),
-                                             ("a private model", self.private is not None)) if on]
-            if refused:
-                raise ConfigError(f"`dp` covers every structure's release and SWAG moments, without FedPPD or a "
-                                  f"private model; not {', '.join(refused)}")
         if self.private is not None:
             self.private.validate()
         if self.curvature_batch_size < 1:

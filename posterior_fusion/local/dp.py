@@ -32,21 +32,32 @@ for. Under add/remove-one-sample neighbouring:
   rounded and floored at 0 (post-processing); ``n_data`` is their sum;
 - **SWAG moments** (``swag``): the running moments of DP-SGD's own iterates, post-processing of the training's
   release (its guarantee covers every iterate): no further ε;
+- **FedPPD** (``ppd``, :func:`private_ppd`): the SGLD chain's gradient and the student's distillation step each
+  through Opacus on their own Poisson batches at ``ppd_batch_size / n`` (two more passes of subsampled Gaussian
+  steps at the training's noise multiplier, recorded under ``passes``);
+- **a private model** (``private_model``, HBFL): trained by DP-SGD as one more pass; its probabilities on each
+  sample enter only that sample's loss in the shared model's DP-SGD, clipped with it;
 - everything else the artifact holds is post-processing of these or data-independent (the MAPs, the
   temperature and prior, the input transform, the model); the data's SHA-256 and the training loss and
   accuracy are not recorded.
 
-The accountant: Rényi DP (Opacus' ``compute_rdp``) of the subsampled Gaussian for all training steps plus the
-M + 1 full-batch Gaussian releases, converted to (ε, δ) once. ``dp_training_share`` of ε calibrates the training
-noise (Opacus' ``get_noise_multiplier``, at δ/2) and the rest the releases (at δ/2); both noises are then
-scaled down together as far as the composed ε stays within the target; that composed ε is recorded.
+The accountant: Rényi DP (Opacus' ``compute_rdp``) of the subsampled Gaussian for all training steps and other
+gradient passes plus the M + 1 full-batch Gaussian releases, converted to (ε, δ) once. ``dp_training_share`` of
+ε calibrates the one noise multiplier of every gradient pass (at δ/2) and the rest the releases (at δ/2); both
+noises are then scaled down together as far as the composed ε stays within the target; that composed ε is
+recorded. The silo's size n sets the sampling rates (batch / n, as Opacus' Poisson sampler does) and the default
+δ = 1/n: the accounting treats n as public; the class histogram, whose sum is the released ``n_data``, is not.
+
+Every gradient noise is drawn from a generator seeded from the operating system's entropy, never from the
+recorded training seed.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -71,16 +82,31 @@ from posterior_fusion.posterior import SwagMoments
 
 
 @dataclass(frozen=True)
+class DPPass:
+    """One more pass of subsampled Gaussian steps over the silo at the plan's ``noise_multiplier``: FedPPD's SGLD
+    chain and its student's distillation, or HBFL's private model (``part`` names it)."""
+
+    part: str
+    sample_rate: float
+    steps: int
+
+
+@dataclass(frozen=True)
 class DPPlan:
     """The mechanisms' parameters for one silo and what they compose to."""
 
-    noise_multiplier: float  # DP-SGD's σ (times clip)
-    sample_rate: float       # q = batch / n (Poisson sampling)
+    noise_multiplier: float  # DP-SGD's σ (times clip), of every gradient pass over the silo
+    sample_rate: float       # q = batch / n (Poisson sampling) of the components' training
     steps: int               # DP-SGD steps over all components
     release_noise: float     # σ of the curvature (times curvature_clip) and count releases
     releases: int            # M curvature releases + 1 histogram
     delta: float
     epsilon: float           # the composed ε of all of it
+    passes: tuple[DPPass, ...] = ()  # the other gradient passes (FedPPD, a private model), at noise_multiplier
+
+    def pass_of(self, part: str) -> DPPass:
+        """The recorded pass named ``part``."""
+        return next(p for p in self.passes if p.part == part)
 
     def record(self, cfg: DPConfig, structure: str = "diag") -> dict:
         import opacus
@@ -89,53 +115,77 @@ class DPPlan:
                              "input_clip, output factors and diagonals to curvature_clip)",
                      "diag+full": "the clipped per-sample GGN diagonal and last-layer block (clipped together to "
                                   "curvature_clip)"}.get(structure, "the clipped per-sample GGN diagonal")
+        others = "".join(f", {p.part}" for p in self.passes)
         return {"epsilon": self.epsilon, "delta": self.delta, "target_epsilon": cfg.dp_epsilon, "accountant": "rdp",
-                "mechanism": f"DP-SGD (Opacus, Poisson sampling) for training; Gaussian mechanism on {curvature} and "
-                             "on the class counts",
+                "mechanism": f"DP-SGD (Opacus, Poisson sampling) for training{others}; Gaussian mechanism on "
+                             f"{curvature} and on the class counts",
                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps,
+                **({"passes": [asdict(p) for p in self.passes]} if self.passes else {}),
                 "clip": cfg.dp_clip, "curvature_clip": cfg.dp_curvature_clip, "release_noise": self.release_noise,
                 **({"input_clip": cfg.dp_input_clip} if structure == "kron" else {}),
                 "releases": self.releases, "training_share": cfg.dp_training_share, "opacus": opacus.__version__}
 
 
-def composed_epsilon(noise_multiplier: float, sample_rate: float, steps: int, release_noise: float, releases: int,
-                     delta: float) -> float:
-    """ε at ``delta`` of ``steps`` subsampled Gaussian steps plus ``releases`` full Gaussian releases (RDP)."""
-    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+def _epsilon(rdp, delta: float) -> float:
+    from opacus.accountants.analysis.rdp import get_privacy_spent
     from opacus.accountants.rdp import RDPAccountant
 
-    orders = RDPAccountant.DEFAULT_ALPHAS
-    rdp = compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=orders)
-    rdp = rdp + compute_rdp(q=1.0, noise_multiplier=release_noise, steps=releases, orders=orders)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order")  # a bound at the largest order is still valid
-        eps, _ = get_privacy_spent(orders=orders, rdp=rdp, delta=delta)
-    return float(eps)
+        return float(get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0])
+
+
+def _rdp(noise_multiplier: float, sample_rate: float, steps: int):
+    from opacus.accountants.analysis.rdp import compute_rdp
+    from opacus.accountants.rdp import RDPAccountant
+
+    return compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps,
+                       orders=RDPAccountant.DEFAULT_ALPHAS)
+
+
+def gradient_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
+                     passes: tuple[DPPass, ...] = ()) -> float:
+    """ε at ``delta`` of every gradient pass: ``steps`` subsampled Gaussian steps at ``sample_rate`` and each of
+    ``passes``, all at ``noise_multiplier`` (RDP, converted once)."""
+    rdp = _rdp(noise_multiplier, sample_rate, steps)
+    for p in passes:
+        rdp = rdp + _rdp(noise_multiplier, p.sample_rate, p.steps)
+    return _epsilon(rdp, delta)
+
+
+def composed_epsilon(noise_multiplier: float, sample_rate: float, steps: int, release_noise: float, releases: int,
+                     delta: float, passes: tuple[DPPass, ...] = ()) -> float:
+    """ε at ``delta`` of ``steps`` subsampled Gaussian steps, the other gradient ``passes`` at the same noise, plus
+    ``releases`` full Gaussian releases (RDP)."""
+    rdp = _rdp(noise_multiplier, sample_rate, steps) + _rdp(release_noise, 1.0, releases)
+    for p in passes:
+        rdp = rdp + _rdp(noise_multiplier, p.sample_rate, p.steps)
+    return _epsilon(rdp, delta)
 
 
 def release_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
     """ε at ``delta`` of ``releases`` full-batch Gaussian mechanisms of noise ``noise_multiplier`` × sensitivity
     (Opacus' RDP, converted once)."""
-    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
-    from opacus.accountants.rdp import RDPAccountant
+    return _epsilon(_rdp(noise_multiplier, 1.0, releases), delta)
 
-    orders = RDPAccountant.DEFAULT_ALPHAS
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Optimal order")  # a bound at the largest order is still valid
-        rdp = compute_rdp(q=1.0, noise_multiplier=noise_multiplier, steps=releases, orders=orders)
-        return float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
+
+def smallest_noise(epsilon_of: Callable[[float], float], epsilon: float, what: str) -> float:
+    """The smallest noise multiplier σ in [1e-3, 1e4] with ``epsilon_of(σ) <= epsilon`` (ε falls as σ grows;
+    bisection in log space); one ConfigError line naming ``what`` when none does."""
+    lo, hi = 1e-3, 1e4
+    if epsilon_of(hi) > epsilon:
+        raise ConfigError(f"ε {epsilon:g} is out of reach for {what}")
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if epsilon_of(mid) > epsilon else (lo, mid)
+    return hi
 
 
 def release_noise(epsilon: float, releases: int, delta: float) -> float:
     """The smallest noise multiplier whose ``releases`` Gaussian mechanisms compose to at most ``epsilon`` at
-    ``delta`` (:func:`release_epsilon`; bisection in log space); one ConfigError line when none in [1e-3, 1e4] does."""
-    lo, hi = 1e-3, 1e4
-    if release_epsilon(hi, releases, delta) > epsilon:
-        raise ConfigError(f"ε {epsilon:g} is out of reach for {releases} releases at δ {delta:g}")
-    for _ in range(100):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if release_epsilon(mid, releases, delta) > epsilon else (lo, mid)
-    return hi
+    ``delta`` (:func:`release_epsilon`); one ConfigError line when none in [1e-3, 1e4] does."""
+    return smallest_noise(lambda s: release_epsilon(s, releases, delta), epsilon,
+                          f"{releases} releases at δ {delta:g}")
 
 
 def opacus_version() -> str:
@@ -148,44 +198,42 @@ def opacus_version() -> str:
     return opacus.__version__
 
 
-def plan(cfg: DPConfig, n: int, batch_size: int, epochs: int, components: int) -> DPPlan:
-    """Calibrate the noise for a silo of ``n`` samples (module docstring); one ConfigError line when no noise
-    reaches the target."""
+def plan(cfg: DPConfig, n: int, batch_size: int, epochs: int, components: int,
+         passes: tuple[DPPass, ...] = ()) -> DPPlan:
+    """Calibrate the noise for a silo of ``n`` samples (module docstring): the components' DP-SGD and the other
+    gradient ``passes`` share one noise multiplier within ``dp_training_share`` of ε; one ConfigError line when no
+    noise reaches the target."""
     cfg.validate()
     opacus_version()
-    from opacus.accountants.utils import get_noise_multiplier
-
     delta = cfg.dp_delta if cfg.dp_delta is not None else 1.0 / n
     q = min(1.0, batch_size / n)
     steps = max(1, components * epochs * math.ceil(n / batch_size))
     releases = components + 1
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Optimal order")
-            sigma = get_noise_multiplier(target_epsilon=cfg.dp_training_share * cfg.dp_epsilon, target_delta=delta / 2,
-                                         sample_rate=q, steps=steps, accountant="rdp")
-    except ValueError as exc:
-        raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g}: no training noise reaches it ({exc})") from None
+        sigma = smallest_noise(lambda s: gradient_epsilon(s, q, steps, delta / 2, passes),
+                               cfg.dp_training_share * cfg.dp_epsilon, "the training")
+    except ConfigError:
+        raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g}: no training noise reaches it") from None
     rest = (1 - cfg.dp_training_share) * cfg.dp_epsilon
     try:  # the smallest release noise within its share
         release = release_noise(rest, releases, delta / 2)
     except ConfigError:
         raise ConfigError(f"`dp_epsilon` {cfg.dp_epsilon:g} leaves too little for the curvature and count "
                           "releases") from None
-    total = composed_epsilon(sigma, q, steps, release, releases, delta)
+    total = composed_epsilon(sigma, q, steps, release, releases, delta, passes)
     while total > cfg.dp_epsilon:  # RDP composition is tighter than the split in practice; make sure of it
         sigma, release = sigma * 1.02, release * 1.02
-        total = composed_epsilon(sigma, q, steps, release, releases, delta)
+        total = composed_epsilon(sigma, q, steps, release, releases, delta, passes)
     # the split was calibrated part by part (each at δ/2); composed once, the same proportions need less noise:
     # the smallest common scale of both noises whose composed ε still meets the target
     lo, hi = 0.05, 1.0
     for _ in range(40):
         mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if composed_epsilon(sigma * mid, q, steps, release * mid, releases, delta) <= cfg.dp_epsilon \
-            else (mid, hi)
+        lo, hi = (lo, mid) if composed_epsilon(sigma * mid, q, steps, release * mid, releases, delta,
+                                               passes) <= cfg.dp_epsilon else (mid, hi)
     sigma, release = sigma * hi, release * hi
-    total = composed_epsilon(sigma, q, steps, release, releases, delta)
-    return DPPlan(float(sigma), q, steps, float(release), releases, float(delta), total)
+    total = composed_epsilon(sigma, q, steps, release, releases, delta, passes)
+    return DPPlan(float(sigma), q, steps, float(release), releases, float(delta), total, tuple(passes))
 
 
 def private_counts(counts: list[int], release_noise: float, generator: torch.Generator) -> list[int]:
@@ -443,13 +491,12 @@ def private_kron(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_noise
     return kron_blocks(model, layers, A, B, D)
 
 
-def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg, dp: DPConfig, plan_: DPPlan,
-                  weight_decay: float, seed: int, prior_mean: torch.Tensor | None = None) -> SwagMoments | None:
-    """DP-SGD on ``model`` in place (module docstring): Opacus' per-sample clipping and noise, Poisson batches
-    at ``plan_.sample_rate``, ``train_cfg.epochs`` epochs of about n / batch steps; SGD with the configuration's
-    learning rate and momentum; the decay toward ``prior_mean`` (zero by default) after each step. Returns the
-    SWAG moments of the private iterates when ``train_cfg.swag`` asks for them (post-processing: DP-SGD's
-    guarantee covers every iterate), else None."""
+def _opacus(model: nn.Module, optimizer: torch.optim.Optimizer, plan_: DPPlan, clip: float, batch_size: int,
+            noise: torch.Generator):
+    """``model`` wrapped for per-sample gradients and ``optimizer`` for Opacus' clipping and noise (of standard
+    deviation ``noise_multiplier · clip`` on the sum, divided by ``batch_size``, the expected Poisson batch), the
+    noise drawn from ``noise`` — a generator seeded from the operating system's entropy by the caller, never from
+    a recorded seed (a noise sequence someone can replay protects nothing)."""
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
     from opacus.validators import ModuleValidator
@@ -458,41 +505,155 @@ def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg,
     if errors:
         raise ConfigError(f"`dp_epsilon`: Opacus cannot train this model privately ({str(errors[0])[:160]})")
     gsm = GradSampleModule(model)
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=train_cfg.lr, momentum=train_cfg.momentum),
-                      noise_multiplier=plan_.noise_multiplier, max_grad_norm=dp.dp_clip,
-                      expected_batch_size=max(1, round(plan_.sample_rate * len(x))))
+    opt = DPOptimizer(optimizer, noise_multiplier=plan_.noise_multiplier, max_grad_norm=clip,
+                      expected_batch_size=max(1, batch_size), generator=noise)
+    return gsm, opt
+
+
+def _noisy_gradient(opt, params: list[torch.Tensor], loss: Callable[[torch.Tensor], torch.Tensor],
+                    take: torch.Tensor) -> None:
+    """Opacus' private gradient into every ``p.grad``: ``loss(take)`` (a mean over the Poisson batch ``take``
+    ``(n,)`` bool) backpropagated, each sample's gradient clipped, the sum noised and divided by the expected
+    batch; an empty batch still takes its noisy step (the accountant counts it)."""
+    opt.zero_grad(set_to_none=True)
+    if take.any():
+        loss(take).backward()
+    else:
+        for p in params:
+            p.grad_sample = torch.zeros(1, *p.shape, dtype=p.dtype, device=p.device)
+    opt.pre_step()
+
+
+def _poisson(n: int, rate: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(n, generator=gen) < rate
+
+
+def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg, dp: DPConfig, plan_: DPPlan,
+                  weight_decay: float, seed: int, noise: torch.Generator, prior_mean: torch.Tensor | None = None,
+                  soft_targets: torch.Tensor | None = None, soft_weight: float = 0.0,
+                  sample_rate: float | None = None) -> SwagMoments | None:
+    """DP-SGD on ``model`` in place (module docstring): Opacus' per-sample clipping and noise (drawn from
+    ``noise``), Poisson batches at ``sample_rate`` (default ``plan_.sample_rate``; ``seed`` draws them),
+    ``train_cfg.epochs`` epochs of about n / batch steps; SGD with the configuration's learning rate and momentum;
+    the decay toward ``prior_mean`` (zero by default) after each step. With ``soft_targets`` ``(n, classes)`` (a
+    private teacher's probabilities on the silo, HBFL) each sample's loss is ``(1 − soft_weight) · CE(y) +
+    soft_weight · CE(soft_targets)``: still one sample's term, clipped as a whole. Returns the SWAG moments of the
+    private iterates when ``train_cfg.swag`` asks for them (post-processing: DP-SGD's guarantee covers every
+    iterate), else None."""
+    rate = plan_.sample_rate if sample_rate is None else sample_rate
+    batch = max(1, round(rate * len(x)))
+    gsm, opt = _opacus(model, torch.optim.SGD(model.parameters(), lr=train_cfg.lr, momentum=train_cfg.momentum),
+                       plan_, dp.dp_clip, batch, noise)
     gen = torch.Generator().manual_seed(seed)
     params = list(model.parameters())
     centres = [torch.zeros_like(p) for p in params] if prior_mean is None else \
         [c.view_as(p).detach() for c, p in zip(torch.split(prior_mean, [p.numel() for p in params]), params)]
-    steps = math.ceil(len(x) / max(1, round(plan_.sample_rate * len(x))))
+    steps = math.ceil(len(x) / batch)
+
+    def loss(take: torch.Tensor) -> torch.Tensor:
+        out = gsm(x[take])
+        value = nn.functional.cross_entropy(out, y[take])
+        if soft_targets is not None and soft_weight > 0:
+            soft = -(soft_targets[take] * torch.log_softmax(out, -1)).sum(-1).mean()
+            value = (1 - soft_weight) * value + soft_weight * soft
+        return value
+
+    swag = SwagCollector(train_cfg, steps)
     gsm.train()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus' hooks, the first layer
-        swag = _dp_epochs(gsm, opt, x, y, train_cfg, plan_, steps, gen, params, centres, weight_decay)
+        for epoch in range(train_cfg.epochs):
+            for step in range(steps):
+                _noisy_gradient(opt, params, loss, _poisson(len(x), rate, gen).to(x.device))
+                opt.original_optimizer.step()
+                with torch.no_grad():
+                    for p, c in zip(params, centres):
+                        p.sub_(train_cfg.lr * weight_decay * (p - c))
+                if not all(bool(torch.isfinite(p).all()) for p in params):
+                    raise ConfigError(f"DP-SGD diverged in epoch {epoch + 1} (a weight is not finite): lower `lr` "
+                                      f"(now {train_cfg.lr:g})")
+                swag.after_step(gsm, epoch, step)
     gsm._close()
     model.eval()
-    return swag
-
-
-def _dp_epochs(gsm, opt, x, y, train_cfg, plan_: DPPlan, steps: int, gen, params, centres,
-               weight_decay) -> SwagMoments | None:
-    loss_fn = nn.CrossEntropyLoss()
-    swag = SwagCollector(train_cfg, steps)
-    for epoch in range(train_cfg.epochs):
-        for step in range(steps):
-            take = torch.rand(len(x), generator=gen) < plan_.sample_rate  # Poisson sampling
-            opt.zero_grad(set_to_none=True)
-            if take.any():
-                loss_fn(gsm(x[take]), y[take]).backward()
-            else:  # an empty batch still takes its noisy step (the accountant counts it)
-                for p in params:
-                    p.grad_sample = torch.zeros(1, *p.shape, dtype=p.dtype)
-            opt.step()
-            with torch.no_grad():
-                for p, c in zip(params, centres):
-                    p.sub_(train_cfg.lr * weight_decay * (p - c))
-            swag.after_step(gsm, epoch, step)
     return swag.moments()
 
 
+def ppd_passes(ppd, n: int, components: int) -> tuple[DPPass, DPPass]:
+    """FedPPD's two gradient passes over the silo under ``dp`` (:func:`private_ppd`), over all ``components``: the
+    SGLD chain's ``ppd_steps`` and the student's one step per kept sample, each on its own Poisson batch at
+    ``ppd_batch_size / n``."""
+    rate = min(1.0, ppd.batch_size / n)
+    kept = len(range(ppd.burn_in, ppd.steps, ppd.thin))
+    return DPPass("ppd chain", rate, components * ppd.steps), DPPass("ppd student", rate, components * kept)
+
+
+def private_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, ppd,
+                dp: DPConfig, plan_: DPPlan, prior_precision: float, temperature: float, seed: int,
+                noise: torch.Generator, prior_mean: torch.Tensor | None = None,
+                show_progress: bool = True) -> tuple[torch.Tensor, dict]:
+    """FedPPD's client step under ``dp`` (:mod:`posterior_fusion.local.ppd` without privacy): the student ``(d,)``
+    and a record.
+
+    The chain: each step a Poisson batch at q = ``ppd_batch_size / n``; Opacus clips each sample's gradient of its
+    cross-entropy to ``dp_clip`` and adds ``N(0, (σ·clip)²)`` to the sum (σ the plan's noise multiplier); the sum
+    over the silo is estimated as that over q, so ``∇U = ĝ / (q T) + λ0 (θ − centre)`` and
+    ``θ ← θ − (ε/2) ∇U + ξ``. The mechanism's noise already moves θ by ``(ε/2) σ·clip / (q T)`` per coordinate; ξ
+    tops the Langevin noise up to variance ε (none when the mechanism's exceeds it: the chain is then hotter than
+    the posterior, recorded as ``ppd_chain_excess_noise``). The student: one Opacus step per kept sample on its
+    own Poisson batch, the per-sample loss the cross-entropy between the chain's predictive and the student's on
+    the perturbed inputs (the chain is private: its predictive is post-processing). Both passes are in the plan
+    (:func:`ppd_passes`)."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from posterior_fusion.progress import progress
+
+    ppd.validate()
+    chain, student_pass = plan_.pass_of("ppd chain"), plan_.pass_of("ppd student")
+    rate, n = chain.sample_rate, len(x)
+    gen = torch.Generator().manual_seed(seed)
+    teacher, student = build(), build()
+    device = next(teacher.parameters()).device
+    for net in (teacher, student):
+        vector_to_parameters(start.detach().to(device).clone(), net.parameters())
+        net.train()
+    t_params, s_params = list(teacher.parameters()), list(student.parameters())
+    centres = [torch.zeros_like(p) for p in t_params] if prior_mean is None else \
+        [c.view_as(p).detach().to(device) for c, p in zip(torch.split(prior_mean, [p.numel() for p in t_params]),
+                                                           t_params)]
+    t_gsm, t_opt = _opacus(teacher, torch.optim.SGD(t_params, lr=1.0), plan_, dp.dp_clip, ppd.batch_size, noise)
+    s_gsm, s_opt = _opacus(student, torch.optim.SGD(s_params, lr=ppd.student_lr, momentum=0.9), plan_, dp.dp_clip,
+                           ppd.batch_size, noise)
+    mechanism_sd = 0.5 * ppd.step_size * plan_.noise_multiplier * dp.dp_clip / (rate * temperature)
+    langevin_sd = math.sqrt(max(0.0, ppd.step_size - mechanism_sd ** 2))
+
+    def chain_loss(take: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(t_gsm(x[take]), y[take])
+
+    def student_loss(take: torch.Tensor) -> torch.Tensor:
+        xp = x[take]
+        xp = xp + ppd.perturb * torch.randn(xp.shape, generator=gen, dtype=xp.dtype).to(device)
+        with torch.no_grad():
+            target = torch.softmax(teacher(xp), -1)
+        return -(target * torch.log_softmax(s_gsm(xp), -1)).sum(-1).mean()
+
+    kept = 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        for step in progress(range(ppd.steps), "ppd (private sgld + distill)", show=show_progress):
+            _noisy_gradient(t_opt, t_params, chain_loss, _poisson(n, rate, gen).to(device))
+            with torch.no_grad():  # p.grad: the noisy clipped sum / batch; n · p.grad estimates the silo's sum
+                for p, c in zip(t_params, centres):
+                    grad_u = p.grad * (ppd.batch_size / rate) / temperature + prior_precision * (p - c)
+                    xi = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device) * langevin_sd
+                    p.add_(-0.5 * ppd.step_size * grad_u + xi)
+            if not all(bool(torch.isfinite(p).all()) for p in t_params):
+                raise ConfigError(f"the private SGLD chain diverged by step {step + 1}: lower `ppd_step_size` "
+                                  f"(now {ppd.step_size:g})")
+            if step >= ppd.burn_in and (step - ppd.burn_in) % ppd.thin == 0:
+                _noisy_gradient(s_opt, s_params, student_loss, _poisson(n, student_pass.sample_rate, gen).to(device))
+                s_opt.original_optimizer.step()
+                kept += 1
+    t_gsm._close()
+    s_gsm._close()
+    return parameters_to_vector(student.parameters()).detach().cpu().clone(), \
+        {"samples": kept, "chain_excess_noise": round(max(0.0, mechanism_sd ** 2 / ppd.step_size - 1.0), 6)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 import warnings
@@ -101,21 +102,37 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
     }
 
 
-def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classes: int, log=print) -> torch.Tensor:
+def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classes: int, log=print,
+                    dp_plan=None, noise: torch.Generator | None = None) -> torch.Tensor:
     """HBFL's heterogeneous client: train the silo's private model (same SGD settings, its own
-    epochs) and return its probabilities on the silo ``(n, classes)`` for distillation."""
+    epochs) and return its probabilities on the silo ``(n, classes)`` for distillation. Under ``dp``
+    (``dp_plan``, its pass "private model") through DP-SGD with the plan's noise, drawn from ``noise``."""
     spec = ModelSpec(cfg.private.model, dict(cfg.private.model_kwargs))
     if spec.num_classes != num_classes:
         raise ConfigError(f"`private_model` outputs {spec.num_classes} classes, the shared model {num_classes}")
     spec.check_input(tuple(x.shape[1:]), "the silo")
     model = spec.build().to(x.device)
-    train = replace(cfg.train, epochs=cfg.private.epochs or cfg.train.epochs, swag=False)
+    train = replace(cfg.train, epochs=private_epochs(cfg), swag=False)
     seed = cfg.train_seed * 1_000_003 + 999_983
     torch.manual_seed(seed)
-    res = train_map(model, x, y, train, seed=seed, desc="private model")
-    log(f"private model: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} (kept in the silo)")
+    if dp_plan is not None:
+        from posterior_fusion.local import dp
+
+        dp.private_train(model, x, y, train, cfg.dp, dp_plan, train.weight_decay,
+                         int.from_bytes(os.urandom(8), "little") >> 1, noise,
+                         sample_rate=dp_plan.pass_of("private model").sample_rate)
+        log("private model: trained under DP-SGD (kept in the silo)")
+    else:
+        res = train_map(model, x, y, train, seed=seed, desc="private model")
+        log(f"private model: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} (kept in the silo)")
+    model.eval()
     with torch.no_grad():
         return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])  # on x's device
+
+
+def private_epochs(cfg: FitConfig) -> int:
+    """The private model's epochs: ``private_epochs``, else the shared model's."""
+    return cfg.private.epochs or cfg.train.epochs
 
 
 def prior_only(model: torch.nn.Module, structure: str) -> str:
@@ -201,7 +218,11 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
 
         if done:
             raise ConfigError("a differentially private fit cannot be resumed (its noise and budget are the run's own)")
-        dp_plan = dp.plan(cfg.dp, len(data), cfg.train.batch_size, cfg.train.epochs, len(inits))
+        passes = dp.ppd_passes(cfg.ppd, len(data), len(inits)) if cfg.ppd is not None else ()
+        if cfg.private is not None:
+            passes = (*passes, dp.DPPass("private model", min(1.0, cfg.train.batch_size / len(data)),
+                                         private_epochs(cfg) * math.ceil(len(data) / cfg.train.batch_size)))
+        dp_plan = dp.plan(cfg.dp, len(data), cfg.train.batch_size, cfg.train.epochs, len(inits), passes)
         noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # fresh per run
         counts = dp.private_counts(data.class_counts(), dp_plan.release_noise, noise)
         metadata.update(class_counts=counts, n_data=sum(counts), dp=dp_plan.record(cfg.dp, cfg.structure))
@@ -243,7 +264,10 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         raise ConfigError("resumed components must be 0..k-1 of the same run")
     if prior_mean is not None and prior_mean.shape != (layout.dim,):
         raise IncompatibleArtifactsError(f"the prior mean has shape {tuple(prior_mean.shape)}, model needs ({layout.dim},)")
-    soft_targets = private_teacher(cfg, x, y, spec.num_classes, log) if cfg.private is not None and len(comps) < len(inits) else None
+    gradient_noise = None if dp_plan is None else \
+        torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # Opacus' noise
+    soft_targets = private_teacher(cfg, x, y, spec.num_classes, log, dp_plan, gradient_noise) \
+        if cfg.private is not None and len(comps) < len(inits) else None
     for m in range(len(comps), len(inits)):
         w0 = inits[m]
         if w0.shape != (layout.dim,):
@@ -256,7 +280,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         statistics = None
         if dp_plan is not None:
             swag = dp.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
-                                    int.from_bytes(os.urandom(8), "little") >> 1, prior_mean)
+                                    int.from_bytes(os.urandom(8), "little") >> 1, gradient_noise,
+                                    None if prior_mean is None else prior_mean.to(device), soft_targets,
+                                    cfg.private.weight if cfg.private else 0.0)
             res = TrainResult(float("nan"), float("nan"), swag)  # the loss and accuracy are not released
             t1 = time.perf_counter()
             if cfg.structure == "kron":
@@ -289,8 +315,16 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         student = None
         if cfg.ppd is not None:
             w_map = parameters_to_vector(model.parameters()).detach().clone()
-            student, record = distil_ppd(lambda: spec.build().to(device), w_map, x, y, cfg.ppd, cfg.prior_precision,
-                                         cfg.temperature, seed=component_seed)
+            centre = None if prior_mean is None else prior_mean.to(device)
+            if dp_plan is not None:
+                student, record = dp.private_ppd(lambda: spec.build().to(device), w_map, x, y, cfg.ppd, cfg.dp,
+                                                 dp_plan, cfg.prior_precision, cfg.temperature,
+                                                 int.from_bytes(os.urandom(8), "little") >> 1, gradient_noise, centre)
+                training.update(ppd_chain_excess_noise=record["chain_excess_noise"])
+            else:
+                student, record = distil_ppd(lambda: spec.build().to(device), w_map, x, y, cfg.ppd,
+                                             cfg.prior_precision, cfg.temperature, seed=component_seed,
+                                             prior_mean=centre)
             training.update(ppd_samples=record["samples"], ppd_seconds=round(time.perf_counter() - t2, 3))
         said = "" if dp_plan is not None else f"loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} "
         log(f"component {m + 1}/{len(inits)}: {said}train {t1 - t0:.1f}s curvature {t2 - t1:.1f}s")

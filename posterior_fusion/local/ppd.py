@@ -2,12 +2,14 @@
 et al. 2015): SGLD samples from the client's tempered posterior, distilled online into one
 "student" network that represents the client's posterior predictive distribution (PPD).
 
-SGLD (Welling & Teh 2011) on U(θ) = (n / b) Σ_batch ℓ(θ) / T + λ0/2 ‖θ‖², with ℓ the negative
+SGLD (Welling & Teh 2011) on U(θ) = (n / b) Σ_batch ℓ(θ) / T + λ0/2 ‖θ − θ0‖², with ℓ the negative
 log-likelihood of one sample: θ ← θ − (ε/2) ∇U(θ) + N(0, ε I). After ``burn_in`` steps, every
 ``thin``-th iterate is a posterior sample; each sample is "injected" into the student by one SGD
 step on the cross-entropy between the sample's predictive p(y|x', θ) and the student's on a
 perturbed input batch x' = x + N(0, ``perturb``²) (the paper's unlabeled distillation set
-D'_k). The chain is warm-started from the component's MAP.
+D'_k). The chain is warm-started from the component's MAP; θ0 is the prior's centre (zero, or the pretrained
+base a silo fine-tunes). Under ``dp`` the chain and the student run through Opacus instead
+(:func:`posterior_fusion.local.dp.private_ppd`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
          temperature: float = 1.0, batch_size: int = 64, burn_in: int = 0, thin: int = 1,
          generator: torch.Generator | None = None,
          on_sample: Callable[[int, nn.Module, torch.Tensor, torch.Tensor], None] | None = None,
-         desc: str = "sgld", show_progress: bool = True) -> int:
+         desc: str = "sgld", show_progress: bool = True, prior_mean: torch.Tensor | None = None) -> int:
     """Run SGLD on ``model`` in place; ``neg_log_lik(model, xb, yb)`` is the *summed* negative
     log-likelihood of a batch. Calls ``on_sample(k, model, xb, yb)`` for every kept iterate
-    (after ``burn_in``, every ``thin``-th) with the batch of that step; returns the number kept."""
+    (after ``burn_in``, every ``thin``-th) with the batch of that step; returns the number kept.
+    ``prior_mean`` ``(d,)`` over the trainable parameters: the prior's centre (zero when None)."""
     n = x.shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
+    centres = [torch.zeros_like(p) for p in params] if prior_mean is None else \
+        [c.view_as(p).detach().to(p.device) for c, p in zip(torch.split(prior_mean, [p.numel() for p in params]),
+                                                            params)]
     kept = 0
     order = torch.randperm(n, generator=generator)
     pos = 0
@@ -45,7 +51,7 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
         xb, yb = x[idx], y[idx]
         model.zero_grad(set_to_none=True)
         U = neg_log_lik(model, xb, yb) * (n / len(idx)) / temperature
-        U = U + 0.5 * prior_precision * sum(p.square().sum() for p in params)
+        U = U + 0.5 * prior_precision * sum((p - c).square().sum() for p, c in zip(params, centres))
         U.backward()
         if (step % 100 == 99 or step == steps - 1) and not bool(torch.isfinite(U)):
             _diverged(step, step_size, n, temperature)
@@ -74,9 +80,10 @@ def _cross_entropy_sum(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> 
 
 def distil_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                cfg: PPDConfig, prior_precision: float, temperature: float, seed: int = 0,
-               show_progress: bool = True) -> tuple[torch.Tensor, dict]:
+               show_progress: bool = True, prior_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The PPD student ``(d,)`` of an SGLD chain started at ``start`` (both networks built by
-    ``build``: the student has the teacher's architecture), and a record of the run."""
+    ``build``: the student has the teacher's architecture), and a record of the run; the prior
+    N(``prior_mean``, λ0⁻¹ I) (zero-centred when None)."""
     cfg.validate()
     gen = torch.Generator().manual_seed(seed)
     teacher, student = build(), build()
@@ -97,5 +104,6 @@ def distil_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Ten
         opt.step()
 
     kept = sgld(teacher, _cross_entropy_sum, x, y, cfg.steps, cfg.step_size, prior_precision, temperature,
-                cfg.batch_size, cfg.burn_in, cfg.thin, gen, inject, "ppd (sgld + distill)", show_progress)
+                cfg.batch_size, cfg.burn_in, cfg.thin, gen, inject, "ppd (sgld + distill)", show_progress,
+                prior_mean)
     return parameters_to_vector(student.parameters()).detach().cpu().clone(), {"samples": kept}
