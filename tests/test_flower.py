@@ -365,3 +365,23 @@ def test_run_config_settings_of_another_method_are_named_and_not_used(capsys):
     assert (method, settings) == ("fedavg", {}) and "set.steps is not a setting of fedavg: not used" in capsys.readouterr().out
     _, _, settings, _ = fusion_from_run_config({"method": "fedbens", "set.steps": 300})
     assert settings == {"steps": 300} and capsys.readouterr().out == ""
+
+
+def test_a_pfuse_error_in_the_server_app_ends_in_its_one_line():
+    """Flower logs what a ServerApp raises with its traceback: a refused run config is raised from the app's
+    entry with the traceback cut to that one frame and no chained cause, so the log ends in the one line."""
+    from flwr.app import Context, RecordDict
+
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.flower import apps
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={"method": "product", "secure-aggregation": True, "refresh": True})
+    with pytest.raises(ConfigError, match="`refresh`") as caught:
+        apps.main(None, context)
+    frames, tb = [], caught.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert frames[-1] == "main" and "serve" not in frames and "check_secure_run_config" not in frames, frames
+    assert caught.value.__suppress_context__ and caught.value.__cause__ is None

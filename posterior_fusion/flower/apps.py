@@ -24,7 +24,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.errors import ConfigError, PfuseError
 from posterior_fusion.flower.federation import FederatedSettings, make_client_app, run_round
 from posterior_fusion.flower.secure import SecureAggregation, run_secure_round
 from posterior_fusion.fusion import FusionOptions, applicable_settings
@@ -61,6 +61,17 @@ def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dic
 
 @serverapp.main()
 def main(grid: Grid, context: Context) -> None:
+    """The server's round (:func:`serve`). Flower logs any exception the ServerApp raises with its traceback
+    and marks the run failed: a pfuse error (bad run config, a refused artifact) is raised again from here with
+    the traceback cut to this frame, so the log ends in its one line and the run still counts as failed."""
+    try:
+        serve(grid, context)
+    except PfuseError as exc:
+        raise exc.with_traceback(None) from None
+
+
+def serve(grid: Grid, context: Context) -> None:
+    """Fit every node's silo, fuse the replies (or their secure sums) and write the global (run config above)."""
     cfg = dict(context.run_config)
     method, options, settings, robust = fusion_from_run_config(cfg)
     if cfg.get("secure-aggregation", False):
