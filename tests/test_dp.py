@@ -66,6 +66,35 @@ def test_the_recorded_guarantee_is_opacus_accountant_on_the_recorded_mechanisms(
     assert not torch.equal(art.components[0].curvature.diagonal(), other.components[0].curvature.diagonal())
 
 
+def test_without_dp_a_fit_is_the_plain_training_and_capture_bit_for_bit(small_silo):
+    """Without ``dp`` no mechanism touches the fit: each component's MAP and curvature equal, bit for bit, plain
+    training (``train_map``) and the fast capture run by hand from the same start and seed."""
+    from posterior_fusion.local.capture import capture as plain_capture
+    from posterior_fusion.local.config import FitConfig, TrainConfig
+    from posterior_fusion.local.fit import fit_components
+    from posterior_fusion.local.init import initial_weights
+    from posterior_fusion.local.train import train_map
+    from posterior_fusion.models import ModelSpec
+
+    silo = SiloData(small_silo.x[:96], small_silo.y[:96], "fmnist", 10)
+    spec = ModelSpec("mlp", {"hidden": 16})
+    cfg = FitConfig(structure="diag", train_seed=5, train=TrainConfig(epochs=2, batch_size=32))
+    starts = initial_weights(spec, 2, 0)
+    _, comps = fit_components(spec, silo, starts, cfg, log=lambda *_: None)
+    x, y = silo.tensors()
+    resolved = cfg.resolved(len(silo))
+    for m, comp in enumerate(comps):
+        model = spec.build()
+        torch.nn.utils.vector_to_parameters(starts[m].clone(), model.parameters())
+        seed = 5 * 1_000_003 + m
+        torch.manual_seed(seed)
+        train_map(model, x, y, resolved.train, seed=seed, desc="reference")
+        curv, _ = plain_capture("diag", model, x, y, cfg.curvature_batch_size, cfg.ggn, cfg.capture,
+                                torch.Generator().manual_seed(seed), lambda *_: None)
+        assert torch.equal(comp.map, torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+        assert torch.equal(comp.curvature.diagonal(), curv.diagonal())
+
+
 def test_the_clipped_curvature_has_its_sensitivity_and_sums_to_the_ggn_diagonal():
     """Removing any one sample (a worst-case one with a huge input included) moves the clipped sum by at most
     ``curvature_clip`` in L2; without clipping the per-sample contributions sum to the fast capture's exact GGN

@@ -214,7 +214,7 @@ def run_refresh(args, setting: str, alpha: float, seed: int, spec: ModelSpec, st
     auto, its default trust radius) each fused again by the default."""
     work, silos, test = cell_data(args, setting, alpha, seed)
     plain = start.removesuffix("+refresh")
-    folder = work / plain.replace(":", "_")
+    folder = work / (plain.replace(":", "_") + lr_tag(args.lr))
     paths = [folder / f"post_{c}.h5" for c in range(len(silos))]
     tag = "from random starts" if plain == "scratch" else f"base, finetune {plain.split(':', 1)[1]}"
     rows, current = [], None
@@ -247,7 +247,8 @@ def run_refresh(args, setting: str, alpha: float, seed: int, spec: ModelSpec, st
         rows.append(row)
         log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
     for r in rows:
-        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs, start=start)
+        r.update(setting=setting, alpha=alpha, seed=seed, model=spec.name, epochs=args.epochs,
+                 start=start + lr_tag(args.lr), lr=args.lr)
     return rows
 
 
