@@ -259,19 +259,21 @@ SINGLE = ("fedbens (default)", "fedbens, prior centre at the prior", "fedlpa", "
 def summary(folder: Path) -> None:
     """One line per (setting, start, α): the client ensemble, the label-shift pool, fedbens' default, the best
     single-network fusion (by mean accuracy over the seeds), centralised fine-tuning of the same parameters,
-    each silo alone, and the costs per component (mean ± std over seeds; n seeds)."""
-    rows = [r for p in sorted(folder.glob("*.json")) for r in json.loads(p.read_text())]
+    each silo alone, and the costs per component (mean ± std over seeds; n seeds); the JSON files of ``folder``
+    and its subfolders, one block per model."""
+    rows = [r for p in sorted(folder.glob("**/*.json")) for r in json.loads(p.read_text())]
 
     def cell(vals: list[float]) -> str:
         return f"{statistics.mean(vals):.2f}" + (f" ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else "")
 
-    print("| setting | start | α | seeds | silo alone | client ensemble | label-shift pool | fedbens | best single "
-          "network | centralised | MB / component (% of the model) | capture ÷ epoch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for setting in sorted({r["setting"] for r in rows}):
-        for start in dict.fromkeys(r["start"] for r in rows if r["setting"] == setting and "refresh" not in r["start"]):
-            for alpha in sorted({r["alpha"] for r in rows if r["setting"] == setting}):
-                rs = [r for r in rows if (r["setting"], r["start"], r["alpha"]) == (setting, start, alpha)]
+    print("| model | setting | start | α | seeds | silo alone | client ensemble | label-shift pool | fedbens | best "
+          "single network | centralised | MB / component (% of the model) | capture ÷ epoch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, setting in sorted({(r["model"], r["setting"]) for r in rows}, key=lambda k: (k[0] != "lenet", k)):
+        mine = [r for r in rows if (r["model"], r["setting"]) == (model, setting)]
+        for start in sorted(dict.fromkeys(r["start"] for r in mine if "refresh" not in r["start"])):
+            for alpha in sorted({r["alpha"] for r in mine}):
+                rs = [r for r in mine if (r["start"], r["alpha"]) == (start, alpha)]
                 if not rs:
                     continue
                 by = {}
@@ -282,7 +284,7 @@ def summary(folder: Path) -> None:
                 best = max(fused, key=lambda k: statistics.mean(fused[k]))
                 cost = next(r for r in rs if "artifact_mb_per_component" in r)
                 central = cell(acc["centralised"]) if "centralised" in acc else "(unmerged)"
-                print(f"| {setting} | {start} | {alpha} | {len(acc['client ensemble'])} | {cell(acc['each silo alone'])} | "
+                print(f"| {model} | {setting} | {start} | {alpha} | {len(acc['client ensemble'])} | {cell(acc['each silo alone'])} | "
                       f"{cell(acc['client ensemble'])} | {cell(acc['label-shift pool'])} | "
                       f"{cell(acc['fedbens (default)'])} | {best}: {cell(fused[best])} | {central} | "
                       f"{cost['artifact_mb_per_component']:.3f} ({cost['component_pct_of_model']:.0f} %) | "
