@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
 from posterior_fusion.curvature import BlockDiag, Dense, Diag
 from posterior_fusion.errors import ConfigError
@@ -68,7 +69,7 @@ from posterior_fusion.local.capture.fast import kron_blocks, last_layer_ggn
 from posterior_fusion.local.capture.inputs import reduced_input
 from posterior_fusion.local.capture.outputs import reduced_grad
 from posterior_fusion.local.config import DPConfig
-from posterior_fusion.local.train import SwagCollector
+from posterior_fusion.local.train import SwagCollector, prior_centres, training_diverged
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
     DIAG_LAYERS,
@@ -148,23 +149,27 @@ def _rdp(noise_multiplier: float, sample_rate: float, steps: int, coarse: bool =
     return compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=_orders(coarse))
 
 
+def _gradient_rdp(noise_multiplier: float, sample_rate: float, steps: int, passes: tuple[DPPass, ...],
+                  coarse: bool):
+    rdp = _rdp(noise_multiplier, sample_rate, steps, coarse)
+    for p in passes:
+        rdp = rdp + _rdp(noise_multiplier, p.sample_rate, p.steps, coarse)
+    return rdp
+
+
 def gradient_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
                      passes: tuple[DPPass, ...] = (), coarse: bool = False) -> float:
     """ε at ``delta`` of every gradient pass: ``steps`` subsampled Gaussian steps at ``sample_rate`` and each of
     ``passes``, all at ``noise_multiplier`` (RDP, converted once; ``coarse``: on the integer orders)."""
-    rdp = _rdp(noise_multiplier, sample_rate, steps, coarse)
-    for p in passes:
-        rdp = rdp + _rdp(noise_multiplier, p.sample_rate, p.steps, coarse)
-    return _epsilon(rdp, delta, coarse)
+    return _epsilon(_gradient_rdp(noise_multiplier, sample_rate, steps, passes, coarse), delta, coarse)
 
 
 def composed_epsilon(noise_multiplier: float, sample_rate: float, steps: int, release_noise: float, releases: int,
                      delta: float, passes: tuple[DPPass, ...] = (), coarse: bool = False) -> float:
     """ε at ``delta`` of ``steps`` subsampled Gaussian steps, the other gradient ``passes`` at the same noise, plus
     ``releases`` full Gaussian releases (RDP; ``coarse``: on the integer orders, an upper bound of the full one)."""
-    rdp = _rdp(noise_multiplier, sample_rate, steps, coarse) + _rdp(release_noise, 1.0, releases, coarse)
-    for p in passes:
-        rdp = rdp + _rdp(noise_multiplier, p.sample_rate, p.steps, coarse)
+    rdp = _gradient_rdp(noise_multiplier, sample_rate, steps, passes, coarse) + _rdp(release_noise, 1.0, releases,
+                                                                                     coarse)
     return _epsilon(rdp, delta, coarse)
 
 
@@ -557,8 +562,7 @@ def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg,
                        plan_, dp.dp_clip, batch, noise)
     gen = torch.Generator().manual_seed(seed)
     params = list(model.parameters())
-    centres = [torch.zeros_like(p) for p in params] if prior_mean is None else \
-        [c.view_as(p).detach() for c, p in zip(torch.split(prior_mean, [p.numel() for p in params]), params)]
+    centres = prior_centres(params, prior_mean)
     steps = math.ceil(len(x) / batch)
 
     def loss(take: torch.Tensor) -> torch.Tensor:
@@ -580,10 +584,9 @@ def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg,
                 with torch.no_grad():
                     for p, c in zip(params, centres):
                         p.sub_(train_cfg.lr * weight_decay * (p - c))
-                if not all(bool(torch.isfinite(p).all()) for p in params):
-                    raise ConfigError(f"DP-SGD diverged in epoch {epoch + 1} (a weight is not finite): lower `lr` "
-                                      f"(now {train_cfg.lr:g})")
                 swag.after_step(gsm, epoch, step)
+            if not bool(torch.isfinite(parameters_to_vector(params)).all()):  # once per epoch, as train_map
+                raise training_diverged("DP-SGD", epoch, train_cfg, "a weight is not finite")
     gsm._close()
     model.eval()
     return swag.moments()
@@ -614,8 +617,9 @@ def private_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Te
     own Poisson batch, the per-sample loss the cross-entropy between the chain's predictive and the student's on
     the perturbed inputs (the chain is private: its predictive is post-processing). Both passes are in the plan
     (:func:`ppd_passes`)."""
-    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    from torch.nn.utils import vector_to_parameters
 
+    from posterior_fusion.local.ppd import chain_diverged
     from posterior_fusion.progress import progress
 
     ppd.validate()
@@ -628,9 +632,7 @@ def private_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Te
         vector_to_parameters(start.detach().to(device).clone(), net.parameters())
         net.train()
     t_params, s_params = list(teacher.parameters()), list(student.parameters())
-    centres = [torch.zeros_like(p) for p in t_params] if prior_mean is None else \
-        [c.view_as(p).detach().to(device) for c, p in zip(torch.split(prior_mean, [p.numel() for p in t_params]),
-                                                           t_params)]
+    centres = prior_centres(t_params, prior_mean)
     t_gsm, t_opt = _opacus(teacher, torch.optim.SGD(t_params, lr=1.0), plan_, dp.dp_clip, ppd.batch_size, noise)
     s_gsm, s_opt = _opacus(student, torch.optim.SGD(s_params, lr=ppd.student_lr, momentum=0.9), plan_, dp.dp_clip,
                            ppd.batch_size, noise)
@@ -657,9 +659,8 @@ def private_ppd(build: Callable[[], nn.Module], start: torch.Tensor, x: torch.Te
                     grad_u = p.grad * (ppd.batch_size / rate) / temperature + prior_precision * (p - c)
                     xi = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device) * langevin_sd
                     p.add_(-0.5 * ppd.step_size * grad_u + xi)
-            if not all(bool(torch.isfinite(p).all()) for p in t_params):
-                raise ConfigError(f"the private SGLD chain diverged by step {step + 1}: lower `ppd_step_size` "
-                                  f"(now {ppd.step_size:g})")
+            if (step % 100 == 99 or step == ppd.steps - 1) and not bool(torch.isfinite(parameters_to_vector(t_params)).all()):
+                chain_diverged(step, ppd.step_size, n, temperature)  # checked as the plain chain is
             if step >= ppd.burn_in and (step - ppd.burn_in) % ppd.thin == 0:
                 _noisy_gradient(s_opt, s_params, student_loss, _poisson(n, student_pass.sample_rate, gen).to(device))
                 s_opt.original_optimizer.step()

@@ -22,6 +22,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.config import PPDConfig
+from posterior_fusion.local.train import prior_centres
 from posterior_fusion.progress import progress
 
 
@@ -37,9 +38,7 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
     ``prior_mean`` ``(d,)`` over the trainable parameters: the prior's centre (zero when None)."""
     n = x.shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
-    centres = [torch.zeros_like(p) for p in params] if prior_mean is None else \
-        [c.view_as(p).detach().to(p.device) for c, p in zip(torch.split(prior_mean, [p.numel() for p in params]),
-                                                            params)]
+    centres = prior_centres(params, prior_mean)
     kept = 0
     order = torch.randperm(n, generator=generator)
     pos = 0
@@ -54,7 +53,7 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
         U = U + 0.5 * prior_precision * sum((p - c).square().sum() for p, c in zip(params, centres))
         U.backward()
         if (step % 100 == 99 or step == steps - 1) and not bool(torch.isfinite(U)):
-            _diverged(step, step_size, n, temperature)
+            chain_diverged(step, step_size, n, temperature)
         with torch.no_grad():
             for p in params:
                 noise = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device) * step_size**0.5
@@ -64,11 +63,12 @@ def sgld(model: nn.Module, neg_log_lik: Callable[[nn.Module, torch.Tensor, torch
                 on_sample(kept, model, xb, yb)
             kept += 1
     if not all(bool(torch.isfinite(p).all()) for p in params):
-        _diverged(steps - 1, step_size, n, temperature)
+        chain_diverged(steps - 1, step_size, n, temperature)
     return kept
 
 
-def _diverged(step: int, step_size: float, n: int, temperature: float) -> None:
+def chain_diverged(step: int, step_size: float, n: int, temperature: float) -> None:
+    """One line for an SGLD chain that left the finite numbers by step ``step`` (from 0), naming a step size."""
     raise ConfigError(f"the SGLD chain diverged by step {step + 1}: `ppd_step_size` {step_size:g} is too large for "
                       f"this silo (the drift scales with n / T = {n / temperature:.3g}); try a step size near "
                       f"{0.01 * temperature / n:.1g} (0.01·T/n)")

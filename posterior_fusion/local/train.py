@@ -58,6 +58,21 @@ class SwagCollector:
         return SwagMoments(self.mean.float().cpu(), self.sq.float().cpu(), torch.stack(self.devs).cpu())
 
 
+def prior_centres(params: list[torch.Tensor], prior_mean: torch.Tensor | None) -> list[torch.Tensor]:
+    """The prior's centre per parameter: ``prior_mean`` ``(d,)`` split in ``params``' order and shaped like each
+    (on its device), or zeros (the prior centred at zero) when None."""
+    if prior_mean is None:
+        return [torch.zeros_like(p) for p in params]
+    return [c.detach().view_as(p).to(p.device) for c, p in zip(torch.split(prior_mean, [p.numel() for p in params]),
+                                                                params)]
+
+
+def training_diverged(desc: str, epoch: int, cfg: TrainConfig, what: str) -> NonFiniteOutputError:
+    """The one line for a training run that left the finite numbers in epoch ``epoch`` (from 0)."""
+    return NonFiniteOutputError(f"{desc}: training diverged in epoch {epoch + 1} of {cfg.epochs} ({what}): lower "
+                                f"`lr` ({cfg.lr:g}) or raise `batch_size` ({cfg.batch_size}); nothing of it is written")
+
+
 def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
               seed: int, desc: str = "train", soft_targets: torch.Tensor | None = None,
               soft_weight: float = 0.0, prior_mean: torch.Tensor | None = None) -> TrainResult:
@@ -73,7 +88,7 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
         raise ValueError("train_map needs a resolved weight decay (FitConfig.resolved(n))")
     gen = torch.Generator().manual_seed(seed)
     params = list(model.parameters())
-    centres = None if prior_mean is None else [c.detach() for c in torch.split(prior_mean, [p.numel() for p in params])]
+    centres = None if prior_mean is None else prior_centres(params, prior_mean)
     # the decay toward a centre enters the gradient before momentum, as SGD's own weight_decay does toward zero
     opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay if centres is None else 0.0)
@@ -103,16 +118,14 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
                 with torch.no_grad():
                     for p, c in zip(params, centres):
                         if p.grad is not None:  # as SGD: a parameter without a gradient is not decayed
-                            p.grad.add_(p - c.view_as(p), alpha=cfg.weight_decay)
+                            p.grad.add_(p - c, alpha=cfg.weight_decay)
             opt.step()
             loss_acc += loss.detach().double() * len(idx)
             correct_acc += (out.argmax(-1) == y[idx]).sum()
             swag.after_step(model, epoch, step)
         loss_sum, correct = loss_acc.item(), float(correct_acc.item())
         if not math.isfinite(loss_sum):  # SGD does not come back from NaN: stop here, not after the last epoch
-            raise NonFiniteOutputError(f"{desc}: training diverged in epoch {epoch + 1} of {cfg.epochs} (the loss is "
-                                       f"{loss_sum / n}): lower `lr` ({cfg.lr:g}) or raise `batch_size` "
-                                       f"({cfg.batch_size}); nothing of it is written")
+            raise training_diverged(desc, epoch, cfg, f"the loss is {loss_sum / n}")
         bar.set_postfix(loss=f"{loss_sum / n:.4f}", acc=f"{correct / n:.3f}")
     model.eval()
     return TrainResult(loss_sum / n, correct / n, swag.moments())
