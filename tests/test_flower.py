@@ -223,9 +223,13 @@ def test_example_is_a_current_flower_app_without_legacy_connection_tables():
 class FakeGrid:
     """Stands in for Flower's Grid: message ids are set in place by push; replies come per pull."""
 
-    def __init__(self, replies_per_pull):
+    def __init__(self, replies_per_pull, node_ids=()):
         self.replies_per_pull = list(replies_per_pull)  # list of lists of (index, src_node_id or None)
         self.pushed = []
+        self.node_ids = list(node_ids)
+
+    def get_node_ids(self):
+        return self.node_ids
 
     def push_messages(self, messages):
         for i, m in enumerate(messages):
@@ -356,6 +360,68 @@ def test_a_run_that_fine_tunes_a_base_uses_the_node_s_copy_checked_by_hash(tmp_p
                             base_sha256=bases[0][2])
     assert [p.name for p in paths] == ["client_0.h5"]
     assert any("client 1: reply rejected (fine-tuned from no base, the run asks for the base" in m for m in logs)
+
+
+def test_the_server_sends_its_copy_of_the_base_once_and_a_node_checks_it_by_hash(tmp_path, small_silo, task_identity):
+    """Run config ``base``: the server checks its copy (it fits the model, its SHA-256 is the run's) before any
+    message and sends its bytes in every train message; a node without a copy trains from them — the artifact the
+    one a node with its own copy writes — and keeps them in its state folder; bytes with another
+    SHA-256 are refused in one line; a node that names its own copy uses it, whatever the server sent."""
+    from flwr.app import ConfigRecord, Context
+    from safetensors.torch import save_file
+
+    from posterior_fusion.errors import FederationError
+    from posterior_fusion.flower.federation import run_round
+    from posterior_fusion.models import ModelSpec
+
+    silo = tmp_path / "s.h5"
+    write_silo(silo, SiloData(small_silo.x[:120], small_silo.y[:120], "fmnist", 10))
+    bases = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        path = tmp_path / f"base{seed}.safetensors"
+        save_file({k: v.detach().clone() for k, v in ModelSpec("mlp", {"hidden": 4}).build().named_parameters()},
+                  str(path))
+        bases.append((path, hashlib.sha256(path.read_bytes()).hexdigest()))
+    run = FederatedSettings(model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1,
+                            base_sha256=bases[0][1])
+    other = FederatedSettings(model="mlp", model_kwargs={"hidden": 5}, components=1, base_sha256=bases[0][1])
+    grid = FakeGrid([], node_ids=[7])
+    with pytest.raises(IncompatibleArtifactsError, match="is not the run's base"):
+        run_round(grid, run, tmp_path / "out", base=bases[1][0])
+    with pytest.raises(IncompatibleArtifactsError, match=r"base0\.safetensors"):  # another model spec
+        run_round(grid, other, tmp_path / "out", base=bases[0][0])
+    with pytest.raises(ConfigError, match="fine-tunes no base"):
+        run_round(grid, FederatedSettings(model="mlp", model_kwargs={"hidden": 4}), tmp_path / "out", base=bases[0][0])
+    assert grid.pushed == []
+    with pytest.raises(FederationError, match="no valid client artifact"):
+        run_round(grid, run, tmp_path / "out", base=bases[0][0], round_timeout=0.01, log=lambda m: None)
+    sent = grid.pushed[0].content["config"]["base"]
+    assert sent == bases[0][0].read_bytes()
+
+    def train(blob, node_config):
+        fields = {"settings": run.to_json()} | ({"base": blob} if blob is not None else {})
+        msg = Message(RecordDict({"config": ConfigRecord(fields)}), dst_node_id=1, message_type="train")
+        ctx = Context(run_id=1, node_id=1, node_config={"silo": str(silo)} | node_config, state=RecordDict(),
+                      run_config={})
+        return client_train(msg, ctx).content["artifact"]["artifact"]
+
+    def same_fit(a: bytes, b: bytes) -> bool:
+        (tmp_path / "a.h5").write_bytes(a)
+        (tmp_path / "b.h5").write_bytes(b)
+        x, y = posterior_fusion.load(tmp_path / "a.h5"), posterior_fusion.load(tmp_path / "b.h5")
+        return (x.metadata["init"]["base_sha256"] == y.metadata["init"]["base_sha256"] == bases[0][1]
+                and torch.equal(x.prior_mean, y.prior_mean) and torch.equal(x.components[0].map, y.components[0].map))
+
+    own = train(None, {"state-dir": str(tmp_path / "own"), "base": str(bases[0][0])})
+    assert same_fit(train(sent, {"state-dir": str(tmp_path / "sent")}), own)
+    assert (tmp_path / "sent" / f"base-{bases[0][1]}.safetensors").read_bytes() == sent
+    assert same_fit(train(bases[1][0].read_bytes(), {"state-dir": str(tmp_path / "pinned"),
+                                                     "base": str(bases[0][0])}), own)
+    with pytest.raises(FederationError, match="the base the server sent has SHA-256"):
+        train(bases[1][0].read_bytes(), {"state-dir": str(tmp_path / "wrong")})
+    with pytest.raises(ConfigError, match="or the server's run config 'base'"):
+        train(None, {"state-dir": str(tmp_path / "none")})
 
 
 def test_run_config_settings_of_another_method_are_named_and_not_used(capsys):

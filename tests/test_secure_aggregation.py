@@ -148,8 +148,9 @@ def test_a_secure_round_equals_the_exact_fusion_and_the_server_sees_no_artifact(
 
     @client.train(mods=[secure_sums_mod])
     def train(msg, context):
-        if base is not None:
-            context.node_config["base"] = str(base)  # each node's own copy (deployment: --node-config base=...)
+        if base is not None and int(context.node_config["partition-id"]) == 0:
+            context.node_config["base"] = str(base)  # its own copy (deployment: --node-config base=...); the others
+            # train from the copy the server sent with the fit instructions
         return client_train(msg, context, silo_dir=silos)
 
     monkeypatch.chdir(tmp_path)

@@ -3,14 +3,15 @@
 Run config keys (names as on the CLI):
 - fit settings sent to every node: model, model-kwargs, components, init-seed, structure,
   temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed, and
-  base-sha256 (fine-tune a shared base: each node's own copy, node config ``base``, checked by hash);
+  base-sha256 (fine-tune a shared base, checked by hash: each node's own copy, node config ``base``, or the
+  server's, run config ``base``, sent once in every train message: :mod:`posterior_fusion.flower.base`);
 - the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
 - the refresh round (``pfuse recapture --at`` on every node, then fuse again): refresh (bool),
   refresh-damping (``recapture --damping``);
 - secure aggregation (Flower's SecAgg+: the server gets sums over the nodes only; fedavg, fisher-merge, product
   with diag): secure-aggregation (bool), secure-aggregation-clipping-range, secure-aggregation-max-weight,
-  secure-aggregation-reconstruction-threshold, and base (the server's copy of the base a secure round
-  fine-tunes) (:mod:`posterior_fusion.flower.secure`);
+  secure-aggregation-reconstruction-threshold, and base (the server's copy of the base, which a secure round
+  also writes the global from) (:mod:`posterior_fusion.flower.secure`);
 - the fusion: method, robust, fuse-temperature, fuse-prior-var, allow-mixed-privacy, batchnorm-statistics (``fuse
   --batchnorm-statistics``: reset estimates the statistics on ``val``'s inputs), and every setting of the method
   as ``set.<name>`` (a TOML table ``[tool.flwr.app.config.set]``), e.g. ``set.steps = 300`` (names that are not
@@ -86,4 +87,5 @@ def serve(grid: Grid, context: Context) -> None:
               on_bad_reply=str(cfg.get("on-bad-reply", "skip")), min_nodes=int(cfg.get("min-nodes", 1)),
               method_settings=settings, max_memory=cfg.get("max-memory"), robust=robust,
               round_timeout=cfg.get("round-timeout", 0.0), refresh=bool(cfg.get("refresh", False)),
-              refresh_damping=cfg.get("refresh-damping", REFRESH_DAMPING))
+              refresh_damping=cfg.get("refresh-damping", REFRESH_DAMPING),
+              base=str(cfg["base"]) if cfg.get("base") else None)

@@ -55,6 +55,7 @@ from posterior_fusion.errors import (
     ResourceLimitError,
 )
 from posterior_fusion.files import check_output, write_atomically
+from posterior_fusion.flower.base import base_to_send, node_base
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
@@ -149,7 +150,7 @@ def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, o
         cfg.validate()
     if settings.base_sha256 and base is None:
         raise ConfigError(f"the run fine-tunes the base {settings.base_sha256[:12]}…: set this node's node config "
-                          "'base' to its copy of the base file")
+                          "'base' to its copy of the base file, or the server's run config 'base' to send it")
     fit_silo_file(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log,
                   base=base if settings.base_sha256 else None, base_sha256=settings.base_sha256)
 
@@ -189,20 +190,20 @@ def node_state_dir(context: Context, silo: Path) -> Path:
 
 
 def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
-    """ClientApp train handler: fit the node's silo, keep the artifact in the node's state folder
-    (named by its SHA-256, for the refresh round) and reply with its bytes — or, in the secure aggregation's
+    """ClientApp train handler: fit the node's silo (from the run's base, when it fine-tunes one: the node's own
+    copy or the one the message carries, :func:`~posterior_fusion.flower.base.node_base`), keep the artifact in the
+    node's state folder (named by its SHA-256, for the refresh round) and reply with its bytes — or, in the secure aggregation's
     round, with the fusion method's statistics only (:func:`~posterior_fusion.flower.secure.secure_fit_reply`)."""
     secure = is_secure_fit(msg)
     config = msg.content.config_records["fitins.config" if secure else "config"]
     settings = FederatedSettings.from_json(str(config["settings"]))
     silo = node_silo(context, silo_dir)
+    state = node_state_dir(context, silo)
+    base = node_base(dict(context.node_config), settings.base_sha256, config.get("base"), state)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
-        base = context.node_config.get("base")
-        fit_to_artifact(settings, silo, out, private=node_private_model(context),
-                        base=None if base is None else Path(str(base)))
+        fit_to_artifact(settings, silo, out, private=node_private_model(context), base=base)
         blob = out.read_bytes()
-    state = node_state_dir(context, silo)
     state.mkdir(parents=True, exist_ok=True)
     own = state / f"{hashlib.sha256(blob).hexdigest()}.h5"
     write_atomically(own, lambda tmp_path: tmp_path.write_bytes(blob))
@@ -430,7 +431,8 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
               log: Callable[[str], None] = print,
               method_settings: MethodSettings | Mapping[str, Any] | None = None,
               max_memory: int | str | None = None, robust: bool = False, round_timeout: float = 0.0,
-              refresh: bool = False, refresh_damping: float | str = REFRESH_DAMPING) -> dict:
+              refresh: bool = False, refresh_damping: float | str = REFRESH_DAMPING,
+              base: str | os.PathLike | None = None) -> dict:
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
 
     Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
@@ -439,12 +441,15 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     (0 = until every node answered or Flower reported it unavailable). The global artifact's
     metadata ``federation.left_out`` records every node left out and why. ``refresh``: a second,
     training-free exchange (module docstring) and ``global_refreshed.h5``; its metadata
-    ``federation.refresh`` records the nodes, bytes moved and who was left out."""
+    ``federation.refresh`` records the nodes, bytes moved and who was left out. ``base``: the server's copy of
+    the base the run fine-tunes, checked and sent once in every train message
+    (:func:`~posterior_fusion.flower.base.base_to_send`; a node with its own copy uses that)."""
     if on_bad_reply not in BAD_REPLY_POLICIES:
         raise ConfigError(f"on-bad-reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
         raise ConfigError(f"round-timeout must be a number of seconds >= 0, got {round_timeout!r}")
     refresh_damping = check_damping(refresh_damping, "refresh-damping")
+    sent = base_to_send(settings.spec(), settings.base_sha256, base, max_memory)
     out = Path(out_dir)
     check_output(out / "global.h5")
     if refresh:
@@ -456,9 +461,10 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
         ids = sorted(grid.get_node_ids())
     if len(ids) < min_nodes:
         raise FederationError(f"only {len(ids)} of {min_nodes} nodes connected within {wait_s:.0f}s")
-    content = RecordDict({"config": ConfigRecord({"settings": settings.to_json()})})
+    content = RecordDict({"config": ConfigRecord({"settings": settings.to_json(),
+                                                  **({"base": sent} if sent is not None else {})})})
     messages = [Message(content, dst_node_id=i, message_type="train") for i in ids]
-    log(f"sent settings to {len(messages)} nodes")
+    log(f"sent settings{' and the base' if sent is not None else ''} to {len(messages)} nodes")
     answers, missing = exchange(grid, messages, list(range(len(ids))), float(round_timeout), log)
     if missing:
         if on_bad_reply == "fail":
@@ -524,16 +530,18 @@ def make_server_app(settings: FederatedSettings, out_dir: str | os.PathLike, met
                     options: FusionOptions | None = None, val_path: str | os.PathLike | None = None,
                     on_bad_reply: str = "skip", min_nodes: int = 1,
                     method_settings: MethodSettings | Mapping[str, Any] | None = None,
-                    refresh: bool = False, refresh_damping: float | str = REFRESH_DAMPING) -> ServerApp:
+                    refresh: bool = False, refresh_damping: float | str = REFRESH_DAMPING,
+                    base: str | os.PathLike | None = None) -> ServerApp:
     """A ServerApp running :func:`run_round` (``method_settings``: the fusion method's settings;
-    ``refresh``: add the refresh round, its centre step damped by ``refresh_damping``)."""
+    ``refresh``: add the refresh round, its centre step damped by ``refresh_damping``; ``base``: the server's copy
+    of the base, sent once to every node)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
             run_round(grid, settings, out_dir, method, options, val_path, on_bad_reply, min_nodes,
-                      method_settings=method_settings, refresh=refresh, refresh_damping=refresh_damping)
+                      method_settings=method_settings, refresh=refresh, refresh_damping=refresh_damping, base=base)
         except PfuseError as exc:
             print(f"error: {exc}")
             raise

@@ -15,7 +15,8 @@ unbiased); a node whose statistics leave that range refuses in one line instead 
 
 Kronecker-factored curvature cannot be summed this way (a sum of Kronecker products is not one), nor can methods
 that read each client on its own (fedbens' mixtures, the ensembles, FedLPA, RegMean's Gram inversion per client…). A run that fine-tunes a
-pretrained base needs the server's own copy of it (run config ``base``, checked against ``base-sha256``).
+pretrained base needs the server's own copy of it (run config ``base``, checked against ``base-sha256``), sent once
+to every node with the fit instructions.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.serverapp import Grid
 
 from posterior_fusion.artifact import load_client, write_global_artifact
-from posterior_fusion.errors import ConfigError, FederationError, IncompatibleArtifactsError
+from posterior_fusion.errors import ConfigError, FederationError
 from posterior_fusion.files import check_output
+from posterior_fusion.flower.base import base_to_send
 from posterior_fusion.fusion.from_posteriors import method_settings as chosen_settings
 from posterior_fusion.fusion.registry import METHODS, get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext, prior_precision_of
@@ -112,7 +114,7 @@ def check_secure_round(method: str, structure: str, base_sha256: str | None, bas
 class _SumsStrategy(Strategy):
     """The strategy SecAgg+ calls: every connected node gets the fit instructions; the aggregate is kept."""
 
-    config: dict[str, str]
+    config: dict[str, str | bytes]
     min_nodes: int
     wait_s: float
     aggregate: list[np.ndarray] | None = None
@@ -158,11 +160,9 @@ def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path
     node does. Returns the metadata."""
     check_secure_round(method, settings.structure, settings.base_sha256, base)
     spec, prior_mean = settings.spec(), None
-    if settings.base_sha256:
-        spec, weights, sha = read_base(spec, base)
-        if sha != settings.base_sha256:
-            raise IncompatibleArtifactsError(f"{base}: SHA-256 {sha[:12]}… is not the run's base "
-                                             f"{settings.base_sha256[:12]}…")
+    sent = base_to_send(spec, settings.base_sha256, base)
+    if sent is not None:
+        spec, weights, _ = read_base(spec, base)
         spec, _, prior_mean = finetune_start(spec, weights, settings.finetune, 1, settings.init_seed)
         prior_mean = prior_mean.double()
     secure.validate()
@@ -177,8 +177,8 @@ def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path
     q = secure.quantization_range(nodes)
     fusion = {"method": method, "component": options.component, "temperature": options.temperature,
               "prior_var": options.prior_var, "clipping_range": secure.clipping_range, "max_weight": secure.max_weight}
-    strategy = _SumsStrategy({"settings": settings.to_json(), "secure-sums": json.dumps(fusion)}, max(min_nodes, 2),
-                             wait_s)
+    strategy = _SumsStrategy({"settings": settings.to_json(), "secure-sums": json.dumps(fusion),
+                              **({"base": sent} if sent is not None else {})}, max(min_nodes, 2), wait_s)
     workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(
         num_shares=1.0, reconstruction_threshold=secure.reconstruction_threshold, max_weight=secure.max_weight,
         clipping_range=secure.clipping_range, quantization_range=q, timeout=round_timeout or None))
