@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from posterior_fusion.errors import ConfigError, FederationError, IncompatibleArtifactsError
 from posterior_fusion.files import write_atomically
 from posterior_fusion.local.init import read_base
@@ -24,19 +26,22 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def base_to_send(spec: ModelSpec, base_sha256: str | None, base: str | os.PathLike | None,
-                 max_memory: int | str | None = None) -> bytes | None:
-    """The bytes of the server's copy of the base for every node's train message (None: ``base`` unset), after
-    the checks a node makes: the file fits ``spec`` (:func:`~posterior_fusion.local.init.read_base`) and its
-    SHA-256 is the run's ``base_sha256``."""
+                 max_memory: int | str | None = None) -> tuple[bytes, ModelSpec, torch.Tensor] | None:
+    """The server's copy of the base, read once: ``(the bytes every node's train message carries, then what
+    :func:`~posterior_fusion.local.init.read_base` returns for it: the spec holding the base's statistics, the
+    weights (d,))``, after the checks a node makes — the bytes' SHA-256 is the run's ``base_sha256``, the file
+    fits ``spec``. None: ``base`` unset."""
     if base is None:
         return None
     if not base_sha256:
         raise ConfigError(f"run config `base` names {base}, but the run fine-tunes no base: set `base-sha256` to "
                           "its SHA-256")
-    _, _, sha = read_base(spec, base, max_memory)
+    blob = Path(base).read_bytes()
+    sha = hashlib.sha256(blob).hexdigest()
     if sha != base_sha256:
         raise IncompatibleArtifactsError(f"{base}: SHA-256 {sha[:12]}… is not the run's base {base_sha256[:12]}…")
-    return Path(base).read_bytes()
+    held, weights, _ = read_base(spec, base, max_memory)
+    return blob, held, weights
 
 
 def node_base(node_config: dict[str, Any], base_sha256: str | None, sent: object, state: Path) -> Path | None:

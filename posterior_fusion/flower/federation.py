@@ -449,7 +449,8 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
         raise ConfigError(f"round-timeout must be a number of seconds >= 0, got {round_timeout!r}")
     refresh_damping = check_damping(refresh_damping, "refresh-damping")
-    sent = base_to_send(settings.spec(), settings.base_sha256, base, max_memory)
+    server_base = base_to_send(settings.spec(), settings.base_sha256, base, max_memory)
+    sent = None if server_base is None else server_base[0]
     out = Path(out_dir)
     check_output(out / "global.h5")
     if refresh:

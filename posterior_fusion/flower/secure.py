@@ -50,7 +50,7 @@ from posterior_fusion.fusion.from_posteriors import method_settings as chosen_se
 from posterior_fusion.fusion.registry import METHODS, get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext, prior_precision_of
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.init import finetune_start, read_base
+from posterior_fusion.local.init import finetune_start
 
 
 def secure_methods() -> str:
@@ -160,9 +160,10 @@ def run_secure_round(grid: Grid, context: Context, settings, out_dir: str | Path
     node does. Returns the metadata."""
     check_secure_round(method, settings.structure, settings.base_sha256, base)
     spec, prior_mean = settings.spec(), None
-    sent = base_to_send(spec, settings.base_sha256, base)
-    if sent is not None:
-        spec, weights, _ = read_base(spec, base)
+    server_base = base_to_send(spec, settings.base_sha256, base)
+    sent = None
+    if server_base is not None:
+        sent, spec, weights = server_base
         spec, _, prior_mean = finetune_start(spec, weights, settings.finetune, 1, settings.init_seed)
         prior_mean = prior_mean.double()
     secure.validate()
