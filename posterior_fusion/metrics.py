@@ -10,6 +10,7 @@ import torch
 from posterior_fusion import budget, ranges
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.data.transform import check_transform
+from posterior_fusion.errors import NonFiniteOutputError
 from posterior_fusion.files import write_atomically
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
@@ -137,8 +138,11 @@ def evaluate_members(spec: ModelSpec, members: list[torch.Tensor], data: SiloDat
     _, per_member = ensemble_probabilities(spec, members, x)
     out = classification_metrics(pooling.combine(per_member, weights).float(), y, bins)
     member_acc = (per_member.argmax(-1) == y).float().mean(-1)
+    finite = torch.isfinite(per_member).all(-1)  # (K, n)
     out.update({"num_members": len(members), "member_accuracy_min": member_acc.min().item(),
-                "member_accuracy_max": member_acc.max().item(), "n": len(y)})
+                "member_accuracy_max": member_acc.max().item(), "n": len(y),
+                "non_finite_inputs": int((~finite.all(0)).sum()),
+                "non_finite_members": [k for k in range(len(finite)) if not finite[k].all()]})
     return out
 
 
@@ -152,6 +156,17 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
     check_data(g.model_spec, data, 1, max_memory, g.metadata.get("input_transform"), g.path)
     if predictive == "map":
         out = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory, g.mode_weights, g.pooling)
+        if out["non_finite_inputs"]:
+            bad = out["non_finite_members"]
+            raise NonFiniteOutputError(
+                f"{g.path}: member{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} (of {len(g.members)}) "
+                f"give{'' if len(bad) > 1 else 's'} a non-finite predictive on {out['non_finite_inputs']} of {out['n']} "
+                f"inputs of {data.source or 'the data'} (largest |weight| "
+                f"{max(float(g.members[k].abs().max()) for k in bad):.3g}): "
+                + ("a diverged fusion — its members lie far from every client MAP (metadata far_members)"
+                   if g.metadata.get("far_members") else
+                   "the logits overflow float32 (inputs far outside what the models were trained on, or weights "
+                   "far from any client's)"))
         x = data.inputs()
         probs_in = None
     else:

@@ -4,7 +4,9 @@ from the init file through every client artifact to the global, clients of diffe
 from __future__ import annotations
 
 import hashlib
+import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
@@ -18,9 +20,9 @@ from posterior_fusion.models import ModelSpec
 KWARGS = '{"in_features": 49, "hidden": 6}'
 
 
-def _base(tmp_path, seed: int, name: str = "base.safetensors"):
+def _base(tmp_path, seed: int, name: str = "base.safetensors", kwargs: str = KWARGS):
     torch.manual_seed(seed)
-    model = ModelSpec("mlp", {"in_features": 49, "hidden": 6}).build()
+    model = ModelSpec("mlp", json.loads(kwargs)).build()
     path = tmp_path / name
     save_file({k: v.detach().clone() for k, v in model.named_parameters()}, str(path))
     return path, parameters_to_vector(model.parameters()).detach()
@@ -116,3 +118,71 @@ def test_the_python_api_writes_a_base_from_a_module(tmp_path):
     r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--from", tmp_path / "b.safetensors",
              "--out", tmp_path / "i.h5")
     assert r.exit_code == 0 and posterior_fusion.load(tmp_path / "i.h5").metadata["base"]["sha256"] == sha
+
+
+def test_a_fused_member_far_from_every_client_warns_at_fusion_and_evaluate_refuses_its_overflow(tmp_path, small_silo,
+                                                                                                  monkeypatch):
+    """A member more than FAR_FACTOR times farther from the prior centre (the base) than the farthest client MAP:
+    fuse warns once and records ``far_members`` in the global; members near the clients record nothing. A
+    member whose logits overflow: ``evaluate`` refuses in one line naming the global (exit 2) instead of a NaN
+    NLL, and the API's metrics count the non-finite inputs."""
+    import warnings
+
+    from posterior_fusion.artifact import load_client
+    from posterior_fusion.data.silo import read_silo
+    from posterior_fusion.fusion import from_posteriors
+    from posterior_fusion.fusion.from_posteriors import FAR_FACTOR, far_members, fuse_clients, write_fused
+    from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
+    from posterior_fusion.metrics import evaluate_members
+
+    deep = '{"in_features": 49, "hidden_sizes": [6, 6, 6]}'  # four layers: a member 1e11 times the base overflows
+    path, w = _base(tmp_path, 0, kwargs=deep)
+    _run("init", "--model", "mlp", "--model-kwargs", deep, "-M", "2", "--from", path, "--out", tmp_path / "i.h5")
+    for c in range(2):
+        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 60:(c + 1) * 60, ::4, ::4].copy(),
+                                                   small_silo.y[c * 60:(c + 1) * 60], "fmnist", 10))
+        r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--epochs", "1",
+                 "--structure", "diag", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
+        assert r.exit_code == 0, r.output
+    clients = [load_client(tmp_path / f"c{c}.h5") for c in range(2)]
+    inputs = FusionInputs(clients, FusionOptions(progress=False))
+    maps = [comp.map for cl in clients for comp in cl.components]
+    reach = max(float((m.double() - w.double()).norm()) for m in maps)
+    assert far_members(inputs, FusionResult([m.clone() for m in maps], {})) is None  # the clients themselves
+    step = maps[0].double() - w.double()
+    near = (w.double() + 0.9 * FAR_FACTOR * reach / step.norm() * step).float()
+    far = (w.double() + 1.1 * FAR_FACTOR * reach / step.norm() * step).float()
+    assert far_members(inputs, FusionResult([near], {})) is None
+    with pytest.warns(UserWarning, match="farther from the base the clients fine-tuned"):
+        record = far_members(inputs, FusionResult([near, far], {}))
+    assert record["members"] == [1] and abs(record["ratio"][0] - 1.1 * FAR_FACTOR) < 1e-3 * FAR_FACTOR
+    assert record["client_reach"] == pytest.approx(reach)
+
+    # the fusion path records it: a method whose member diverges (fedavg's member 1e11 times the base: its logits
+    # overflow float32, its weights stay under the reader's bound)
+    real = from_posteriors.get_method("fedavg")
+
+    class Diverging:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, inputs, settings):
+            res = real(inputs, settings)
+            return FusionResult([1e11 * w for _ in res.members], res.info)
+
+    monkeypatch.setattr(from_posteriors, "get_method", lambda name: Diverging())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inputs, res, meta = fuse_clients(clients, "fedavg", FusionOptions(progress=False))
+    assert [str(x.message) for x in caught if "farther" in str(x.message)], [str(x.message) for x in caught]
+    assert meta["far_members"]["members"] == [0]
+    write_fused(tmp_path / "g.h5", inputs, res, meta)
+    monkeypatch.undo()
+
+    test = read_silo(tmp_path / "s1.h5", num_classes=10)
+    m = evaluate_members(inputs.spec, res.members, test)
+    assert m["non_finite_inputs"] == len(test) and m["non_finite_members"] == [0]
+    assert evaluate_members(inputs.spec, maps, test)["non_finite_inputs"] == 0
+    r = _run("evaluate", tmp_path / "g.h5", "--data", tmp_path / "s1.h5")
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "g.h5" in lines[0] and "far_members" in lines[0], r.output

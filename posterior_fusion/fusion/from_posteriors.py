@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any
@@ -14,6 +15,8 @@ from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings import MethodSettings
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult, check_compatible
+
+FAR_FACTOR = 100.0  # a fused member this many times farther from the prior centre than every client MAP warns
 
 
 def method_settings(method: str, settings: MethodSettings | Mapping[str, Any] | None = None) -> MethodSettings:
@@ -96,4 +99,31 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
         "validation": None if val is None else {"sha256": val.sha256(), "n": len(val)},
         **dict(result.info.items()),
     }
+    far = far_members(inputs, result)
+    if far is not None:
+        metadata["far_members"] = far
     return inputs, result, metadata
+
+
+def far_members(inputs: FusionInputs, result: FusionResult) -> dict | None:
+    """One warning, and its record, when a fused member lies more than :data:`FAR_FACTOR` times farther from the
+    clients' prior centre (the base they fine-tuned, or zero) than the farthest client MAP: no product of the
+    clients' posteriors supports such a network, and its logits overflow float32 on real inputs (a diverged
+    fusion). The distances are Euclidean over the posterior's parameters; ``None`` when every member is near."""
+    centre = inputs.prior_mean()
+    def dist(w) -> float:
+        return float((w.double() - centre).norm() if centre is not None else w.double().norm())
+    reach = max(dist(comp.map) for c in inputs.clients for comp in c.components)
+    if reach == 0.0:
+        return None
+    ratios = [dist(w) / reach for w in result.members]
+    far = [k for k, r in enumerate(ratios) if not r <= FAR_FACTOR]  # NaN counts as far
+    if not far:
+        return None
+    where = "the base the clients fine-tuned" if centre is not None else "zero, the clients' prior centre"
+    k = max(far, key=lambda i: ratios[i] if ratios[i] == ratios[i] else float("inf"))
+    warnings.warn(f"fused member {k} (of {len(ratios)}) lies {ratios[k]:.3g} times farther from {where} than the "
+                  f"farthest client MAP ({ratios[k] * reach:.4g} against {reach:.4g}): the fusion diverged, and its "
+                  "predictions are likely to overflow (evaluate and predict refuse a non-finite predictive) — "
+                  "fuse with another method or setting", stacklevel=3)
+    return {"members": far, "ratio": [ratios[i] for i in far], "client_reach": reach, "factor": FAR_FACTOR}
