@@ -111,7 +111,8 @@ def pretrain(work: Path, spec: ModelSpec, epochs: int) -> Path:
 
 def metrics_row(label: str, spec: ModelSpec, members, test: SiloData, served: int, **extra) -> dict:
     m = evaluate_members(spec, members, test, **extra)
-    return {"row": label, "accuracy": 100 * m["accuracy"], "nll": m["nll"], "ece": m["ece"], "served": served}
+    return {"row": label, "accuracy": 100 * m["accuracy"], "nll": m["nll"], "ece": m["ece"], "served": served,
+            **({"non_finite_inputs": m["non_finite_inputs"]} if m["non_finite_inputs"] else {})}
 
 
 def centralised(spec: ModelSpec, silos: list[SiloData], start: torch.Tensor, epochs: int, lr: float, temperature: float,
@@ -193,10 +194,11 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
     served_spec = load_client(paths[0]).model_spec  # the merged artifacts': the whole architecture
     for label, method, settings in FUSIONS:
         t0 = time.time()
-        _, res, _ = fuse([str(p) for p in paths], method, FusionOptions(progress=False), settings)
+        _, res, meta = fuse([str(p) for p in paths], method, FusionOptions(progress=False), settings)
         row = metrics_row(f"{label} ({tag})", served_spec, res.members, test, len(res.members),
                           weights=res.mode_weights, pooling=res.pooling(spec.num_classes))
-        row.update(server_seconds=round(time.time() - t0, 1), **cost)
+        row.update(server_seconds=round(time.time() - t0, 1), **cost,
+                   **({"far_members_ratio": meta["far_members"]["ratio"]} if "far_members" in meta else {}))
         rows.append(row)
         log(f"{setting} α={alpha} seed {seed} {row['row']}: {row['accuracy']:.2f}")
     if not merge:  # the merged start fuses the same silos' networks: its centralised row is the unmerged one's
