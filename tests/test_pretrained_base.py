@@ -32,6 +32,17 @@ def _run(*args):
     return CliRunner().invoke(pfuse, [str(a) for a in args])
 
 
+def _fit_two_silos(tmp_path, small_silo) -> range:
+    """Silos ``s0.h5``, ``s1.h5`` (60 images each, 7×7) fitted from ``i.h5`` into ``c0.h5``, ``c1.h5`` (diag)."""
+    for c in range(2):
+        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 60:(c + 1) * 60, ::4, ::4].copy(),
+                                                   small_silo.y[c * 60:(c + 1) * 60], "fmnist", 10))
+        r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--epochs", "1",
+                 "--structure", "diag", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
+        assert r.exit_code == 0, r.output
+    return range(2)
+
+
 def test_init_from_a_safetensors_base_runs_through_fit_local_and_fuse(tmp_path, small_silo):
     """Every starting point is the base exactly; the base's SHA-256 is in the init file, each client
     artifact and the fused global; the prior is centred at the base (stored, shown by inspect) and the
@@ -43,12 +54,7 @@ def test_init_from_a_safetensors_base_runs_through_fit_local_and_fuse(tmp_path, 
     assert r.exit_code == 0, r.output
     init = posterior_fusion.load(tmp_path / "i.h5")
     assert init.metadata["base"]["sha256"] == sha and all(torch.equal(m, w) for m in init.members)
-    for c in range(2):
-        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 60:(c + 1) * 60, ::4, ::4].copy(),
-                                                   small_silo.y[c * 60:(c + 1) * 60], "fmnist", 10))
-        r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--epochs", "1",
-                 "--structure", "diag", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
-        assert r.exit_code == 0, r.output
+    for c in _fit_two_silos(tmp_path, small_silo):
         assert posterior_fusion.load(tmp_path / f"c{c}.h5").metadata["init"]["base_sha256"] == sha
         assert torch.equal(posterior_fusion.load(tmp_path / f"c{c}.h5").prior_mean, w)  # the prior centred at it
     r = _run("inspect", tmp_path / "c0.h5")
@@ -138,12 +144,7 @@ def test_a_fused_member_far_from_every_client_warns_at_fusion_and_evaluate_refus
     deep = '{"in_features": 49, "hidden_sizes": [6, 6, 6]}'  # four layers: a member 1e11 times the base overflows
     path, w = _base(tmp_path, 0, kwargs=deep)
     _run("init", "--model", "mlp", "--model-kwargs", deep, "-M", "2", "--from", path, "--out", tmp_path / "i.h5")
-    for c in range(2):
-        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 60:(c + 1) * 60, ::4, ::4].copy(),
-                                                   small_silo.y[c * 60:(c + 1) * 60], "fmnist", 10))
-        r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--epochs", "1",
-                 "--structure", "diag", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
-        assert r.exit_code == 0, r.output
+    _fit_two_silos(tmp_path, small_silo)
     clients = [load_client(tmp_path / f"c{c}.h5") for c in range(2)]
     inputs = FusionInputs(clients, FusionOptions(progress=False))
     maps = [comp.map for cl in clients for comp in cl.components]
