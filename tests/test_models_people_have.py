@@ -340,6 +340,43 @@ def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, 
     assert r.exit_code == 2 and "running statistics" in r.stderr and r.stderr.count("\n") == 1, r.output
 
 
+def test_merging_a_batchnorm_models_adapters_keeps_the_bases_statistics(tmp_path, small_silo):
+    """``recapture --merge`` of a BatchNorm ResNet fine-tuned with LoRA from a base whose statistics are not the
+    initial ones: the merged artifact of the whole architecture keeps those statistics frozen (its /frozen, its
+    models' buffers), so its networks predict exactly as the adapters' did."""
+    import h5py
+    import torch
+
+    import posterior_fusion
+    from posterior_fusion.data.silo import read_silo
+    from posterior_fusion.models import builtin
+
+    torch.manual_seed(0)
+    net = builtin.resnet20(in_channels=1, width=4, norm="batch").train()
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.randn(16, 1, 28, 28) * 2 + 1.5)  # statistics far from the initial (0, 1)
+    posterior_fusion.write_base(net, tmp_path / "base.safetensors")
+    stats = {n: b.clone() for n, b in net.named_buffers() if n.endswith(("running_mean", "running_var"))}
+    write_silo(tmp_path / "s0.h5", SiloData(small_silo.x[:60], small_silo.y[:60], "fmnist", 10))
+    kw = '{"in_channels": 1, "width": 4, "norm": "batch"}'
+    run = lambda *a: CliRunner().invoke(pfuse, [str(v) for v in a])  # noqa: E731
+    assert run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "base.safetensors",
+               "--out", tmp_path / "i.h5").exit_code == 0
+    r = run("fit-local", "--data", tmp_path / "s0.h5", "--init", tmp_path / "i.h5", "--finetune", "lora:1",
+            "--structure", "diag", "--epochs", "1", "--out", tmp_path / "c0.h5")
+    assert r.exit_code == 0, r.output
+    r = run("recapture", "--from", tmp_path / "c0.h5", "--data", tmp_path / "s0.h5", "--merge", "--out", tmp_path / "m0.h5")
+    assert r.exit_code == 0, r.output
+    lora, merged = posterior_fusion.load(tmp_path / "c0.h5"), posterior_fusion.load(tmp_path / "m0.h5")
+    with h5py.File(tmp_path / "m0.h5") as f:
+        assert torch.equal(torch.from_numpy(f["frozen"][()]), torch.cat([t.reshape(-1) for t in stats.values()]))
+    buffers = dict(merged.model(0).named_buffers())
+    assert all(torch.equal(buffers[n], t) for n, t in stats.items())
+    x = read_silo(tmp_path / "s0.h5").x
+    torch.testing.assert_close(merged.predict(x), lora.predict(x), rtol=1e-4, atol=1e-5)
+
+
 def test_the_builtin_transformer_is_stock_pytorch_on_the_fast_path():
     """``transformer``: rows as tokens, stock nn.TransformerEncoder layers (attention as four Linear maps when
     built), fixed sinusoidal positions (no parameter, no state in the artifact); every parameter gets a block

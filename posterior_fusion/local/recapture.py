@@ -250,14 +250,18 @@ def newton_centre(point: torch.Tensor, curvature, gradient: torch.Tensor, temper
 def merged_source(source: ClientPosterior) -> ClientPosterior:
     """``source`` (a fine-tuning spec) as an artifact of its whole architecture: each component's MAP the
     whole weight vector (:func:`~posterior_fusion.local.init.full_base`: frozen weights back, LoRA merged),
-    its curvature to be captured again, the prior's centre the whole base; metadata ``merged_from`` records
-    the ``finetune`` setting. One line when ``source`` fine-tuned every weight."""
+    its curvature to be captured again, the prior's centre the whole base, a BatchNorm model's statistics the
+    base's (frozen, as in ``source``); metadata ``merged_from`` records the ``finetune`` setting. One line when
+    ``source`` fine-tuned every weight."""
     from posterior_fusion.local.init import full_base
 
     spec = source.model_spec
     if spec.finetune == "all":
         raise ConfigError(f"{source.path}: fine-tuned every weight already (`finetune` all): nothing to merge")
     arch = ModelSpec(spec.name, dict(spec.kwargs), spec.provider)
+    held = [name for name, _ in arch.frozen_shapes()]  # fine-tuning every weight freezes the statistics only
+    if held:  # a BatchNorm model's statistics stay frozen at the base's (stored as the merged artifact's /frozen)
+        arch = arch.with_base({name: spec.base[name] for name in held})
     comps = tuple(dataclasses.replace(c, map=full_base(spec, c.map), swag=None, student=None)
                   for c in source.components)
     meta = dict(source.metadata, merged_from={"finetune": spec.finetune})
