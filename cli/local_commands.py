@@ -246,7 +246,8 @@ def refresh_privacy_options(fn):
 @click.option("--merge", is_flag=True,
               help="For an artifact that fine-tuned part of a base (fit-local --finetune head, last:K, lora:R): write "
                    "one of the whole architecture instead — each component's weights with the frozen ones put back "
-                   "and LoRA merged (W + B A), the curvature captured over every weight there — so fuse combines the "
+                   "and LoRA merged (W + B A), the curvature captured over every weight there, a BatchNorm model's "
+                   "statistics still the base's — so fuse combines the "
                    "products ΔW with their own curvature, not the adapter factors [default: off].")
 @refresh_privacy_options
 @lambda fn: fit_options(fn, only=("capture_dtype", "device", "compress", "compress_metric", "compress_vectors"))
