@@ -10,11 +10,11 @@ import torch
 from posterior_fusion import budget, ranges
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.data.transform import check_transform
-from posterior_fusion.errors import NonFiniteOutputError
 from posterior_fusion.files import write_atomically
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.pooling import AVERAGE, Pooling
+from posterior_fusion.posterior import non_finite_predictive
 from posterior_fusion.predictive import LOGIT_MOMENTS, probit
 
 
@@ -157,16 +157,7 @@ def evaluate_posterior(global_artifact, data: SiloData, predictive: str = "map",
     if predictive == "map":
         out = evaluate_members(g.model_spec, list(g.members), data, bins, max_memory, g.mode_weights, g.pooling)
         if out["non_finite_inputs"]:
-            bad = out["non_finite_members"]
-            raise NonFiniteOutputError(
-                f"{g.path}: member{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} (of {len(g.members)}) "
-                f"give{'' if len(bad) > 1 else 's'} a non-finite predictive on {out['non_finite_inputs']} of {out['n']} "
-                f"inputs of {data.source or 'the data'} (largest |weight| "
-                f"{max(float(g.members[k].abs().max()) for k in bad):.3g}): "
-                + ("a diverged fusion — its members lie far from every client MAP (metadata far_members)"
-                   if g.metadata.get("far_members") else
-                   "the logits overflow float32 (inputs far outside what the models were trained on, or weights "
-                   "far from any client's)"))
+            raise non_finite_predictive(g.path, out["non_finite_inputs"], out["n"], g.metadata)
         x = data.inputs()
         probs_in = None
     else:

@@ -223,7 +223,7 @@ class GlobalEnsemble:
                             samples, scale, link, seed, max_memory, self.pooling)
         else:
             probs = self.posterior().predict(self.model_spec, x, predictive, samples, scale, link, seed, max_memory)
-        return checked_probabilities(probs, self.path)
+        return checked_probabilities(probs, self.path, self.metadata)
 
     def models(self) -> list[nn.Module]:
         """One fresh ``nn.Module`` per member (no storage shared between them), in evaluation mode. They
@@ -261,16 +261,24 @@ def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.
     return out
 
 
-def checked_probabilities(probs: torch.Tensor, where: str) -> torch.Tensor:
-    """``probs`` ``(n, classes)`` as they are if every row is finite; else one
-    :class:`NonFiniteOutputError` naming the first row (inputs far outside what the models saw overflow
-    their logits): the API never returns NaN probabilities."""
+def checked_probabilities(probs: torch.Tensor, where: str, metadata: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """``probs`` ``(n, classes)`` as they are if every row is finite; else :func:`non_finite_predictive`'s error
+    (``metadata``: the global's, which may record a diverged fusion): the API never returns NaN probabilities."""
     bad = ~torch.isfinite(probs).all(dim=-1)
     if bad.any():
-        row = int(torch.nonzero(bad)[0, 0])
-        raise NonFiniteOutputError(f"{where}: the predictive is not finite for input row {row} (of {probs.shape[0]}): "
-                                   "its values are far outside what the models were trained on")
+        raise non_finite_predictive(where, int(bad.sum()), probs.shape[0], metadata)
     return probs
+
+
+def non_finite_predictive(where: str, count: int, n: int,
+                          metadata: Mapping[str, Any] | None = None) -> NonFiniteOutputError:
+    """The one error for a predictive that is not finite on ``count`` of ``n`` input rows: a global whose fusion
+    warned that its members lie far from every client MAP (metadata ``far_members``) is a diverged fusion;
+    otherwise the inputs are far outside what the models were trained on (their logits overflow)."""
+    why = ("a diverged fusion: its members lie far from every client MAP (metadata far_members)"
+           if (metadata or {}).get("far_members") else
+           "the inputs are far outside what the models were trained on (the logits overflow float32)")
+    return NonFiniteOutputError(f"{where}: the predictive is not finite for {count} of {n} input rows: {why}")
 
 
 def frozen_mapping(obj: dict) -> Mapping[str, Any]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any
+
+import torch
 
 from posterior_fusion.artifact import ClientPosterior, write_global_artifact
 from posterior_fusion.data.silo import SiloData
@@ -111,17 +114,21 @@ def far_members(inputs: FusionInputs, result: FusionResult) -> dict | None:
     clients' posteriors supports such a network, and its logits overflow float32 on real inputs (a diverged
     fusion). The distances are Euclidean over the posterior's parameters; ``None`` when every member is near."""
     centre = inputs.prior_mean()
-    def dist(w) -> float:
-        return float((w.double() - centre).norm() if centre is not None else w.double().norm())
-    reach = max(dist(comp.map) for c in inputs.clients for comp in c.components)
+    origin = 0.0 if centre is None else centre
+
+    def distance(w: torch.Tensor) -> float:
+        return float((w.double() - origin).norm())
+
+    reach = max(distance(comp.map) for c in inputs.clients for comp in c.components)
     if reach == 0.0:
         return None
-    ratios = [dist(w) / reach for w in result.members]
-    far = [k for k, r in enumerate(ratios) if not r <= FAR_FACTOR]  # NaN counts as far
+    ratios = [distance(w) / reach for w in result.members]
+    ratios = [r if r == r else math.inf for r in ratios]  # a NaN member is as far as can be
+    far = [k for k, r in enumerate(ratios) if r > FAR_FACTOR]
     if not far:
         return None
     where = "the base the clients fine-tuned" if centre is not None else "zero, the clients' prior centre"
-    k = max(far, key=lambda i: ratios[i] if ratios[i] == ratios[i] else float("inf"))
+    k = max(far, key=ratios.__getitem__)
     warnings.warn(f"fused member {k} (of {len(ratios)}) lies {ratios[k]:.3g} times farther from {where} than the "
                   f"farthest client MAP ({ratios[k] * reach:.4g} against {reach:.4g}): the fusion diverged, and its "
                   "predictions are likely to overflow (evaluate and predict refuse a non-finite predictive) — "
