@@ -261,7 +261,7 @@ SINGLE = ("fedbens (default)", "fedbens, prior centre at the prior", "fedlpa", "
 def summary(folder: Path) -> None:
     """One line per (setting, start, α): the client ensemble, the label-shift pool, fedbens' default, the best
     single-network fusion (by mean accuracy over the seeds), centralised fine-tuning of the same parameters,
-    each silo alone, and the costs per component (mean ± std over seeds; n seeds); the JSON files of ``folder``
+    each silo alone (mean ± std over seeds; n seeds), and the costs per component (capture ÷ epoch: mean over seeds); the JSON files of ``folder``
     and its subfolders, one block per model."""
     rows = [r for p in sorted(folder.glob("**/*.json")) for r in json.loads(p.read_text())]
 
@@ -285,12 +285,13 @@ def summary(folder: Path) -> None:
                 fused = {k: v for k, v in acc.items() if k in SINGLE}
                 best = max(fused, key=lambda k: statistics.mean(fused[k]))
                 cost = next(r for r in rs if "artifact_mb_per_component" in r)
+                capture = statistics.mean(r["capture_per_epoch"] for r in rs if "capture_per_epoch" in r)
                 central = cell(acc["centralised"]) if "centralised" in acc else "(unmerged)"
                 print(f"| {model} | {setting} | {start} | {alpha} | {len(acc['client ensemble'])} | {cell(acc['each silo alone'])} | "
                       f"{cell(acc['client ensemble'])} | {cell(acc['label-shift pool'])} | "
                       f"{cell(acc['fedbens (default)'])} | {best}: {cell(fused[best])} | {central} | "
                       f"{cost['artifact_mb_per_component']:.3f} ({cost['component_pct_of_model']:.0f} %) | "
-                      f"{cost['capture_per_epoch']:.2f} |")
+                      f"{capture:.2f} |")
 
 
 def report(folder: Path) -> None:
