@@ -154,7 +154,7 @@ What the table does not cover: silos that fine-tune a shared pretrained network
 (`experiments/pretrained_base/`: there one fused network beats the client ensemble when the silos fine-tune
 the head — fedbens with `prior_centre = "prior"` on ResNet-20, three seeds, within 1.2 points of centralised head
 fine-tuning at α = 0.4; when they fine-tune every weight, one fused LeNet comes within 0.6 points of the ensemble
-after two refresh rounds at α = 0.4, but one fused ResNet-20 stays 15–17 points under it, so serve the default
+after two refresh rounds at α = 0.4, but one fused ResNet-20 stays 15–20 points under it, so serve the default
 there), models
 other than LeNet at these sizes (ResNet-20: `experiments/resnet20_fmnist/`; a stock transformer:
 `experiments/own_data/`), differentially private artifacts (`experiments/dp/`), and clients that lie about
