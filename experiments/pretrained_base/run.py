@@ -261,8 +261,8 @@ SINGLE = ("fedbens (default)", "fedbens, prior centre at the prior", "fedlpa", "
 def summary(folder: Path) -> None:
     """One line per (setting, start, α): the client ensemble, the label-shift pool, fedbens' default, the best
     single-network fusion (by mean accuracy over the seeds), centralised fine-tuning of the same parameters,
-    each silo alone (mean ± std over seeds; n seeds), and the costs per component (capture ÷ epoch: mean over seeds); the JSON files of ``folder``
-    and its subfolders, one block per model."""
+    each silo alone (mean ± std over seeds; n seeds), and the costs per component (capture ÷ epoch: mean over
+    seeds); the JSON files of ``folder`` and its subfolders, one block per model."""
     rows = [r for p in sorted(folder.glob("**/*.json")) for r in json.loads(p.read_text())]
 
     def cell(vals: list[float]) -> str:

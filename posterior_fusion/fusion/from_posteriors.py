@@ -123,7 +123,7 @@ def far_members(inputs: FusionInputs, result: FusionResult) -> dict | None:
     if reach == 0.0:
         return None
     ratios = [distance(w) / reach for w in result.members]
-    ratios = [r if r == r else math.inf for r in ratios]  # a NaN member is as far as can be
+    ratios = [math.inf if math.isnan(r) else r for r in ratios]  # a NaN member is as far as can be
     far = [k for k, r in enumerate(ratios) if r > FAR_FACTOR]
     if not far:
         return None
