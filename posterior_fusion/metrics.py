@@ -136,10 +136,16 @@ def evaluate_members(spec: ModelSpec, members: list[torch.Tensor], data: SiloDat
     check_data(spec, data, len(members), max_memory)
     x, y = data.tensors()
     _, per_member = ensemble_probabilities(spec, members, x)
+    return member_metrics(per_member, y, bins, weights, pooling)
+
+
+def member_metrics(per_member: torch.Tensor, y: torch.Tensor, bins: int = 15, weights: torch.Tensor | None = None,
+                   pooling: Pooling = AVERAGE) -> dict:
+    """:func:`evaluate_members`' metrics from the members' probabilities ``(K, n, C)`` for labels ``(n,)``."""
     out = classification_metrics(pooling.combine(per_member, weights).float(), y, bins)
     member_acc = (per_member.argmax(-1) == y).float().mean(-1)
     finite = torch.isfinite(per_member).all(-1)  # (K, n)
-    out.update({"num_members": len(members), "member_accuracy_min": member_acc.min().item(),
+    out.update({"num_members": len(per_member), "member_accuracy_min": member_acc.min().item(),
                 "member_accuracy_max": member_acc.max().item(), "n": len(y),
                 "non_finite_inputs": int((~finite.all(0)).sum()),
                 "non_finite_members": [k for k in range(len(finite)) if not finite[k].all()]})

@@ -19,6 +19,7 @@ Settings (``--setting``):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import tempfile
@@ -41,7 +42,7 @@ from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import finetune_start, initial_weights, read_base, write_base
 from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.train import train_map
-from posterior_fusion.metrics import evaluate_members
+from posterior_fusion.metrics import check_data, ensemble_probabilities, member_metrics
 from posterior_fusion.models import ModelSpec, resolve_model
 from posterior_fusion.posterior import build_model
 
@@ -109,8 +110,25 @@ def pretrain(work: Path, spec: ModelSpec, epochs: int) -> Path:
     return path
 
 
+PROBABILITIES: dict[str, torch.Tensor] = {}  # one network's test probabilities (n, C), by spec, test file, weights
+
+
+def evaluate(spec: ModelSpec, members: list[torch.Tensor], test: SiloData, **extra) -> dict:
+    """``evaluate_members`` with each network's test probabilities computed once per cell: the silos alone, the
+    client ensemble and the label-shift pool serve the same networks."""
+    check_data(spec, test, len(members))
+    keys = [hashlib.sha256(f"{spec!r}|{test.source}|".encode() + w.detach().cpu().numpy().tobytes()).hexdigest()
+            for w in members]
+    missing = [k for k in range(len(members)) if keys[k] not in PROBABILITIES]
+    if missing:
+        _, probs = ensemble_probabilities(spec, [members[k] for k in missing], test.inputs())
+        PROBABILITIES.update({keys[k]: p for k, p in zip(missing, probs)})
+    y = torch.from_numpy(test.labels().astype(np.int64))
+    return member_metrics(torch.stack([PROBABILITIES[k] for k in keys]), y, **extra)
+
+
 def metrics_row(label: str, spec: ModelSpec, members, test: SiloData, served: int, **extra) -> dict:
-    m = evaluate_members(spec, members, test, **extra)
+    m = evaluate(spec, members, test, **extra)
     return {"row": label, "accuracy": 100 * m["accuracy"], "nll": m["nll"], "ece": m["ece"], "served": served,
             **({"non_finite_inputs": m["non_finite_inputs"]} if m["non_finite_inputs"] else {})}
 
@@ -188,7 +206,7 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
     alone = []
     for p in paths:
         art = load_client(p)
-        alone.append(evaluate_members(art.model_spec, [c.map for c in art.components], test)["accuracy"] * 100)
+        alone.append(evaluate(art.model_spec, [c.map for c in art.components], test)["accuracy"] * 100)
     rows.append({"row": f"each silo alone ({tag})", "accuracy": statistics.mean(alone), "accuracy_min": min(alone),
                  "accuracy_max": max(alone), "served": args.components, **cost})
     served_spec = load_client(paths[0]).model_spec  # the merged artifacts': the whole architecture
