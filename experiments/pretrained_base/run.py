@@ -48,6 +48,8 @@ from posterior_fusion.posterior import build_model
 
 PUBLIC_CLASSES = (0, 1, 2, 3, 4)
 PUBLIC_SEED = 12345
+# CPU threads of the pretraining: a base is bit-identical (its sha256 in the README) only at the same count
+PRETRAIN_THREADS = {"lenet": 1, "resnet20": 2}
 FMNIST = InputTransform.constants("fmnist")
 # (row label, method, settings): every fusion of one cell; kron curvature, so 'product' does not apply
 FUSIONS = [
@@ -101,9 +103,14 @@ def pretrain(work: Path, spec: ModelSpec, epochs: int) -> Path:
         return path
     data = read_silo(work / "public.h5")
     x, y = data.tensors()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(PRETRAIN_THREADS.get(spec.name, 1))  # the base's bits depend on the thread count
     torch.manual_seed(0)
     model = resolve_model(spec.name, spec.provider)[0](**spec.kwargs)  # the architecture itself (BatchNorm trains)
-    res = train_map(model, x, y, TrainConfig(epochs=epochs, weight_decay=5e-4, lr=0.05), seed=0, desc="pretrain")
+    try:
+        res = train_map(model, x, y, TrainConfig(epochs=epochs, weight_decay=5e-4, lr=0.05), seed=0, desc="pretrain")
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     log(f"base: {len(y)} public images, {epochs} epochs, train accuracy {res.final_accuracy:.3f}")
     write_base(model, path)
