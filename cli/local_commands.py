@@ -1,4 +1,4 @@
-"""``pfuse init``, ``fit-local``, ``recapture`` and ``audit``. The options come from torch-free
+"""``pfuse init``, ``fit-local``, ``recapture``, ``refresh`` and ``audit``. The options come from torch-free
 declarations (:mod:`posterior_fusion.choices`, :mod:`posterior_fusion.local.config`); the code that
 trains and captures is imported when a command runs, so ``--help`` starts without torch."""
 
@@ -204,87 +204,128 @@ def refresh_privacy_options(fn):
     settings converter: ``none`` switches the mechanism off)."""
     for row in reversed(describe(RefreshPrivacy)):
         fn = click.option("--" + row["name"].replace("_", "-"), row["name"], default=None, metavar="NUMBER",
-                          help=f"Refresh round only (--at): {row['help'][0].lower()}{row['help'][1:]}"
+                          help=row["help"]
                                + (f" [default: {row['default']}]" if row["default"] is not None and "[default" not in row["help"] else ""))(fn)
     return fn
 
 
+def refresh_options(fn):
+    """The options of a refresh round (``pfuse refresh``)."""
+    fn = refresh_privacy_options(fn)
+    fn = click.option("--trust-radius", default=TRUST_RADIUS, show_default=True, type=bounded(ranges.TRUST_RADIUS, float),
+                      help="Refuse a global whose member lies farther than this from the silo's own posterior (squared "
+                           "distance per parameter in its own precision, min over its components; a draw from it "
+                           "averages 1): a server-chosen point far from it can make the reply reveal training data. "
+                           f"In [{ranges.TRUST_RADIUS[0]:g}, {ranges.TRUST_RADIUS[1]:g}].")(fn)
+    return click.option(
+        "--damping", default=None, type=str,
+        help="Per-sample damping d of the step from each member to the component's centre (Levenberg-Marquardt; "
+             "Kronecker blocks (B + n d I) x (A + d I)); 0: the plain Gauss-Newton centre, which overshoots; auto: per "
+             f"member, the smallest d of {', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss "
+             f"confirms (gain ratio >= {RATIO_FLOOR}; one forward pass per d tried; a private round, which cannot "
+             f"consult the loss, takes {PRIVATE_REFRESH_DAMPING:g}) [default: {REFRESH_DAMPING}].")(fn)
+
+
+def capture_options(fn):
+    """The capture options recapture and refresh share."""
+    fn = click.option("--kfac", default=None, type=click.Choice(KFAC_TYPES),
+                      help="K-FAC for weight-shared layers (structure kron): expand or reduce [default: the source "
+                           "artifact's, expand where it records none].")(fn)
+    fn = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")(fn)
+    fn = click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")(fn)
+    fn = click.option("--curvature-batch-size", default=None, type=bounded(ranges.BATCH_SIZE),
+                      help="Batch size of the curvature pass [default: the source's].")(fn)
+    fn = click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
+                      help="fast (this package's capture where the model allows) or laplace (laplace-torch).")(fn)
+    fn = click.option("--ggn", default=None, type=click.Choice(GGN_TYPES),
+                      help="exact or mc GGN [default: the source artifact's].")(fn)
+    fn = click.option("--structure", default=None, type=click.Choice(STRUCTURES),
+                      help="Curvature structure to capture [default: the source artifact's].")(fn)
+    return fn
+
+
+def refresh_settings(damping, trust_radius, refresh_dp_epsilon, refresh_dp_delta, refresh_dp_clip):
+    """(damping, trust radius, privacy) of a refresh round from the CLI's text."""
+    damping = REFRESH_DAMPING if damping is None else check_damping(damping, "--damping")
+    ranges.check("--trust-radius", trust_radius, ranges.TRUST_RADIUS)
+    given = {k: v for k, v in (("refresh_dp_epsilon", refresh_dp_epsilon), ("refresh_dp_delta", refresh_dp_delta),
+                               ("refresh_dp_clip", refresh_dp_clip)) if v is not None}
+    return damping, trust_radius, refresh_privacy_from(given)
+
+
 @click.command("recapture")
-@click.option("--from", "source_path", required=True, type=click.Path(dir_okay=False),
+@click.option("--artifact", "source_path", required=True, type=click.Path(dir_okay=False),
               help="Client artifact (from fit-local) whose trained components are reused.")
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
               help="The silo the artifact was fitted on (its SHA-256 is checked against the artifact's).")
-@click.option("--structure", default=None, type=click.Choice(STRUCTURES),
-              help="Curvature structure to capture at every component MAP [default: the source artifact's].")
-@click.option("--at", "at_path", default=None, type=click.Path(dir_okay=False),
-              help="Refresh round: a fused global artifact (from fuse) of the same model; the curvature is taken "
-                   "at each of its members instead of the local MAPs, each component becoming the Gauss-Newton "
-                   "Gaussian of the silo's posterior there (one gradient pass and one capture per member, no "
-                   "training); fuse the refreshed artifacts again [default: no refresh, the local MAPs].")
-@click.option("--damping", default=None, type=str,
-              help="Refresh round only (--at): per-sample damping d of the step from each member to the component's "
-                   "centre (Levenberg-Marquardt; Kronecker blocks (B + n d I) x (A + d I)); 0: the plain "
-                   "Gauss-Newton centre, which overshoots; auto: per member, the smallest d of "
-                   f"{', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss confirms (gain ratio "
-                   f">= {RATIO_FLOOR}; one forward pass per d tried; a private round, which cannot consult the loss, "
-                   f"takes {PRIVATE_REFRESH_DAMPING:g}) [default: {REFRESH_DAMPING}].")
-@click.option("--trust-radius", default=TRUST_RADIUS, show_default=True, type=bounded(ranges.TRUST_RADIUS, float),
-              help="Refresh round only (--at): refuse a global whose member lies farther than this from the silo's "
-                   "own posterior (squared distance per parameter in its own precision, min over its components; a "
-                   "draw from it averages 1): a server-chosen point far from it can make the reply reveal training "
-                   f"data. In [{ranges.TRUST_RADIUS[0]:g}, {ranges.TRUST_RADIUS[1]:g}].")
-@click.option("--ggn", default=None, type=click.Choice(GGN_TYPES),
-              help="exact or mc GGN [default: the source artifact's].")
-@click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
-              help="fast (this package's capture where the model allows) or laplace (laplace-torch).")
-@click.option("--curvature-batch-size", default=None, type=bounded(ranges.BATCH_SIZE), help="Batch size of the curvature pass [default: the source's].")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-@click.option("--kfac", default=None, type=click.Choice(KFAC_TYPES),
-              help="K-FAC for weight-shared layers (structure kron): expand or reduce [default: the source artifact's, "
-                   "expand where it records none].")
+@capture_options
 @click.option("--merge", is_flag=True,
               help="For an artifact that fine-tuned part of a base (fit-local --finetune head, last:K, lora:R): write "
                    "one of the whole architecture instead — each component's weights with the frozen ones put back "
                    "and LoRA merged (W + B A), the curvature captured over every weight there, a BatchNorm model's "
                    "statistics still the base's — so fuse combines the "
                    "products ΔW with their own curvature, not the adapter factors [default: off].")
-@refresh_privacy_options
 @lambda fn: fit_options(fn, only=("capture_dtype", "device", "compress", "compress_metric", "compress_vectors"))
 @max_memory_option
 @handle_errors
-def recapture_cmd(source_path, data_path, structure, at_path, damping, trust_radius, ggn, capture, curvature_batch_size,
-                  out, as_json, kfac, merge, refresh_dp_epsilon, refresh_dp_delta, refresh_dp_clip, capture_dtype, device,
-                  compress, compress_metric, compress_vectors, max_memory):
+def recapture_cmd(source_path, data_path, structure, ggn, capture, curvature_batch_size, out, as_json, kfac,
+                  merge, capture_dtype, device, compress, compress_metric, compress_vectors, max_memory):
     """Capture another curvature structure for an artifact's trained components, without retraining.
 
     Training does not depend on the structure, so this writes what fit-local with the same seeds
-    and --structure would have written, for the cost of the capture alone. With --at GLOBAL it is
-    the silo's half of a refresh round: curvature and gradient at the fused modes.
+    and --structure would have written, for the cost of the capture alone. A refresh round (the
+    curvature at a fused global's members) is `pfuse refresh`.
     """
     from posterior_fusion.curvature.compressed import Compression
     from posterior_fusion.local.recapture import recapture_to_file
 
-    if damping is not None and at_path is None:
-        raise ConfigError("--damping applies to a refresh round only (--at GLOBAL)")
-    damping = REFRESH_DAMPING if damping is None else check_damping(damping, "--damping")
-    ranges.check("--trust-radius", trust_radius, ranges.TRUST_RADIUS)
-    given = {k: v for k, v in (("refresh_dp_epsilon", refresh_dp_epsilon), ("refresh_dp_delta", refresh_dp_delta),
-                               ("refresh_dp_clip", refresh_dp_clip)) if v is not None}
-    if given and at_path is None:
-        raise ConfigError("the refresh_dp settings apply to a refresh round only (--at GLOBAL)")
-    privacy = refresh_privacy_from(given)
     meta = recapture_to_file(source_path, data_path, out, structure, ggn, curvature_batch_size, capture,
                              max_memory, log=log_to_stderr, kfac=kfac, capture_dtype=capture_dtype, device=device,
-                             compression=Compression(compress, compress_metric, compress_vectors),
-                             at_path=at_path, damping=damping, trust_radius=trust_radius, merge=merge,
-                             privacy=privacy)
+                             compression=Compression(compress, compress_metric, compress_vectors), merge=merge)
+    if as_json:
+        echo_json({"out": out, "structure": meta["structure"], "n_data": meta["n_data"],
+                   "recaptured_from": meta["recaptured_from"]})
+    else:
+        say(f"wrote {out}: structure {meta['structure']}, n={meta['n_data']} (recaptured from {source_path})")
+
+
+@click.command("refresh")
+@click.option("--artifact", "source_path", required=True, type=click.Path(dir_okay=False),
+              help="This silo's own client artifact (from fit-local): model, structure, T and λ0 are its.")
+@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
+              help="The silo the artifact was fitted on (its SHA-256 is checked against the artifact's).")
+@click.option("--at", "at_path", required=True, type=click.Path(dir_okay=False),
+              help="A fused global artifact (from fuse) of the same model; the curvature is taken at each of its "
+                   "members instead of the local MAPs, each component becoming the Gauss-Newton Gaussian of the "
+                   "silo's posterior there (one gradient pass and one capture per member, no training).")
+@capture_options
+@refresh_options
+@lambda fn: fit_options(fn, only=("capture_dtype", "device", "compress", "compress_metric", "compress_vectors"))
+@max_memory_option
+@handle_errors
+def refresh_cmd(source_path, data_path, at_path, structure, ggn, capture, curvature_batch_size, out, as_json, kfac,
+                damping, trust_radius, refresh_dp_epsilon, refresh_dp_delta, refresh_dp_clip, capture_dtype, device,
+                compress, compress_metric, compress_vectors, max_memory):
+    """The silo's half of a refresh round: its own artifact re-expanded at a fused global's members.
+
+    Private by default (refresh-dp-epsilon): the gradient at each member is released through the
+    Gaussian mechanism and the curvature is the artifact's own. Fuse the refreshed artifacts again.
+    """
+    from posterior_fusion.curvature.compressed import Compression
+    from posterior_fusion.local.refresh import refresh_to_file
+
+    damping, trust_radius, privacy = refresh_settings(damping, trust_radius, refresh_dp_epsilon, refresh_dp_delta,
+                                                      refresh_dp_clip)
+    meta = refresh_to_file(source_path, data_path, at_path, out, structure, ggn, curvature_batch_size, capture,
+                           max_memory, log=log_to_stderr, kfac=kfac, device=device,
+                           compression=Compression(compress, compress_metric, compress_vectors), damping=damping,
+                           capture_dtype=capture_dtype, trust_radius=trust_radius, privacy=privacy)
     if as_json:
         echo_json({"out": out, "structure": meta["structure"], "n_data": meta["n_data"],
                    "recaptured_from": meta["recaptured_from"], "refreshed_at": meta.get("refreshed_at")})
     else:
-        where = f", refreshed at the {meta['refreshed_at']['members']} members of {at_path}" if at_path else ""
-        say(f"wrote {out}: structure {meta['structure']}, n={meta['n_data']} (recaptured from {source_path}{where})")
+        say(f"wrote {out}: structure {meta['structure']}, n={meta['n_data']} (refreshed at the "
+            f"{meta['refreshed_at']['members']} members of {at_path})")
 
 
 @click.command("audit")

@@ -22,6 +22,7 @@ COMMANDS = {
     "init": ("local_commands", "init", "Write M shared starting points that every client trains from."),
     "fit-local": ("local_commands", "fit_local_cmd", "Train M models on one silo and write their local posteriors."),
     "recapture": ("local_commands", "recapture_cmd", "Capture another curvature structure for an artifact's trained components."),
+    "refresh": ("local_commands", "refresh_cmd", "Re-expand a silo's own artifact at a fused global's members (refresh round)."),
     "fuse": ("server_commands", "fuse_cmd", "Validate client artifacts and fuse them into a global posterior."),
     "evaluate": ("server_commands", "evaluate_cmd", "Accuracy, NLL, calibration and uncertainty metrics of global artifacts."),
     "predict": ("server_commands", "predict_cmd", "Write predictive class probabilities (map, mc or glm)."),
@@ -38,6 +39,17 @@ class LazyGroup(click.Group):
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
         one_line_usage_errors(lambda: super(LazyGroup, self).main(*args, standalone_mode=False, **kwargs))
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        """The command after old spellings are rewritten (:func:`posterior_fusion.compat.renamed_command`);
+        ``-q`` / ``--quiet`` after the command means what it means before it."""
+        from posterior_fusion.compat import renamed_command
+
+        args = renamed_command(list(args), lambda m: say(m, err=True))
+        if any(a in ("-q", "--quiet") for a in args[1:]):
+            os.environ["PFUSE_PROGRESS"] = "0"
+            args = [args[0], *[a for a in args[1:] if a not in ("-q", "--quiet")]]
+        return super().resolve_command(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)

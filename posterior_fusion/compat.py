@@ -21,6 +21,30 @@ RENAMED_OPTIONS: dict[str, dict[str, tuple[str, str, str]]] = {
     "demo": {"--mixtures": ("--components", "components", "int"), "--hessian": ("--structure", "structure", "str")},
     "experiment": {"--work-dir": ("--out-dir", "out_dir", "str")},
 }
+# Required options renamed (the old flag rewritten in the arguments before they are parsed): command -> old -> new.
+RENAMED_REQUIRED_OPTIONS: dict[str, dict[str, str]] = {"recapture": {"--from": "--artifact"}}
+# Commands that became others: (old command, the flag that marks the old use) -> the new command.
+RENAMED_COMMANDS: dict[tuple[str, str], str] = {("recapture", "--at"): "refresh"}
+
+
+def renamed_command(args: list[str], warn: Callable[[str], None]) -> list[str]:
+    """``args`` (a command and its arguments) with an old command spelling (:data:`RENAMED_COMMANDS`) and old
+    required flags (:data:`RENAMED_REQUIRED_OPTIONS`) rewritten, warning once for each."""
+    if not args:
+        return args
+    command, rest = args[0], list(args[1:])
+    flags = {a.split("=", 1)[0] for a in rest}
+    for (old, marker), new in RENAMED_COMMANDS.items():
+        if command == old and marker in flags:
+            warn(f"warning: `{old} {marker}` is deprecated and will be removed in {REMOVED_IN}; use `pfuse {new}`")
+            renames = RENAMED_REQUIRED_OPTIONS.get(old, {})
+            rest = [renames.get(a.split("=", 1)[0], a.split("=", 1)[0]) + a[len(a.split("=", 1)[0]):] for a in rest]
+            return [new, *rest]
+    for old, new in RENAMED_REQUIRED_OPTIONS.get(command, {}).items():
+        if old in flags:
+            warn(f"warning: {old} is deprecated and will be removed in {REMOVED_IN}; use {new}")
+            rest = [new + a[len(old):] if a.split("=", 1)[0] == old else a for a in rest]
+    return [command, *rest]
 # fuse options that became method settings (``--set KEY=VALUE``): old flag -> (setting, type name).
 FUSE_FLAGS_TO_SETTINGS: dict[str, tuple[str, str]] = {
     "--steps": ("steps", "int"), "--lr": ("adam_lr", "float"), "--clip": ("clip", "float"),

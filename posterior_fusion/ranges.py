@@ -29,7 +29,7 @@ N_DATA = (1, 10**9)                # training examples of one client (its class 
 REFRESH_DAMPING = (0.0, 1e6)        # the refresh round's per-sample damping d
 TRUST_RADIUS = (1e-6, 1e6)         # the refresh round's bound on a member's distance from the silo's own posterior
 POOLING_SMOOTHING = (1e-6, 1e6)    # s added to every class count by the label-shift pooling
-POOLING_ITERATIONS = (1, 1000)     # the label-shift pooling's fixed-point rounds at most
+POOLING_ITERATIONS = (1, 100000)   # the label-shift pooling's fixed-point rounds at most
 
 
 def is_int(value: object) -> bool:

@@ -186,7 +186,7 @@ def test_a_batchnorm_network_from_random_starts_runs_the_whole_flow(bn_silos):
         assert r.exit_code == 0, r.output
     assert "BatchNorm statistics: reset" in run("inspect", folder / "g_fedbens_reset.h5").output
     # another structure captured again at the same MAPs keeps each component's statistics (they still hold)
-    r = run("recapture", "--from", folder / "k0.h5", "--data", folder / "s0.h5", "--structure", "diag",
+    r = run("recapture", "--artifact", folder / "k0.h5", "--data", folder / "s0.h5", "--structure", "diag",
             "--out", folder / "r0.h5")
     assert r.exit_code == 0, r.output
     again = posterior_fusion.load(folder / "r0.h5")

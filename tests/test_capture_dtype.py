@@ -110,7 +110,7 @@ def test_fit_local_and_recapture_record_the_capture_dtype(tmp_path):
     assert 0 < max(((a - b).norm() / a.norm()).item() for a, b in zip(t32, tbf)) < 5e-2  # 40 samples: less averaging
     for extra, expected in (([], None), (["--capture-dtype", "bfloat16"], "bfloat16")):
         out = tmp_path / f"re{len(extra)}.h5"
-        r = CliRunner().invoke(pfuse, ["recapture", "--from", str(arts["bfloat16"]), "--data", data, *extra, "--out", str(out)])
+        r = CliRunner().invoke(pfuse, ["recapture", "--artifact", str(arts["bfloat16"]), "--data", data, *extra, "--out", str(out)])
         assert r.exit_code == 0, r.stderr
         assert posterior_fusion.load(out).metadata.get("capture_dtype") == expected
     r = CliRunner().invoke(pfuse, ["fit-local", "--data", data, "--model", "mlp", "--capture", "laplace",

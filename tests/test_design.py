@@ -449,7 +449,7 @@ def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypa
 
     from posterior_fusion.cli import local_commands
     from posterior_fusion.experiment.config import ExperimentConfig
-    from posterior_fusion.flower.federation import FederatedSettings
+    from posterior_fusion.flower.federated_settings import FederatedSettings
     from posterior_fusion.local import config
     from posterior_fusion.settings import setting
 
@@ -628,7 +628,7 @@ def test_a_misspelt_boolean_is_one_clear_error_everywhere(tmp_path, two_clients)
     """``"ture"`` for a boolean setting: one ConfigError naming the setting in a TOML ``[fit]`` table, a
     Flower run config and ``fuse --set`` (never silently False)."""
     from posterior_fusion.experiment.config import ExperimentConfig
-    from posterior_fusion.flower.federation import FederatedSettings
+    from posterior_fusion.flower.federated_settings import FederatedSettings
 
     (tmp_path / "g.toml").write_text("[fit]\nswag = \"ture\"\n")
     with pytest.raises(ConfigError, match=r"swag.*must be bool.*ture"):

@@ -17,13 +17,13 @@ import posterior_fusion
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.dp import (
-    DPConfig,
+from posterior_fusion.local.capture.private import (
     clipped_diag_full_sums,
     clipped_kron_sums,
     per_sample_ggn_diagonal,
     private_diagonal,
 )
+from posterior_fusion.local.config import DPConfig
 
 pytest.importorskip("opacus", reason="differential privacy needs the `dp` extra (opacus)")
 
@@ -181,7 +181,8 @@ def test_the_training_noise_comes_from_its_own_generator_not_the_recorded_seed()
     generator state gives the same private model whatever the global seed (the recorded training seed sets it),
     another state another model."""
     from posterior_fusion.local.config import TrainConfig
-    from posterior_fusion.local.dp import plan, private_train
+    from posterior_fusion.local.privacy.accounting import plan
+    from posterior_fusion.local.privacy.training import private_train
 
     x, y = torch.randn(50, 6), torch.randint(0, 3, (50,))
     cfg = DPConfig(dp_epsilon=2.0)
@@ -213,7 +214,7 @@ def test_private_refusals_are_one_line(tmp_path, small_silo):
     meta = posterior_fusion.load(tmp_path / "g.h5").metadata
     assert meta["mixed_privacy"] == {"private": [str(tmp_path / "p.h5")], "not_private": [str(tmp_path / "n.h5")]}
     assert "dp" in meta["provenance"][0] and "dp" not in meta["provenance"][1]
-    r = _run("recapture", "--from", tmp_path / "p.h5", "--data", silo, "--out", tmp_path / "r.h5")
+    r = _run("recapture", "--artifact", tmp_path / "p.h5", "--data", silo, "--out", tmp_path / "r.h5")
     assert r.exit_code == 2 and "accounted budget" in r.stderr, r.output
 
 

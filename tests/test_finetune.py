@@ -178,7 +178,7 @@ def test_lora_adapters_kfac_is_the_dense_ggn_and_fused_adapters_merge_into_the_w
     assert r.exit_code == 0, r.output
     # recapture --merge: the products ΔW with their own curvature, an artifact of the whole architecture
     for c in range(2):
-        r = _run("recapture", "--from", tmp_path / f"c{c}.h5", "--data", tmp_path / f"s{c}.h5", "--merge",
+        r = _run("recapture", "--artifact", tmp_path / f"c{c}.h5", "--data", tmp_path / f"s{c}.h5", "--merge",
                  "--out", tmp_path / f"m{c}.h5")
         assert r.exit_code == 0, r.output
     lora, merged = posterior_fusion.load(tmp_path / "c0.h5"), posterior_fusion.load(tmp_path / "m0.h5")
@@ -194,7 +194,7 @@ def test_lora_adapters_kfac_is_the_dense_ggn_and_fused_adapters_merge_into_the_w
             torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-7)
     assert _run("fuse", tmp_path / "m0.h5", tmp_path / "m1.h5", "--method", "fedbens",
                 "--out", tmp_path / "gm.h5").exit_code == 0
-    r = _run("recapture", "--from", tmp_path / "m0.h5", "--data", tmp_path / "s0.h5", "--merge", "--out",
+    r = _run("recapture", "--artifact", tmp_path / "m0.h5", "--data", tmp_path / "s0.h5", "--merge", "--out",
              tmp_path / "x.h5")
     assert r.exit_code == 2 and "nothing to merge" in r.stderr
 

@@ -116,7 +116,7 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)
 
     # the refresh round: each accepted node refreshed its own artifact at global.h5 privately (the node's default:
-    # a fresh noisy gradient, its own curvature), as `pfuse recapture --at` does on files; the server fused those
+    # a fresh noisy gradient, its own curvature), as `pfuse refresh` does on files; the server fused those
     g2 = posterior_fusion.load(out / "global_refreshed.h5")
     info = g2.metadata["federation"]["refresh"]
     assert len(info["accepted"]) == 3 and info["left_out"] == [] and info["damping"] == "auto"
@@ -144,7 +144,7 @@ def test_the_refresh_handler_recaptures_only_its_own_artifact_within_its_trust_r
     from flwr.app import ConfigRecord, Context
 
     from posterior_fusion.artifact import write_global_artifact
-    from posterior_fusion.local.recapture import TRUST_RADIUS, distance_from_own_posterior
+    from posterior_fusion.local.refresh import TRUST_RADIUS, distance_from_own_posterior
 
     silo = tmp_path / "s.h5"
     write_silo(silo, SiloData(small_silo.x[:120], small_silo.y[:120], "fmnist", 10))
@@ -190,7 +190,7 @@ def test_example_run_config_carries_fit_and_fusion_settings():
     assert (method, chosen.steps, chosen.val_every, robust) == ("fedbens", 300, 30, False)
     fit = FederatedSettings.from_run_config(flat)
     assert fit.components == 3 and fit.swag_rank == 20 and fit.fit_config().train.swag_rank == 20
-    from posterior_fusion.local.recapture import check_damping
+    from posterior_fusion.local.config import check_damping
     assert check_damping(flat["refresh-damping"], "refresh-damping") == "auto"
 
 
@@ -198,7 +198,7 @@ def test_a_bad_refresh_damping_is_refused_before_the_round(tmp_path):
     """``refresh-damping`` is checked before any message is sent: a word other than auto, a negative or
     a non-finite number, a boolean — one ConfigError naming the key."""
     from posterior_fusion.errors import ConfigError
-    from posterior_fusion.flower.federation import run_round
+    from posterior_fusion.flower.server_app import run_round
 
     grid = FakeGrid([])
     for bad in ("often", -1.0, float("inf"), True):
@@ -254,7 +254,7 @@ class FakeGrid:
 
 
 def test_exchange_matches_replies_by_message_and_times_out(task_identity):
-    from posterior_fusion.flower.federation import exchange
+    from posterior_fusion.flower.server_app import exchange
 
     def messages(n):
         return [Message(RecordDict(), dst_node_id=100 + i, message_type="train") for i in range(n)]
@@ -273,7 +273,7 @@ def test_exchange_matches_replies_by_message_and_times_out(task_identity):
 def test_ppd_settings_and_a_node_s_private_model():
     from types import SimpleNamespace
 
-    from posterior_fusion.flower.federation import node_private_model
+    from posterior_fusion.flower.client_app import node_private_model
 
     cfg = FederatedSettings(ppd=True, ppd_steps=50, ppd_burn_in=10).fit_config()
     assert cfg.ppd is not None and (cfg.ppd.steps, cfg.ppd.burn_in) == (50, 10)
@@ -371,7 +371,7 @@ def test_the_server_sends_its_copy_of_the_base_once_and_a_node_checks_it_by_hash
     from safetensors.torch import save_file
 
     from posterior_fusion.errors import FederationError
-    from posterior_fusion.flower.federation import run_round
+    from posterior_fusion.flower.server_app import run_round
     from posterior_fusion.models import ModelSpec
 
     silo = tmp_path / "s.h5"

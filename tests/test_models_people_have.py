@@ -366,7 +366,7 @@ def test_merging_a_batchnorm_models_adapters_keeps_the_bases_statistics(tmp_path
     r = run("fit-local", "--data", tmp_path / "s0.h5", "--init", tmp_path / "i.h5", "--finetune", "lora:1",
             "--structure", "diag", "--epochs", "1", "--out", tmp_path / "c0.h5")
     assert r.exit_code == 0, r.output
-    r = run("recapture", "--from", tmp_path / "c0.h5", "--data", tmp_path / "s0.h5", "--merge", "--out", tmp_path / "m0.h5")
+    r = run("recapture", "--artifact", tmp_path / "c0.h5", "--data", tmp_path / "s0.h5", "--merge", "--out", tmp_path / "m0.h5")
     assert r.exit_code == 0, r.output
     lora, merged = posterior_fusion.load(tmp_path / "c0.h5"), posterior_fusion.load(tmp_path / "m0.h5")
     with h5py.File(tmp_path / "m0.h5") as f:

@@ -13,9 +13,9 @@ import posterior_fusion
 from posterior_fusion.artifact import load_client, write_client_artifact, write_global_artifact
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.local import dp
 from posterior_fusion.local.config import PRIVATE_REFRESH, RefreshPrivacy
-from posterior_fusion.local.recapture import TRUST_RADIUS, distance_from_own_posterior, recapture
+from posterior_fusion.local.privacy import training
+from posterior_fusion.local.refresh import TRUST_RADIUS, distance_from_own_posterior, refresh
 from posterior_fusion.posterior import GlobalEnsemble
 
 HIDDEN = 192  # the trap's thresholds: one hidden unit each
@@ -73,11 +73,11 @@ def test_a_binning_trap_rebuilds_images_from_the_exact_release_and_none_from_the
     none) hands it training images to within half a grey level; the default private refresh hands it none."""
     silo, source, at, _ = trap_setting
     assert distance_from_own_posterior(source, at.members[0]) <= TRUST_RADIUS
-    _, exact = recapture(source, silo, "diag", at=at, log=lambda m: None, damping=1.0,
+    _, exact = refresh(source, silo, at, "diag", log=lambda m: None, damping=1.0,
                          privacy=RefreshPrivacy(refresh_dp_epsilon=None))
     rebuilt = count_rebuilt(recovered_images(source, exact[0], at), silo)
     assert rebuilt >= 10, rebuilt  # the attack works on the exact release
-    meta, private = recapture(source, silo, "diag", at=at, log=lambda m: None)
+    meta, private = refresh(source, silo, at, "diag", log=lambda m: None)
     assert meta["refreshed_at"]["dp"]["epsilon"] <= PRIVATE_REFRESH.refresh_dp_epsilon
     assert count_rebuilt(recovered_images(source, private[0], at), silo) == 0
 
@@ -86,8 +86,8 @@ def test_the_private_release_is_fresh_keeps_its_own_curvature_and_records_its_gu
     """Two private rounds differ (fresh noise); each component's curvature is the silo's own, damped; the record
     survives writing and reading, ``inspect`` shows it and ``fuse`` reports it per client."""
     silo, source, at, _ = trap_setting
-    _, first = recapture(source, silo, "diag", at=at, log=lambda m: None)
-    meta, second = recapture(source, silo, "diag", at=at, log=lambda m: None)
+    _, first = refresh(source, silo, at, "diag", log=lambda m: None)
+    meta, second = refresh(source, silo, at, "diag", log=lambda m: None)
     assert not torch.equal(first[0].map, second[0].map)
     n = int(source.metadata["n_data"])
     d = second[0].training["damping"]
@@ -113,17 +113,17 @@ def test_the_clipped_gradient_sum_moves_by_at_most_its_clip_for_any_one_sample()
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
     x, y = torch.randn(20, 5, dtype=torch.float64), torch.randint(0, 3, (20,))
     clip = 0.3
-    full = dp.clipped_gradient_sum(model, x, y, clip, batch_size=6)
+    full = training.clipped_gradient_sum(model, x, y, clip, batch_size=6)
     for extra_x, extra_y in ((torch.randn(1, 5, dtype=torch.float64), torch.tensor([1])),
                              (1e4 * torch.ones(1, 5, dtype=torch.float64), torch.tensor([2]))):
-        more = dp.clipped_gradient_sum(model, torch.cat([x, extra_x]), torch.cat([y, extra_y]), clip, batch_size=6)
+        more = training.clipped_gradient_sum(model, torch.cat([x, extra_x]), torch.cat([y, extra_y]), clip, batch_size=6)
         assert float((more - full).norm()) <= clip * (1 + 1e-9)
     for i in range(len(x)):
-        less = dp.clipped_gradient_sum(model, torch.cat([x[:i], x[i + 1:]]), torch.cat([y[:i], y[i + 1:]]), clip)
+        less = training.clipped_gradient_sum(model, torch.cat([x[:i], x[i + 1:]]), torch.cat([y[:i], y[i + 1:]]), clip)
         assert float((full - less).norm()) <= clip * (1 + 1e-9)
     loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
     plain = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))])
-    torch.testing.assert_close(dp.clipped_gradient_sum(model, x, y, 1e6), plain)
+    torch.testing.assert_close(training.clipped_gradient_sum(model, x, y, 1e6), plain)
 
 
 def test_the_recorded_epsilon_is_opacus_accountant_on_the_recorded_noise(trap_setting):
@@ -134,7 +134,7 @@ def test_the_recorded_epsilon_is_opacus_accountant_on_the_recorded_noise(trap_se
     silo, source, at, _ = trap_setting
     two = GlobalEnsemble(at.path, at.sha256, at.model_spec, at.layout, {"method": "fedavg"},
                          (source.components[0].map, source.components[0].map))
-    meta, _ = recapture(source, silo, "diag", at=two, log=lambda m: None,
+    meta, _ = refresh(source, silo, two, "diag", log=lambda m: None,
                         privacy=RefreshPrivacy(refresh_dp_epsilon=3.0, refresh_dp_delta=1e-5))
     record = meta["refreshed_at"]["dp"]
     accountant = RDPAccountant()
@@ -151,14 +151,14 @@ def test_refreshing_a_private_artifact_or_another_structure_privately(tmp_path, 
     from posterior_fusion.errors import ConfigError
 
     with pytest.raises(ConfigError, match="refresh_dp_epsilon"):
-        recapture(source, silo, "diag+full", at=at, log=lambda m: None)
+        refresh(source, silo, at, "diag+full", log=lambda m: None)
     write_silo(tmp_path / "s.h5", silo)
     write_global_artifact(tmp_path / "g.h5", source.model_spec, source.layout, {"method": "fedavg"},
                           [source.components[0].map])
-    r = CliRunner().invoke(pfuse, ["recapture", "--from", source.path, "--data", str(tmp_path / "s.h5"),
+    r = CliRunner().invoke(pfuse, ["recapture", "--artifact", source.path, "--data", str(tmp_path / "s.h5"),
                                    "--refresh-dp-epsilon", "2", "--out", str(tmp_path / "x.h5")])
-    assert r.exit_code == 2 and "--at" in r.stderr and "Traceback" not in r.output
-    r = CliRunner().invoke(pfuse, ["recapture", "--from", source.path, "--data", str(tmp_path / "s.h5"), "--at",
+    assert r.exit_code == 2 and "--refresh-dp-epsilon" in r.stderr and "Traceback" not in r.output
+    r = CliRunner().invoke(pfuse, ["refresh", "--artifact", source.path, "--data", str(tmp_path / "s.h5"), "--at",
                                    str(tmp_path / "g.h5"), "--refresh-dp-epsilon", "none", "--out", str(tmp_path / "x.h5")])
     assert r.exit_code == 0 and "dp" not in load_client(tmp_path / "x.h5").metadata["refreshed_at"], r.output
 
@@ -180,8 +180,8 @@ def test_a_private_artifact_is_refreshed_only_privately_its_epsilon_composed(tmp
     at = GlobalEnsemble("g.h5", "2" * 64, source.model_spec, source.layout, {"method": "fedavg"},
                         (source.components[0].map,))
     with pytest.raises(ConfigError, match="differentially private"):
-        recapture(source, silo, "diag", at=at, log=lambda m: None, privacy=RefreshPrivacy(refresh_dp_epsilon=None))
-    meta, comps = recapture(source, silo, "diag", at=at, log=lambda m: None)
+        refresh(source, silo, at, "diag", log=lambda m: None, privacy=RefreshPrivacy(refresh_dp_epsilon=None))
+    meta, comps = refresh(source, silo, at, "diag", log=lambda m: None)
     record = meta["refreshed_at"]["dp"]
     assert record["epsilon_with_fit"] == pytest.approx(record["epsilon"] + source.metadata["dp"]["epsilon"])
     assert len(comps) == 1 and torch.isfinite(comps[0].map).all()

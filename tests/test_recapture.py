@@ -13,6 +13,7 @@ from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.local.config import RefreshPrivacy
 from posterior_fusion.local.recapture import recapture
+from posterior_fusion.local.refresh import refresh
 
 EXACT = RefreshPrivacy(refresh_dp_epsilon=None)  # the refresh round without its mechanism (its maths checked here)
 
@@ -84,7 +85,7 @@ def test_recapture_keeps_the_sources_kfac(tmp_path, small_silo):
 def test_cli_recapture_and_a_foreign_silo(tmp_path, small_silo, kron_artifact):
     write_silo(tmp_path / "silo.h5", small_silo)
     out = tmp_path / "diag.h5"
-    result = CliRunner().invoke(pfuse, ["recapture", "--from", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
+    result = CliRunner().invoke(pfuse, ["recapture", "--artifact", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
                                         "--structure", "diag", "--out", str(out)])
     assert result.exit_code == 0, result.output
     art = load_client(out)
@@ -93,18 +94,18 @@ def test_cli_recapture_and_a_foreign_silo(tmp_path, small_silo, kron_artifact):
 
     other = SiloData(small_silo.x[:200], small_silo.y[:200], "fmnist", 10)
     write_silo(tmp_path / "other.h5", other)
-    bad = CliRunner().invoke(pfuse, ["recapture", "--from", str(kron_artifact), "--data", str(tmp_path / "other.h5"),
+    bad = CliRunner().invoke(pfuse, ["recapture", "--artifact", str(kron_artifact), "--data", str(tmp_path / "other.h5"),
                                      "--structure", "diag", "--out", str(tmp_path / "x.h5")])
     assert bad.exit_code == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "other.h5" in lines[0] and "not the silo" in lines[0]
     assert not (tmp_path / "x.h5").exists()
-    same = CliRunner().invoke(pfuse, ["recapture", "--from", str(out), "--data", str(tmp_path / "silo.h5"),
+    same = CliRunner().invoke(pfuse, ["recapture", "--artifact", str(out), "--data", str(tmp_path / "silo.h5"),
                                       "--structure", "kron", "--out", str(out)])
     assert same.exit_code == 2 and "must differ" in same.stderr
     # recapture writes compressed factors with the three compression settings, recorded in the metadata
     small = tmp_path / "small.h5"
-    r = CliRunner().invoke(pfuse, ["recapture", "--from", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
+    r = CliRunner().invoke(pfuse, ["recapture", "--artifact", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
                                    "--compress", "0.1", "--compress-metric", "precision", "--compress-vectors", "float16",
                                    "--out", str(small)])
     assert r.exit_code == 0, r.output
@@ -112,7 +113,7 @@ def test_cli_recapture_and_a_foreign_silo(tmp_path, small_silo, kron_artifact):
     assert {k: art.metadata.get(k) for k in ("compress", "compress_metric", "compress_vectors")} == {
         "compress": 0.1, "compress_metric": "precision", "compress_vectors": "float16"}
     assert any(b.kind == "kron_lowrank" and b.stored[1] is not None for b in art.components[0].curvature.blocks)
-    bad_budget = CliRunner().invoke(pfuse, ["recapture", "--from", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
+    bad_budget = CliRunner().invoke(pfuse, ["recapture", "--artifact", str(kron_artifact), "--data", str(tmp_path / "silo.h5"),
                                             "--compress", "1.5", "--out", str(tmp_path / "y.h5")])
     assert bad_budget.exit_code == 2 and bad_budget.stderr.count("\n") == 1 and "compress" in bad_budget.stderr
 
@@ -144,7 +145,7 @@ def _dense_ggn_and_gradient(spec, w: torch.Tensor, x: torch.Tensor, y: torch.Ten
 
 
 def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small_silo):
-    """``recapture --at``: at each global member w*, the diag+full curvature equals a dense float64
+    """``pfuse refresh``: at each global member w*, the diag+full curvature equals a dense float64
     GGN taken at w* (not at the local MAP), damped by d (``G + n·d·I``), and each component is the
     Gaussian N(ŵ, Λ_d⁻¹) whose gradient at w*, Λ_d (w* − ŵ), equals the silo's tempered posterior
     gradient g/T + λ w* there (relative 1e-5) for d = 0, 1 and 10."""
@@ -162,7 +163,7 @@ def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small
     reference = [_dense_ggn_and_gradient(source.model_spec, w, *silo.tensors()) for w in members]
     steps = {}
     for d in (0.0, 1.0, 10.0):
-        meta, refreshed = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping=d, privacy=EXACT)
+        meta, refreshed = refresh(source, silo, at, "diag+full", log=lambda *_: None, damping=d, privacy=EXACT)
         assert len(refreshed) == 2 and meta["refreshed_at"] == {"file_sha256": "0" * 64, "method": "fedavg",
                                                                 "members": 2, "damping": d}
         assert meta["fit_fingerprint"] != source.metadata["fit_fingerprint"]
@@ -189,7 +190,7 @@ def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small
 
 
 def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
-    """fuse → recapture --at (structure defaults to the source's) → fuse again; a global artifact of
+    """fuse → refresh --at (structure defaults to the source's) → fuse again; a global artifact of
     another model and a client artifact as --at are refused with one line naming the file."""
     from conftest import fit_split
 
@@ -200,7 +201,7 @@ def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
     r = runner.invoke(pfuse, ["fuse", *map(str, paths), "--method", "fedavg", "--out", str(glob)])
     assert r.exit_code == 0, r.output
     out = tmp_path / "refreshed.h5"
-    r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
+    r = runner.invoke(pfuse, ["refresh", "--artifact", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
                               "--at", str(glob), "--refresh-dp-epsilon", "none", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     art = load_client(out)
@@ -211,11 +212,17 @@ def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
     others = fit_split(tmp_path, small_silo, 2, 150, "kron", name="other", kwargs={"hidden": 3}, mixtures=1)
     r = runner.invoke(pfuse, ["fuse", *map(str, others), "--method", "fedavg", "--out", str(tmp_path / "og.h5")])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
+    r = runner.invoke(pfuse, ["recapture", "--artifact", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
                               "--damping", "0.5", "--out", str(tmp_path / "x.h5")])
-    assert r.exit_code == 2 and "--at" in r.stderr and not (tmp_path / "x.h5").exists()
+    assert r.exit_code == 2 and "--damping" in r.stderr and not (tmp_path / "x.h5").exists()
+    # the old spelling `recapture --from A --at G` still runs the refresh round, with one warning
+    old = tmp_path / "old.h5"
+    r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
+                              "--at", str(glob), "--refresh-dp-epsilon", "none", "--out", str(old)])
+    assert r.exit_code == 0 and "use `pfuse refresh`" in r.stderr, r.output
+    assert [c.map for c in load_client(old).components][0].equal(art.components[0].map)
     for bad, words in ((tmp_path / "og.h5", "different model"), (paths[1], "expected a global artifact")):
-        r = runner.invoke(pfuse, ["recapture", "--from", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
+        r = runner.invoke(pfuse, ["refresh", "--artifact", str(paths[0]), "--data", str(tmp_path / "silo0.h5"),
                                   "--at", str(bad), "--out", str(tmp_path / "x.h5")])
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and bad.name in lines[0] and words in lines[0], r.output
@@ -245,7 +252,7 @@ def _quartic_problem(seed: int = 3, d: int = 6, quartic: float = 0.0):
 def test_step_ratio_is_one_where_the_silo_posterior_is_quadratic():
     """On a loss that is exactly quadratic with Hessian H (stored as the curvature), the quadratic model
     is the posterior: every damped step's gain ratio is 1 (to float rounding)."""
-    from posterior_fusion.local.recapture import newton_centre, step_ratio
+    from posterior_fusion.local.refresh import newton_centre, step_ratio
 
     curv, _, g, w, T, lam, loss = _quartic_problem()
     for d in (0.0, 0.1, 3.0):
@@ -259,7 +266,7 @@ def test_auto_damping_keeps_the_first_step_the_loss_confirms():
     grid, Λ_d = (H + n d I)/T + λI, ŵ_d = w* − Λ_d⁻¹ r, ρ_d = [f(w*) − f(ŵ_d)] / −(rᵀs + ½ sᵀ Λ_0 s);
     the chosen d is the first whose ρ reaches the floor, with that centre and ratio; a fixed damping
     returns its own centre and ratio."""
-    from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, refresh_centre
+    from posterior_fusion.local.refresh import AUTO_DAMPINGS, RATIO_FLOOR, refresh_centre
 
     curv, H, g, w, T, lam, loss = _quartic_problem(quartic=10.0)
     n = 10
@@ -284,12 +291,12 @@ def test_auto_damping_keeps_the_first_step_the_loss_confirms():
 
 
 def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
-    """``recapture --at --damping auto`` on a real model: each component records the damping it kept and
+    """``refresh --damping auto`` on a real model: each component records the damping it kept and
     its gain ratio, recomputed here from the silo's summed loss at w* and at the centre and from a dense
     float64 GGN and gradient at w*; every smaller damping of the grid falls below the floor.
     The CLI refuses a damping that is neither a number >= 0 nor auto in one line, exit 2."""
     from posterior_fusion.curvature.dense import Dense
-    from posterior_fusion.local.recapture import AUTO_DAMPINGS, RATIO_FLOOR, newton_centre, step_ratio
+    from posterior_fusion.local.refresh import AUTO_DAMPINGS, RATIO_FLOOR, newton_centre, step_ratio
     from posterior_fusion.posterior import GlobalEnsemble, build_model
 
     # the images at 7 × 7 (every fourth pixel): d = 250, so the dense float64 GGN and Newton steps are small
@@ -299,7 +306,7 @@ def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
     gen = torch.Generator().manual_seed(5)
     members = tuple(c.map + 0.3 * torch.randn(c.map.numel(), generator=gen) for c in source.components)
     at = GlobalEnsemble("g.h5", "0" * 64, source.model_spec, source.layout, {"method": "fedavg"}, members)
-    meta, comps = recapture(source, silo, "diag+full", at=at, log=lambda *_: None, damping="auto",
+    meta, comps = refresh(source, silo, at, "diag+full", log=lambda *_: None, damping="auto",
                             trust_radius=100.0, privacy=EXACT)  # members 0.3 from the MAPs per weight: beyond the default radius
     assert meta["refreshed_at"]["damping"] == "auto"
     x, y = silo.tensors()
@@ -326,7 +333,7 @@ def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
     runner = CliRunner()
     write_silo(tmp_path / "silo.h5", silo)
     for bad in ("often", "-1", "nan"):
-        r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "silo.h5"),
+        r = runner.invoke(pfuse, ["refresh", "--artifact", str(tmp_path / "c.h5"), "--data", str(tmp_path / "silo.h5"),
                                   "--at", str(tmp_path / "c.h5"), "--damping", bad, "--out", str(tmp_path / "x.h5")])
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and "--damping" in lines[0] and bad in lines[0], r.output
@@ -337,7 +344,7 @@ def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, m
     """When no damping of the grid reaches the gain floor (here a floor no ratio reaches), each component
     keeps the largest damping, records ``gain_test = "failed"`` (accepted by the reader), and the log says
     so once per mode in one line."""
-    import posterior_fusion.local.recapture as rc
+    import posterior_fusion.local.refresh as rc
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.posterior import GlobalEnsemble
 
@@ -351,7 +358,7 @@ def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, m
     monkeypatch.setattr(rc, "RATIO_FLOOR", 1e9)
     with warning_module.catch_warnings(record=True) as caught:
         warning_module.simplefilter("always")
-        meta, comps = rc.recapture(source, silo, "diag", at=at, log=lambda *_: None, damping="auto", privacy=EXACT)
+        meta, comps = rc.refresh(source, silo, at, "diag", log=lambda *_: None, damping="auto", privacy=EXACT)
     lines = [str(w.message) for w in caught]
     warnings = [line for line in lines if "does not confirm" in line]
     assert len(warnings) == 2 and all("gain_test = failed" in line for line in warnings), lines
@@ -361,10 +368,10 @@ def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, m
 
 
 def test_recapture_at_refuses_what_the_server_should_not_choose_before_any_capture(tmp_path, small_silo, monkeypatch):
-    """``recapture --at``: a global with huge (finite) modes, more members than ``-M``'s cap, a member far from
+    """``pfuse refresh``: a global with huge (finite) modes, more members than ``-M``'s cap, a member far from
     the silo's own posterior, or a damping out of range is refused in one line, exit 2, before any capture
     (the capture is replaced by one that fails the test), nothing written."""
-    import posterior_fusion.local.recapture as rc
+    import posterior_fusion.local.refresh as rc
     from posterior_fusion.artifact import write_global_artifact
     from posterior_fusion.artifact.schema import MAX_COMPONENTS
 
@@ -389,7 +396,7 @@ def test_recapture_at_refuses_what_the_server_should_not_choose_before_any_captu
         with h5py.File(g, "r+") as f:  # a server's file, written by other means than this writer
             for i, m in enumerate(members):
                 f[f"members/{i}/weights"][...] = m.numpy()
-        r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
+        r = runner.invoke(pfuse, ["refresh", "--artifact", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
                                   "--at", str(g), "--out", str(tmp_path / "x.h5")])
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and g.name in lines[0] and words in lines[0], (name, r.output)
@@ -397,10 +404,10 @@ def test_recapture_at_refuses_what_the_server_should_not_choose_before_any_captu
     g = tmp_path / "near.h5"
     write_global_artifact(g, own.model_spec, own.layout, {"method": "fedavg"}, [w])
     for bad in ("1e308", "2e6"):
-        r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
+        r = runner.invoke(pfuse, ["refresh", "--artifact", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
                                   "--at", str(g), "--damping", bad, "--out", str(tmp_path / "x.h5")])
         assert r.exit_code == 2 and "--damping" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
-    r = runner.invoke(pfuse, ["recapture", "--from", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
+    r = runner.invoke(pfuse, ["refresh", "--artifact", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
                               "--at", str(g), "--trust-radius", "inf", "--out", str(tmp_path / "x.h5")])
     assert r.exit_code == 2 and "--trust-radius" in r.stderr, r.output
     assert not (tmp_path / "x.h5").exists()

@@ -36,7 +36,7 @@ from posterior_fusion.errors import (
     SchemaError,
 )
 from posterior_fusion.files import output_lock
-from posterior_fusion.flower.federation import Reply, collect_replies, reply_from_message
+from posterior_fusion.flower.server_app import Reply, collect_replies, reply_from_message
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.posterior import Component
 
@@ -304,7 +304,7 @@ def test_flower_replies_are_typed_and_named_by_the_server(tmp_path, kron_artifac
     with pytest.raises(FederationError, match="distinct"):
         collect_replies([Reply(0, good), Reply(0, good)], tmp_path / "dup", "skip", logs.append)
     # second names after the reported partition: only an id claimed by exactly one accepted node
-    from posterior_fusion.flower.federation import name_by_silo
+    from posterior_fusion.flower.server_app import name_by_silo
 
     out = tmp_path / "out"
     (out / "silo_7.h5").symlink_to(tmp_path / "elsewhere.h5")  # an earlier round's name: replaced, not followed

@@ -169,7 +169,7 @@ def test_an_output_that_is_one_of_the_inputs_is_refused(tmp_path, case, silo_fil
         r = cli("fuse", *two_clients, "--method", "fedavg", "--out", two_clients[1])
         assert two_clients[1].read_bytes() == before
     else:
-        r = cli("recapture", "--from", two_clients[0], "--data", silo_file, "--structure", "diag", "--out", silo_file)
+        r = cli("recapture", "--artifact", two_clients[0], "--data", silo_file, "--structure", "diag", "--out", silo_file)
     assert "is also an input" in one_error_line(r)
     assert silo_file.read_bytes() == silo_before
 
@@ -561,7 +561,7 @@ def test_a_recapture_source_with_an_ill_typed_batch_size_ends_in_one_line(tmp_pa
         f.attrs["metadata"] = text_attr(json.dumps(meta))
     silo = tmp_path / "s.h5"
     write_silo(silo, small_silo)
-    line = one_error_line(cli("recapture", "--from", bad, "--data", silo, "--structure", "diag", "--out", tmp_path / "o.h5"))
+    line = one_error_line(cli("recapture", "--artifact", bad, "--data", silo, "--structure", "diag", "--out", tmp_path / "o.h5"))
     assert "curvature_batch_size" in line or "curvature-batch-size" in line
 
 

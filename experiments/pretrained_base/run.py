@@ -41,6 +41,7 @@ from posterior_fusion.local.config import RefreshPrivacy, TrainConfig, fit_confi
 from posterior_fusion.local.fit import fit_and_write
 from posterior_fusion.local.init import finetune_start, initial_weights, read_base, write_base
 from posterior_fusion.local.recapture import recapture_to_file
+from posterior_fusion.local.refresh import refresh_to_file
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import check_data, ensemble_probabilities, member_metrics
 from posterior_fusion.models import ModelSpec, resolve_model
@@ -237,7 +238,7 @@ def run_start(args, setting: str, alpha: float, seed: int, spec: ModelSpec, base
 
 def run_refresh(args, setting: str, alpha: float, seed: int, spec: ModelSpec, start: str) -> list[dict]:
     """The refresh round as a lever (``<start>+refresh``): fedbens' default on the start's artifacts, then two
-    training-free rounds (each silo recaptures its own artifact at the fused modes, `recapture --at`, damping
+    training-free rounds (each silo recaptures its own artifact at the fused modes, `pfuse refresh`, damping
     auto, its default trust radius) each fused again by the default."""
     work, silos, test = cell_data(args, setting, alpha, seed)
     plain = start.removesuffix("+refresh")
@@ -253,7 +254,7 @@ def run_refresh(args, setting: str, alpha: float, seed: int, spec: ModelSpec, st
             out = folder / f"refresh{rnd}_{c}.h5"
             try:
                 if not out.exists():
-                    recapture_to_file(p, silo_file(work, c), out, None, log=lambda m: None, at_path=current,
+                    refresh_to_file(p, silo_file(work, c), current, out, log=lambda m: None,
                                       damping="auto", privacy=RefreshPrivacy(refresh_dp_epsilon=None))
                 inputs.append(out)
             except IncompatibleArtifactsError:  # the silo's trust radius refuses the global: recorded, no round

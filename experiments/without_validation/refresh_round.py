@@ -1,5 +1,5 @@
 """The curvature-refresh round ("1.5-shot"). Each silo re-expands its tempered
-log-posterior at the fused modes (``pfuse recapture --at GLOBAL``: GGN and gradient at w*, the
+log-posterior at the fused modes (``pfuse refresh --at GLOBAL``: GGN and gradient at w*, the
 component becoming the Gauss–Newton Gaussian there) and the server fuses again. Side by side on
 one client set: fedbens before the round (the paper's Adam with its best validation iterate; EM to
 a stationary point without validation data), after one round (refreshed at the paper's modes, or
@@ -28,7 +28,8 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment.measure import save_rows
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.local.config import refresh_privacy_from
-from posterior_fusion.local.recapture import check_damping, recapture
+from posterior_fusion.local.refresh import check_damping
+from posterior_fusion.local.refresh import refresh as refresh_artifact
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.posterior import GlobalEnsemble
 
@@ -83,8 +84,8 @@ def main() -> None:
         out, t0, sent = [], time.time(), 0
         for p, s in zip(paths, silos):
             source = load_client(p)
-            meta, comps = recapture(source, read_silo(s, num_classes=source.model_spec.num_classes), source.structure,
-                                    at=at, log=lambda m, name=p.name: print(f"  {name}: {m}", file=sys.stderr, flush=True),
+            meta, comps = refresh_artifact(source, read_silo(s, num_classes=source.model_spec.num_classes), at, source.structure,
+                                    log=lambda m, name=p.name: print(f"  {name}: {m}", file=sys.stderr, flush=True),
                                     damping=damping, privacy=privacy)
             out.append(work / f"{tag}_{p.name}")
             write_client_artifact(out[-1], source.model_spec, source.layout, meta, comps)

@@ -9,7 +9,7 @@ on one client set: accuracy, NLL, ECE, OOD AUROC (scikit-learn's digits resized,
 DIR as for ``refresh_round.py`` (client_*.h5, post_*.h5, server_val.h5, test.h5). Refreshed client
 artifacts already in DIR/refresh (written by ``refresh_round.py`` with the same code) are reused:
 ``at_paper_d1.0_post_*.h5`` (one round at the paper's modes) and ``at_em_post_*.h5`` (at the EM
-modes); missing ones are computed here (``recapture --at``, damping 1, or auto for the variant that says
+modes); missing ones are computed here (``pfuse refresh``, damping 1, or auto for the variant that says
 so). Writes OUTDIR/rows.json.
 The trust region is left out: 20-35x EM's time and below plain EM at every radius
 (``docs/results/without_validation/trust_lenet_*.json``).
@@ -28,7 +28,7 @@ from posterior_fusion.artifact.reader import load_client, load_global
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment.measure import digits_ood, run_measured, save_rows
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
-from posterior_fusion.local.recapture import recapture
+from posterior_fusion.local.refresh import refresh as refresh_artifact
 
 # (file name, label, client set, method, settings, the fusion uses the validation split); "paper" and
 # "em" are the one-shot globals the refreshed client sets are taken at
@@ -113,8 +113,8 @@ def main() -> None:
             if o.exists():  # computed by an earlier run of this script
                 continue
             source = load_client(p)
-            meta, comps = recapture(source, read_silo(s, num_classes=source.model_spec.num_classes), source.structure,
-                                    at=load_global(glob_path), log=lambda *_: None,
+            meta, comps = refresh_artifact(source, read_silo(s, num_classes=source.model_spec.num_classes), load_global(glob_path), source.structure,
+                                    log=lambda *_: None,
                                     damping=REFRESH_DAMPINGS.get(name, 1.0))
             write_client_artifact(o, source.model_spec, source.layout, meta, comps)
         print(f"refreshed {name} in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)

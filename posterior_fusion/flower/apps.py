@@ -6,7 +6,7 @@ Run config keys (names as on the CLI):
   base-sha256 (fine-tune a shared base, checked by hash: each node's own copy, node config ``base``, or the
   server's, run config ``base``, sent once in every train message: :mod:`posterior_fusion.flower.base`);
 - the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
-- the refresh round (``pfuse recapture --at`` on every node, then fuse again): refresh (bool),
+- the refresh round (``pfuse refresh`` on every node, then fuse again): refresh (bool),
   refresh-damping (``recapture --damping``);
 - secure aggregation (Flower's SecAgg+: the server gets sums over the nodes only; fedavg, fisher-merge, product
   with diag): secure-aggregation (bool), secure-aggregation-clipping-range, secure-aggregation-max-weight,
@@ -26,11 +26,13 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion.errors import ConfigError, PfuseError
-from posterior_fusion.flower.federation import FederatedSettings, make_client_app, run_round
+from posterior_fusion.flower.client_app import make_client_app
+from posterior_fusion.flower.federated_settings import FederatedSettings
 from posterior_fusion.flower.secure import SecureAggregation, run_secure_round
+from posterior_fusion.flower.server_app import run_round
 from posterior_fusion.fusion import FusionOptions, applicable_settings
 from posterior_fusion.fusion.registry import resolve_default
-from posterior_fusion.local.recapture import REFRESH_DAMPING
+from posterior_fusion.local.config import REFRESH_DAMPING
 
 clientapp = make_client_app()
 serverapp = ServerApp()

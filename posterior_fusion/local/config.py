@@ -110,7 +110,7 @@ class PrivateModelConfig:
 
 @dataclass(frozen=True)
 class DPConfig:
-    """Differential privacy of the whole client artifact (the mechanisms: :mod:`posterior_fusion.local.dp`)."""
+    """Differential privacy of the whole client artifact (the mechanisms: :mod:`posterior_fusion.local.privacy`)."""
 
     dp_epsilon: float = setting(8.0, "The (ε, δ) guarantee of the whole artifact: ε, composed over every component's "
                                   "training, curvature and the class counts.", bounds=(1e-3, 1e3))
@@ -211,7 +211,7 @@ class FitConfig:
                                       "server's `batchnorm_statistics` reset) or refuse. Fine-tuning a base keeps "
                                       "the base's statistics frozen either way.",
                              choices=BATCHNORM_POLICIES)
-    dp: DPConfig | None = None  # differential privacy of the whole artifact (local/dp.py)
+    dp: DPConfig | None = None  # differential privacy of the whole artifact (local/privacy/)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -362,7 +362,7 @@ def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
     return cfg
 
 
-# ------------------------------------------------------------------- the refresh round (recapture --at)
+# ------------------------------------------------------------------- the refresh round (pfuse refresh)
 
 # the refresh round's centre step: its damping chosen per mode by the silo's gain ratio (recapture's docstring;
 # measured against fixed dampings by experiments/without_validation/refresh_round.py)

@@ -116,9 +116,9 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
     seed = cfg.train_seed * 1_000_003 + 999_983
     torch.manual_seed(seed)
     if dp_plan is not None:
-        from posterior_fusion.local import dp
+        from posterior_fusion.local.privacy import training as private_training
 
-        dp.private_train(model, x, y, train, cfg.dp, dp_plan, train.weight_decay,
+        private_training.private_train(model, x, y, train, cfg.dp, dp_plan, train.weight_decay,
                          int.from_bytes(os.urandom(8), "little") >> 1, noise,
                          sample_rate=dp_plan.pass_of("private model").sample_rate)
         log("private model: trained under DP-SGD (kept in the silo)")
@@ -213,18 +213,20 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     spec.check_input(data.input_shape(), data.source or "data")
     metadata = fit_metadata(spec, data, inits, cfg, prior_mean)
     dp_plan = noise = None
-    if cfg.dp is not None:  # every data-dependent quantity through a mechanism (local/dp.py)
-        from posterior_fusion.local import dp
+    if cfg.dp is not None:  # every data-dependent quantity through a mechanism (local/privacy/)
+        from posterior_fusion.local.capture import private as private_capture
+        from posterior_fusion.local.privacy import accounting
+        from posterior_fusion.local.privacy import training as private_training
 
         if done:
             raise ConfigError("a differentially private fit cannot be resumed (its noise and budget are the run's own)")
-        passes = dp.ppd_passes(cfg.ppd, len(data), len(inits)) if cfg.ppd is not None else ()
+        passes = private_training.ppd_passes(cfg.ppd, len(data), len(inits)) if cfg.ppd is not None else ()
         if cfg.private is not None:
-            passes = (*passes, dp.DPPass("private model", min(1.0, cfg.train.batch_size / len(data)),
+            passes = (*passes, accounting.DPPass("private model", min(1.0, cfg.train.batch_size / len(data)),
                                          private_epochs(cfg) * math.ceil(len(data) / cfg.train.batch_size)))
-        dp_plan = dp.plan(cfg.dp, len(data), cfg.train.batch_size, cfg.train.epochs, len(inits), passes)
+        dp_plan = accounting.plan(cfg.dp, len(data), cfg.train.batch_size, cfg.train.epochs, len(inits), passes)
         noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # fresh per run
-        counts = dp.private_counts(data.class_counts(), dp_plan.release_noise, noise)
+        counts = accounting.private_counts(data.class_counts(), dp_plan.release_noise, noise)
         metadata.update(class_counts=counts, n_data=sum(counts), dp=dp_plan.record(cfg.dp, cfg.structure))
         metadata.pop("data_sha256", None)  # a deterministic function of the data: not released
         cfg = cfg.resolved(sum(counts))  # the weight decay from the released size
@@ -279,19 +281,19 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         t0 = time.perf_counter()
         statistics = None
         if dp_plan is not None:
-            swag = dp.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
+            swag = private_training.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
                                     int.from_bytes(os.urandom(8), "little") >> 1, gradient_noise,
                                     None if prior_mean is None else prior_mean.to(device), soft_targets,
                                     cfg.private.weight if cfg.private else 0.0)
             res = TrainResult(float("nan"), float("nan"), swag)  # the loss and accuracy are not released
             t1 = time.perf_counter()
             if cfg.structure == "kron":
-                curv = dp.private_kron(model, x, cfg.dp, dp_plan.release_noise, int(metadata["n_data"]), noise,
+                curv = private_capture.private_kron(model, x, cfg.dp, dp_plan.release_noise, int(metadata["n_data"]), noise,
                                        cfg.kfac)
             elif cfg.structure == "diag+full":
-                curv = dp.private_diag_full(model, x, cfg.dp, dp_plan.release_noise, noise)
+                curv = private_capture.private_diag_full(model, x, cfg.dp, dp_plan.release_noise, noise)
             else:
-                curv = BlockDiag([Diag(dp.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))])
+                curv = BlockDiag([Diag(private_capture.private_diagonal(model, x, cfg.dp, dp_plan.release_noise, noise))])
             captured_by = "fast"
         else:
             res = train_map(thaw(model) if folds else model, x, y, cfg.train, seed=component_seed,
@@ -317,7 +319,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
             w_map = parameters_to_vector(model.parameters()).detach().clone()
             centre = None if prior_mean is None else prior_mean.to(device)
             if dp_plan is not None:
-                student, record = dp.private_ppd(lambda: spec.build().to(device), w_map, x, y, cfg.ppd, cfg.dp,
+                student, record = private_training.private_ppd(lambda: spec.build().to(device), w_map, x, y, cfg.ppd, cfg.dp,
                                                  dp_plan, cfg.prior_precision, cfg.temperature,
                                                  int.from_bytes(os.urandom(8), "little") >> 1, gradient_noise, centre)
                 training.update(ppd_chain_excess_noise=record["chain_excess_noise"])

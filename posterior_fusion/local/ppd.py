@@ -9,7 +9,7 @@ step on the cross-entropy between the sample's predictive p(y|x', θ) and the st
 perturbed input batch x' = x + N(0, ``perturb``²) (the paper's unlabeled distillation set
 D'_k). The chain is warm-started from the component's MAP; θ0 is the prior's centre (zero, or the pretrained
 base a silo fine-tunes). Under ``dp`` the chain and the student run through Opacus instead
-(:func:`posterior_fusion.local.dp.private_ppd`).
+(:func:`posterior_fusion.local.privacy.training.private_ppd`).
 """
 
 from __future__ import annotations

@@ -1,51 +1,23 @@
-"""One-round federated fit-local + fuse on Flower (``pip install posterior-fusion[flower]``).
-
-The ClientApp's train handler runs the same :func:`~posterior_fusion.local.fit.fit_components`
-as ``pfuse fit-local`` on the node's silo and replies with the artifact's bytes. The
-ServerApp sends the shared settings to every node, validates each reply with the same
-reader as files (a bad or missing reply is logged and left out, or stops the run, per
-``on_bad_reply``), runs :func:`~posterior_fusion.fusion.registry.fuse` and saves the global
-artifact plus the client artifacts it used.
-
-Refresh round (``refresh``, a "1.5-shot" exchange): the server then sends each accepted node a
-training-free ``query`` message with the global artifact and the SHA-256 of the node's own first
-artifact; the node recaptures *its own copy* of that artifact — kept on its disk since the first
-round (node config ``state-dir``, default a per-silo folder under the system's temporary folder) —
-never one the server sends, so model, structure, T and λ0 are the node's; the global is checked
-against it first (:func:`~posterior_fusion.local.recapture.check_refresh_global`: the same model, at
-most ``-M``'s cap of members, each within the node's trust radius — node config
-``refresh-trust-radius``, the server cannot set it). It runs ``pfuse recapture --at`` on its silo
-(``refresh_damping``) — private by the node's own settings (node config ``refresh-dp-epsilon``,
-``refresh-dp-delta``, ``refresh-dp-clip``; ``refresh-dp-epsilon = "none"`` releases the exact gradient and a
-new curvature; the server cannot set them either) — and replies with the refreshed artifact,
-which the server validates like the first and fuses again into ``global_refreshed.h5`` (the one-shot
-``global.h5`` stays). A node that fails the second message is left out of the refreshed fusion.
-
-Which silo a node trains on: ``node_config["silo"]`` (deployment: ``flower-supernode
---node-config 'silo="/data/client_0.h5"'``), else ``<silo-dir>/client_<partition-id>.h5`` in
-simulation (Flower sets ``partition-id``), with ``silo-dir`` from ``make_client_app(silo_dir)``
-or the run config.
-"""
+"""The ServerApp: the shared settings sent to every node, each reply validated with the same reader as files
+(a bad or missing reply left out or the run stopped, per ``on_bad_reply``), the fusion, and the refresh round
+(:mod:`posterior_fusion.flower`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from posterior_fusion import budget, ranges
+from posterior_fusion import budget
 from posterior_fusion.artifact import load_client
-from posterior_fusion.compat import RENAMED_RUN_CONFIG_KEYS, rename_keys
 from posterior_fusion.errors import (
     ArtifactError,
     ConfigError,
@@ -55,221 +27,11 @@ from posterior_fusion.errors import (
     ResourceLimitError,
 )
 from posterior_fusion.files import check_output, write_atomically
-from posterior_fusion.flower.base import base_to_send, node_base
-from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
+from posterior_fusion.flower.base import base_to_send
+from posterior_fusion.flower.federated_settings import BAD_REPLY_POLICIES, FederatedSettings
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.local.config import (
-    FitConfig,
-    PrivateModelConfig,
-    fit_config_from,
-    fit_settings,
-    refresh_privacy_from,
-)
-from posterior_fusion.local.fit import fit_silo_file
-from posterior_fusion.local.recapture import REFRESH_DAMPING, TRUST_RADIUS, check_damping, recapture_to_file
-from posterior_fusion.models import ModelSpec
-
-BAD_REPLY_POLICIES = ("skip", "fail")
-
-
-class FederatedSettings:
-    """What the server sends to every node: the model, M, the init seed and every fit setting of
-    ``pfuse fit-local`` (:func:`~posterior_fusion.local.config.fit_settings`, declared once: a
-    setting added there is a run-config key here too), except the private model, which each node
-    chooses in its own node config."""
-
-    def __init__(self, model: str = "lenet", model_kwargs: dict | None = None, components: int = 5,
-                 init_seed: int = 0, base_sha256: str | None = None, **fit: Any) -> None:
-        table = _server_fit_settings()
-        unknown = sorted(set(fit) - set(table))
-        if unknown:
-            raise ConfigError(f"no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
-        self.model, self.model_kwargs = model, dict(model_kwargs or {})
-        self.components, self.init_seed = components, init_seed
-        if base_sha256 is not None and (not isinstance(base_sha256, str) or len(base_sha256) != 64
-                                        or any(ch not in "0123456789abcdef" for ch in base_sha256)):
-            raise ConfigError("base-sha256 must be the 64 hexadecimal digits of the base file's SHA-256")
-        self.base_sha256 = base_sha256
-        self.fit = {name: fit.get(name, s.default) for name, s in table.items()}
-
-    def __getattr__(self, name: str) -> Any:
-        fit = self.__dict__.get("fit", {})
-        if name in fit:
-            return fit[name]
-        raise AttributeError(name)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, FederatedSettings) and self.to_json() == other.to_json()
-
-    def to_json(self) -> str:
-        base = {"base_sha256": self.base_sha256} if self.base_sha256 else {}
-        return json.dumps({"model": self.model, "model_kwargs": self.model_kwargs, "components": self.components,
-                           "init_seed": self.init_seed, **base, **self.fit}, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> FederatedSettings:
-        try:
-            obj = json.loads(text)
-            return cls(**{k.replace("-", "_"): v for k, v in
-                          rename_keys(obj, RENAMED_RUN_CONFIG_KEYS, "federated settings", print).items()})
-        except (json.JSONDecodeError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"invalid federated settings: {exc}") from None
-
-    @classmethod
-    def from_run_config(cls, cfg: dict[str, Any]) -> FederatedSettings:
-        """Settings from a Flower run config (keys as in examples/flower/pyproject.toml: the fit
-        settings' names with ``-``)."""
-        cfg = rename_keys(cfg, RENAMED_RUN_CONFIG_KEYS, "run config", print)
-        kwargs = json.loads(str(cfg.get("model-kwargs", "{}")))
-        keys = {"model": "model", "components": "components", "init-seed": "init_seed", "base-sha256": "base_sha256",
-                **{s.run_config_key: name for name, s in _server_fit_settings().items()}}
-        return cls(model_kwargs=kwargs, **{name: cfg[key] for key, name in keys.items() if key in cfg})
-
-    def spec(self) -> ModelSpec:
-        return ModelSpec(self.model, dict(self.model_kwargs))
-
-    def fit_config(self) -> FitConfig:
-        return fit_config_from(self.fit, "federated settings: ")
-
-
-def _server_fit_settings() -> dict:
-    return {s.name: s for s in fit_settings() if s.path[0] != "private"}
-
-
-def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
-                    log: Callable[[str], None] = lambda m: None, private: PrivateModelConfig | None = None,
-                    base: str | os.PathLike | None = None) -> None:
-    """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does (``private``:
-    the node's own architecture, HBFL's heterogeneous client — chosen by the node, not the server), or,
-    when the run names a base by its SHA-256, what ``pfuse init --from BASE`` + ``fit-local --init`` do with
-    the node's own copy ``base`` (node config ``base``), refused in one line unless its SHA-256 is the run's."""
-    cfg = settings.fit_config()
-    if private is not None:
-        cfg = replace(cfg, private=private)
-        cfg.validate()
-    if settings.base_sha256 and base is None:
-        raise ConfigError(f"the run fine-tunes the base {settings.base_sha256[:12]}…: set this node's node config "
-                          "'base' to its copy of the base file, or the server's run config 'base' to send it")
-    fit_silo_file(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log,
-                  base=base if settings.base_sha256 else None, base_sha256=settings.base_sha256)
-
-
-def node_private_model(context: Context) -> PrivateModelConfig | None:
-    """The node's own architecture from its node config (``private-model``, ``private-model-kwargs``,
-    ``private-epochs``, ``private-weight``), or None."""
-    nc = context.node_config
-    if "private-model" not in nc:
-        return None
-    try:
-        kwargs = json.loads(str(nc.get("private-model-kwargs", "{}")))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"node config private-model-kwargs is not valid JSON: {exc.msg}") from None
-    spec = ModelSpec(str(nc["private-model"]), kwargs)
-    epochs = nc.get("private-epochs")
-    return PrivateModelConfig(spec.name, dict(spec.kwargs), int(epochs) if epochs is not None else None,
-                              float(nc.get("private-weight", 0.5)))
-
-
-def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:
-    if "silo" in context.node_config:
-        return Path(str(context.node_config["silo"]))
-    folder = silo_dir if silo_dir is not None else context.run_config.get("silo-dir")
-    if "partition-id" in context.node_config and folder is not None:
-        return Path(str(folder)) / f"client_{int(context.node_config['partition-id'])}.h5"
-    raise ConfigError("this node has no silo: set node_config 'silo', or a silo-dir with partition-id")
-
-
-def node_state_dir(context: Context, silo: Path) -> Path:
-    """Where the node keeps its own artifacts between rounds: node config ``state-dir``, else
-    ``<temporary folder>/pfuse-node/<hash of the silo's path>``."""
-    if "state-dir" in context.node_config:
-        return Path(str(context.node_config["state-dir"]))
-    key = hashlib.sha256(str(silo.resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "pfuse-node" / key
-
-
-def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
-    """ClientApp train handler: fit the node's silo (from the run's base, when it fine-tunes one: the node's own
-    copy or the one the message carries, :func:`~posterior_fusion.flower.base.node_base`), keep the artifact in the
-    node's state folder (named by its SHA-256, for the refresh round) and reply with its bytes — or, in the secure aggregation's
-    round, with the fusion method's statistics only (:func:`~posterior_fusion.flower.secure.secure_fit_reply`)."""
-    secure = is_secure_fit(msg)
-    config = msg.content.config_records["fitins.config" if secure else "config"]
-    settings = FederatedSettings.from_json(str(config["settings"]))
-    silo = node_silo(context, silo_dir)
-    state = node_state_dir(context, silo)
-    base = node_base(dict(context.node_config), settings.base_sha256, config.get("base"), state)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "client.h5"
-        fit_to_artifact(settings, silo, out, private=node_private_model(context), base=base)
-        blob = out.read_bytes()
-    state.mkdir(parents=True, exist_ok=True)
-    own = state / f"{hashlib.sha256(blob).hexdigest()}.h5"
-    write_atomically(own, lambda tmp_path: tmp_path.write_bytes(blob))
-    if secure:  # only the method's statistics leave, masked by SecAgg+ (flower/secure.py)
-        return secure_fit_reply(msg, own)
-    reply = {"artifact": blob, "silo": str(silo)}
-    if "partition-id" in context.node_config:
-        reply["partition-id"] = int(context.node_config["partition-id"])
-    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
-
-
-def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
-    """ClientApp query handler, the refresh round: recapture the node's own artifact at the global
-    artifact's members on its silo, reply with the refreshed artifact's bytes (as ``train`` does)."""
-    rec = msg.content["refresh"]
-    if "artifact" in rec:
-        raise FederationError("a refresh message may name the node's own artifact by 'artifact-sha256', never send "
-                              "one: the node recaptures only its own copy")
-    own, at, damping = rec.get("artifact-sha256"), rec.get("global"), rec.get("damping")
-    if not isinstance(own, str) or len(own) != 64 or any(ch not in "0123456789abcdef" for ch in own):
-        raise FederationError("a refresh message needs 'artifact-sha256', the SHA-256 of the node's own artifact")
-    if not isinstance(at, bytes):
-        raise FederationError("a refresh message needs the bytes of 'global'")
-    if damping != "auto" and (isinstance(damping, bool) or not isinstance(damping, (int, float))):
-        raise FederationError(f"a refresh message's 'damping' must be 'auto' or a number, got {type(damping).__name__}")
-    damping = check_damping(damping, "the refresh message's damping")
-    radius = context.node_config.get("refresh-trust-radius", TRUST_RADIUS)
-    if isinstance(radius, str):
-        try:
-            radius = float(radius)
-        except ValueError:
-            pass
-    ranges.check("node config refresh-trust-radius", radius, ranges.TRUST_RADIUS)
-    privacy = refresh_privacy_from({k.replace("-", "_"): v for k, v in context.node_config.items()
-                                    if k.startswith("refresh-dp-")}, "node config: ")
-    silo = node_silo(context, silo_dir)
-    first = node_state_dir(context, silo) / f"{own}.h5"
-    if not first.is_file():
-        raise FederationError(f"this node holds no artifact with SHA-256 {own[:16]}… (it recaptures only its own, "
-                              f"kept in {first.parent} since the first round)")
-    with tempfile.TemporaryDirectory() as tmp:
-        glob, out = Path(tmp) / "global.h5", Path(tmp) / "refreshed.h5"
-        glob.write_bytes(at)
-        recapture_to_file(first, silo, out, None, at_path=glob, damping=damping, log=lambda m: None,
-                          trust_radius=float(radius), privacy=privacy)
-        blob = out.read_bytes()
-    reply = {"artifact": blob, "silo": str(silo)}
-    if "partition-id" in context.node_config:
-        reply["partition-id"] = int(context.node_config["partition-id"])
-    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
-
-
-def make_client_app(silo_dir: str | os.PathLike | None = None) -> ClientApp:
-    """ClientApp whose train handler is :func:`client_train` and query handler (the refresh round)
-    :func:`client_refresh` (``silo_dir``: simulation default)."""
-    app = ClientApp()
-
-    def train(msg: Message, context: Context) -> Message:
-        return client_train(msg, context, silo_dir)
-
-    def query(msg: Message, context: Context) -> Message:
-        return client_refresh(msg, context, silo_dir)
-
-    app.train(mods=[secure_sums_mod])(train)
-    app.query()(query)
-    return app
+from posterior_fusion.local.config import REFRESH_DAMPING, check_damping
 
 
 @dataclass

@@ -1,0 +1,168 @@
+"""The ClientApp: a node fits its own silo (the same :func:`~posterior_fusion.local.fit.fit_silo_file` as
+``pfuse fit-local``) and replies with the artifact's bytes; in the refresh round it recaptures its own kept
+artifact at the global (:mod:`posterior_fusion.flower`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from posterior_fusion import ranges
+from posterior_fusion.errors import (
+    ConfigError,
+    FederationError,
+)
+from posterior_fusion.files import write_atomically
+from posterior_fusion.flower.base import node_base
+from posterior_fusion.flower.federated_settings import FederatedSettings
+from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
+from posterior_fusion.local.config import (
+    PrivateModelConfig,
+    refresh_privacy_from,
+)
+from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.refresh import TRUST_RADIUS, check_damping, refresh_to_file
+from posterior_fusion.models import ModelSpec
+
+
+def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
+                    log: Callable[[str], None] = lambda m: None, private: PrivateModelConfig | None = None,
+                    base: str | os.PathLike | None = None) -> None:
+    """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does (``private``:
+    the node's own architecture, HBFL's heterogeneous client — chosen by the node, not the server), or,
+    when the run names a base by its SHA-256, what ``pfuse init --from BASE`` + ``fit-local --init`` do with
+    the node's own copy ``base`` (node config ``base``), refused in one line unless its SHA-256 is the run's."""
+    cfg = settings.fit_config()
+    if private is not None:
+        cfg = replace(cfg, private=private)
+        cfg.validate()
+    if settings.base_sha256 and base is None:
+        raise ConfigError(f"the run fine-tunes the base {settings.base_sha256[:12]}…: set this node's node config "
+                          "'base' to its copy of the base file, or the server's run config 'base' to send it")
+    fit_silo_file(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log,
+                  base=base if settings.base_sha256 else None, base_sha256=settings.base_sha256)
+
+
+def node_private_model(context: Context) -> PrivateModelConfig | None:
+    """The node's own architecture from its node config (``private-model``, ``private-model-kwargs``,
+    ``private-epochs``, ``private-weight``), or None."""
+    nc = context.node_config
+    if "private-model" not in nc:
+        return None
+    try:
+        kwargs = json.loads(str(nc.get("private-model-kwargs", "{}")))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"node config private-model-kwargs is not valid JSON: {exc.msg}") from None
+    spec = ModelSpec(str(nc["private-model"]), kwargs)
+    epochs = nc.get("private-epochs")
+    return PrivateModelConfig(spec.name, dict(spec.kwargs), int(epochs) if epochs is not None else None,
+                              float(nc.get("private-weight", 0.5)))
+
+
+def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:
+    if "silo" in context.node_config:
+        return Path(str(context.node_config["silo"]))
+    folder = silo_dir if silo_dir is not None else context.run_config.get("silo-dir")
+    if "partition-id" in context.node_config and folder is not None:
+        return Path(str(folder)) / f"client_{int(context.node_config['partition-id'])}.h5"
+    raise ConfigError("this node has no silo: set node_config 'silo', or a silo-dir with partition-id")
+
+
+def node_state_dir(context: Context, silo: Path) -> Path:
+    """Where the node keeps its own artifacts between rounds: node config ``state-dir``, else
+    ``<temporary folder>/pfuse-node/<hash of the silo's path>``."""
+    if "state-dir" in context.node_config:
+        return Path(str(context.node_config["state-dir"]))
+    key = hashlib.sha256(str(silo.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "pfuse-node" / key
+
+
+def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
+    """ClientApp train handler: fit the node's silo (from the run's base, when it fine-tunes one: the node's own
+    copy or the one the message carries, :func:`~posterior_fusion.flower.base.node_base`), keep the artifact in the
+    node's state folder (named by its SHA-256, for the refresh round) and reply with its bytes — or, in the secure aggregation's
+    round, with the fusion method's statistics only (:func:`~posterior_fusion.flower.secure.secure_fit_reply`)."""
+    secure = is_secure_fit(msg)
+    config = msg.content.config_records["fitins.config" if secure else "config"]
+    settings = FederatedSettings.from_json(str(config["settings"]))
+    silo = node_silo(context, silo_dir)
+    state = node_state_dir(context, silo)
+    base = node_base(dict(context.node_config), settings.base_sha256, config.get("base"), state)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "client.h5"
+        fit_to_artifact(settings, silo, out, private=node_private_model(context), base=base)
+        blob = out.read_bytes()
+    state.mkdir(parents=True, exist_ok=True)
+    own = state / f"{hashlib.sha256(blob).hexdigest()}.h5"
+    write_atomically(own, lambda tmp_path: tmp_path.write_bytes(blob))
+    if secure:  # only the method's statistics leave, masked by SecAgg+ (flower/secure.py)
+        return secure_fit_reply(msg, own)
+    reply = {"artifact": blob, "silo": str(silo)}
+    if "partition-id" in context.node_config:
+        reply["partition-id"] = int(context.node_config["partition-id"])
+    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
+
+
+def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
+    """ClientApp query handler, the refresh round: recapture the node's own artifact at the global
+    artifact's members on its silo, reply with the refreshed artifact's bytes (as ``train`` does)."""
+    rec = msg.content["refresh"]
+    if "artifact" in rec:
+        raise FederationError("a refresh message may name the node's own artifact by 'artifact-sha256', never send "
+                              "one: the node recaptures only its own copy")
+    own, at, damping = rec.get("artifact-sha256"), rec.get("global"), rec.get("damping")
+    if not isinstance(own, str) or len(own) != 64 or any(ch not in "0123456789abcdef" for ch in own):
+        raise FederationError("a refresh message needs 'artifact-sha256', the SHA-256 of the node's own artifact")
+    if not isinstance(at, bytes):
+        raise FederationError("a refresh message needs the bytes of 'global'")
+    if damping != "auto" and (isinstance(damping, bool) or not isinstance(damping, (int, float))):
+        raise FederationError(f"a refresh message's 'damping' must be 'auto' or a number, got {type(damping).__name__}")
+    damping = check_damping(damping, "the refresh message's damping")
+    radius = context.node_config.get("refresh-trust-radius", TRUST_RADIUS)
+    if isinstance(radius, str):
+        try:
+            radius = float(radius)
+        except ValueError:
+            pass
+    ranges.check("node config refresh-trust-radius", radius, ranges.TRUST_RADIUS)
+    privacy = refresh_privacy_from({k.replace("-", "_"): v for k, v in context.node_config.items()
+                                    if k.startswith("refresh-dp-")}, "node config: ")
+    silo = node_silo(context, silo_dir)
+    first = node_state_dir(context, silo) / f"{own}.h5"
+    if not first.is_file():
+        raise FederationError(f"this node holds no artifact with SHA-256 {own[:16]}… (it recaptures only its own, "
+                              f"kept in {first.parent} since the first round)")
+    with tempfile.TemporaryDirectory() as tmp:
+        glob, out = Path(tmp) / "global.h5", Path(tmp) / "refreshed.h5"
+        glob.write_bytes(at)
+        refresh_to_file(first, silo, glob, out, damping=damping, log=lambda m: None,
+                          trust_radius=float(radius), privacy=privacy)
+        blob = out.read_bytes()
+    reply = {"artifact": blob, "silo": str(silo)}
+    if "partition-id" in context.node_config:
+        reply["partition-id"] = int(context.node_config["partition-id"])
+    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
+
+
+def make_client_app(silo_dir: str | os.PathLike | None = None) -> ClientApp:
+    """ClientApp whose train handler is :func:`client_train` and query handler (the refresh round)
+    :func:`client_refresh` (``silo_dir``: simulation default)."""
+    app = ClientApp()
+
+    def train(msg: Message, context: Context) -> Message:
+        return client_train(msg, context, silo_dir)
+
+    def query(msg: Message, context: Context) -> Message:
+        return client_refresh(msg, context, silo_dir)
+
+    app.train(mods=[secure_sums_mod])(train)
+    app.query()(query)
+    return app
