@@ -156,12 +156,17 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
     from posterior_fusion.local.fit import fit_and_write
     from posterior_fusion.local.init import finetune_start, initial_weights
 
+    ctx = click.get_current_context()
+    given = [name for name in settings if name.startswith("dp_")
+             and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given and not settings.get("dp"):
+        raise ConfigError(f"--{given[0].replace('_', '-')} is set but differential privacy is off: add --dp to fit "
+                          "privately, or leave the privacy options out (an ordinary fit protects nothing)")
     cfg = fit_config_from(settings)
     resolve_device(cfg.device, "--device")  # before the data is read
     if init_path is not None:
         init_art = load_global(init_path, max_memory)
         spec, inits = init_art.model_spec, list(init_art.members)
-        ctx = click.get_current_context()
         explicit = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
                     for name in ("model", "model_kwargs", "components")}
         if init_art.method != "init":

@@ -404,3 +404,23 @@ def test_swag_moments_of_the_private_iterates_cost_no_further_epsilon(tmp_path, 
                 "--out", tmp_path / "o_swag.h5").exit_code == 0
     r = _run("fuse", tmp_path / "swagTrue.h5", tmp_path / "o_swag.h5", "--method", "swag", "--out", tmp_path / "g.h5")
     assert r.exit_code == 0, r.output
+
+
+def test_a_privacy_setting_without_dp_is_refused_never_a_plain_fit(tmp_path, small_silo):
+    """``--dp-epsilon`` (or any other dp setting) without ``--dp``: one line, exit 2, nothing written — on the CLI
+    (even at the default value), in a TOML-style flat table and in the Flower settings."""
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.flower.federated_settings import FederatedSettings
+    from posterior_fusion.local.config import fit_config_from
+
+    silo = _silo(tmp_path, small_silo)
+    for extra in (["--dp-epsilon", "3"], ["--dp-epsilon", "8"], ["--dp-delta", "1e-5"], ["--dp-clip", "2"]):
+        out = tmp_path / "plain.h5"
+        r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", '{"hidden": 4}', "-M", "1",
+                 "--epochs", "1", "--structure", "diag", *extra, "--out", out)
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--dp" in r.stderr and not out.exists(), r.output
+    with pytest.raises(ConfigError, match="differential privacy is off"):
+        fit_config_from({"dp_epsilon": 3.0})
+    with pytest.raises(ConfigError, match="differential privacy is off"):
+        FederatedSettings(dp_epsilon=3.0).fit_config()
+    assert fit_config_from({"dp": True, "dp_epsilon": 3.0}).dp.dp_epsilon == 3.0

@@ -225,3 +225,49 @@ def test_fine_tuning_refusals_are_one_line(tmp_path, small_silo):
         posterior_fusion.load(tmp_path / "c0.h5")
     with pytest.raises(ModelSpecError, match="does not hold"):
         ModelSpec("mlp", KW, finetune="head").build()
+
+
+def test_a_client_that_forges_the_frozen_base_is_refused_by_fuse(tmp_path, small_silo):
+    """The frozen base travels in every client artifact (``/frozen``): a client that shifts it (all of it, or
+    one value) is refused by ``fuse`` in one line naming it; a negative frozen BatchNorm variance is refused by
+    the reader."""
+    path, _ = _base(tmp_path)
+    _silos(tmp_path, small_silo)
+    assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
+                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+    for c in range(2):
+        r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--finetune", "head",
+                 "--structure", "diag", "--epochs", "1", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
+        assert r.exit_code == 0, r.output
+    assert _run("fuse", tmp_path / "c0.h5", tmp_path / "c1.h5", "--method", "fedavg",
+                "--out", tmp_path / "ok.h5").exit_code == 0
+    import shutil
+
+    for name, forge in (("all", lambda v: v + 0.5), ("one", lambda v: v.__setitem__(3, v[3] + 1e-3) or v)):
+        forged = tmp_path / f"forged_{name}.h5"
+        shutil.copy(tmp_path / "c1.h5", forged)
+        with h5py.File(forged, "r+") as f:
+            f["frozen"][...] = forge(f["frozen"][()].copy())
+        r = _run("fuse", tmp_path / "c0.h5", forged, "--method", "fedavg", "--out", tmp_path / f"g_{name}.h5")
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and forged.name in lines[0] and "frozen base" in lines[0], r.output
+        assert not (tmp_path / f"g_{name}.h5").exists()
+
+
+def test_a_negative_frozen_batchnorm_variance_is_refused_by_the_reader(tmp_path, small_silo):
+    from conftest import fit_artifact
+
+    kw = {"in_channels": 1, "width": 2, "norm": "batch"}
+    fit_artifact(tmp_path / "bn.h5", SiloData(small_silo.x[:40], small_silo.y[:40], "fmnist", 10), "diag",
+                 "resnet20", kw, mixtures=1)
+    spec = posterior_fusion.load(tmp_path / "bn.h5").model_spec  # the honest one reads
+    with h5py.File(tmp_path / "bn.h5", "r+") as f:
+        values, offset = f["frozen"][()].copy(), 0
+        for n, shape in spec.frozen_shapes():
+            if n.endswith("running_var"):
+                values[offset] = -1.0
+                break
+            offset += int(torch.tensor(shape).prod())
+        f["frozen"][...] = values
+    with pytest.raises(ArtifactError, match="negative"):
+        posterior_fusion.load(tmp_path / "bn.h5")

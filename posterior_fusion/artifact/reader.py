@@ -143,7 +143,11 @@ def _with_frozen(chk: _Checker, f: h5py.File, spec: ModelSpec) -> ModelSpec:
         return spec
     values = _read(chk, f["/frozen"], "/frozen", WEIGHT_MAX).float()
     sizes = [math.prod(shape) for _, shape in shapes]
-    return spec.with_base({name: t.reshape(shape) for (name, shape), t in zip(shapes, torch.split(values, sizes))})
+    base = {name: t.reshape(shape) for (name, shape), t in zip(shapes, torch.split(values, sizes))}
+    for name, t in base.items():
+        if name.endswith("running_var") and bool((t < 0).any()):
+            raise chk.bad_value("/frozen", f"the BatchNorm variance {name} has a negative entry ({float(t.min()):.3g})")
+    return spec.with_base(base)
 
 
 WEIGHT_MAX = 1e12  # a stored weight vector (MAP, member, student, SWAG mean) at most this in absolute value

@@ -292,6 +292,15 @@ def check_compatible(clients: list[ClientPosterior], allow_mixed_privacy: bool =
         said = {p: f"the base {str(sha)[:12]}…" if sha else "no pretrained base" for p, sha in bases.items()}
         raise IncompatibleArtifactsError(f"{odd.path}: fine-tuned from {said[odd.path]}, {ref.path} from "
                                          f"{said[ref.path]}: clients must share one base")
+    if ref.model_spec.frozen_shapes():
+        mine = ref.model_spec.frozen_vector()
+        for c in clients[1:]:
+            theirs = c.model_spec.frozen_vector()
+            if not torch.equal(mine, theirs):
+                moved = int((mine != theirs).sum()) if mine.shape == theirs.shape else len(theirs)
+                raise IncompatibleArtifactsError(
+                    f"{c.path}: its frozen base weights (/frozen) differ from {ref.path}'s in {moved} of {len(mine)} "
+                    "values: every client must carry the federation's base bit for bit")
     for c in clients[1:]:
         a, b = ref.prior_mean, c.prior_mean
         if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):

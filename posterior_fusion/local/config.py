@@ -349,6 +349,10 @@ def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
         raise ConfigError(f"{where}no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
     flat = {name: s.default if values.get(name) is None else convert(values[name], s.type, name, where.rstrip(": "))
             for name, s in table.items()}
+    asked = [name for name, s in table.items() if s.path[0] == "dp" and len(s.path) == 2 and flat[name] != s.default]
+    if asked and not flat["dp"]:
+        raise ConfigError(f"{where}`{asked[0]}` is set but differential privacy is off: set `dp` to fit privately, "
+                          "or leave the privacy settings out (an ordinary fit protects nothing)")
     parts: dict[tuple[str, ...], dict[str, Any]] = {}
     for name, s in table.items():
         if len(s.path) == 2:
