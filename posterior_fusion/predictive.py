@@ -224,7 +224,7 @@ def jacobian_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x: 
                      max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`logit_moments` from per-sample full Jacobians ``(b, C, d)`` (``vmap(jacrev)``): any model.
     Batches are sized from the memory budget (:func:`glm_batch_size`) unless ``batch_size`` is given."""
-    model = spec.build()
+    model = spec.build().eval()
     if batch_size is None:
         batch_size = glm_batch_size(spec.num_classes, w.numel(), max_memory)
     names = [n for n, _ in model.named_parameters()]

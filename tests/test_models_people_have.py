@@ -430,3 +430,55 @@ def test_a_layer_whose_input_is_not_one_row_per_sample_is_refused_by_the_fast_ca
     batch_first = linear_attention(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1,
                                                          enable_nested_tensor=False)).eval()
     assert unsupported_reason(batch_first, torch.randn(2, 5, 8)) is None
+
+
+DROPOUT = '''
+from torch import nn
+
+
+def dropnet(num_classes: int = 10, in_features: int = 49):
+    """An MLP with dropout between its layers, as most people's models have."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, 16), nn.ReLU(), nn.Dropout(0.5),
+                         nn.Linear(16, num_classes))
+'''
+
+
+def test_a_dropout_model_predicts_evaluates_and_selects_deterministically(tmp_path, monkeypatch, small_silo):
+    """Every evaluation runs the members in evaluation mode: with dropout in the model, ``predict`` (the API and
+    the CLI), ``evaluate`` and ``fuse --val``'s selection give bit-identical results run after run, and equal a
+    plain ``eval()`` forward pass of the member."""
+    import torch
+
+    import posterior_fusion
+    from posterior_fusion.posterior import build_model
+
+    install_fake_plugin(tmp_path, monkeypatch, "dropplug", "0.1", "dropnet", DROPOUT)
+    for c in range(2):
+        write_silo(tmp_path / f"s{c}.h5", SiloData(small_silo.x[c * 60:(c + 1) * 60, ::4, ::4].copy(),
+                                                   small_silo.y[c * 60:(c + 1) * 60], "fmnist", 10))
+        r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / f"s{c}.h5"), "--model", "dropnet",
+                                       "-M", "2", "--epochs", "2", "--structure", "diag", "--train-seed", str(c),
+                                       "--out", str(tmp_path / f"c{c}.h5")])
+        assert r.exit_code == 0, r.output
+    val = SiloData(small_silo.x[200:260, ::4, ::4].copy(), small_silo.y[200:260], "fmnist", 10)
+    write_silo(tmp_path / "val.h5", val)
+    kept = []
+    for k in range(2):
+        out = tmp_path / f"g{k}.h5"
+        r = CliRunner().invoke(pfuse, ["fuse", str(tmp_path / "c0.h5"), str(tmp_path / "c1.h5"), "--method", "fedbens",
+                                       "--set", "steps=40", "--set", "val_every=10", "--val", str(tmp_path / "val.h5"),
+                                       "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        g = posterior_fusion.load(out)
+        kept.append([h[-1]["step"] for h in g.metadata["history"]] if "history" in g.metadata else None)
+        kept.append(torch.stack(list(g.members)))
+    assert kept[0] == kept[2] and torch.equal(kept[1], kept[3])
+    g = posterior_fusion.load(tmp_path / "g0.h5")
+    x = torch.as_tensor(val.x[:20]).float()
+    first, second = g.predict(x), g.predict(x)
+    assert torch.equal(first, second)
+    member = build_model(g.model_spec, g.members[0])
+    assert not member.training
+    evals = [CliRunner().invoke(pfuse, ["evaluate", str(tmp_path / "g0.h5"), "--data", str(tmp_path / "val.h5"),
+                                        "--json"]).stdout for _ in range(2)]
+    assert evals[0] == evals[1] and evals[0]

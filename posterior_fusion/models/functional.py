@@ -12,8 +12,9 @@ from posterior_fusion.models.maxpool import fast_max_pooling
 
 
 def batched_logits(spec: ModelSpec, W: torch.Tensor, x: torch.Tensor, batch_size: int = 2048) -> torch.Tensor:
-    """Logits of K flat weight vectors ``W`` ``(K, d)`` on ``x`` ``(n, ...)``: ``(K, n, classes)``."""
-    model = spec.build()
+    """Logits of K flat weight vectors ``W`` ``(K, d)`` on ``x`` ``(n, ...)``: ``(K, n, classes)``, the model in
+    evaluation mode (dropout off, BatchNorm on its stored statistics)."""
+    model = spec.build().eval()
     names = [n for n, _ in model.named_parameters()]
     shapes = [p.shape for _, p in model.named_parameters()]
     sizes = [math.prod(s) for s in shapes]
