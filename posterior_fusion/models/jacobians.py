@@ -149,25 +149,11 @@ def batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn:
     output gradients in the pass's (consumers widen them with :func:`widened`, the Grams chunk by chunk),
     so every factor is the exact float32/float64 sum of products of these rounded vectors (a Gram of
     rounded vectors stays positive semi-definite)."""
-    ins: dict[nn.Module, torch.Tensor] = {}
-    outs: dict[nn.Module, torch.Tensor] = {}
-
-    def hook(m, inp, out):
-        ins[m] = inp[0].detach()
-        if not out.requires_grad:  # the first layer: its output starts the graph (no input gradients)
-            out = out.detach().requires_grad_(True)
-        outs[m] = out
-        return out
-
-    handles = [m.register_forward_hook(hook) for m in layers]
     low = compute_dtype is not None
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())  # the model's (xb may hold ids)
-    try:
-        with torch.enable_grad(), torch.autocast(xb.device.type, dtype=compute_dtype or torch.bfloat16, enabled=low):
-            logits = model(xb)
-    finally:
-        for h in handles:
-            h.remove()
+    logits, ins, outs, overwritten = _forward(model, layers, xb, compute_dtype, copy=False)
+    if overwritten:  # an in-place op (ReLU(inplace=True), +=) changed a layer's input or output later: again, copied
+        logits, ins, outs, _ = _forward(model, layers, xb, compute_dtype, copy=True)
     if not low:
         cols = backprop_columns(logits, ggn, generator)
         inputs = [ins[m] for m in layers]
@@ -179,6 +165,37 @@ def batch_pass(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, ggn:
         grads = torch.autograd.grad(logits, targets, cols[r], retain_graph=r < len(cols) - 1)
         on_column(r, inputs, grads)
     return logits.detach().to(dtype)
+
+
+def _forward(model: nn.Module, layers: list[nn.Module], xb: torch.Tensor, compute_dtype: torch.dtype | None,
+             copy: bool) -> tuple[torch.Tensor, dict, dict, bool]:
+    """The forward pass of :func:`batch_pass`: ``(logits, inputs, outputs, overwritten)`` of ``layers``, each
+    output a tensor the backward passes differentiate with respect to; ``overwritten``: an in-place operation
+    further on (``ReLU(inplace=True)``, ``out += x``) changed a recorded input or output (their version counters
+    moved). ``copy``: the model goes on with a copy of each output and each input is kept as a copy, so no
+    in-place operation can change them."""
+    ins: dict[nn.Module, torch.Tensor] = {}
+    outs: dict[nn.Module, torch.Tensor] = {}
+    seen: dict[nn.Module, tuple[int, int]] = {}
+
+    def hook(m, inp, out):
+        ins[m] = inp[0].detach().clone() if copy else inp[0].detach()
+        if not out.requires_grad:  # the first layer: its output starts the graph (no input gradients)
+            out = out.detach().requires_grad_(True)
+        outs[m] = out
+        seen[m] = (ins[m]._version, out._version)
+        return out.clone() if copy else out
+
+    handles = [m.register_forward_hook(hook) for m in layers]
+    low = compute_dtype is not None
+    try:
+        with torch.enable_grad(), torch.autocast(xb.device.type, dtype=compute_dtype or torch.bfloat16, enabled=low):
+            logits = model(xb)
+    finally:
+        for h in handles:
+            h.remove()
+    overwritten = any((ins[m]._version, outs[m]._version) != v for m, v in seen.items())
+    return logits, ins, outs, overwritten
 
 
 def no_param_grads(model: nn.Module):
