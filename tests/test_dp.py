@@ -424,3 +424,59 @@ def test_a_privacy_setting_without_dp_is_refused_never_a_plain_fit(tmp_path, sma
     with pytest.raises(ConfigError, match="differential privacy is off"):
         FederatedSettings(dp_epsilon=3.0).fit_config()
     assert fit_config_from({"dp": True, "dp_epsilon": 3.0}).dp.dp_epsilon == 3.0
+
+
+# Every field a private artifact holds, and why it may: the accounted release, or public by design
+# (docs/security.md, "What a private artifact holds"). A field that appears without a line here fails the test.
+PRIVATE_METADATA = {
+    "n_data": "the sum of the noisy class counts (the release)", "class_counts": "the noisy histogram (the release)",
+    "dp": "the mechanisms and their (ε, δ); n enters as public (δ = 1/n, the sampling rate)",
+    "num_classes": "the model's", "dataset": "the data set's name, chosen by the federation",
+    "input_transform": "data-independent, or computed from public data (dp_public_transform); no file name",
+    "temperature": "a setting", "prior_precision": "a setting", "structure": "a setting", "train_seed": "a setting",
+    "curvature_batch_size": "a setting", "ggn": "a setting", "kfac": "a setting", "train": "the settings DP-SGD used",
+    "library_versions": "the software's", "fit_fingerprint": "a hash of the recipe and the released values",
+    "curvature_blocks": "the model's layer policy", "init": "the starting points' origin (server-chosen)",
+    "format": "the file's", "format_version": "the file's", "num_components": "M, a setting",
+    "model_spec": "the model's", "layout": "the model's", "laplace": "the prior, a setting",
+    "created_with": "the software's", "kind": "the file's",
+}
+PRIVATE_TRAINING = {"seed": "a setting", "epochs": "a setting", "capture": "the method's", "device": "cpu or cuda"}
+
+
+def test_a_private_artifact_holds_only_classified_fields_and_no_data_fingerprint(tmp_path, small_silo):
+    """Every metadata and training field of a private artifact is in the tables above; the fingerprint does not
+    depend on the data (two silos differing in one sample give the same recipe hash), no timing is recorded,
+    the recorded weight decay is the one DP-SGD used (from the released n), a transform computed from data is
+    refused unless declared public, and the transform's file name is not kept."""
+    from posterior_fusion.data.transform import InputTransform
+
+    silo = _silo(tmp_path, small_silo)
+    other = _silo(tmp_path, small_silo, "t.h5", 1, 121)  # one sample out, another in
+    arts = []
+    for name, data in (("a.h5", silo), ("b.h5", other)):
+        r = _run("fit-local", "--data", data, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
+                 "--structure", "diag", "--dp", "--dp-epsilon", "4", "--out", tmp_path / name)
+        assert r.exit_code == 0, r.output
+        arts.append(posterior_fusion.load(tmp_path / name))
+    art = arts[0]
+    unclassified = set(art.metadata) - set(PRIVATE_METADATA)
+    assert not unclassified, f"classify these private-artifact fields in PRIVATE_METADATA: {sorted(unclassified)}"
+    for comp in art.components:
+        assert not set(comp.training) - set(PRIVATE_TRAINING), sorted(set(comp.training) - set(PRIVATE_TRAINING))
+    recipe = {k: v for k, v in art.metadata.items() if k not in ("n_data", "class_counts", "dp", "fit_fingerprint",
+                                                                 "train")}
+    assert recipe == {k: v for k, v in arts[1].metadata.items() if k in recipe}  # nothing tells the silos apart
+    T, lam = art.metadata["temperature"], art.metadata["prior_precision"]
+    assert art.metadata["train"]["weight_decay"] == pytest.approx(T * lam / art.n_data, rel=1e-12)
+    # a transform computed from the silo's own data is refused; declared public, it is taken without its file name
+    x = small_silo.x[:120, ::2, ::2].copy()
+    t = InputTransform.compute(x, "own.npz")
+    write_silo(tmp_path / "own.h5", SiloData(x, small_silo.y[:120], "fmnist", 10, transform=t))
+    r = _run("fit-local", "--data", tmp_path / "own.h5", "--model", "mlp", "--model-kwargs", KW, "-M", "1",
+             "--epochs", "1", "--structure", "diag", "--dp", "--out", tmp_path / "own_art.h5")
+    assert r.exit_code == 2 and "dp_public_transform" in r.stderr.replace("-", "_") and r.stderr.count("\n") == 1
+    r = _run("fit-local", "--data", tmp_path / "own.h5", "--model", "mlp", "--model-kwargs", KW, "-M", "1",
+             "--epochs", "1", "--structure", "diag", "--dp", "--dp-public-transform", "--out", tmp_path / "own_art.h5")
+    assert r.exit_code == 0, r.output
+    assert posterior_fusion.load(tmp_path / "own_art.h5").metadata["input_transform"].get("source", "") == ""

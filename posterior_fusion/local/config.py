@@ -127,6 +127,9 @@ class DPConfig:
                                    bounds=(1e-9, 1e9))
     dp_training_share: float = setting(0.8, "Part of ε that calibrates the training noise; the rest calibrates the "
                                          "curvature and count releases.", bounds=(0.05, 0.95))
+    dp_public_transform: bool = setting(False, "The silo's input transform was computed from public data (`import-data "
+                                               "--transform from:FILE`), not its own: a private fit refuses a computed "
+                                               "transform otherwise (its statistics would be released unaccounted).")
 
     def validate(self) -> None:
         check_declared(self)

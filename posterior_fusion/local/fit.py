@@ -229,7 +229,18 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         counts = accounting.private_counts(data.class_counts(), dp_plan.release_noise, noise)
         metadata.update(class_counts=counts, n_data=sum(counts), dp=dp_plan.record(cfg.dp, cfg.structure))
         metadata.pop("data_sha256", None)  # a deterministic function of the data: not released
-        cfg = cfg.resolved(sum(counts))  # the weight decay from the released size
+        transform = data.input_transform
+        if transform.source.startswith("computed from") and not cfg.dp.dp_public_transform:
+            raise ConfigError(f"{data.source or 'data'}: its input transform was {transform.source} — statistics of "
+                              "data a private artifact would release unaccounted; import the silo with `--transform "
+                              "none`, `constants:NAME` or `from:FILE` of public data (then set `dp_public_transform`)")
+        metadata["input_transform"] = replace(transform, source="").to_dict()  # no file name
+        cfg = cfg.resolved(sum(counts))  # the weight decay from the released size, as DP-SGD uses it
+        metadata["train"] = asdict(cfg.train)
+        recipe = {"spec": spec.to_json(), "config": cfg.fingerprint_dict(), "dp": metadata["dp"],
+                  "inits": [hashlib.sha256(w.detach().cpu().float().numpy().tobytes()).hexdigest() for w in inits]}
+        # of the recipe and the released values only: a hash of the data would tell which data set the silo had
+        metadata["fit_fingerprint"] = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()
     else:
         cfg = cfg.resolved(len(data))
     device = resolve_device(cfg.device)
@@ -311,9 +322,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         training = {"seed": component_seed, "epochs": cfg.train.epochs, "final_loss": res.final_loss,
                     "final_accuracy": res.final_accuracy, "train_seconds": round(t1 - t0, 3),
                     "curvature_seconds": round(t2 - t1, 3), "capture": captured_by, "device": device.type}
-        if dp_plan is not None:  # the loss and accuracy on the silo are not released
-            training.pop("final_loss")
-            training.pop("final_accuracy")
+        if dp_plan is not None:  # the loss, the accuracy and the timings on the silo are not released
+            for key in ("final_loss", "final_accuracy", "train_seconds", "curvature_seconds"):
+                training.pop(key)
         student = None
         if cfg.ppd is not None:
             w_map = parameters_to_vector(model.parameters()).detach().clone()
