@@ -345,6 +345,28 @@ def test_the_clipped_diag_full_sums_move_by_at_most_the_clip():
     assert max(moved) >= 0.5 * clip  # the worst-case sample is clipped, not ignored
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.05])
+def test_a_saturated_sample_cannot_move_the_float32_diag_full_release_past_the_clip(clip):
+    """The model in float32, as fits run it: 63 copies of one sample and one sample ×1e9, whose softmax saturates
+    (its true contribution is tiny and rightly unclipped). Removing any one sample moves the released diagonal
+    and block by at most the clip: the per-sample blocks are formed without a difference of two sums, so one
+    sample cannot cancel the others' contributions in rounding."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4)).eval()  # the last layer's input unbounded
+    x = torch.randn(1, 6).repeat(64, 1)
+    x[-1] = torch.randn(6) * 1e9
+    rows, cols = torch.triu_indices(4 * 6, 4 * 6)
+
+    def released(xs):
+        diag, block = clipped_diag_full_sums(model, xs, clip, batch_size=16)
+        return torch.cat([diag, block[rows, cols]])
+
+    whole = released(x)
+    for i in (0, 31, 63):
+        less = released(x[torch.arange(len(x)) != i])
+        assert float((whole - less).norm()) <= clip * (1 + 1e-6), (i, float((whole - less).norm()))
+
+
 def test_a_private_diag_full_artifact_fuses_and_records_its_release(tmp_path, small_silo):
     """``fit-local --dp --structure diag+full``: a diagonal and a dense last-layer block, positive semi-definite,
     the guarantee Opacus' accountant's; the product and Fisher merge fuse two such artifacts."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from posterior_fusion.curvature import BlockDiag, Dense, Diag
-from posterior_fusion.local.capture.fast import kron_blocks, last_layer_ggn
+from posterior_fusion.local.capture.fast import kron_blocks
 from posterior_fusion.local.capture.inputs import reduced_input
 from posterior_fusion.local.capture.outputs import reduced_grad
 from posterior_fusion.local.config import DPConfig
@@ -72,9 +72,12 @@ def clipped_diag_full_sums(model: nn.Module, x: torch.Tensor, curvature_clip: fl
     diagonal and the block's upper triangle together move by at most ``curvature_clip`` (L2) when one sample is
     added or removed."""
     last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
-    size = last.weight.numel() + (last.bias.numel() if last.bias is not None else 0)
+    n_out, n_in = last.weight.shape
+    has_b = last.bias is not None
+    k = n_in + has_b
+    size = n_out * k
     diag = torch.zeros(0, dtype=torch.float64)
-    clipped = []
+    block = torch.zeros(n_out, k, n_out, k, dtype=torch.float64)
     feats: list[torch.Tensor] = []
     model.eval()
     handle = last.register_forward_hook(lambda m, i, o: feats.append(i[0].detach()))
@@ -84,18 +87,36 @@ def clipped_diag_full_sums(model: nn.Module, x: torch.Tensor, curvature_clip: fl
             c = per_sample_ggn_diagonal(model, xb).double()[:, :-size]  # the diagonal part: all but the last layer
             feats.clear()
             with torch.no_grad():
-                probs = model(xb).softmax(-1).double()
-            phi_sq = feats[0].reshape(len(xb), -1).double().square().sum(1) + (last.bias is not None)  # ‖φ̃_n‖²
-            H = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
-            block_sq = torch.linalg.matrix_norm(H).square() * phi_sq.square()  # ‖H_n ⊗ φ̃_n φ̃_nᵀ‖_F²
-            t = (curvature_clip / (c.square().sum(1) + block_sq).sqrt().clamp_min(1e-300)).clamp(max=1.0)
-            part = (t[:, None] * c).sum(0).cpu()
+                probs = model(xb).double().softmax(-1).cpu()
+            phi = feats[0].reshape(len(xb), -1).double().cpu()
+            if has_b:
+                phi = torch.cat([phi, phi.new_ones(len(phi), 1)], 1)
+            H = cross_entropy_hessian(probs)                                        # (b, O, O), no cancellation
+            block_sq = torch.linalg.matrix_norm(H).square() * phi.square().sum(1).square()  # ‖H_n ⊗ φ̃_n φ̃_nᵀ‖_F²
+            t = (curvature_clip / (c.square().sum(1).cpu() + block_sq).sqrt().clamp_min(1e-300)).clamp(max=1.0)
+            part = (t[:, None] * c.cpu()).sum(0)
             diag = part if i == 0 else diag + part
-            clipped.append(t)
+            # each sample's own clipped block t_n H_n ⊗ φ̃_n φ̃_nᵀ, summed in float64: one sample moves it by its own term
+            block += torch.einsum("n,noq,ni,nj->oiqj", t, H, phi, phi)
     finally:
         handle.remove()
-    block = last_layer_ggn(model, x, batch_size, weights=torch.cat(clipped)).double()
+    block = block.reshape(size, size)
+    if has_b:
+        idx = torch.arange(size).reshape(n_out, k)
+        order = torch.cat([idx[:, :n_in].reshape(-1), idx[:, n_in]])  # weights row-major, then the bias
+        block = block[order][:, order]
     return diag, block
+
+
+def cross_entropy_hessian(probs: torch.Tensor) -> torch.Tensor:
+    """``diag(π) − π πᵀ`` ``(b, C, C)`` for probabilities ``(b, C)`` (float64), as the Gram ``V Vᵀ`` of the columns
+    ``v_j = √π_j (e_j − π)``, whose entry ``1 − π_j`` is the sum of the other probabilities: no difference of two
+    nearly equal numbers, so a saturated softmax gives its tiny true Hessian, not rounding noise."""
+    others = probs.sum(-1, keepdim=True) - probs                               # 1 − π_j, as Σ_{i≠j} π_i
+    root = probs.sqrt()
+    V = -probs[:, :, None] * root[:, None, :]                                  # column j: −π_i √π_j ...
+    V = V + torch.diag_embed(root * others + probs * root)                      # ... and √π_j (1 − π_j) at i = j
+    return V @ V.transpose(1, 2)
 
 
 def private_diag_full(model: nn.Module, x: torch.Tensor, cfg: DPConfig, release_noise: float,
