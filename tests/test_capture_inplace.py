@@ -81,3 +81,22 @@ def test_in_place_operations_change_no_factor(kind, structure, kfac, ggn):
     a, b = _dense(got).double(), _dense(want).double()
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-7 * float(b.abs().max()))
     assert float(a.abs().max()) > 0
+
+
+def test_a_numerically_zero_block_of_a_trained_layer_warns():
+    """A layer whose output the loss ignores (its output multiplied by zero) has a zero K-FAC output factor: the
+    fit says so in one warning naming it, rather than listing it as curvature."""
+    from posterior_fusion.local.fit import vanishing_blocks
+
+    class Ignored(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.ignored = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x) + 0.0 * self.ignored(x)
+
+    torch.manual_seed(0)
+    model, x = Ignored().eval(), torch.randn(16, 4)
+    curv, _ = capture("kron", model, x, torch.randint(0, 3, (16,)), 8, "exact", "fast", None, lambda m: None)
+    assert vanishing_blocks(model, curv, "kron", "expand") == ["ignored.weight", "ignored.bias"]

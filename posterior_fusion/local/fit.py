@@ -149,6 +149,17 @@ def prior_only(model: torch.nn.Module, structure: str) -> str:
                      f"{', …' if len(names) > 4 else ''})" for kind, names in groups.items())
 
 
+def vanishing_blocks(model: torch.nn.Module, curvature, structure: str, kfac: str) -> list[str]:
+    """The trained parameters whose stored kron block is numerically zero (its mean diagonal entry at most 1e-12
+    of the largest block's): the prior alone in effect, though the artifact lists curvature for them."""
+    if structure != "kron" or len(curvature.blocks) != len(list(model.parameters())):
+        return []
+    means = [float(b.diagonal().double().mean()) for b in curvature.blocks]  # per parameter
+    top = max(means, default=0.0)
+    return [name for (name, kind), mean in zip(block_policy(model, structure, kfac), means)
+            if kind != "prior" and top > 0 and mean <= 1e-12 * top]
+
+
 def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: FitConfig) -> None:
     """The capture run once on two samples of the untrained model, before any training: a model the
     capture cannot take (laplace-torch refuses layers it does not know, e.g. ``nn.MultiheadAttention``
@@ -318,7 +329,10 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                                         torch.Generator().manual_seed(component_seed), log, cfg.kfac, cfg.capture_dtype)
         t2 = time.perf_counter()
         if captured_by == "fast":  # what each parameter's block holds (docs/methods.md, "Layer policy")
-            metadata["curvature_blocks"] = dict(block_policy(model, cfg.structure))
+            metadata["curvature_blocks"] = dict(block_policy(model, cfg.structure, cfg.kfac))
+        if m == 0 and (zero := vanishing_blocks(model, curv, cfg.structure, cfg.kfac)):
+            warnings.warn(f"numerically zero curvature (the prior alone in effect) for {', '.join(zero[:4])}"
+                          f"{', …' if len(zero) > 4 else ''}: the data does not constrain them at this point", stacklevel=2)
         training = {"seed": component_seed, "epochs": cfg.train.epochs, "final_loss": res.final_loss,
                     "final_accuracy": res.final_accuracy, "train_seconds": round(t1 - t0, 3),
                     "curvature_seconds": round(t2 - t1, 3), "capture": captured_by, "device": device.type}

@@ -159,7 +159,7 @@ def recapture(source: ClientPosterior, data: SiloData, structure: str, ggn: str 
         curv, captured_by = capture(structure, model, prep.x, prep.y, prep.batch, prep.ggn, method,
                                     torch.Generator().manual_seed(seed), log, prep.kfac, capture_dtype)
         if captured_by == "fast":
-            policy = dict(block_policy(model, structure))
+            policy = dict(block_policy(model, structure, prep.kfac))
         seconds = time.perf_counter() - t0
         training.update(curvature_seconds=round(seconds, 3), capture=captured_by, device=prep.x.device.type)
         comps.append(Component(comp.index, comp.map, curv, frozen_mapping(training), comp.temperature,

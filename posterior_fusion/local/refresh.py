@@ -321,7 +321,7 @@ def refresh(source: ClientPosterior, data: SiloData, at: GlobalEnsemble, structu
         curv, captured_by = capture(structure, model, prep.x, prep.y, prep.batch, prep.ggn, method,
                                     torch.Generator().manual_seed(training["seed"]), log, prep.kfac, capture_dtype)
         if captured_by == "fast":
-            policy = dict(block_policy(model, structure))
+            policy = dict(block_policy(model, structure, prep.kfac))
         seconds = time.perf_counter() - t0
         training.update(curvature_seconds=round(seconds, 3), capture=captured_by, device=prep.x.device.type)
         g = loss_gradient(model, prep.x, prep.y, prep.batch)

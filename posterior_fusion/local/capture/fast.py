@@ -7,7 +7,8 @@ computed with one forward pass per batch and one batched backward pass to the la
 - K-FAC ("expand", laplace-torch's convention): for a layer with inputs u ``(M, S, I)`` (S
   spatial positions, unfolded patches for a convolution) and output gradients g ``(R, M, S, O)``:
   A = Σ uuᵀ / (N·S), B = Σ ggᵀ, weight block ``Kron(B, A)``, bias block ``Dense(B)`` (N: the
-  silo's size); "reduce" sums each sample's positions first (Eschenhagen et al. 2023).
+  silo's size); "reduce" sums each sample's positions first (Eschenhagen et al. 2023), except for attention key
+  projections, taken with expand (:func:`~posterior_fusion.local.capture.policy.expanded_under_reduce`).
 - diagonal: per-sample gradients per column, squared and summed (Linear: Σ g² ⊗ u² without
   forming them).
 - last layer full: Σ_n H_n ⊗ φ̃_n φ̃_nᵀ in closed form, H_n = diag(p_n) − p_n p_nᵀ, φ̃ = [φ; 1].
@@ -23,6 +24,7 @@ from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.local.capture.gram import float64_gram
 from posterior_fusion.local.capture.inputs import input_gram, reduced_input
 from posterior_fusion.local.capture.outputs import output_gram, per_sample_grads, reduced_grad
+from posterior_fusion.local.capture.policy import expanded_under_reduce
 from posterior_fusion.local.capture.sizing import pass_size
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
@@ -64,13 +66,14 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
     A: list = [0.0] * len(layers)
     B: list = [0.0] * len(layers)
     D: dict[int, list] = {}  # normalisation layers, embeddings: squared per-sample gradients, one sum per parameter
+    expanded = expanded_under_reduce(model) if kfac == "reduce" else set()  # key projections: expand
 
     def on_column(r, inputs, grads):
         for i, (layer, u, g) in enumerate(zip(layers, inputs, grads)):
             if isinstance(layer, DIAG_LAYERS):
                 parts = diag_squares(layer, u, widened(g))
                 D[i] = parts if i not in D else [d + p for d, p in zip(D[i], parts)]
-            elif kfac == "reduce":
+            elif kfac == "reduce" and layer not in expanded:
                 G = reduced_grad(layer, widened(g))
                 B[i] = B[i] + float64_gram(G.T)
                 if r == 0:

@@ -15,23 +15,37 @@ AUTOCAST_DTYPES = dict(zip(choices.CAPTURE_DTYPES, (None, torch.bfloat16), stric
 
 BLOCK_POLICY = {
     "kron": "Linear/Conv2d weight: K-FAC (Kron); its bias: Dense",
+    "kron-expand": "an attention key projection under kfac reduce: K-FAC expand (reduce's output factor vanishes "
+                   "there: a softmax row ignores a shift of its scores); its bias: Dense",
     "diag": "diagonal GGN from per-sample gradients",
     "prior": "no curvature captured (zero block: the prior alone)",
 }
 """What each parameter's block holds (recorded per parameter in the artifact's ``curvature_blocks``)."""
 
 
-def block_policy(model: nn.Module, structure: str) -> list[tuple[str, str]]:
+def expanded_under_reduce(model: nn.Module) -> set[nn.Module]:
+    """The layers K-FAC-reduce cannot take: every attention key projection (``LinearAttention.k_proj``). Summed
+    over the keys, the gradient of a softmax row's scores vanishes (the row ignores a shift), so reduce's output
+    factor of the key weights is rounding noise and they would get the prior alone; they are captured with
+    expand instead (``docs/methods.md``)."""
+    from posterior_fusion.models.attention import LinearAttention
+
+    return {m.k_proj for m in model.modules() if isinstance(m, LinearAttention)}
+
+
+def block_policy(model: nn.Module, structure: str, kfac: str = "expand") -> list[tuple[str, str]]:
     """``(parameter name, block)`` in ``model.parameters()`` order, block a key of :data:`BLOCK_POLICY`
     (``structure`` kron: Linear/Conv2d weights ``kron``, their biases ``dense``; diag: ``diag``;
     normalisation layers and per-sample embeddings ``diag`` under every structure, once the
     embeddings are flagged on an example, :func:`~posterior_fusion.models.layers.unsupported_reason`)."""
     out = []
+    expanded = expanded_under_reduce(model) if structure == "kron" and kfac == "reduce" else set()
     for mname, module in model.named_modules():
         for pname, _ in module.named_parameters(recurse=False):
             name = f"{mname}.{pname}" if mname else pname
             if isinstance(module, SUPPORTED_LAYERS):
-                kind = ("kron" if pname == "weight" else "dense") if structure == "kron" else "diag"
+                weight = "kron-expand" if module in expanded else "kron"
+                kind = (weight if pname == "weight" else "dense") if structure == "kron" else "diag"
             elif isinstance(module, DIAG_LAYERS) and owns_curvature(module):
                 kind = "diag"
             else:

@@ -12,6 +12,7 @@ from posterior_fusion.curvature import BlockDiag, Dense, Diag
 from posterior_fusion.local.capture.fast import kron_blocks
 from posterior_fusion.local.capture.inputs import reduced_input
 from posterior_fusion.local.capture.outputs import reduced_grad
+from posterior_fusion.local.capture.policy import expanded_under_reduce
 from posterior_fusion.local.config import DPConfig
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
@@ -166,6 +167,7 @@ def clipped_kron_sums(model: nn.Module, x: torch.Tensor, input_clip: float, curv
     layers together)."""
 
     layers = captured_layers(model)
+    expanded = expanded_under_reduce(model) if kfac == "reduce" else set()  # key projections: expand
     A: list = [0.0] * len(layers)
     B: list = [0.0] * len(layers)
     D: dict[int, list] = {}
@@ -196,7 +198,7 @@ def clipped_kron_sums(model: nn.Module, x: torch.Tensor, input_clip: float, curv
                     b_sq += sum((t ** 2).sum(1) for t in per)
                     parts.append(("diag", per))
                     continue
-                if kfac == "reduce":
+                if kfac == "reduce" and layer not in expanded:
                     X = reduced_input(layer, u).double()[:, :, None]                       # (M, I, 1)
                     G = torch.stack([reduced_grad(layer, c[k]).double() for c in cols], 2)  # (M, O, R)
                     scale_a = 1.0
