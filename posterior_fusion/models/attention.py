@@ -34,10 +34,11 @@ class LinearAttention(nn.Module):
         E, bias = mha.embed_dim, mha.in_proj_bias is not None
         self.embed_dim, self.num_heads, self.dropout, self.batch_first = E, mha.num_heads, mha.dropout, mha.batch_first
         self.head_dim = E // mha.num_heads
-        self.q_proj = nn.Linear(E, E, bias=bias)
-        self.k_proj = nn.Linear(mha.kdim, E, bias=bias)
-        self.v_proj = nn.Linear(mha.vdim, E, bias=bias)
-        self.out_proj = nn.Linear(E, E, bias=mha.out_proj.bias is not None)
+        like = {"device": mha.out_proj.weight.device, "dtype": mha.out_proj.weight.dtype}  # mha's, not the defaults
+        self.q_proj = nn.Linear(E, E, bias=bias, **like)
+        self.k_proj = nn.Linear(mha.kdim, E, bias=bias, **like)
+        self.v_proj = nn.Linear(mha.vdim, E, bias=bias, **like)
+        self.out_proj = nn.Linear(E, E, bias=mha.out_proj.bias is not None, **like)
         with torch.no_grad():
             if mha._qkv_same_embed_dim:
                 weights = mha.in_proj_weight.chunk(3)

@@ -2,8 +2,9 @@
 
 In evaluation mode a BatchNorm is a per-channel affine map, ``y = γ (x − μ) / √(σ² + ε) + β``. A silo trains
 with batch statistics as usual; at the end its statistics ``(μ, σ²)`` are estimated on its data with the
-final weights (one pass, every BatchNorm in training mode with a cumulative average: the estimate of
-``torch.optim.swa_utils.update_bn``) and **folded** into the affine parameters,
+final weights (one pass, every BatchNorm in training mode with a cumulative average as
+``torch.optim.swa_utils.update_bn`` does, but every other module in evaluation mode — dropout off, as the
+model is evaluated, where ``update_bn`` leaves the whole model in training mode) and **folded** into the affine parameters,
 
     γ' = γ √(1 + ε) / √(σ² + ε),    β' = β − γ μ / √(σ² + ε),
 
@@ -67,8 +68,9 @@ def thaw(model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def _estimate(model: nn.Module, layers: Sequence[nn.Module], batches: Iterable[torch.Tensor]) -> None:
-    """The running statistics of ``layers`` estimated on ``batches`` as ``update_bn`` does: those layers in
-    training mode with a cumulative average (momentum None), every other BatchNorm as it is."""
+    """The running statistics of ``layers`` estimated on ``batches``: those layers in training mode with a
+    cumulative average (momentum None), as ``update_bn`` does; every other module in evaluation mode (dropout off:
+    the statistics the evaluated model meets, where ``update_bn`` runs the whole model in training mode)."""
     saved = []
     for m in layers:
         saved.append((m, m.__class__, m.momentum, m.training))
