@@ -71,7 +71,7 @@ def inspect_cmd(file, as_json, max_memory):
                    f"λ0={meta.get('prior_precision')}  class counts {meta.get('class_counts')}")
         if isinstance(meta.get("dp"), dict):
             d = meta["dp"]
-            say(f"differential privacy: (ε, δ) = ({d.get('epsilon', float('nan')):.3g}, {d.get('delta', float('nan')):.3g}) "
+            say(f"differential privacy, as recorded (checked below): (ε, δ) = ({d.get('epsilon', float('nan')):.3g}, {d.get('delta', float('nan')):.3g}) "
                 f"for the whole artifact (target ε {d.get('target_epsilon')}; DP-SGD noise {d.get('noise_multiplier', 0):.3g}, "
                 f"clip {d.get('clip')}; curvature and counts noise {d.get('release_noise', 0):.3g})")
             for p in d.get("passes") or []:
@@ -127,6 +127,13 @@ def inspect_cmd(file, as_json, max_memory):
 
     art = load(file, max_memory)
     say("validated: the whole file, values included (as fuse reads it)")
+    if s["kind"] == "client" and isinstance(meta.get("dp"), dict):
+        try:
+            import opacus  # noqa: F401 - the reader recomputed the recorded ε with its accountant
+            say("privacy record: its ε is what its recorded mechanisms give under Opacus' accountant; the mechanisms "
+                "themselves are the silo's word (claimed, not provable from the file)")
+        except ImportError:
+            say("privacy record: claimed (Opacus is not installed here: its ε was not recomputed)")
     if s["kind"] == "client" and meta.get("compress"):
         from posterior_fusion.summary import compression_errors
 

@@ -57,7 +57,8 @@ def test_the_recorded_guarantee_is_opacus_accountant_on_the_recorded_mechanisms(
     assert sum(art.metadata["class_counts"]) == art.n_data and "data_sha256" not in art.metadata
     assert all("final_loss" not in c.training for c in art.components)
     shown = _run("inspect", tmp_path / "a.h5")
-    assert "differential privacy: (ε, δ)" in shown.output
+    assert "differential privacy, as recorded (checked below): (ε, δ)" in shown.output
+    assert "under Opacus' accountant" in shown.output
     # fresh noise: a second run of the same command releases other values
     assert _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "2", "--epochs", "2",
                 "--structure", "diag", "--dp", "--dp-epsilon", "4", "--out", tmp_path / "b.h5").exit_code == 0
@@ -501,4 +502,58 @@ def test_a_private_artifact_holds_only_classified_fields_and_no_data_fingerprint
     r = _run("fit-local", "--data", tmp_path / "own.h5", "--model", "mlp", "--model-kwargs", KW, "-M", "1",
              "--epochs", "1", "--structure", "diag", "--dp", "--dp-public-transform", "--out", tmp_path / "own_art.h5")
     assert r.exit_code == 0, r.output
-    assert posterior_fusion.load(tmp_path / "own_art.h5").metadata["input_transform"].get("source", "") == ""
+    assert posterior_fusion.load(tmp_path / "own_art.h5").metadata["input_transform"]["source"] == \
+        "computed from public data"
+
+
+def test_privacy_records_are_read_as_a_schema_and_checked_against_what_they_claim(tmp_path, small_silo):
+    """A ``dp`` record forged onto a plain artifact, one whose ε the recorded mechanisms do not give, a negative ε,
+    an empty or malformed record, a malformed refresh record: each refused in one line by ``fuse`` and ``inspect``
+    (never a traceback, never a guarantee printed as the artifact's own)."""
+    import json
+    import shutil
+
+    import h5py
+
+    from posterior_fusion.artifact.writer import text_attr
+
+    silo = _silo(tmp_path, small_silo)
+    plain, private = tmp_path / "plain.h5", tmp_path / "private.h5"
+    for out, extra in ((plain, []), (private, ["--dp", "--dp-epsilon", "4"])):
+        r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
+                 "--structure", "diag", *extra, "--out", out)
+        assert r.exit_code == 0, r.output
+    real = posterior_fusion.load(private).metadata["dp"]
+    other = _silo(tmp_path, small_silo, "o.h5", 120, 240)
+    assert _run("fit-local", "--data", other, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "1",
+                "--structure", "diag", "--out", tmp_path / "honest.h5").exit_code == 0
+
+    def forged(name, edit):
+        path = tmp_path / f"{name}.h5"
+        shutil.copy(plain if name.startswith("plain") else private, path)
+        with h5py.File(path, "r+") as f:
+            meta = json.loads(f.attrs["metadata"])
+            edit(meta)
+            f.attrs["metadata"] = text_attr(json.dumps(meta))
+        return path
+
+    cases = {
+        "plain_given_dp": (lambda m: m.update(dp=dict(real)), "never releases"),
+        "wrong_epsilon": (lambda m: m["dp"].update(epsilon=0.5), "accountant"),
+        "negative_epsilon": (lambda m: m["dp"].update(epsilon=-1), "dp.epsilon"),
+        "string_epsilon": (lambda m: m["dp"].update(epsilon="tiny"), "dp.epsilon"),
+        "empty_dp": (lambda m: m.update(dp={}), "dp.epsilon"),
+        "passes_five": (lambda m: m["dp"].update(passes=5), "dp.passes"),
+        "refreshed_list": (lambda m: m.update(refreshed_at=[1]), "refreshed_at"),
+        "refresh_dp_string": (lambda m: m.update(refreshed_at={"file_sha256": "0" * 64, "method": "fedavg",
+                                                               "members": 1, "damping": 1.0, "dp": "tiny"}),
+                              "refreshed_at.dp"),
+    }
+    for name, (edit, words) in cases.items():
+        path = forged(name, edit)
+        for args in (("fuse", path, tmp_path / "honest.h5", "--method", "fedavg", "--allow-mixed-privacy",
+                      "--out", tmp_path / "g.h5"), ("inspect", path)):
+            r = _run(*args)
+            errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+            assert r.exit_code == 2 and len(errors) == 1 and words in errors[0] and path.name in errors[0], (name, r.output)
+            assert "Traceback" not in r.output and not (tmp_path / "g.h5").exists()

@@ -15,6 +15,7 @@ import h5py
 
 from posterior_fusion.artifact import schema
 from posterior_fusion.artifact.h5check import file_sha256, open_artifact
+from posterior_fusion.artifact.privacy import check_privacy_records
 from posterior_fusion.errors import NotAnArtifactError, UnsupportedVersionError
 
 
@@ -78,6 +79,8 @@ def preview(path: str | os.PathLike) -> dict[str, Any]:
                     "ppd_student": f"{base}/ppd_student" in f,
                     "training": chk.json_attr(f[base], "training", base) if isinstance(f.get(base), h5py.Group) else {},
                 })
+            # the privacy records are read as their schema even here: a malformed or forged one is never shown
+            check_privacy_records(out["metadata"], [c["training"] for c in comps])
             out["structure"] = out["metadata"].get("structure")
             out["prior_centre"] = "base" if isinstance(f.get("prior_mean"), h5py.Dataset) else "zero"
             out["components"] = comps

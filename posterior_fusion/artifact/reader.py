@@ -41,6 +41,7 @@ from posterior_fusion.artifact.h5check import (
     open_file_sha256,
 )
 from posterior_fusion.artifact.h5check import open_artifact as _open
+from posterior_fusion.artifact.privacy import check_privacy_records, recorded_epsilon_problem
 from posterior_fusion.artifact.records import (
     BlockRecord,
     ClientMetadata,
@@ -219,6 +220,7 @@ def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: Parameter
     extra = {p for p in paths if "/curvature/" in p} - expected_blocks
     if extra:
         raise chk.bad_schema(sorted(extra)[0], "object not declared by the curvature 'blocks' attribute")
+    check_privacy_records(meta, [r.training for r in records])
     return typed, records
 
 
@@ -358,6 +360,13 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
     with _open(path) as (chk, f):
         kind, spec, layout, meta = _header(chk, f)
         plan = _client_plan(chk, f, spec, layout, meta) if kind == schema.KIND_CLIENT else None
+        if plan is not None and isinstance(meta.get("dp"), dict):
+            try:  # the recorded ε against the accountant on the recorded mechanisms (without Opacus: claimed)
+                problem = recorded_epsilon_problem(meta["dp"])
+            except ImportError:
+                problem = None
+            if problem is not None:
+                raise chk.bad_value("/", f"metadata field 'dp': {problem}")
         if kind != schema.KIND_CLIENT:
             _global_plan(chk, f, layout, meta, spec.num_classes)
         budget.require(2 * _data_bytes(chk, f, kind), f"loading {path}", max_memory)

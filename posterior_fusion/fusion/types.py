@@ -320,9 +320,13 @@ def check_compatible(clients: list[ClientPosterior], allow_mixed_privacy: bool =
         odd = next(c for c in clients if names[c.path] and names[c.path] != next(iter(named)))
         raise IncompatibleArtifactsError(f"{odd.path}: names its classes differently from the other clients "
                                          f"({', '.join(list(names[odd.path])[:4])}, …)")
-    ref_t = ref.metadata.get("input_transform")
+    def transform(c: ClientPosterior):  # what must agree (the ``source`` note need not)
+        t = c.metadata.get("input_transform")
+        return {k: v for k, v in t.items() if k != "source"} if isinstance(t, dict) else t
+
+    ref_t = transform(ref)
     for c in clients[1:]:
-        if c.metadata.get("input_transform") != ref_t:
+        if transform(c) != ref_t:
             raise IncompatibleArtifactsError(f"{c.path}: trained with another input transform than {ref.path} "
                                              f"({c.metadata.get('input_transform')} vs {ref_t})")
     structures = {c.structure for c in clients}

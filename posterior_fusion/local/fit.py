@@ -245,7 +245,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
             raise ConfigError(f"{data.source or 'data'}: its input transform was {transform.source} — statistics of "
                               "data a private artifact would release unaccounted; import the silo with `--transform "
                               "none`, `constants:NAME` or `from:FILE` of public data (then set `dp_public_transform`)")
-        metadata["input_transform"] = replace(transform, source="").to_dict()  # no file name
+        if transform.source.startswith("computed from"):  # fitted on public data: kept, but not its file's name
+            metadata["input_transform"] = replace(transform, source="computed from public data").to_dict()
         cfg = cfg.resolved(sum(counts))  # the weight decay from the released size, as DP-SGD uses it
         metadata["train"] = asdict(cfg.train)
         recipe = {"spec": spec.to_json(), "config": cfg.fingerprint_dict(), "dp": metadata["dp"],

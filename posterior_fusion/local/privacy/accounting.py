@@ -4,12 +4,12 @@ noise calibrated to the (ε, δ) asked for, composed by Opacus' Rényi-DP accoun
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from posterior_fusion.artifact.privacy import epsilon_of, rdp
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.config import DPConfig
 
@@ -59,56 +59,34 @@ class DPPlan:
                 "releases": self.releases, "training_share": cfg.dp_training_share, "opacus": opacus.__version__}
 
 
-def _orders(coarse: bool) -> list[float]:
-    """Opacus' RDP orders; ``coarse``: only the integer ones (thirty times cheaper for a subsampled mechanism, and
-    an ε at least as large: calibrating on them and recording on all keeps the recorded ε within the target)."""
-    from opacus.accountants.rdp import RDPAccountant
-
-    return [a for a in RDPAccountant.DEFAULT_ALPHAS if not coarse or float(a).is_integer()]
-
-
-def _epsilon(rdp, delta: float, coarse: bool = False) -> float:
-    from opacus.accountants.analysis.rdp import get_privacy_spent
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Optimal order")  # a bound at the largest order is still valid
-        return float(get_privacy_spent(orders=_orders(coarse), rdp=rdp, delta=delta)[0])
-
-
-def _rdp(noise_multiplier: float, sample_rate: float, steps: int, coarse: bool = False):
-    from opacus.accountants.analysis.rdp import compute_rdp
-
-    return compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=_orders(coarse))
-
-
 def _gradient_rdp(noise_multiplier: float, sample_rate: float, steps: int, passes: tuple[DPPass, ...],
                   coarse: bool):
-    rdp = _rdp(noise_multiplier, sample_rate, steps, coarse)
+    values = rdp(noise_multiplier, sample_rate, steps, coarse)
     for p in passes:
-        rdp = rdp + _rdp(noise_multiplier, p.sample_rate, p.steps, coarse)
-    return rdp
+        values = values + rdp(noise_multiplier, p.sample_rate, p.steps, coarse)
+    return values
 
 
 def gradient_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
                      passes: tuple[DPPass, ...] = (), coarse: bool = False) -> float:
     """ε at ``delta`` of every gradient pass: ``steps`` subsampled Gaussian steps at ``sample_rate`` and each of
     ``passes``, all at ``noise_multiplier`` (RDP, converted once; ``coarse``: on the integer orders)."""
-    return _epsilon(_gradient_rdp(noise_multiplier, sample_rate, steps, passes, coarse), delta, coarse)
+    return epsilon_of(_gradient_rdp(noise_multiplier, sample_rate, steps, passes, coarse), delta, coarse)
 
 
 def composed_epsilon(noise_multiplier: float, sample_rate: float, steps: int, release_noise: float, releases: int,
                      delta: float, passes: tuple[DPPass, ...] = (), coarse: bool = False) -> float:
     """ε at ``delta`` of ``steps`` subsampled Gaussian steps, the other gradient ``passes`` at the same noise, plus
     ``releases`` full Gaussian releases (RDP; ``coarse``: on the integer orders, an upper bound of the full one)."""
-    rdp = _gradient_rdp(noise_multiplier, sample_rate, steps, passes, coarse) + _rdp(release_noise, 1.0, releases,
+    values = _gradient_rdp(noise_multiplier, sample_rate, steps, passes, coarse) + rdp(release_noise, 1.0, releases,
                                                                                      coarse)
-    return _epsilon(rdp, delta, coarse)
+    return epsilon_of(values, delta, coarse)
 
 
 def release_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
     """ε at ``delta`` of ``releases`` full-batch Gaussian mechanisms of noise ``noise_multiplier`` × sensitivity
     (Opacus' RDP, converted once)."""
-    return _epsilon(_rdp(noise_multiplier, 1.0, releases), delta)
+    return epsilon_of(rdp(noise_multiplier, 1.0, releases), delta)
 
 
 def smallest_noise(epsilon_of: Callable[[float], float], epsilon: float, what: str) -> float:
