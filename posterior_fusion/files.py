@@ -232,6 +232,38 @@ def atomic_folder(out_dir: str | os.PathLike, owned: Callable[[str], bool]) -> I
 # ----------------------------------------------------------------------------------------- inputs
 
 
+def own_private_folder(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a folder of this user's only: created with mode 0700 where it is missing (its parents with the
+    default mode), and refused in one :class:`OutputError` line naming ``what`` when it is a symbolic link, not a
+    folder, another user's, or open to the group or to others (a folder another local user can write into or
+    swap lets them redirect or read what is kept there)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise OutputError(f"{what} {path}: {_describe(path, exc)}") from None
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise OutputError(f"{what} {path}: is a symbolic link; refused (it must be this user's own folder)")
+    if not stat.S_ISDIR(info.st_mode):
+        raise OutputError(f"{what} {path}: is not a folder")
+    if info.st_uid != os.getuid():
+        raise OutputError(f"{what} {path}: belongs to another user (uid {info.st_uid}); refused")
+    if info.st_mode & 0o077:
+        raise OutputError(f"{what} {path}: is open to other users (mode {stat.S_IMODE(info.st_mode):o}); "
+                          f"make it 0700 (chmod 700 {path}) or name another folder")
+    return path
+
+
+def user_data_folder() -> Path:
+    """This user's data folder: ``$XDG_DATA_HOME``, else ``~/.local/share`` (never a world-writable one)."""
+    base = os.environ.get("XDG_DATA_HOME")
+    return Path(base) if base and Path(base).is_absolute() else Path.home() / ".local" / "share"
+
+
 def require_regular_file(path: str | os.PathLike, what: str = "input") -> Path:
     """``path`` as a :class:`Path` if it is a regular file (links to one are fine); else one
     :class:`DataError` line. FIFOs, devices and sockets are refused: opening one can block forever."""

@@ -122,6 +122,7 @@ def check_data(spec: ModelSpec, data: SiloData, members: int = 1, max_memory: in
     models would exceed the memory budget — before any forward pass."""
     where = data.source or "data"
     spec.check_input(data.input_shape(), where)
+    spec.check_token_ids(data.x, where)
     if expected_transform is not None:
         check_transform(expected_transform, data.input_transform, where, artifact)
     budget.require(len(data) * (2 * members * spec.num_classes + int(np.prod(data.input_shape()))) * 4,

@@ -258,6 +258,7 @@ def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.
         row = int(torch.nonzero(~torch.isfinite(out.reshape(out.shape[0], -1)))[0, 0])
         raise ConfigError(f"{where}: inputs beyond float32's range (first in row {row}, after the input transform)")
     spec.check_input(tuple(out.shape[1:]), f"{where}: inputs")
+    spec.check_token_ids(out, f"{where}: inputs")
     return out
 
 

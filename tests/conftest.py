@@ -17,6 +17,12 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if _torch.cuda.is_available() else
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_data_folder(tmp_path_factory, monkeypatch):
+    """Flower nodes keep their state under the user's data folder: the tests' own, never the machine's."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.getbasetemp() / "xdg-data"))
 import torch  # noqa: E402
 
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, load_fmnist  # noqa: E402

@@ -185,3 +185,46 @@ def test_a_token_model_runs_the_whole_flow(tmp_path, monkeypatch):
         r = CliRunner().invoke(pfuse, ["evaluate", str(tmp_path / "g_fedbens.h5"), "--data", str(tmp_path / "s0.h5"),
                                        "--predictive", predictive, "--json"])
         assert r.exit_code == 0, (predictive, r.output)
+
+
+def test_token_ids_beyond_the_embedding_table_are_one_line_from_every_entry_point(tmp_path, monkeypatch):
+    """A silo, a validation file or prediction inputs holding an id the model's table does not have (7 for a table
+    of 6): one line naming the file (or the inputs) and the largest id, exit 2 — from fit-local, fuse --val,
+    evaluate, predict and the Python API — never an IndexError."""
+    import posterior_fusion
+    from posterior_fusion.errors import ModelSpecError
+
+    install_fake_plugin(tmp_path, monkeypatch, "bagplug2", "0.1", "bag", TOKENS)
+    rng = np.random.default_rng(1)
+    good = rng.integers(0, 6, (60, LENGTH)).astype(np.float32)
+    bad = good.copy()
+    bad[17, 2] = 7
+    y = rng.integers(0, 3, 60)
+    write_silo(tmp_path / "good.h5", SiloData(good, y, "tokens", 3))
+    write_silo(tmp_path / "bad.h5", SiloData(bad, y, "tokens", 3))
+    np.save(tmp_path / "bad.npy", bad)
+
+    def one_line(r, name):
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.exit_code == 2 and len(errors) == 1 and name in errors[0] and "to 7" in errors[0], r.output
+        assert "Traceback" not in r.output
+
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "bad.h5"), "--model", "bag", "-M", "1",
+                                   "--epochs", "1", "--structure", "diag", "--out", str(tmp_path / "x.h5")])
+    one_line(r, "bad.h5")
+    for c in range(2):
+        assert CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "good.h5"), "--model", "bag", "-M", "1",
+                                          "--epochs", "1", "--structure", "diag", "--train-seed", str(c),
+                                          "--out", str(tmp_path / f"c{c}.h5")]).exit_code == 0
+    pair = [str(tmp_path / "c0.h5"), str(tmp_path / "c1.h5")]
+    one_line(CliRunner().invoke(pfuse, ["fuse", *pair, "--method", "fedbens", "--set", "steps=2", "--val",
+                                        str(tmp_path / "bad.h5"), "--out", str(tmp_path / "g.h5")]), "bad.h5")
+    assert CliRunner().invoke(pfuse, ["fuse", *pair, "--method", "fedavg", "--out", str(tmp_path / "g.h5")]).exit_code == 0
+    one_line(CliRunner().invoke(pfuse, ["evaluate", str(tmp_path / "g.h5"), "--data", str(tmp_path / "bad.h5")]),
+             "bad.h5")
+    one_line(CliRunner().invoke(pfuse, ["predict", str(tmp_path / "g.h5"), "--data", str(tmp_path / "bad.h5"),
+                                        "--out", str(tmp_path / "p.npy")]), "bad.h5")
+    g = posterior_fusion.load(tmp_path / "g.h5")
+    with pytest.raises(ModelSpecError, match="to 7"):
+        g.predict(torch.as_tensor(bad), raw=True)
+    assert g.predict(torch.as_tensor(good), raw=True).shape == (60, 3)

@@ -451,3 +451,39 @@ def test_a_pfuse_error_in_the_server_app_ends_in_its_one_line():
         tb = tb.tb_next
     assert frames[-1] == "main" and "serve" not in frames and "check_secure_run_config" not in frames, frames
     assert caught.value.__suppress_context__ and caught.value.__cause__ is None
+
+
+def test_the_node_state_folder_is_the_node_users_own(tmp_path, monkeypatch):
+    """The default state folder lies under the user's data folder, created 0700; a folder that is a symbolic link
+    (planted by another local user), another user's or open to others is refused in one line."""
+    import os
+    import stat
+
+    from flwr.app import Context, RecordDict
+
+    from posterior_fusion.errors import OutputError
+    from posterior_fusion.flower.client_app import node_state_dir
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    silo = tmp_path / "silo.h5"
+    silo.write_bytes(b"")
+
+    def ctx(config):
+        return Context(run_id=1, node_id=1, node_config=config, state=RecordDict(), run_config={})
+
+    state = node_state_dir(ctx({"silo": str(silo)}), silo)
+    assert str(state).startswith(str(tmp_path / "data" / "posterior-fusion" / "node"))
+    assert stat.S_IMODE(os.lstat(state).st_mode) == 0o700
+    target = tmp_path / "someone_elses"
+    target.mkdir(mode=0o700)
+    (tmp_path / "linked").symlink_to(target)
+    with pytest.raises(OutputError, match="symbolic link"):
+        node_state_dir(ctx({"silo": str(silo), "state-dir": str(tmp_path / "linked")}), silo)
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o755)
+    with pytest.raises(OutputError, match="open to other users"):
+        node_state_dir(ctx({"silo": str(silo), "state-dir": str(open_folder)}), silo)
+    monkeypatch.setattr(os, "getuid", lambda: 12345)
+    with pytest.raises(OutputError, match="another user"):
+        node_state_dir(ctx({"silo": str(silo), "state-dir": str(state)}), silo)

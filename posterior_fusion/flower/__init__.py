@@ -14,7 +14,7 @@ artifact plus the client artifacts it used.
 Refresh round (``refresh``, a "1.5-shot" exchange): the server then sends each accepted node a
 training-free ``query`` message with the global artifact and the SHA-256 of the node's own first
 artifact; the node recaptures *its own copy* of that artifact — kept on its disk since the first
-round (node config ``state-dir``, default a per-silo folder under the system's temporary folder) —
+round (node config ``state-dir``, default a per-silo folder of the user's own, mode 0700, under ``~/.local/share``) —
 never one the server sends, so model, structure, T and λ0 are the node's; the global is checked
 against it first (:func:`~posterior_fusion.local.recapture.check_refresh_global`: the same model, at
 most ``-M``'s cap of members, each within the node's trust radius — node config

@@ -20,7 +20,7 @@ from posterior_fusion.errors import (
     ConfigError,
     FederationError,
 )
-from posterior_fusion.files import write_atomically
+from posterior_fusion.files import own_private_folder, user_data_folder, write_atomically
 from posterior_fusion.flower.base import node_base
 from posterior_fusion.flower.federated_settings import FederatedSettings
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
@@ -77,12 +77,13 @@ def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Pa
 
 
 def node_state_dir(context: Context, silo: Path) -> Path:
-    """Where the node keeps its own artifacts between rounds: node config ``state-dir``, else
-    ``<temporary folder>/pfuse-node/<hash of the silo's path>``."""
+    """Where the node keeps its own artifacts between rounds, a folder of this user's only (0700, never through
+    a link: :func:`~posterior_fusion.files.own_private_folder`): node config ``state-dir``, else
+    ``<the user's data folder>/posterior-fusion/node/<hash of the silo's path>``."""
     if "state-dir" in context.node_config:
-        return Path(str(context.node_config["state-dir"]))
+        return own_private_folder(Path(str(context.node_config["state-dir"])), "node config state-dir")
     key = hashlib.sha256(str(silo.resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "pfuse-node" / key
+    return own_private_folder(user_data_folder() / "posterior-fusion" / "node" / key, "the node's state folder")
 
 
 def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
@@ -100,9 +101,14 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
         out = Path(tmp) / "client.h5"
         fit_to_artifact(settings, silo, out, private=node_private_model(context), base=base)
         blob = out.read_bytes()
-    state.mkdir(parents=True, exist_ok=True)
     own = state / f"{hashlib.sha256(blob).hexdigest()}.h5"
-    write_atomically(own, lambda tmp_path: tmp_path.write_bytes(blob))
+
+    def write_private(tmp_path: Path) -> None:  # readable by this user only
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out_file:
+            out_file.write(blob)
+
+    write_atomically(own, write_private)
     if secure:  # only the method's statistics leave, masked by SecAgg+ (flower/secure.py)
         return secure_fit_reply(msg, own)
     reply = {"artifact": blob, "silo": str(silo)}

@@ -84,6 +84,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
             check_transform(clients[0].metadata.get("input_transform"), data.input_transform, data.source,
                             clients[0].path)
             clients[0].model_spec.check_input(data.input_shape(), data.source)
+            clients[0].model_spec.check_token_ids(data.x, data.source)
     if tune:
         if robust:
             probe = FusionInputs(clients, options)

@@ -222,6 +222,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     if data.num_classes != spec.num_classes:
         raise IncompatibleArtifactsError(f"data has {data.num_classes} classes, model {spec.name!r} outputs {spec.num_classes}")
     spec.check_input(data.input_shape(), data.source or "data")
+    spec.check_token_ids(data.x, data.source or "data")
     metadata = fit_metadata(spec, data, inits, cfg, prior_mean)
     dp_plan = noise = None
     if cfg.dp is not None:  # every data-dependent quantity through a mechanism (local/privacy/)

@@ -271,6 +271,34 @@ class ModelSpec:
             raise ModelSpecError(f"{where}: model {self.name!r} gives outputs {tuple(out.shape[1:])} on inputs "
                                  f"of shape {tuple(sample_shape)}, expected ({self.num_classes},)")
 
+    def check_token_ids(self, x, where: str) -> None:
+        """Refuse inputs ``x`` ``(n, ...)`` (array or tensor) whose token ids fall outside an ``nn.Embedding``'s
+        table, in one line naming ``where`` and the largest id — before any training or prediction. Only integral
+        inputs to a model with embeddings are checked: the rows holding the largest and the smallest value are run
+        through the model once (an id no table holds fails there, whichever table the model feeds it to)."""
+        import numpy as np
+        import torch
+        from torch import nn
+
+        with torch.device("meta"):
+            tables = [m.num_embeddings for m in self.build().modules() if isinstance(m, nn.Embedding)]
+        arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+        if not tables or arr.size == 0 or arr.dtype.kind not in "fiub":
+            return
+        flat = arr.reshape(len(arr), -1)
+        if arr.dtype.kind == "f" and not np.array_equal(flat[:64], np.round(flat[:64])):
+            return  # not token ids
+        rows = sorted({int(flat.max(1).argmax()), int(flat.min(1).argmin())})
+        largest, smallest = flat.max(), flat.min()
+        model = self.build().eval()
+        try:
+            with torch.no_grad():
+                model(torch.as_tensor(arr[rows]).float())
+        except IndexError:
+            raise ModelSpecError(f"{where}: token ids run from {smallest:g} to {largest:g}, beyond the model's "
+                                 f"embedding tables ({', '.join(map(str, tables))} entries): ids must be in "
+                                 "[0, table size)") from None
+
     @functools.cached_property
     def num_classes(self) -> int:
         """Outputs of the model: its ``num_classes`` argument, else the builder's default for it,
