@@ -496,3 +496,71 @@ def test_a_dropout_model_predicts_evaluates_and_selects_deterministically(tmp_pa
     evals = [CliRunner().invoke(pfuse, ["evaluate", str(tmp_path / "g0.h5"), "--data", str(tmp_path / "val.h5"),
                                         "--json"]).stdout for _ in range(2)]
     assert evals[0] == evals[1] and evals[0]
+
+
+BROKEN = '''
+import torch
+from torch import nn
+
+
+def raises(num_classes: int = 10):
+    raise RuntimeError("no weights here")
+
+
+def not_a_module(num_classes: int = 10):
+    return "a model"
+
+
+class Pair(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(49, num_classes)
+
+    def forward(self, x):
+        out = self.fc(x.flatten(1))
+        return out, out
+
+
+def pair(num_classes: int = 10):
+    return Pair(num_classes)
+
+
+class Fails(Pair):
+    def forward(self, x):
+        raise KeyError("a missing key")
+
+
+def fails(num_classes: int = 10):
+    return Fails(num_classes)
+
+
+def bn1d(num_classes: int = 10):
+    return nn.Sequential(nn.Flatten(), nn.Linear(49, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, num_classes))
+'''
+
+
+def test_plugins_are_held_to_the_model_contract_before_any_training(tmp_path, monkeypatch, small_silo):
+    """A builder that raises, one that returns no module, a forward that returns a tuple or raises: one line each,
+    naming the model, before any training; a BatchNorm1d model meeting a final batch of one trains."""
+    site = tmp_path / "site"
+    (site / "brokenplug").mkdir(parents=True)
+    (site / "brokenplug" / "__init__.py").write_text(BROKEN)
+    dist = site / "brokenplug-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenplug\nVersion: 0.1\n")
+    names = ("raises", "not_a_module", "pair", "fails", "bn1d")
+    (dist / "entry_points.txt").write_text("[posterior_fusion.models]\n" + "".join(f"{n} = brokenplug:{n}\n" for n in names))
+    monkeypatch.syspath_prepend(str(site))
+    silo = SiloData(small_silo.x[:65, ::4, ::4].copy(), small_silo.y[:65], "fmnist", 10)  # 65 = 2 x 32 + 1
+    write_silo(tmp_path / "s.h5", silo)
+    for name, words in (("raises", "builder failed"), ("not_a_module", "not a torch.nn.Module"),
+                        ("pair", "one tensor of logits"), ("fails", "forward failed")):
+        r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", name, "-M", "1",
+                                       "--epochs", "1", "--structure", "diag", "--out", str(tmp_path / "x.h5")])
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.exit_code == 2 and len(errors) == 1 and words in errors[0] and name in errors[0], (name, r.output)
+        assert "Traceback" not in r.output and "training" not in r.stderr and not (tmp_path / "x.h5").exists()
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "bn1d", "-M", "1",
+                                   "--epochs", "1", "--batch-size", "32", "--structure", "diag",
+                                   "--out", str(tmp_path / "bn.h5")])
+    assert r.exit_code == 0, r.output

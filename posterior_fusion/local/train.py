@@ -95,6 +95,8 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
     loss_fn = nn.CrossEntropyLoss()
     n = x.shape[0]
     steps = math.ceil(n / cfg.batch_size)
+    if n > 1 and n % cfg.batch_size == 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        steps -= 1  # a final batch of one sample cannot give BatchNorm batch statistics: left out of the epoch
     swag = SwagCollector(cfg, steps)
     loss_sum = correct = 0.0
     model.train()

@@ -146,11 +146,21 @@ class ModelSpec:
                 raise ModelSpecError(f"model argument {key!r} is too long")
 
     def _construct(self) -> nn.Module:
+        """The builder's model, held to the contract: built without raising, an ``nn.Module`` with parameters
+        (one :class:`ModelSpecError` line naming the model and its provider otherwise)."""
         builder = resolve_model(self.name, self.provider)[0]
+        who = f"model {self.name!r}" + (f" (plugin {self.provider})" if self.provider else "")
         try:
-            return builder(**self.kwargs)
+            model = builder(**self.kwargs)
         except (ValueError, TypeError) as exc:
             raise ModelSpecError(f"model {self.name!r} {self.kwargs}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a plugin's builder is foreign code: its failure is one line
+            raise ModelSpecError(f"{who}: its builder failed ({type(exc).__name__}: {str(exc)[:160]})") from None
+        if not isinstance(model, nn.Module):
+            raise ModelSpecError(f"{who}: its builder returned {type(model).__name__}, not a torch.nn.Module")
+        if not any(True for _ in model.parameters()):
+            raise ModelSpecError(f"{who}: the model has no parameters to fit")
+        return model
 
     @functools.cached_property
     def _parameter_count(self) -> int:
@@ -266,7 +276,13 @@ class ModelSpec:
                 out = model(torch.empty(2, *sample_shape))
             except (RuntimeError, ValueError, IndexError) as exc:
                 raise ModelSpecError(f"{where}: inputs of shape {tuple(sample_shape)} do not fit model "
-                                     f"{self.name!r} {self.kwargs} ({str(exc).splitlines()[0][:120]})") from None
+                                     f"{self.name!r} {self.kwargs} ({(str(exc).splitlines() or [''])[0][:120]})") from None
+            except Exception as exc:  # noqa: BLE001 - a plugin's forward is foreign code: its failure is one line
+                raise ModelSpecError(f"{where}: model {self.name!r}'s forward failed on inputs of shape "
+                                     f"{tuple(sample_shape)} ({type(exc).__name__}: {str(exc)[:120]})") from None
+        if not isinstance(out, torch.Tensor):
+            raise ModelSpecError(f"{where}: model {self.name!r}'s forward returned {type(out).__name__}; it must return "
+                                 "one tensor of logits (n, classes)")
         if tuple(out.shape) != (2, self.num_classes):
             raise ModelSpecError(f"{where}: model {self.name!r} gives outputs {tuple(out.shape[1:])} on inputs "
                                  f"of shape {tuple(sample_shape)}, expected ({self.num_classes},)")
