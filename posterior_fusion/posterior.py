@@ -250,10 +250,11 @@ def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         row = int(np.argwhere(~np.isfinite(arr.reshape(arr.shape[0], -1)))[0][0])
         raise ConfigError(f"{where}: inputs hold NaN or Inf (first in row {row})")
-    if raw or transform is None:
-        out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-    else:
-        out = InputTransform.from_dict(dict(transform), where).apply(arr, "inputs")
+    with np.errstate(over="ignore", invalid="ignore"):  # values beyond float32 become Inf: refused just below
+        if raw or transform is None:
+            out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        else:
+            out = InputTransform.from_dict(dict(transform), where).apply(arr, "inputs")
     if not torch.isfinite(out).all():
         row = int(torch.nonzero(~torch.isfinite(out.reshape(out.shape[0], -1)))[0, 0])
         raise ConfigError(f"{where}: inputs beyond float32's range (first in row {row}, after the input transform)")

@@ -228,3 +228,26 @@ def test_token_ids_beyond_the_embedding_table_are_one_line_from_every_entry_poin
     with pytest.raises(ModelSpecError, match="to 7"):
         g.predict(torch.as_tensor(bad), raw=True)
     assert g.predict(torch.as_tensor(good), raw=True).shape == (60, 3)
+
+
+def test_inputs_beyond_float32_are_refused_without_a_warning_first(tmp_path, small_silo):
+    """1e300 in the inputs of ``predict`` (the API): one refusal, no RuntimeWarning before it."""
+    import warnings
+
+    from conftest import fit_artifact
+
+    import posterior_fusion
+    from posterior_fusion.errors import ConfigError
+
+    silo = SiloData(small_silo.x[:40, ::4, ::4].copy(), small_silo.y[:40], "fmnist", 10)
+    fit_artifact(tmp_path / "c.h5", silo, "diag", kwargs={"in_features": 49, "hidden": 4}, mixtures=1)
+    assert CliRunner().invoke(pfuse, ["fuse", str(tmp_path / "c.h5"), "--method", "fedavg",
+                                      "--out", str(tmp_path / "g.h5")]).exit_code == 0
+    g = posterior_fusion.load(tmp_path / "g.h5")
+    x = np.ones((3, 7, 7))
+    x[1, 2, 3] = 1e300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for raw in (True, False):
+            with pytest.raises(ConfigError, match="float32's range"):
+                g.predict(x, raw=raw)

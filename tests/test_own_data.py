@@ -484,3 +484,15 @@ def test_class_names_travel_from_a_csv_to_the_predictions(tmp_path):
     r = runner.invoke(pfuse, ["fuse", str(tmp_path / "c0.h5"), str(tmp_path / "c1.h5"), "--method", "fedavg",
                               "--out", str(tmp_path / "x.h5")])
     assert r.exit_code == 2 and "names its classes differently" in r.stderr, r.output
+
+
+def test_integer_labels_with_a_stray_value_are_refused_not_renumbered(tmp_path):
+    """One ``nan`` among integer labels 0–11: refused in one line naming the row (it used to turn the column into
+    sorted class names, storing label 2 as 4); a column of names still maps to sorted classes."""
+    rows = "".join(f"{i * 0.5},{i % 12}\n" for i in range(40)).replace(",7\n", ",nan\n", 1)
+    (tmp_path / "mixed.csv").write_text("x,label\n" + rows)
+    r = cli("import-data", tmp_path / "mixed.csv", "--out", tmp_path / "m.h5")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "'nan'" in r.stderr and "row 9" in r.stderr, r.stderr
+    assert not (tmp_path / "m.h5").exists()
+    (tmp_path / "named.csv").write_text("x,label\n1.0,cat\n2.0,dog\n3.0,cat\n")
+    assert cli("import-data", tmp_path / "named.csv", "--out", tmp_path / "n.h5").exit_code == 0

@@ -150,6 +150,11 @@ def from_csv(path: Path, label_column: str = "label",
     try:
         ints = [int(v) for v in raw]
     except ValueError:  # class names: 0..K-1 in sorted order (a dict: linear in the number of rows)
+        numbers = [i for i, v in enumerate(raw) if _is_int(v)]
+        if numbers:  # integer labels with a stray value: refused, never renumbered as names
+            odd = next(i for i, v in enumerate(raw) if not _is_int(v))
+            raise DataError(f"{path}: column {shown(label_column)} holds integer labels and other values (row "
+                            f"{odd + 2}: {shown(raw[odd], 40)}); fix or drop those rows — labels are read as written")
         index = {name: i for i, name in enumerate(sorted(set(raw)))}
         ints = [index[v] for v in raw]
     if ints and not 0 <= min(ints) <= max(ints) <= MAX_LABEL:
