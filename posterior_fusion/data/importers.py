@@ -154,7 +154,7 @@ def from_csv(path: Path, label_column: str = "label",
         if numbers:  # integer labels with a stray value: refused, never renumbered as names
             odd = next(i for i, v in enumerate(raw) if not _is_int(v))
             raise DataError(f"{path}: column {shown(label_column)} holds integer labels and other values (row "
-                            f"{odd + 2}: {shown(raw[odd], 40)}); fix or drop those rows — labels are read as written")
+                            f"{odd + 2}: {shown(raw[odd], 40)}); fix or drop those rows — labels are read as written") from None
         index = {name: i for i, name in enumerate(sorted(set(raw)))}
         ints = [index[v] for v in raw]
     if ints and not 0 <= min(ints) <= max(ints) <= MAX_LABEL:
