@@ -192,7 +192,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
         init_info["base_sha256"] = str(init_art.metadata["base"].get("sha256"))
         # fine-tuning a base (all of it, or cfg.finetune's part): the prior N(start, λ0⁻¹ I) is centred at it
         spec, inits, prior_mean = finetune_start(spec, inits[0], cfg.finetune, len(inits),
-                                                 int(init_art.metadata.get("init_seed", 0) or 0))
+                                                 init_file_seed(init_art.metadata, init_path))
     elif cfg.finetune != "all":
         raise ConfigError(f"--finetune {cfg.finetune} fine-tunes part of a pretrained base: give --init a file from "
                           "`pfuse init --from BASE`")
@@ -256,6 +256,15 @@ def refresh_settings(damping, trust_radius, refresh_dp_epsilon, refresh_dp_delta
     given = {k: v for k, v in (("refresh_dp_epsilon", refresh_dp_epsilon), ("refresh_dp_delta", refresh_dp_delta),
                                ("refresh_dp_clip", refresh_dp_clip)) if v is not None}
     return damping, trust_radius, refresh_privacy_from(given)
+
+
+def init_file_seed(meta, init_path) -> int:
+    """An init file's recorded ``init_seed`` (the server's value), checked with the CLI's range."""
+    seed = meta.get("init_seed", 0) or 0
+    if not ranges.is_int(seed):
+        raise ConfigError(f"{init_path}: metadata init_seed must be an integer, got {str(seed)[:40]!r}")
+    ranges.check(f"{init_path}: metadata init_seed", seed, ranges.SEED)
+    return int(seed)
 
 
 @click.command("recapture")

@@ -271,3 +271,23 @@ def test_a_negative_frozen_batchnorm_variance_is_refused_by_the_reader(tmp_path,
         f["frozen"][...] = values
     with pytest.raises(ArtifactError, match="negative"):
         posterior_fusion.load(tmp_path / "bn.h5")
+
+
+@pytest.mark.parametrize("seed", ["seven", 10**19])
+def test_an_init_file_whose_seed_is_out_of_range_is_one_line(tmp_path, small_silo, seed):
+    """The init file is the server's: its recorded ``init_seed`` is checked with the CLI's range on the silo."""
+    import json
+
+    from posterior_fusion.artifact.writer import text_attr
+
+    path, _ = _base(tmp_path)
+    _silos(tmp_path, small_silo, 1)
+    assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
+                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+    with h5py.File(tmp_path / "i.h5", "r+") as f:
+        meta = json.loads(f.attrs["metadata"])
+        meta["init_seed"] = seed
+        f.attrs["metadata"] = text_attr(json.dumps(meta))
+    r = _run("fit-local", "--data", tmp_path / "s0.h5", "--init", tmp_path / "i.h5", "--finetune", "head",
+             "--structure", "diag", "--epochs", "1", "--out", tmp_path / "c.h5")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "init_seed" in r.stderr, r.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -487,3 +488,15 @@ def test_the_node_state_folder_is_the_node_users_own(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getuid", lambda: 12345)
     with pytest.raises(OutputError, match="another user"):
         node_state_dir(ctx({"silo": str(silo), "state-dir": str(state)}), silo)
+
+
+@pytest.mark.parametrize("field, value", [("components", "5"), ("components", 10**19), ("init_seed", "7"),
+                                          ("init_seed", 10**19), ("components", 0)])
+def test_server_sent_settings_are_checked_with_the_cli_ranges(field, value):
+    """What the server sends (component count, init seed) is refused in one ConfigError line on the node, never a
+    traceback from deep inside the fit."""
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.flower.federated_settings import FederatedSettings
+
+    with pytest.raises(ConfigError, match=field.replace("_", "-")):
+        FederatedSettings.from_json(json.dumps({"model": "mlp", field: value}))

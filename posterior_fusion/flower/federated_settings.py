@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from posterior_fusion import ranges
 from posterior_fusion.compat import RENAMED_RUN_CONFIG_KEYS, rename_keys
 from posterior_fusion.errors import (
     ConfigError,
@@ -33,6 +34,12 @@ class FederatedSettings:
         if unknown:
             raise ConfigError(f"no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
         self.model, self.model_kwargs = model, dict(model_kwargs or {})
+        for name, value, bounds in (("components", components, ranges.COMPONENTS), ("init-seed", init_seed, ranges.SEED)):
+            if not ranges.is_int(value):  # the server's values, checked with the CLI's ranges
+                raise ConfigError(f"federated settings: {name} must be an integer, got {str(value)[:40]!r}")
+            ranges.check(f"federated settings: {name}", value, bounds)
+        if not isinstance(model, str) or not isinstance(model_kwargs or {}, dict):
+            raise ConfigError("federated settings: model must be a name and model-kwargs an object")
         self.components, self.init_seed = components, init_seed
         if base_sha256 is not None and (not isinstance(base_sha256, str) or len(base_sha256) != 64
                                         or any(ch not in "0123456789abcdef" for ch in base_sha256)):
