@@ -5,6 +5,8 @@ reference), LoRA's adapters are ordinary layers to the capture and a fused adapt
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h5py
 import pytest
 import torch
@@ -291,3 +293,24 @@ def test_an_init_file_whose_seed_is_out_of_range_is_one_line(tmp_path, small_sil
     r = _run("fit-local", "--data", tmp_path / "s0.h5", "--init", tmp_path / "i.h5", "--finetune", "head",
              "--structure", "diag", "--epochs", "1", "--out", tmp_path / "c.h5")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "init_seed" in r.stderr, r.output
+
+
+def test_a_lora_rank_beyond_the_layers_is_refused_before_any_work(tmp_path, small_silo):
+    """``--finetune lora:9999`` on layers of at most 49 inputs: one line naming the layer, exit 2, before training
+    — the subprocess's peak memory stays that of the interpreter and torch, far under the budget."""
+    import resource
+    import subprocess
+    import sys
+
+    path, _ = _base(tmp_path)
+    _silos(tmp_path, small_silo, 1)
+    assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
+                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    r = subprocess.run([str(Path(sys.executable).parent / "pfuse"), "fit-local", "--data", str(tmp_path / "s0.h5"),
+                        "--init", str(tmp_path / "i.h5"), "--finetune", "lora:9999", "--max-memory", "256M",
+                        "--out", str(tmp_path / "c.h5")], capture_output=True, text=True, timeout=300)
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "rank 9999 exceeds layer" in r.stderr, r.stderr
+    assert max(peak_kib, before) < 1.5 * 2**20, peak_kib  # KiB: under 1.5 GiB (torch itself is about 0.4)
+    assert not (tmp_path / "c.h5").exists()

@@ -70,7 +70,7 @@ from collections.abc import Callable
 
 import torch
 
-from posterior_fusion import ranges
+from posterior_fusion import budget, ranges
 from posterior_fusion.artifact.reader import load_client, load_global
 from posterior_fusion.artifact.schema import MAX_COMPONENTS
 from posterior_fusion.artifact.writer import write_client_artifact
@@ -345,6 +345,19 @@ def refresh(source: ClientPosterior, data: SiloData, at: GlobalEnsemble, structu
     return finish_metadata(prep, structure, capture_dtype, policy, {"at": at.sha256, "damping": damping}), comps
 
 
+def refresh_bytes(source: ClientPosterior, at: GlobalEnsemble, n: int, input_size: int, batch: int,
+                  private: bool) -> int:
+    """What a refresh round holds at its peak, in bytes, estimated before any work: every own component's
+    precision in float64 (the trust-radius check), the silo's inputs, and per member either the private
+    gradient's per-sample gradients (a batch of at most 64, about four copies of ``(batch, d)`` float32 in
+    torch.func) or a capture (the curvature twice, float32 and float64, and the gradient pass)."""
+    d = source.layout.dim
+    curvature = sum(c.curvature.nbytes for c in source.components)
+    own = 2 * curvature + 8 * d * len(source.components)
+    work = 16 * min(batch, 64) * d if private else 3 * max(c.curvature.nbytes for c in source.components) + 16 * d
+    return own + work + 4 * n * input_size + 8 * d * len(at.members)
+
+
 def refresh_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike, at_path: str | os.PathLike,
                     out: str | os.PathLike, structure: str | None = None, ggn: str | None = None,
                     curvature_batch_size: int | None = None, method: str = "fast",
@@ -359,6 +372,10 @@ def refresh_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike
         source = load_client(source_path, max_memory)
         at = load_global(at_path, max_memory)
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
+        batch = int(curvature_batch_size or source.metadata.get("curvature_batch_size", 256) or 256)
+        need = refresh_bytes(source, at, len(data), math.prod(data.input_shape()), batch, privacy.private)
+        budget.require(need, f"the refresh round of {source_path} at the {len(at.members)} members of {at_path}",
+                       max_memory)
         meta, comps = refresh(source, data, at, structure, ggn, curvature_batch_size, method, log, kfac, device,
                               damping, capture_dtype, trust_radius, privacy)
         write_client_artifact(out, source.model_spec, source.layout, meta, comps, compression, source.prior_mean)

@@ -18,6 +18,7 @@ Settings (one string, recorded in the model spec as ``finetune``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -158,6 +159,11 @@ def apply_finetune(model: nn.Module, setting: str, base: Mapping[str, torch.Tens
             if isinstance(module, (nn.Linear, nn.Conv2d)):
                 if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"):
                     raise ModelSpecError(f"finetune {setting}: convolution {name} uses groups or a padding mode")
+                sides = ((module.in_features, module.out_features) if isinstance(module, nn.Linear)
+                         else (module.in_channels * math.prod(module.kernel_size), module.out_channels))
+                if rank > min(sides):  # an adapter wider than its layer adds weights, not a low rank
+                    raise ModelSpecError(f"finetune {setting}: rank {rank} exceeds layer {name}'s sides {sides} "
+                                         f"(at most {min(sides)})")
                 wrapped = LoRALinear(module, rank) if isinstance(module, nn.Linear) else LoRAConv2d(module, rank)
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, wrapped)
