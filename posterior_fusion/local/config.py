@@ -53,14 +53,27 @@ def auto_weight_decay(temperature: float, prior_precision: float, n_data: int) -
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """SGD settings. ``weight_decay=None``: :func:`auto_weight_decay` (resolved per silo)."""
+    """Training settings: the optimiser and its schedule, the prior as weight decay (``weight_decay=None``:
+    :func:`auto_weight_decay`, resolved per silo), SWAG. Every optimiser minimises the same objective — the
+    mean cross-entropy plus ``½ wd ‖w − μ0‖²`` — so the MAP is the one the capture describes
+    (``docs/methods.md``, "Optimisers")."""
 
     epochs: int = setting(20, "Local training epochs per component.", bounds=ranges.EPOCHS)
-    batch_size: int = setting(64, "SGD batch size.", bounds=ranges.BATCH_SIZE)
-    lr: float = setting(0.01, "SGD learning rate.", bounds=ranges.LEARNING_RATE)
-    momentum: float = setting(0.9, "SGD momentum (below 1).", bounds=(0.0, 0.999999))
-    weight_decay: float | None = setting(None, "SGD weight decay [default: T·λ0/n, which makes the result the "
-                                                 "tempered-posterior MAP].", bounds=(0.0, 1e6))
+    batch_size: int = setting(64, "Training batch size.", bounds=ranges.BATCH_SIZE)
+    optimizer: str = setting("sgd", "sgd: momentum SGD; adam: Adam; both with the prior's pull in the gradient, so "
+                                    "training stops at the posterior's mode. adamw: Adam with the pull decoupled "
+                                    "(AdamW), as transformers are trained; its fixed point is near the mode, not at "
+                                    "it (docs/methods.md).", choices=("sgd", "adam", "adamw"))
+    lr: float = setting(0.01, "Learning rate (peak of the schedule).", bounds=ranges.LEARNING_RATE)
+    momentum: float = setting(0.9, "SGD momentum (below 1); with adam and adamw Adam's β1.", bounds=(0.0, 0.999999))
+    schedule: str = setting("constant", "Learning-rate schedule over the steps: constant, or cosine decay to 0.",
+                            choices=("constant", "cosine"))
+    warmup_epochs: float = setting(0.0, "Linear warm-up of the learning rate from 0 over this many epochs.",
+                                   bounds=(0.0, 1e6))
+    grad_clip: float | None = setting(None, "Clip the gradient's global L2 norm (data term only) to this "
+                                            "[default: no clipping].", bounds=(1e-12, 1e12))
+    weight_decay: float | None = setting(None, "Weight decay toward the prior's centre [default: T·λ0/n, which "
+                                               "makes the result the tempered-posterior MAP].", bounds=(0.0, 1e6))
     swag: bool = setting(False, "Also collect SWAG moments over the last epochs.")
     swag_epochs: int = setting(0, "Last epochs over which SWAG snapshots are taken (0: max(1, epochs // 4)).",
                                   bounds=ranges.EPOCHS)
@@ -260,6 +273,10 @@ class FitConfig:
         compression at their defaults (a frobenius compress_metric too, the default of earlier versions),
         so caches and partial files written before these options existed keep their keys."""
         out = {k: v for k, v in asdict(self).items() if k not in ("capture", "device")}
+        defaults = TrainConfig()
+        for key in ("optimizer", "schedule", "warmup_epochs", "grad_clip"):  # keys of earlier caches kept
+            if out["train"][key] == getattr(defaults, key):
+                out["train"].pop(key)
         if out["kfac"] == "expand" or out["structure"] != "kron":
             out.pop("kfac")
         if out["capture_dtype"] == "float32":

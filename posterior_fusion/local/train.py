@@ -1,4 +1,5 @@
-"""Local MAP training with SGD (the paper's recipe) and optional SWAG moment collection."""
+"""Local MAP training (momentum SGD, the paper's recipe, or Adam / AdamW, with a schedule and clipping) and
+optional SWAG moment collection."""
 
 from __future__ import annotations
 
@@ -73,6 +74,30 @@ def training_diverged(desc: str, epoch: int, cfg: TrainConfig, what: str) -> Non
                                 f"`lr` ({cfg.lr:g}) or raise `batch_size` ({cfg.batch_size}); nothing of it is written")
 
 
+def make_optimizer(params: list[torch.Tensor], cfg: TrainConfig, centred_at_zero: bool):
+    """``(optimizer, whether the prior's pull is in the gradient)`` for ``cfg.optimizer``. SGD keeps the decay
+    toward zero in torch's own ``weight_decay`` (toward a base it is added to the gradient by the caller); Adam
+    has it in the gradient too; AdamW applies it decoupled (by the caller)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay if centred_at_zero else 0.0), True
+    if cfg.optimizer == "adam":  # Adam's own weight_decay is the L2 pull in the gradient
+        return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.momentum, 0.999),
+                                weight_decay=cfg.weight_decay if centred_at_zero else 0.0), True
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=0.0), False
+
+
+def learning_rate_factor(step: int, total: int, warmup: float, schedule: str) -> float:
+    """The schedule's factor of the peak learning rate at ``step`` of ``total``: linear warm-up over ``warmup``
+    steps, then constant or a cosine decay to 0 over the rest."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "cosine":
+        span = max(1.0, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
+    return 1.0
+
+
 def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
               seed: int, desc: str = "train", soft_targets: torch.Tensor | None = None,
               soft_weight: float = 0.0, prior_mean: torch.Tensor | None = None) -> TrainResult:
@@ -89,9 +114,11 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
     gen = torch.Generator().manual_seed(seed)
     params = list(model.parameters())
     centres = None if prior_mean is None else prior_centres(params, prior_mean)
-    # the decay toward a centre enters the gradient before momentum, as SGD's own weight_decay does toward zero
-    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay if centres is None else 0.0)
+    opt, decay_in_gradient = make_optimizer(params, cfg, centres is None)
+    total_steps = cfg.epochs * math.ceil(x.shape[0] / cfg.batch_size)
+    schedule = None if cfg.schedule == "constant" and cfg.warmup_epochs == 0 else torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda t: learning_rate_factor(t, total_steps, cfg.warmup_epochs * math.ceil(x.shape[0] / cfg.batch_size),
+                                            cfg.schedule))
     loss_fn = nn.CrossEntropyLoss()
     n = x.shape[0]
     steps = math.ceil(n / cfg.batch_size)
@@ -116,12 +143,22 @@ def train_map(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConf
                 loss = (1 - soft_weight) * loss + soft_weight * soft
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if centres is not None:
+            if cfg.grad_clip is not None:  # the data term's gradient; the prior's pull is added after
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if decay_in_gradient and centres is not None:
                 with torch.no_grad():
                     for p, c in zip(params, centres):
                         if p.grad is not None:  # as SGD: a parameter without a gradient is not decayed
                             p.grad.add_(p - c, alpha=cfg.weight_decay)
+            if not decay_in_gradient:  # AdamW: w <- w - lr wd (w - centre), before the Adam step
+                with torch.no_grad():
+                    rate = opt.param_groups[0]["lr"] * cfg.weight_decay
+                    for p, c in zip(params, centres or [None] * len(params)):
+                        if p.grad is not None:
+                            p.sub_(rate * (p if c is None else p - c))
             opt.step()
+            if schedule is not None:
+                schedule.step()
             loss_acc += loss.detach().double() * len(idx)
             correct_acc += (out.argmax(-1) == y[idx]).sum()
             swag.after_step(model, epoch, step)

@@ -95,7 +95,8 @@ def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg,
                   sample_rate: float | None = None) -> SwagMoments | None:
     """DP-SGD on ``model`` in place (module docstring): Opacus' per-sample clipping and noise (drawn from
     ``noise``), Poisson batches at ``sample_rate`` (default ``plan_.sample_rate``; ``seed`` draws them),
-    ``train_cfg.epochs`` epochs of about n / batch steps; SGD with the configuration's learning rate and momentum;
+    ``train_cfg.epochs`` epochs of about n / batch steps; SGD (or Adam, ``optimizer`` adam / adamw) with the
+    configuration's learning rate and momentum (Adam's β1);
     the decay toward ``prior_mean`` (zero by default) after each step. With ``soft_targets`` ``(n, classes)`` (a
     private teacher's probabilities on the silo, HBFL) each sample's loss is ``(1 − soft_weight) · CE(y) +
     soft_weight · CE(soft_targets)``: still one sample's term, clipped as a whole. Returns the SWAG moments of the
@@ -103,8 +104,10 @@ def private_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train_cfg,
     iterate), else None."""
     rate = plan_.sample_rate if sample_rate is None else sample_rate
     batch = max(1, round(rate * len(x)))
-    gsm, opt = _opacus(model, torch.optim.SGD(model.parameters(), lr=train_cfg.lr, momentum=train_cfg.momentum),
-                       plan_, dp.dp_clip, batch, noise)
+    inner = (torch.optim.SGD(model.parameters(), lr=train_cfg.lr, momentum=train_cfg.momentum)
+             if train_cfg.optimizer == "sgd" else
+             torch.optim.Adam(model.parameters(), lr=train_cfg.lr, betas=(train_cfg.momentum, 0.999)))
+    gsm, opt = _opacus(model, inner, plan_, dp.dp_clip, batch, noise)
     gen = torch.Generator().manual_seed(seed)
     params = list(model.parameters())
     centres = prior_centres(params, prior_mean)
