@@ -26,6 +26,7 @@ COMMANDS = {
     "fuse": ("server_commands", "fuse_cmd", "Validate client artifacts and fuse them into a global posterior."),
     "evaluate": ("server_commands", "evaluate_cmd", "Accuracy, NLL, calibration and uncertainty metrics of global artifacts."),
     "predict": ("server_commands", "predict_cmd", "Write predictive class probabilities (map, mc or glm)."),
+    "export": ("export_commands", "export_cmd", "Write one network of a global artifact as safetensors + its spec."),
     "inspect": ("inspect_commands", "inspect_cmd", "Validate an artifact and summarise it."),
     "audit": ("local_commands", "audit_cmd", "What a client artifact reveals about its silo (labels, inputs, membership)."),
     "demo": ("server_commands", "demo_cmd", "Partition -> fit-local -> fuse with every method -> table."),

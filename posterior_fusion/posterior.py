@@ -48,6 +48,41 @@ class SwagMoments:
         return self.mean + math.sqrt(scale) * out
 
 
+def exported_state(spec: ModelSpec, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``state_dict`` of :meth:`ModelSpec.architecture` for a member's flat ``weights`` ``(d,)``: trained and
+    frozen weights, LoRA merged, a BatchNorm's statistics (its batch counter the architecture's own)."""
+    from posterior_fusion.models.finetune import merged_state
+
+    state = merged_state(build_model(spec, weights))
+    with torch.device("meta"):
+        wanted = spec.architecture().state_dict()
+    missing = [k for k in wanted if k not in state and not k.endswith("num_batches_tracked")]
+    if missing:
+        raise ConfigError(f"model {spec.name!r}: no exported value for {', '.join(missing[:3])}")
+    return {k: (state[k].detach().clone().contiguous() if k in state else torch.zeros((), dtype=torch.long))
+            for k in wanted}
+
+
+def exported_module(spec: ModelSpec, weights: torch.Tensor) -> nn.Module:
+    """A fresh :meth:`ModelSpec.architecture` module holding :func:`exported_state`, in evaluation mode."""
+    model = spec.architecture()
+    model.load_state_dict(exported_state(spec, weights), strict=True)
+    return model.eval()
+
+
+class InputTransformModule(nn.Module):
+    """An artifact's input transform as a module (raw data in, the model's inputs out; None: the identity)."""
+
+    def __init__(self, transform: InputTransform | None) -> None:
+        super().__init__()
+        self.transform = transform
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transform is None:
+            return x.float()
+        return self.transform.apply(x.detach().cpu().numpy(), "inputs").to(x.device)
+
+
 def build_model(spec: ModelSpec, weights: torch.Tensor) -> nn.Module:
     """A fresh model of ``spec`` with the flat ``weights`` ``(d,)`` copied in (independent storage)."""
     model = spec.build()
@@ -226,11 +261,20 @@ class GlobalEnsemble:
         return checked_probabilities(probs, self.path, self.metadata)
 
     def models(self) -> list[nn.Module]:
-        """One fresh ``nn.Module`` per member (no storage shared between them), in evaluation mode. They
-        take the **model's inputs** — data after the artifact's input transform (``predict(x, raw=True)``'s
-        inputs), not the raw pixels or features ``predict(x)`` takes: feed them
-        ``InputTransform.from_dict(g.metadata["input_transform"], "x").apply(x, "x")`` (or use ``predict``)."""
-        return [build_model(self.model_spec, w).eval() for w in self.members]
+        """One fresh ``nn.Module`` per member (no storage shared between them), in evaluation mode, of the plain
+        architecture (:meth:`ModelSpec.architecture`): its ``state_dict`` is complete — a fine-tuned model's frozen
+        weights put back, LoRA merged (``W + B A``), a BatchNorm's statistics as buffers — and loads with
+        ``strict=True`` into a fresh module of the spec's architecture. They take the **model's inputs** — data
+        after the artifact's input transform (``predict(x, raw=True)``'s inputs); :meth:`models_for_raw_inputs`
+        takes raw data, as ``predict(x)`` does."""
+        return [exported_module(self.model_spec, w) for w in self.members]
+
+    def models_for_raw_inputs(self) -> list[nn.Module]:
+        """:meth:`models`, each behind the artifact's input transform (``nn.Sequential(transform, model)``): raw
+        pixels or features in, logits out, as ``predict(x)`` takes them."""
+        transform = self.metadata.get("input_transform")
+        step = InputTransformModule(InputTransform.from_dict(dict(transform), self.path) if transform else None)
+        return [nn.Sequential(step, m).eval() for m in self.models()]
 
 
 def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.Tensor | np.ndarray, raw: bool,

@@ -220,3 +220,29 @@ def test_batchnorm_refusals_are_one_line_before_training(bn_silos, tmp_path, sma
     r = run("fuse", bad, folder / "k1.h5", "--method", "fedavg", "--out", tmp_path / "g.h5")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "negative variance" in r.stderr and "bad.h5" in r.stderr, \
         r.output
+
+
+def test_a_batchnorm_global_exports_its_statistics(tmp_path, small_silo):
+    """A BatchNorm model fused from random starting points: ``models()``' state_dict holds the statistics as the
+    architecture's buffers, loads strict into a fresh architecture and predicts as ``predict``."""
+    from click.testing import CliRunner
+    from conftest import fit_artifact
+
+    import posterior_fusion
+    from posterior_fusion.cli.main import pfuse
+    from posterior_fusion.models import ModelSpec
+
+    kw = {"in_channels": 1, "width": 2, "norm": "batch"}
+    for c in range(2):
+        fit_artifact(tmp_path / f"c{c}.h5", SiloData(small_silo.x[c * 40:(c + 1) * 40], small_silo.y[c * 40:(c + 1) * 40],
+                                                     "fmnist", 10), "diag", "resnet20", kw, mixtures=1, seed=c)
+    assert CliRunner().invoke(pfuse, ["fuse", str(tmp_path / "c0.h5"), str(tmp_path / "c1.h5"), "--method", "fedavg",
+                                      "--out", str(tmp_path / "g.h5")]).exit_code == 0
+    g = posterior_fusion.load(tmp_path / "g.h5")
+    state = g.models()[0].state_dict()
+    assert any(k.endswith("running_var") for k in state)
+    fresh = ModelSpec("resnet20", kw).architecture()
+    fresh.load_state_dict(state, strict=True)
+    x = torch.as_tensor(small_silo.x[100:120]).float()[:, None] / 255
+    with torch.no_grad():
+        torch.testing.assert_close(torch.softmax(fresh.eval()(x), -1), g.predict(x, raw=True), rtol=1e-4, atol=1e-5)

@@ -314,3 +314,51 @@ def test_a_lora_rank_beyond_the_layers_is_refused_before_any_work(tmp_path, smal
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "rank 9999 exceeds layer" in r.stderr, r.stderr
     assert max(peak_kib, before) < 1.5 * 2**20, peak_kib  # KiB: under 1.5 GiB (torch itself is about 0.4)
     assert not (tmp_path / "c.h5").exists()
+
+
+@pytest.mark.parametrize("finetune", ["head", "last:2", "lora:2"])
+def test_fused_networks_export_like_any_pytorch_model(tmp_path, small_silo, finetune):
+    """``models()[k].state_dict()`` of a global fine-tuned from a base is complete (frozen weights back, LoRA
+    merged): it loads with ``strict=True`` into a fresh module of the architecture and predicts as ``predict``;
+    ``models_for_raw_inputs()`` takes raw data; ``pfuse export`` read with plain safetensors reproduces
+    ``predict()`` without this package's model code."""
+    import json as json_module
+
+    from safetensors.torch import load_file
+
+    path, _ = _base(tmp_path)
+    _silos(tmp_path, small_silo)
+    assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
+                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+    for c in range(2):
+        assert _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--finetune", finetune,
+                    "--structure", "diag", "--epochs", "2", "--train-seed", c, "--out", tmp_path / f"c{c}.h5").exit_code == 0
+    assert _run("fuse", tmp_path / "c0.h5", tmp_path / "c1.h5", "--method", "fedavg",
+                "--out", tmp_path / "g.h5").exit_code == 0
+    g = posterior_fusion.load(tmp_path / "g.h5")
+    x_raw = small_silo.x[160:200, ::4, ::4]
+    want = g.predict(x_raw)
+    model = g.models()[0]
+    state = model.state_dict()
+    fresh = SPEC.build() if finetune == "all" else ModelSpec("mlp", KW).architecture()
+    fresh.load_state_dict(state, strict=True)
+    assert set(state) == {n for n, _ in nn.Sequential(*SPEC.build().children()).named_parameters()}
+    inputs = posterior_fusion.posterior.model_inputs(g.model_spec, g.metadata.get("input_transform"), x_raw, False, "x")
+    with torch.no_grad():
+        torch.testing.assert_close(torch.softmax(fresh.eval()(inputs), -1), want, rtol=1e-5, atol=1e-6)
+        raw_model = g.models_for_raw_inputs()[0]
+        torch.testing.assert_close(torch.softmax(raw_model(torch.as_tensor(x_raw)), -1), want, rtol=1e-5, atol=1e-6)
+    r = _run("export", tmp_path / "g.h5", "--out", tmp_path / "net.safetensors")
+    assert r.exit_code == 0, r.output
+    described = json_module.loads((tmp_path / "net.safetensors.json").read_text())
+    assert described["model_spec"] == {"name": "mlp", "kwargs": KW}
+    loaded = load_file(str(tmp_path / "net.safetensors"))
+    # a user's own plain PyTorch model of the same architecture: Flatten, Linear 49→6, ReLU, Linear 6→5, ReLU, Linear 5→10
+    own = nn.Sequential(nn.Flatten(), nn.Linear(49, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 10))
+    own.load_state_dict(loaded, strict=True)
+    t = described["input_transform"]
+    x = (torch.as_tensor(x_raw).float() * t["scale"] - t["mean"][0]) / t["std"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.softmax(own(x), -1), want, rtol=1e-5, atol=1e-6)
+    r = _run("export", tmp_path / "g.h5", "--member", "3", "--out", tmp_path / "x.safetensors")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--member" in r.stderr

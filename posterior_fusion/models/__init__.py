@@ -211,6 +211,18 @@ class ModelSpec:
         # starting points has its own folded into its affine parameters (models/batchnorm.py)
         return apply_finetune(model, self.finetune, None if meta else self.base)  # on meta: shapes only
 
+    def architecture(self) -> nn.Module:
+        """The builder's module as a user builds it — every weight a parameter, a BatchNorm's statistics ordinary
+        buffers, nothing frozen — with attention as four linear maps (:mod:`.attention`): what an exported
+        network's ``state_dict`` loads into."""
+        import torch
+
+        if torch.get_default_device().type != "meta":
+            self.check_size()
+        from posterior_fusion.models.attention import linear_attention
+
+        return linear_attention(self._construct())
+
     def frozen_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, shape)`` of the base weights a fine-tuning spec freezes (none for ``all``; a BatchNorm
         model's statistics always), read once on the meta device: the layout of an artifact's ``/frozen``."""
