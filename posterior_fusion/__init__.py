@@ -34,3 +34,8 @@ def __getattr__(name: str) -> Any:
                 "ranges", "runtime"):
         return importlib.import_module(f"posterior_fusion.{name}")
     raise AttributeError(f"module 'posterior_fusion' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public API (the lazy attributes included), as ``dir(posterior_fusion)`` and completion show it."""
+    return sorted({*globals(), *__all__})

@@ -135,6 +135,11 @@ class ClientPosterior:
     prior_mean: torch.Tensor | None = None  # (d,): the prior N(prior_mean, λ0⁻¹ I)'s centre, the base; None = zero
 
     @property
+    def class_names(self) -> tuple[str, ...]:
+        """The classes' names where the data had them (CSV names, image folders), index by index; else ()."""
+        return tuple(self.metadata.get("class_names") or ())
+
+    @property
     def structure(self) -> str:
         return str(self.metadata["structure"])
 
@@ -202,6 +207,11 @@ class GlobalEnsemble:
     @property
     def method(self) -> str:
         return str(self.metadata.get("method", "?"))
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """The classes' names where the data had them (CSV names, image folders), index by index; else ()."""
+        return tuple(self.metadata.get("class_names") or ())
 
     @property
     def has_posterior(self) -> bool:

@@ -676,3 +676,9 @@ def test_every_command_s_help_imports_no_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout[-500:], out.stderr[-2000:])
+
+
+def test_the_api_lists_itself_and_names_the_classes(tmp_path, two_clients):
+    assert {"load", "GlobalEnsemble", "ModelSpec", "read_data"} <= set(dir(posterior_fusion))
+    client = posterior_fusion.load(two_clients[0])
+    assert client.class_names == tuple(client.metadata.get("class_names") or ())
