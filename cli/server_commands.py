@@ -5,6 +5,7 @@ pipeline are imported when a command runs, so ``--help`` starts without torch.""
 from __future__ import annotations
 
 import functools
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEFAULT_ROW, DEMO_DATASETS, DEMO_METHODS, legend
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output, output_lock
+from posterior_fusion.fusion.distill_settings import RECIPES, TeachingConfig
 from posterior_fusion.fusion.registry import (
     DEFAULT_METHOD,
     DEFAULT_SETTINGS,
@@ -35,6 +37,7 @@ from posterior_fusion.fusion.registry import (
     resolve_default,
 )
 from posterior_fusion.fusion.settings import parse_pairs
+from posterior_fusion.settings import describe
 
 
 def legacy_settings(fn: Callable) -> Callable:
@@ -96,6 +99,17 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
     ctx.exit(0)
 
 
+def distill_options(fn):
+    """One ``--distill-<setting>`` option per :class:`~posterior_fusion.fusion.distill_settings.TeachingConfig`
+    field (declared once; text read by the settings converter)."""
+    for row in reversed(describe(TeachingConfig)):
+        flag = "--distill-" + row["name"].replace("_", "-")
+        kind = click.Choice(row["choices"]) if row["choices"] else None
+        fn = click.option(flag, "distill_" + row["name"], default=None, type=kind,
+                          help=f"consistent recipe: {row['help']} [default: {row['default']}]")(fn)
+    return fn
+
+
 @click.command("fuse", epilog=SETTINGS_EPILOG)
 @click.argument("clients", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--method", default=None, type=click.Choice(list(METHODS)),
@@ -114,10 +128,16 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @click.option("--unlabeled", default=None, type=click.Path(dir_okay=False),
               help="Unlabeled server data (labels not needed): fedbe's and --distill's distillation set.")
 @click.option("--distill", is_flag=True,
-              help="Distil the fused ensemble into one model on --unlabeled with FedBE's schedule (SWA, cyclic step "
-                   "size 1e-3 -> 4e-4, sharpened pseudo-labels) [default: no distillation].")
+              help="Serve one network: teach it what the fused predictive knows (--distill-recipe), on --unlabeled, "
+                   "or without server inputs on inputs synthesised from the artifacts [default: no distillation].")
+@click.option("--distill-recipe", default="consistent", show_default=True, type=click.Choice(RECIPES),
+              help="consistent: the teacher on the student's own augmented view at every step, KL at a temperature, "
+                   "Adam with a cosine schedule, a moving average (docs/methods.md, \"Distillation\"); without "
+                   "--unlabeled it synthesises its inputs (data-free). fedbe: FedBE's schedule (SWA, cyclic step "
+                   "size 1e-3 -> 4e-4, sharpened pseudo-labels, --distill-epochs), on --unlabeled.")
 @click.option("--distill-epochs", default=None, type=bounded(ranges.EPOCHS),
-              help="Distillation epochs of --distill and of fedbe (its setting distill_epochs) [default: 20, FedBE's].")
+              help="Epochs of the fedbe recipe and of method fedbe (its setting distill_epochs) [default: 20, FedBE's].")
+@distill_options
 @click.option("--temperature", default=None, type=bounded(ranges.TEMPERATURE, float), help="Re-temper every client with this T [default: each client's T].")
 @click.option("--prior-var", default=None, type=bounded(ranges.PRIOR_VAR, float), help="Prior variance σ0² for every client and the global prior [default: clients'].")
 @click.option("--component", default=0, show_default=True, type=bounded((0, ranges.COMPONENTS[1] - 1)), help="Client component used by unimodal methods.")
@@ -148,12 +168,12 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
 @legacy_settings
 @old_spellings("fuse")
 @handle_errors
-def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, distill_epochs, temperature, prior_var,
-             component, sampling_seed, kernel, device, batchnorm_statistics, allow_mixed_privacy, tune,
-             tune_temperatures, tune_prior_vars, robust, max_memory, as_json, legacy):
+def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, distill_recipe, distill_epochs,
+             temperature, prior_var, component, sampling_seed, kernel, device, batchnorm_statistics,
+             allow_mixed_privacy, tune, tune_temperatures, tune_prior_vars, robust, max_memory, as_json, legacy,
+             **teaching):
     """Validate client artifacts and fuse them into a global ensemble."""
     from posterior_fusion.fusion import applicable_settings
-    from posterior_fusion.fusion.distill import DistillConfig
 
     method, defaults = resolve_default(method, None)
     overrides = {**defaults, **applicable_settings(method, legacy)}
@@ -165,8 +185,32 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
     with output_lock(out, inputs=[*clients, val_path, unlabeled]):
         _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                       sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
-                      as_json, DistillConfig(epochs=20 if distill_epochs is None else distill_epochs) if distill else None,
+                      as_json, distill_config(distill, distill_recipe, distill_epochs, teaching, unlabeled),
                       batchnorm_statistics, allow_mixed_privacy)
+
+
+def distill_config(distill: bool, recipe: str, epochs: int | None, given: dict, unlabeled):
+    """The distillation record of ``fuse --distill`` from its options; a recipe's option given without it (or
+    without --distill) is refused in one line."""
+    from posterior_fusion.fusion.distill import DistillConfig
+    from posterior_fusion.settings import convert
+
+    chosen = {k.removeprefix("distill_"): v for k, v in given.items() if v is not None}
+    if not distill:
+        if chosen:
+            raise ConfigError(f"--distill-{next(iter(chosen)).replace('_', '-')} applies with --distill only")
+        return None
+    if recipe == "fedbe":
+        if chosen:
+            raise ConfigError(f"--distill-{next(iter(chosen)).replace('_', '-')} is a setting of the consistent recipe, "
+                              "not of fedbe")
+        if not unlabeled:
+            raise ConfigError("--distill-recipe fedbe needs unlabeled server data (--unlabeled FILE)")
+        return DistillConfig(epochs=20 if epochs is None else epochs)
+    hints = typing.get_type_hints(TeachingConfig)
+    cfg = TeachingConfig(**{k: convert(v, hints[k], f"--distill-{k.replace('_', '-')}") for k, v in chosen.items()})
+    cfg.validate()
+    return cfg
 
 
 def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,

@@ -454,7 +454,7 @@ def test_a_privacy_setting_without_dp_is_refused_never_a_plain_fit(tmp_path, sma
 PRIVATE_METADATA = {
     "n_data": "the sum of the noisy class counts (the release)", "class_counts": "the noisy histogram (the release)",
     "dp": "the mechanisms and their (ε, δ); n enters as public (δ = 1/n, the sampling rate)",
-    "num_classes": "the model's", "dataset": "the data set's name, chosen by the federation",
+    "num_classes": "the model's", "input_shape": "one input's shape, the model's", "dataset": "the data set's name, chosen by the federation",
     "input_transform": "data-independent, or computed from public data (dp_public_transform); no file name",
     "temperature": "a setting", "prior_precision": "a setting", "structure": "a setting", "train_seed": "a setting",
     "curvature_batch_size": "a setting", "ggn": "a setting", "kfac": "a setting", "train": "the settings DP-SGD used",

@@ -20,6 +20,7 @@ from posterior_fusion.fusion.registry import get_method, resolve_default
 from posterior_fusion.fusion.resources import estimate_device_bytes, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.teaching import TeachingConfig, teach_members
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
 from posterior_fusion.metrics import evaluate_members
@@ -30,7 +31,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
          val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
          log=lambda msg: None, robust: bool = False, max_memory: int | str | None = None,
          tune: tuple[str, ...] = (), tune_temperatures=None, tune_prior_vars=None,
-         distill: DistillConfig | None = None,
+         distill: DistillConfig | TeachingConfig | None = None,
          ) -> tuple[FusionInputs, FusionResult, dict]:
     """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
 
@@ -42,7 +43,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     ``robust``, outlying clients are screened out (:mod:`posterior_fusion.fusion.robust`).
     ``tune`` ("T" and/or "prior") selects T / σ0² on the validation data over a grid
     (:mod:`posterior_fusion.fusion.tuning`). ``distill``: distil the fused ensemble into one
-    model on the unlabeled data (:mod:`posterior_fusion.fusion.distill`; fedbe distils by itself).
+    model — :class:`DistillConfig`, FedBE's recipe on the unlabeled data (:mod:`posterior_fusion.fusion.distill`;
+    fedbe distils by itself), or :class:`TeachingConfig`, consistent teaching on the unlabeled data or, without
+    any, on inputs synthesised from the artifacts (:mod:`posterior_fusion.fusion.teaching`).
     """
     options = options or FusionOptions()
     options.validate()
@@ -51,7 +54,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     chosen = method_settings(method, settings)
     if distill is not None:
         distill.validate()
-        if not unlabeled_path:
+        if not unlabeled_path and not isinstance(distill, TeachingConfig):
             raise ConfigError("`distill` needs unlabeled server data (`unlabeled` FILE)")
     if not client_paths:
         raise IncompatibleArtifactsError("no client artifacts given")
@@ -100,7 +103,17 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
                                             "file": str(unlabeled_path or val_path), "sha256": server.sha256()}
     elif any(c.metadata.get("batchnorm") == "fold" for c in inputs.clients):
         metadata["batchnorm_statistics"] = {"rule": "fold"}
-    if distill is not None and not get_method(method).distils:  # a distilling method does it with this schedule
+    if isinstance(distill, TeachingConfig) and not get_method(method).distils:
+        log(f"teaching one network what {len(result.members)} members predict "
+            + (f"on {len(unlabeled)} unlabeled inputs" if unlabeled is not None else "without server inputs"))
+        w, record = teach_members(inputs.spec, list(result.members), None if unlabeled is None else unlabeled.inputs(),
+                                  distill, result.pooling(inputs.spec.num_classes), result.mode_weights,
+                                  inputs.clients, options.progress, log)
+        teachers, result = result, result.distilled(w, record)
+        metadata = {**{k: v for k, v in metadata.items() if k not in teachers.info}, **result.info}
+        metadata["distill"] = {**record, **({"file": str(unlabeled_path), "sha256": unlabeled.sha256()}
+                                           if unlabeled is not None else {"file": None})}
+    elif distill is not None and not get_method(method).distils:  # a distilling method does it with this schedule
         log(f"distilling {len(result.members)} members into one model on {len(unlabeled)} unlabeled inputs")
         w, record = distill_members(inputs.spec, result.members, unlabeled.inputs(), distill,
                                     options.sampling_seed, options.progress, result.mode_weights,

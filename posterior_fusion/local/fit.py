@@ -87,6 +87,7 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         h.update(b"prior_mean" + prior_mean.detach().cpu().float().numpy().tobytes())
     return {
         "n_data": n, "class_counts": data.class_counts(), "num_classes": data.num_classes,
+        "input_shape": list(data.input_shape()),
         "dataset": data.dataset, "data_sha256": data.sha256(), "input_transform": data.input_transform.to_dict(),
         "temperature": cfg.temperature, "prior_precision": cfg.prior_precision, "structure": cfg.structure,
         "train_seed": cfg.train_seed, "curvature_batch_size": cfg.curvature_batch_size, "ggn": cfg.ggn,

@@ -1,0 +1,60 @@
+"""The distillation recipes' settings (``fuse --distill``), declared once and free of torch (the CLI's options
+are generated from them): :class:`TeachingConfig` for the ``consistent`` and ``data-free`` recipes
+(:mod:`posterior_fusion.fusion.teaching`); FedBE's recipe keeps its own schedule
+(:class:`posterior_fusion.fusion.distill.DistillConfig`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.settings import check_declared, setting
+
+RECIPES = ("consistent", "fedbe")  # the distillation recipes; consistent without server inputs is data-free
+
+
+@dataclass(frozen=True)
+class TeachingConfig:
+    """The consistent and data-free recipes' settings (module doc)."""
+
+    steps: int = setting(3000, "Student optimisation steps.", bounds=(1, 10**7))
+    batch_size: int = setting(128, "Student batch size.", bounds=(2, 65536))
+    lr: float = setting(2e-3, "Adam's peak learning rate (cosine decay to 0).", bounds=(1e-8, 10.0))
+    temperature: float = setting(2.0, "Temperature of the KL divergence from the teacher to the student.",
+                                 bounds=(0.05, 100.0))
+    pad: int = setting(2, "Images: the random shift's padding in pixels (0: none).", bounds=(0, 64))
+    flip: str = setting("auto", "Images: horizontal flip — auto (where the teacher's top class agrees on flipped "
+                                "held-out inputs for 95% of them), on, or off.", choices=("auto", "on", "off"))
+    mixup: float = setting(1.0, "Mixup's Beta(a, a) parameter (0: no mixup).", bounds=(0.0, 100.0))
+    start: str = setting("member", "The student's start: the member agreeing most with the teacher, or scratch.",
+                         choices=("member", "scratch"))
+    ema: float = setting(0.999, "Decay of the moving average of the student's weights that is kept (0: the last "
+                                "iterate).", bounds=(0.0, 0.999999))
+    seed: int = setting(0, "Seed of the student's start, batches and augmentations.", bounds=(0, 2**63 - 1))
+    synth_size: int = setting(5000, "Data-free: how many inputs to synthesise.", bounds=(10, 10**7))
+    synth_steps: int = setting(200, "Data-free: optimisation steps per synthetic batch.", bounds=(1, 10**6))
+    moment_weight: float = setting(10.0, "Data-free: weight of the first-layer second-moment mismatch.",
+                                   bounds=(0.0, 1e6))
+    input_shape: str = setting("", "Data-free: one input's shape, e.g. 1,28,28 [default: the clients' recorded "
+                                   "input_shape].")
+
+    def validate(self) -> None:
+        check_declared(self, "distillation")
+        self.shape()
+
+    def shape(self) -> tuple[int, ...] | None:
+        """``input_shape`` as a tuple (None where it is not set)."""
+        if not self.input_shape:
+            return None
+        try:
+            shape = tuple(int(v) for v in self.input_shape.split(","))
+        except ValueError:
+            shape = ()
+        if not 1 <= len(shape) <= 4 or not all(1 <= v <= 4096 for v in shape) or math.prod(shape) > 2**24:
+            raise ConfigError(f"distillation setting 'input_shape' must be 1 to 4 sizes like 1,28,28, got "
+                              f"{self.input_shape[:40]!r}")
+        return shape
+
+    def to_json(self) -> dict:
+        return asdict(self)

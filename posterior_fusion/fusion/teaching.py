@@ -1,0 +1,264 @@
+"""Distillation that teaches one network what a global artifact's predictive knows (``fuse --distill``,
+recipe ``consistent``, and ``data-free`` with no server inputs at all).
+
+**Consistent teaching** (Beyer et al. 2022, "patient and consistent"): at every step the teacher — the members'
+softmax combined exactly as the artifact predicts (the label-shift pool, the average, the mixture) — is
+evaluated on the very batch the student sees, after the augmentation, never on cached clean inputs. The
+augmentations by input kind: images ``(n, C, H, W)`` a random shift (crop of the zero-padded image by
+``pad`` pixels), a horizontal flip where it is label-preserving — decided on the data, as whether the teacher's
+top class agrees on flipped and unflipped held-out inputs for at least :data:`FLIP_AGREEMENT` of them — and
+mixup between inputs of the batch (λ ~ Beta(``mixup``, ``mixup``)); vectors and token ids mixup only where
+they are real-valued (token ids: none). The loss is the KL divergence from the teacher to the student at
+``temperature`` (times T², so its gradient's scale does not depend on T); Adam with a cosine schedule for
+``steps`` steps; the student starts from scratch (the spec's initialisation at ``seed``) or from the member
+whose prediction agrees most with the teacher's; an exponential moving average of its weights (``ema``) is
+the result. A tenth of the inputs (at least 50) is held out: the student's top-1 agreement with the teacher
+there is logged as it trains and recorded.
+
+**Data-free** (no server inputs; DeepInversion-style, Yin et al. 2020): the inputs are synthesised from what
+the artifacts already hold — the teachers themselves, and each client's first-layer K-FAC input factor, the
+second moment ``A = E[u uᵀ]`` of that layer's inputs (a convolution's patches, a Linear layer's features).
+Batches of synthetic inputs start as noise and take ``synth_steps`` Adam steps on the teacher's cross-entropy
+toward random target classes (confident, class-balanced) plus ``moment_weight`` × the relative Frobenius
+mismatch between their own first-layer second moment and the clients' pooled one (weighted by the clients'
+sizes), and a small total-variation term for images. Nothing new leaves a silo: the factor is in every K-FAC
+artifact already. The synthetic set then feeds the consistent recipe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.distill_settings import TeachingConfig
+from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.pooling import AVERAGE, Pooling
+from posterior_fusion.progress import progress
+
+FLIP_AGREEMENT = 0.95  # the teacher's top class on flipped inputs agrees this often: the flip is label-preserving
+
+
+def teacher_probabilities(spec: ModelSpec, members: torch.Tensor, pooling: Pooling = AVERAGE,
+                          weights: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x (b, ...) ↦`` the artifact's predictive ``(b, classes)`` on ``x``: the members ``(K, d)`` in
+    evaluation mode, their softmax combined by ``pooling`` (with mixture ``weights``)."""
+    def teach(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return pooling.combine(torch.softmax(batched_logits(spec, members, x), -1), weights).float()
+    return teach
+
+
+def flip_preserves_labels(teach: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[bool, float]:
+    """Whether a horizontal flip keeps the teacher's top class on ``x`` (images): ``(decision, agreement)``."""
+    if x.ndim != 4:
+        return False, 0.0
+    same = float((teach(x).argmax(-1) == teach(x.flip(-1)).argmax(-1)).double().mean())
+    return same >= FLIP_AGREEMENT, same
+
+
+def augment(x: torch.Tensor, cfg: TeachingConfig, flip: bool, gen: torch.Generator, integral: bool) -> torch.Tensor:
+    """One augmented view of the batch ``x`` (module doc): shift and flip for images, then mixup."""
+    out = x
+    if x.ndim == 4 and cfg.pad > 0:
+        b, _, h, w = x.shape
+        padded = nn.functional.pad(x, (cfg.pad,) * 4)
+        dy = torch.randint(0, 2 * cfg.pad + 1, (b,), generator=gen).tolist()
+        dx = torch.randint(0, 2 * cfg.pad + 1, (b,), generator=gen).tolist()
+        out = torch.stack([padded[i, :, dy[i]: dy[i] + h, dx[i]: dx[i] + w] for i in range(b)])
+    if flip and x.ndim == 4:
+        mask = torch.rand(x.shape[0], generator=gen) < 0.5
+        out = torch.where(mask[:, None, None, None], out.flip(-1), out)
+    if cfg.mixup > 0 and not integral:
+        lam = torch.distributions.Beta(cfg.mixup, cfg.mixup).sample((x.shape[0],)).clamp(0, 1)
+        order = torch.randperm(x.shape[0], generator=gen)
+        shape = (-1,) + (1,) * (x.ndim - 1)
+        out = lam.reshape(shape) * out + (1 - lam.reshape(shape)) * out[order]
+    return out
+
+
+def _agreement(student: nn.Module, x: torch.Tensor, target: torch.Tensor) -> float:
+    with torch.no_grad():
+        was = student.training
+        student.eval()
+        agree = float((student(x).argmax(-1) == target).double().mean())
+        student.train(was)
+    return agree
+
+
+def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: TeachingConfig | None = None,
+          pooling: Pooling = AVERAGE, weights: torch.Tensor | None = None, student: ModelSpec | None = None,
+          show_progress: bool = True, teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
+          log: Callable[[str], None] = lambda m: None) -> tuple[torch.Tensor, dict]:
+    """One network ``(d,)`` of ``student`` (default ``spec``) taught by the members ``(K, d)`` of ``spec``
+    combined by ``pooling``, on the inputs ``x`` ``(n, ...)`` (module doc, "Consistent teaching"); and a record
+    (the recipe, the flip decision, the held-out agreement). ``teacher``: any ``x ↦ probabilities`` instead."""
+    cfg = cfg or TeachingConfig()
+    cfg.validate()
+    student = student or spec
+    teach_fn = teacher or teacher_probabilities(spec, members, pooling, weights)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = x.shape[0]
+    if n < 4:
+        raise ConfigError(f"distillation needs at least 4 inputs, got {n}")
+    held = max(min(50, n // 2), n // 10)
+    perm = torch.randperm(n, generator=gen)
+    held_x, train_x = x[perm[:held]], x[perm[held:]]
+    held_top = teach_fn(held_x).argmax(-1)
+    integral = not x.is_floating_point() or bool(torch.equal(x[:64], x[:64].round())) and x.ndim == 2
+    flip = {"on": True, "off": False}.get(cfg.flip)
+    flip_agreement = None
+    if flip is None:
+        flip, flip_agreement = flip_preserves_labels(teach_fn, held_x)
+    torch.manual_seed(cfg.seed)
+    model = student.build()
+    start = "scratch"
+    if cfg.start == "member" and student == spec:
+        agree = [float((batched_logits(spec, members[k: k + 1], held_x)[0].argmax(-1) == held_top).double().mean())
+                 for k in range(members.shape[0])]
+        best = max(range(len(agree)), key=agree.__getitem__)
+        vector_to_parameters(members[best].detach().clone().float(), model.parameters())
+        start = f"member {best}"
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(1.0, t / cfg.steps))))
+    average = parameters_to_vector(model.parameters()).detach().clone()
+    T = cfg.temperature
+    every = max(1, cfg.steps // 10)
+    bar = progress(range(cfg.steps), "distill (consistent)", show=show_progress)
+    history = []
+    for step in bar:
+        idx = torch.randint(0, train_x.shape[0], (min(cfg.batch_size, train_x.shape[0]),), generator=gen)
+        view = augment(train_x[idx], cfg, flip, gen, integral)
+        target = teach_fn(view)  # the teacher on the student's exact view
+        logits = model(view)
+        loss = T * T * nn.functional.kl_div(torch.log_softmax(logits / T, -1),
+                                            torch.softmax(target.clamp_min(1e-12).log() / T, -1),
+                                            reduction="batchmean")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            w = parameters_to_vector(model.parameters())
+            average = w.detach().clone() if cfg.ema == 0 else cfg.ema * average + (1 - cfg.ema) * w.detach()
+        if (step + 1) % every == 0 or step + 1 == cfg.steps:
+            probe = student.build()
+            vector_to_parameters(average.clone(), probe.parameters())
+            agreement = _agreement(probe, held_x, held_top)
+            history.append({"step": step + 1, "loss": float(loss.detach()), "agreement": agreement})
+            log(f"distill: step {step + 1}/{cfg.steps}, loss {float(loss.detach()):.4f}, held-out agreement {agreement:.4f}")
+    return average.detach().clone(), {
+        "recipe": "consistent", "config": cfg.to_json(), "start": start, "flip": flip,
+        **({"flip_agreement": round(flip_agreement, 6)} if flip_agreement is not None else {}),
+        "teachers": int(members.shape[0]), "held_out": held, "agreement": history[-1]["agreement"],
+        "history": history, "student": student.to_json()}
+
+
+def first_layer(model: nn.Module) -> nn.Module:
+    """The first Linear or Conv2d of ``model`` (the layer whose K-FAC input factor describes the inputs)."""
+    return next(m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
+
+
+def input_second_moment(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``E[u uᵀ]`` ``(D, D)`` of ``layer``'s inputs on ``x``, as K-FAC's (expand) input factor of its weight: a
+    convolution's patches (``F.unfold``'s (channel, kh, kw) order) averaged over the samples and positions, a
+    Linear layer's features over the samples. Differentiable in ``x``."""
+    if isinstance(layer, nn.Conv2d):
+        cols = nn.functional.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)  # (b, D, S)
+        u = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    else:
+        u = x.reshape(x.shape[0], -1)
+    return u.T @ u / u.shape[0]
+
+
+def synthesise(spec: ModelSpec, members: torch.Tensor, moment: torch.Tensor, input_shape: tuple[int, ...],
+               cfg: TeachingConfig, teacher: Callable[[torch.Tensor], torch.Tensor],
+               show_progress: bool = True) -> tuple[torch.Tensor, dict]:
+    """``cfg.synth_size`` inputs of ``input_shape`` synthesised from the teacher and the clients' pooled first-layer
+    input second moment ``moment`` ``(D, D)`` (module doc, "Data-free"); and a record (the final relative moment
+    mismatch and the teacher's mean confidence on them)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    layer = first_layer(spec.build())
+    classes = spec.num_classes
+    out, mismatch, confidence = [], [], []
+    norm = moment.norm()
+    batches = range(0, cfg.synth_size, cfg.batch_size)
+    for start in progress(batches, "distill (synthesising inputs)", show=show_progress):
+        b = min(cfg.batch_size, cfg.synth_size - start)
+        scale = float(moment.diagonal().mean().clamp_min(1e-12).sqrt())
+        z = (scale * torch.randn(b, *input_shape, generator=gen)).requires_grad_(True)
+        target = torch.randint(0, classes, (b,), generator=gen)
+        opt = torch.optim.Adam([z], lr=0.05 * scale)
+        nets = [spec.build().eval() for _ in range(min(members.shape[0], 8))]  # the gradient: up to 8 members
+        for net, k in zip(nets, torch.linspace(0, members.shape[0] - 1, len(nets)).round().long()):
+            vector_to_parameters(members[k].detach().clone().float(), net.parameters())
+            net.requires_grad_(False)
+        for _ in range(cfg.synth_steps):
+            logp = torch.stack([torch.log_softmax(net(z), -1) for net in nets]).logsumexp(0) - math.log(len(nets))
+            ce = nn.functional.nll_loss(logp, target)
+            gap = (input_second_moment(layer, z) - moment).norm() / norm
+            loss = ce + cfg.moment_weight * gap
+            if z.ndim == 4:
+                loss = loss + 1e-3 * ((z[..., 1:, :] - z[..., :-1, :]).abs().mean()
+                                      + (z[..., :, 1:] - z[..., :, :-1]).abs().mean()) / scale
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            mismatch.append(float((input_second_moment(layer, z) - moment).norm() / norm))
+            confidence.append(float(teacher(z).max(-1).values.mean()))
+        out.append(z.detach())
+    return torch.cat(out), {"synthesised": cfg.synth_size, "moment_mismatch": max(mismatch),
+                            "teacher_confidence": sum(confidence) / len(confidence)}
+
+
+def pooled_input_moment(factors: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The clients' first-layer input second moments ``(D, D)`` each (K-FAC's input factor, an average over the
+    client's data) pooled by their sizes: the second moment over all their data."""
+    total = sum(sizes)
+    return sum(f.double() * (n / total) for f, n in zip(factors, sizes)).float()
+
+
+def client_input_moment(client) -> torch.Tensor | None:
+    """A client artifact's first-layer input second moment ``(D, D)``: its components' K-FAC input factor of the
+    first weight block (the average over components), or None where that block is not a Kronecker one."""
+    factors = [c.curvature.blocks[0].A for c in client.components if getattr(c.curvature.blocks[0], "kind", "")
+               in ("kron", "kron_lowrank") and hasattr(c.curvature.blocks[0], "A")]
+    return None if not factors else torch.stack([f.float() for f in factors]).mean(0)
+
+
+def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor | None, cfg: TeachingConfig,
+                  pooling: Pooling, weights: torch.Tensor | None, clients=(), show_progress: bool = True, log: Callable[[str], None] = lambda m: None) -> tuple[torch.Tensor, dict]:
+    """:func:`teach` on the server's inputs ``x``, or without them (``x`` None) on inputs synthesised from the
+    teacher and the ``clients``' first-layer input factors (:func:`synthesise`; one input's shape from ``cfg`` or
+    the clients' records)."""
+    import hashlib
+
+    teachers = torch.stack([m.float() for m in members])
+    teacher = teacher_probabilities(spec, teachers, pooling, weights)
+    record: dict = {}
+    digest = hashlib.sha256(teachers.contiguous().numpy().tobytes()).hexdigest()  # the teachers' weights
+    if x is None:
+        moments = [client_input_moment(c) for c in clients]
+        if not clients or any(m is None for m in moments):
+            raise ConfigError("distillation without server inputs needs every client's first-layer K-FAC input "
+                              "factor (structure kron)")
+        moment = pooled_input_moment(moments, [c.n_data for c in clients])
+        recorded = {tuple(c.metadata.get("input_shape") or ()) for c in clients}
+        input_shape = cfg.shape() or (next(iter(recorded)) if len(recorded) == 1 and () not in recorded else None)
+        if input_shape is None:
+            raise ConfigError("distillation without server inputs needs one input's shape: the clients record none "
+                              "(set the distillation setting input_shape, e.g. 1,28,28)")
+        log(f"synthesising {cfg.synth_size} inputs from the teachers and the clients' first-layer input moments")
+        x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress)
+    w, out = teach(spec, teachers, x, cfg, pooling, weights, show_progress=show_progress, teacher=teacher, log=log)
+    if record:
+        out.update(recipe="data-free", synthesis=record)
+    out["teacher_sha256"] = digest
+    return w, out

@@ -1,0 +1,125 @@
+"""``posterior_fusion/fusion/teaching.py``: consistent teaching (the teacher on the student's own view), its
+mechanics on a single teacher, the data-free inputs' first-layer moments, and the CLI's one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import fit_split
+from torch.nn.utils import parameters_to_vector
+
+import posterior_fusion
+from posterior_fusion.cli.main import pfuse
+from posterior_fusion.fusion.distill_settings import TeachingConfig
+from posterior_fusion.fusion.teaching import augment, first_layer, input_second_moment, teach
+from posterior_fusion.models import ModelSpec
+
+
+def test_the_teacher_sees_exactly_the_students_augmented_batch():
+    """A spy teacher records what it is asked about; a hook records what the student trains on: the same tensors,
+    step by step, and not the clean inputs (the augmentation moved them)."""
+    spec = ModelSpec("mlp", {"in_features": 16, "hidden": 4, "num_classes": 3})
+    torch.manual_seed(0)
+    members = parameters_to_vector(spec.build().parameters())[None].detach()
+    x = torch.randn(60, 1, 4, 4)
+    seen_by_teacher, seen_by_student = [], []
+
+    def spy(batch: torch.Tensor) -> torch.Tensor:
+        seen_by_teacher.append(batch.clone())
+        return torch.full((batch.shape[0], 3), 1 / 3)
+
+    cfg = TeachingConfig(steps=5, batch_size=8, pad=1, flip="on", mixup=1.0, ema=0.0)
+    real_build = ModelSpec.build
+
+    def build(self):
+        model = real_build(self)
+        model.register_forward_pre_hook(lambda m, args: seen_by_student.append(args[0].clone()) if m.training else None)
+        return model
+
+    try:
+        ModelSpec.build = build
+        teach(spec, members, x, cfg, teacher=spy, show_progress=False)
+    finally:
+        ModelSpec.build = real_build
+    during = seen_by_teacher[1:]  # the first call: the held-out inputs' labels
+    assert len(seen_by_student) == len(during) == 5
+    assert all(torch.equal(a, b) for a, b in zip(seen_by_student, during))
+    assert not any(torch.equal(b, x[: len(b)]) for b in during)
+
+
+def test_augment_shifts_within_the_padding_and_flips_only_when_asked():
+    g = torch.Generator().manual_seed(0)
+    x = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 1, 4, 4)
+    out = augment(x, TeachingConfig(pad=0, mixup=0.0), False, g, False)
+    assert torch.equal(out, x)
+    out = augment(x, TeachingConfig(pad=0, mixup=0.0), True, torch.Generator().manual_seed(3), False)
+    assert all(torch.equal(o, v) or torch.equal(o, v.flip(-1)) for o, v in zip(out, x))
+    out = augment(x, TeachingConfig(pad=1, mixup=0.0), False, g, False)
+    assert out.shape == x.shape
+
+
+def test_a_student_learns_a_single_teacher_to_99_percent_agreement():
+    """The recipe's mechanics: a student of the teacher's own architecture, from scratch at another seed, taught on
+    the teacher's inputs, agrees with it on ≥ 99% of held-out inputs."""
+    spec = ModelSpec("mlp", {"in_features": 8, "hidden": 16, "num_classes": 4})
+    torch.manual_seed(1)
+    teacher = parameters_to_vector(spec.build().parameters()).detach()[None]
+    x = torch.randn(5000, 8, generator=torch.Generator().manual_seed(2))
+    cfg = TeachingConfig(steps=4000, batch_size=128, lr=3e-2, start="scratch", seed=7, temperature=1.0, mixup=0.0,
+                         ema=0.99)
+    w, record = teach(spec, teacher, x, cfg, show_progress=False)
+    assert record["agreement"] >= 0.99 and record["start"] == "scratch"
+    assert not torch.equal(w, teacher[0])
+
+
+def test_data_free_teaching_matches_the_clients_input_moment_and_reads_no_silo(tmp_path, small_silo):
+    """``fuse --distill`` without ``--unlabeled`` on kron clients: the synthetic inputs' first-layer second moment
+    is within 25% (relative Frobenius) of the clients' pooled K-FAC input factor; the silo files are removed
+    before the server step (nothing of them is read); the artifact records the recipe, the teacher's SHA-256 and
+    the agreement, and ``inspect`` prints them."""
+    paths = fit_split(tmp_path, small_silo, 2, 150, "kron", kwargs={"hidden": 8}, mixtures=1)
+    for silo in tmp_path.glob("*silo*"):
+        silo.unlink()
+    out = tmp_path / "one.h5"
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill",
+                                   "--distill-steps", "60", "--distill-synth-size", "256", "--distill-synth-steps", "60",
+                                   "--distill-input-shape", "1,28,28", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    g = posterior_fusion.load(out)
+    record = g.metadata["distill"]
+    assert len(g.members) == 1 and record["recipe"] == "data-free" and record["file"] is None
+    assert record["synthesis"]["moment_mismatch"] <= 0.25, record["synthesis"]
+    assert len(record["teacher_sha256"]) == 64 and 0 <= record["agreement"] <= 1
+    shown = CliRunner().invoke(pfuse, ["inspect", str(out)])
+    assert record["teacher_sha256"] in shown.output and "agreement" in shown.output
+
+
+def test_the_moment_is_the_kfac_input_factor(small_silo, tmp_path):
+    """The synthesis matches against the quantity the artifact holds: the first layer's K-FAC (expand) input factor
+    equals :func:`input_second_moment` on the silo's inputs."""
+    paths = fit_split(tmp_path, small_silo, 1, 120, "kron", kwargs={"hidden": 8}, mixtures=1)
+    client = posterior_fusion.load(paths[0])
+    spec = client.model_spec
+    x = torch.as_tensor(small_silo.x[:120]).float()[:, None] / 255
+    transform = client.metadata.get("input_transform")
+    if transform:
+        from posterior_fusion.data.transform import InputTransform
+
+        x = InputTransform.from_dict(dict(transform), "x").apply(small_silo.x[:120], "x")
+    A = client.components[0].curvature.blocks[0].A
+    torch.testing.assert_close(input_second_moment(first_layer(spec.build()), x), A.float(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("args, words", [(["--distill-steps", "0"], "steps"), (["--distill-flip", "maybe"], "flip"),
+                                         (["--distill-lr", "fast"], "lr"), (["--distill-input-shape", "a,b"], "input_shape")])
+def test_the_recipes_settings_refuse_bad_values_in_one_line(tmp_path, small_silo, args, words):
+    paths = fit_split(tmp_path, small_silo, 2, 100, "diag", kwargs={"hidden": 4}, mixtures=1)
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill", *args,
+                                   "--out", str(tmp_path / "x.h5")])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and words in r.stderr.replace("-", "_"), r.output
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill-steps", "5",
+                                   "--out", str(tmp_path / "x.h5")])
+    assert r.exit_code == 2 and "--distill" in r.stderr
+
+
