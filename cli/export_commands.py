@@ -12,7 +12,7 @@ from posterior_fusion.errors import ConfigError
 
 @click.command("export")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--member", default=0, show_default=True, type=int,
+@click.option("--member", default=0, show_default=True, type=click.IntRange(0, 255),
               help="Which member of the global (0-based); a distilled global has one.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False),
               help="The safetensors file to write (weights by the architecture's names); its model description "
@@ -36,7 +36,7 @@ def export_cmd(file, member, out, as_json, max_memory):
 
     with output_lock(out, inputs=[file]):
         g = load_global(file, max_memory)
-        if not 0 <= member < len(g.members):
+        if member >= len(g.members):
             raise ConfigError(f"--member {member}: {file} has {len(g.members)} member(s) (0 to {len(g.members) - 1})")
         state = exported_state(g.model_spec, g.members[member])
         spec = json.loads(g.model_spec.to_json())

@@ -133,10 +133,10 @@ def distill_options(fn):
 @click.option("--distill-recipe", default="consistent", show_default=True, type=click.Choice(RECIPES),
               help="consistent: the teacher on the student's own augmented view at every step, KL at a temperature, "
                    "Adam with a cosine schedule, a moving average (docs/methods.md, \"Distillation\"); without "
-                   "--unlabeled it synthesises its inputs (data-free). fedbe: FedBE's schedule (SWA, cyclic step "
+                   "--unlabeled it synthesises its inputs (data-free). swa: FedBE's schedule (SWA, cyclic step "
                    "size 1e-3 -> 4e-4, sharpened pseudo-labels, --distill-epochs), on --unlabeled.")
 @click.option("--distill-epochs", default=None, type=bounded(ranges.EPOCHS),
-              help="Epochs of the fedbe recipe and of method fedbe (its setting distill_epochs) [default: 20, FedBE's].")
+              help="Epochs of the swa recipe and of method fedbe (its setting distill_epochs) [default: 20, FedBE's].")
 @distill_options
 @click.option("--temperature", default=None, type=bounded(ranges.TEMPERATURE, float), help="Re-temper every client with this T [default: each client's T].")
 @click.option("--prior-var", default=None, type=bounded(ranges.PRIOR_VAR, float), help="Prior variance σ0² for every client and the global prior [default: clients'].")
@@ -200,12 +200,12 @@ def distill_config(distill: bool, recipe: str, epochs: int | None, given: dict, 
         if chosen:
             raise ConfigError(f"--distill-{next(iter(chosen)).replace('_', '-')} applies with --distill only")
         return None
-    if recipe == "fedbe":
+    if recipe == "swa":
         if chosen:
             raise ConfigError(f"--distill-{next(iter(chosen)).replace('_', '-')} is a setting of the consistent recipe, "
-                              "not of fedbe")
+                              "not of swa")
         if not unlabeled:
-            raise ConfigError("--distill-recipe fedbe needs unlabeled server data (--unlabeled FILE)")
+            raise ConfigError("--distill-recipe swa needs unlabeled server data (--unlabeled FILE)")
         return DistillConfig(epochs=20 if epochs is None else epochs)
     hints = typing.get_type_hints(TeachingConfig)
     cfg = TeachingConfig(**{k: convert(v, hints[k], f"--distill-{k.replace('_', '-')}") for k, v in chosen.items()})

@@ -106,7 +106,7 @@ def rows() -> list[Row]:
             "`pfuse fuse post_*.h5 --out g.h5` (= `--method ensemble --set pooling=label-shift`)",
             pool, pool_n, f"{lenet}; `experiments/label_shift_pool/config.toml`"),
         Row("unlabeled server inputs; serves one network (FedBE's recipe)",
-            "`--method ensemble --set pooling=label-shift --distill --distill-recipe fedbe --unlabeled U.h5`",
+            "`--method ensemble --set pooling=label-shift --distill --distill-recipe swa --unlabeled U.h5`",
             pool_d, "1", f"{lenet}; `experiments/label_shift_pool/config.toml`"),
         Row("validation data; serves M networks; kron",
             "`--method fedbens --val V.h5`", fedbens, fedbens_n, f"{lenet}; `experiments/other_systems/config.toml`"),

@@ -109,3 +109,18 @@ def dense_ggn_diagonal(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         H = torch.diag(p) - torch.outer(p, p)
         out += ((J.T @ H) * J.T).sum(1)
     return out
+
+
+def run_measured(args: list[str], timeout: float = 300):
+    """Run the command ``args`` in a fresh process and return ``(completed process, its peak RSS in KiB)``: a
+    wrapper interpreter reports the maximum resident size of its one child, so other processes the test worker
+    started before do not count."""
+    import subprocess
+    import sys
+
+    wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
+    r = subprocess.run([sys.executable, "-c", wrapper, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    lines = r.stderr.strip().splitlines()
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, "\n".join(lines[:-1]) + "\n" if lines[:-1] else ""), \
+        int(lines[-1])

@@ -74,14 +74,14 @@ def test_fuse_distill_cli_with_a_truly_unlabeled_file(clients, tmp_path):
         assert "y" not in f  # no labels at all
     out = tmp_path / "g.h5"
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--out", str(out),
-                                   "--unlabeled", str(folder / "unlabeled.h5"), "--distill", "--distill-recipe", "fedbe",
+                                   "--unlabeled", str(folder / "unlabeled.h5"), "--distill", "--distill-recipe", "swa",
                                    "--distill-epochs", "2"])
     assert r.exit_code == 0, r.output
     g = posterior_fusion.load(out)
     assert len(g.members) == 1 and g.metadata["distill"]["teachers"] == 3 and g.metadata["distill"]["steps"] == 2
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--out", str(tmp_path / "h.h5"),
-                                   "--distill", "--distill-recipe", "fedbe"])
-    assert r.exit_code == 2 and "--distill-recipe fedbe needs unlabeled server data" in r.output
+                                   "--distill", "--distill-recipe", "swa"])
+    assert r.exit_code == 2 and "--distill-recipe swa needs unlabeled server data" in r.output
 
 
 def test_fedbe_dirichlet_samples_are_convex_combinations(clients):

@@ -339,10 +339,11 @@ def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, 
     for method in ("fedbens", "fedavg"):
         assert run("fuse", tmp_path / "kron0.h5", tmp_path / "kron1.h5", "--method", method,
                    "--out", tmp_path / f"g_{method}.h5").exit_code == 0
-        model = posterior_fusion.load(tmp_path / f"g_{method}.h5").models()[0]
-        buffers = dict(model.named_buffers())
+        g = posterior_fusion.load(tmp_path / f"g_{method}.h5")
+        buffers = dict(g.models()[0].named_buffers())  # the exported architecture's statistics: the base's
         assert all(torch.equal(buffers[n], t) for n, t in stats.items())
-        model.train()  # frozen: evaluation mode whatever is asked
+        model = posterior_fusion.posterior.build_model(g.model_spec, g.members[0])
+        model.train()  # the spec's own model keeps them frozen: evaluation mode whatever is asked
         assert not any(m.training for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
     for predictive in ("map", "glm"):
         r = run("evaluate", tmp_path / "g_fedbens.h5", "--data", tmp_path / "s0.h5", "--predictive", predictive, "--json")

@@ -272,7 +272,7 @@ def test_a_distilled_artifact_keeps_no_combination_of_its_teachers(skewed, tmp_p
     """How the teachers combined (a label-shift pool; fedbens' per-mode weights) leaves with them: the
     file once kept fedbens' weights beside its one member, and the reader's length check refused it."""
     folder, paths = skewed
-    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), *method, "--distill", "--distill-recipe", "fedbe", "--unlabeled",
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), *method, "--distill", "--distill-recipe", "swa", "--unlabeled",
                                    str(folder / "test.h5"), "--distill-epochs", "1", "--out", str(tmp_path / "d.h5")])
     assert r.exit_code == 0, r.stderr
     g = posterior_fusion.load(tmp_path / "d.h5")

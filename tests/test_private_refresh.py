@@ -191,12 +191,10 @@ def test_the_refresh_round_is_refused_under_its_memory_budget_before_any_work(tm
     """A 784-1200-10 MLP: the private refresh round's per-sample gradients need about 1 GB; under
     ``--max-memory 256M`` it is refused in one line before any gradient, its subprocess's peak memory that of
     the interpreter and torch; with room it runs."""
-    import resource
-    import subprocess
     import sys
     from pathlib import Path
 
-    from conftest import fit_artifact
+    from conftest import fit_artifact, run_measured
 
     silo = SiloData(small_silo.x[:64], small_silo.y[:64], "fmnist", 10)
     write_silo(tmp_path / "s.h5", silo)
@@ -204,10 +202,8 @@ def test_the_refresh_round_is_refused_under_its_memory_budget_before_any_work(tm
     assert CliRunner().invoke(pfuse, ["fuse", str(tmp_path / "c.h5"), "--method", "fedavg",
                                       "--out", str(tmp_path / "g.h5")]).exit_code == 0
     pfuse_bin = str(Path(sys.executable).parent / "pfuse")
-    r = subprocess.run([pfuse_bin, "refresh", "--artifact", str(tmp_path / "c.h5"), "--data", str(tmp_path / "s.h5"),
-                        "--at", str(tmp_path / "g.h5"), "--max-memory", "256M", "--out", str(tmp_path / "r.h5")],
-                       capture_output=True, text=True, timeout=300)
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    r, peak_kib = run_measured([pfuse_bin, "refresh", "--artifact", tmp_path / "c.h5", "--data", tmp_path / "s.h5",
+                                "--at", tmp_path / "g.h5", "--max-memory", "256M", "--out", tmp_path / "r.h5"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "refresh round" in r.stderr and "0.25 GiB" in r.stderr, r.stderr
     assert peak_kib < 256 * 1024 + 700 * 1024, peak_kib  # the budget plus the interpreter and torch
     assert not (tmp_path / "r.h5").exists()

@@ -6,8 +6,6 @@ statistics."""
 from __future__ import annotations
 
 import hashlib
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from conftest import fit_split
 import posterior_fusion
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.errors import ConfigError, FederationError
+from posterior_fusion.files import user_data_folder
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.fusion.registry import METHODS
 from posterior_fusion.fusion.types import FusionInputs, sum_over_clients, sums_context
@@ -164,7 +163,8 @@ def test_a_secure_round_equals_the_exact_fusion_and_the_server_sees_no_artifact(
     own = []
     for c in range(3):
         key = hashlib.sha256(str((silos / f"client_{c}.h5").resolve()).encode()).hexdigest()[:16]
-        own += sorted((Path(tempfile.gettempdir()) / "pfuse-node" / key).glob("*.h5"), key=lambda p: p.stat().st_mtime)[-1:]
+        state = user_data_folder() / "posterior-fusion" / "node" / key
+        own += sorted(state.glob("*.h5"), key=lambda p: p.stat().st_mtime)[-1:]
     assert len(own) == 3
     _, exact, _ = fuse(own, method, FusionOptions(progress=False))
     torch.testing.assert_close(g.members[0], exact.members[0], rtol=0, atol=1e-5)

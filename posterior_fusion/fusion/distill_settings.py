@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.settings import check_declared, setting
 
-RECIPES = ("consistent", "fedbe")  # the distillation recipes; consistent without server inputs is data-free
+RECIPES = ("consistent", "swa")  # the distillation recipes; consistent without server inputs is data-free
 
 
 @dataclass(frozen=True)
