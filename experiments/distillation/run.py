@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     ap.add_argument("--steps", type=int, default=3000, help="the consistent recipe's steps")
     ap.add_argument("--out", type=Path, default=Path("docs/results/distillation"))
+    ap.add_argument("--lever", default="", help="a lever's name (appended to the row) and its distill options, e.g. "
+                                                "'scratch:--distill-start scratch'")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     found = cells(args.work)
@@ -76,25 +78,27 @@ def main() -> None:
             if not small.exists():
                 full = posterior_fusion.read_data(part / "server_unlabeled.h5")
                 write_silo(small, SiloData(full.x[:500], None, full.dataset, full.num_classes, transform=full.transform))
+            lever, _, extra = args.lever.partition(":")
             for row in args.rows:
-                result = args.out / f"{alpha}_{seed}_{row}.json"
+                tag = f"{row}+{lever}" if lever and row != "pool" else row
+                result = args.out / f"{alpha}_{seed}_{tag}.json"
                 if result.exists():
                     continue
                 t0 = time.time()
                 if row == "pool":
                     target = teacher
                 else:
-                    target = scratch / f"{row}_{alpha}_{seed}.h5"
+                    target = scratch / f"{tag}_{alpha}_{seed}.h5"
                     data = {"consistent-5000": ["--unlabeled", part / "server_unlabeled.h5"],
                             "consistent-500": ["--unlabeled", small], "data-free": ["--distill-input-shape", "1,28,28"]}
                     run("fuse", *posts, "--method", "ensemble", "--set", "pooling=label-shift", "--distill",
-                        "--distill-steps", args.steps, *data[row], "--out", target)
+                        "--distill-steps", args.steps, *data[row], *extra.split(), "--out", target)
                 seconds = time.time() - t0
                 metrics = json.loads(run("evaluate", target, "--data", part / "test.h5", "--json"))
                 metrics = metrics[0] if isinstance(metrics, list) else metrics
                 g = posterior_fusion.load(target)
                 record = dict(g.metadata.get("distill") or {})
-                out = {"alpha": alpha, "seed": seed, "row": row, "accuracy": metrics["accuracy"], "nll": metrics["nll"],
+                out = {"alpha": alpha, "seed": seed, "row": tag, "accuracy": metrics["accuracy"], "nll": metrics["nll"],
                        "ece": metrics["ece"], "members": len(g.members), "server_seconds": round(seconds, 1),
                        "agreement": record.get("agreement"), "flip": record.get("flip"),
                        "synthesis": record.get("synthesis")}

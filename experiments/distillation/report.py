@@ -1,0 +1,64 @@
+"""The table of ``experiments/distillation/README.md`` from the committed cell results.
+
+    .venv/bin/python experiments/distillation/report.py docs/results/distillation docs/results/label_shift_pool
+
+Rows: the pool (the teacher), FedBE's recipe (``swa``, the label-shift-pool grid's ``ensemble-label-shift+distill``
+row, per seed) and every recipe / lever measured here; columns α; each cell the mean test accuracy over the seeds
+measured (their number in brackets), NLL / ECE, the student's agreement with the teacher on held-out inputs and
+the server's minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from pathlib import Path
+
+ALPHAS = (0.1, 0.2, 0.4)
+LABELS = {"pool": "label-shift pool (the teacher, 25 networks)", "swa": "FedBE's recipe (`swa`), 5,000 inputs",
+          "consistent-5000": "consistent, 5,000 inputs", "consistent-500": "consistent, 500 inputs",
+          "data-free": "data-free (no server inputs)"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cells", type=Path)
+    ap.add_argument("grid", type=Path, help="the label-shift-pool study's results (its results.csv holds the swa row)")
+    args = ap.parse_args()
+    rows: dict[str, dict[float, list[dict]]] = {}
+    for path in sorted(args.cells.glob("*.json")):
+        r = json.loads(path.read_text())
+        rows.setdefault(r["row"], {}).setdefault(r["alpha"], []).append(r)
+    swa = {}
+    with open(args.grid / "results.csv") as fh:
+        for r in csv.DictReader(fh):
+            if r["method"] == "ensemble-label-shift+distill":
+                swa[float(r["alpha"])] = r
+    print("| one network (or the teacher) | " + " | ".join(f"α = {a}" for a in ALPHAS) + " |")
+    print("|---|" + "---|" * len(ALPHAS))
+    print(f"| {LABELS['swa']} | " + " | ".join(
+        f"{float(swa[a]['accuracy_mean']):.2f} ± {float(swa[a]['accuracy_std']):.2f} ({swa[a]['seeds']}) · "
+        f"{float(swa[a]['nll_mean']):.3f} / {float(swa[a]['ece_mean']):.3f}" if a in swa else "–" for a in ALPHAS) + " |")
+    order = [k for k in LABELS if k in rows] + sorted(k for k in rows if k not in LABELS)
+    for key in order:
+        cells = []
+        for a in ALPHAS:
+            got = rows[key].get(a, [])
+            if not got:
+                cells.append("–")
+                continue
+            acc = [100 * r["accuracy"] for r in got]
+            std = statistics.stdev(acc) if len(acc) > 1 else 0.0
+            agree = [r["agreement"] for r in got if r.get("agreement") is not None]
+            minutes = statistics.mean(r["server_seconds"] for r in got) / 60
+            extra = (f" · agreement {statistics.mean(agree):.3f} · {minutes:.1f} min" if agree else "")
+            cells.append(f"{statistics.mean(acc):.2f} ± {std:.2f} ({len(acc)}) · "
+                         f"{statistics.mean(r['nll'] for r in got):.3f} / {statistics.mean(r['ece'] for r in got):.3f}"
+                         + extra)
+        print(f"| {LABELS.get(key, key)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
