@@ -55,8 +55,8 @@ def _diagonal(curv) -> torch.Tensor:
 @pytest.mark.parametrize("structure", ["kron", "diag"])
 def test_a_per_sample_embedding_gets_the_exact_ggn_diagonal(structure):
     """The token table's block (padding row included: zero) equals the dense float64 GGN diagonal under every
-    structure; the positional table (one for the batch) is a zero block, recorded as ``prior``; LayerNorm and
-    the head are as before."""
+    structure; the positional table (one for the batch, no layer rule) gets its exact GGN diagonal too, recorded as
+    ``residual``; LayerNorm and the head are as before."""
     torch.manual_seed(0)
     model = TokenNet().double().eval()
     x, y = _tokens(24, 1)
@@ -69,13 +69,14 @@ def test_a_per_sample_embedding_gets_the_exact_ggn_diagonal(structure):
     want = dict(zip(names, torch.split(ref, sizes)))
     assert torch.allclose(got["tok.weight"], want["tok.weight"], rtol=1e-10, atol=1e-14)
     assert want["tok.weight"][4:].abs().max() > 1e-4 and got["tok.weight"][:4].abs().max() == 0  # padding row: none
-    assert got["pos.weight"].abs().max() == 0 and want["pos.weight"].abs().max() > 1e-4  # the prior alone
+    assert want["pos.weight"].abs().max() > 1e-4  # the data constrains it: not the prior alone
+    assert torch.allclose(got["pos.weight"], want["pos.weight"], rtol=1e-10, atol=1e-14)
     assert torch.allclose(got["norm.weight"], want["norm.weight"], rtol=1e-10, atol=1e-14)
     policy = dict(block_policy(model, structure))
-    assert policy["tok.weight"] == "diag" and policy["pos.weight"] == "prior"
+    assert policy["tok.weight"] == "diag" and policy["pos.weight"] == "residual"
     bare = TokenNet(positions=False)
     assert unsupported_reason(bare, x[:2].float()) is None  # flags its table
-    assert curvature_bytes(model, structure) == curvature_bytes(bare, structure)  # the positional table: no bytes
+    assert curvature_bytes(model, structure) == curvature_bytes(bare, structure) + 4 * model.pos.weight.numel()
     if structure == "diag":
         assert torch.allclose(got["head.weight"], want["head.weight"], rtol=1e-10, atol=1e-14)
 

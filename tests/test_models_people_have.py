@@ -89,12 +89,12 @@ def test_a_stock_transformer_runs_the_whole_flow(tmp_path, monkeypatch, small_si
                                            "tinytransformer", "-M", "1", "--epochs", "1", "--structure", structure,
                                            "--train-seed", str(c), "--out", str(tmp_path / f"{structure}{c}.h5")])
             assert r.exit_code == 0, r.output
-            assert "no curvature, the prior alone" in r.stderr and "nn.Embedding (pos.weight)" in r.stderr
+            assert "prior alone" not in r.stderr, r.stderr  # the positions' table gets its GGN diagonal
         art = posterior_fusion.load(tmp_path / f"{structure}0.h5")
         assert art.components[0].training["capture"] == "fast"
     policy = posterior_fusion.load(tmp_path / "kron0.h5").metadata["curvature_blocks"]
     assert policy["encoder.self_attn.q_proj.weight"] == "kron" and policy["encoder.self_attn.out_proj.bias"] == "dense"
-    assert policy["encoder.norm1.weight"] == "diag" and policy["pos.weight"] == "prior"
+    assert policy["encoder.norm1.weight"] == "diag" and policy["pos.weight"] == "residual"
     pair = [str(tmp_path / "kron0.h5"), str(tmp_path / "kron1.h5")]
     for method in ("fedbens", "fedavg", "fisher-merge", "fedfisher", "regmean", "fedlpa", "hbfl", "ensemble"):
         r = CliRunner().invoke(pfuse, ["fuse", *pair, "--method", method, "--out", str(tmp_path / f"g_{method}.h5")])
@@ -238,20 +238,34 @@ def embedded(num_classes: int = 10) -> nn.Module:
 '''
 
 
-def test_a_parameter_without_curvature_is_named_in_a_warning(tmp_path, monkeypatch, small_silo):
-    """An ``nn.Embedding`` the fast capture does not cover gets the prior alone: ``fit-local`` names it in one
-    warning line and records it as ``prior`` in ``curvature_blocks``."""
+def test_a_parameter_outside_every_layer_rule_gets_its_exact_ggn_diagonal(tmp_path, monkeypatch, small_silo):
+    """An ``nn.Embedding`` called with position ids (no layer rule covers it) is no longer the prior alone:
+    ``fit-local`` warns of nothing, records it as ``residual``, and its block equals the dense float64 GGN
+    diagonal."""
+    import torch
+    from conftest import dense_ggn_diagonal
+
     import posterior_fusion
+    from posterior_fusion.local.capture import capture
 
     install_fake_plugin(tmp_path, monkeypatch, "embplug", "0.1", "embedded", EMBEDDED)
     write_silo(tmp_path / "s.h5", SiloData(small_silo.x[:64, ::4, ::4].copy(), small_silo.y[:64], "fmnist", 10))
     r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "embedded", "-M", "1",
                                    "--epochs", "1", "--out", str(tmp_path / "c.h5")])
-    warnings = [line for line in r.stderr.splitlines() if "no curvature, the prior alone" in line]
-    assert r.exit_code == 0 and len(warnings) == 1 and "56 parameters of nn.Embedding (pos.weight)" in warnings[0], r.output
-    assert posterior_fusion.load(tmp_path / "c.h5").metadata["curvature_blocks"]["pos.weight"] == "prior"
-    shown = CliRunner().invoke(pfuse, ["inspect", str(tmp_path / "c.h5")])
-    assert shown.exit_code == 0 and "no curvature, the prior alone: pos.weight" in shown.output, shown.output
+    assert r.exit_code == 0 and "prior alone" not in r.stderr, r.output
+    art = posterior_fusion.load(tmp_path / "c.h5")
+    assert art.metadata["curvature_blocks"]["pos.weight"] == "residual"
+    torch.manual_seed(0)
+    model = posterior_fusion.posterior.build_model(art.model_spec, art.components[0].map).double().eval()
+    x = torch.randn(12, 7, 7, dtype=torch.float64)
+    y = torch.randint(0, 10, (12,))
+    curv, _ = capture("kron", model, x, y, 5)
+    names = [n for n, _ in model.named_parameters()]
+    block = curv.blocks[names.index("pos.weight")].diagonal()
+    ref = dense_ggn_diagonal(model, x)
+    sizes = [p.numel() for p in model.parameters()]
+    want = dict(zip(names, torch.split(ref, sizes)))["pos.weight"]
+    assert want.abs().max() > 1e-6 and torch.allclose(block.double(), want, rtol=1e-9, atol=1e-14)
 
 
 def test_fit_local_states_the_artifact_size_before_training(tmp_path, small_silo):

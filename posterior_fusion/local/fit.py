@@ -136,7 +136,7 @@ def private_epochs(cfg: FitConfig) -> int:
     return cfg.private.epochs or cfg.train.epochs
 
 
-def prior_only(model: torch.nn.Module, structure: str) -> str:
+def prior_only(model: torch.nn.Module, structure: str, private: bool = False) -> str:
     """The parameters the fast capture leaves to the prior, per layer type with parameter counts and names
     (``"56 parameters of nn.Embedding (pos.weight)"``), or "" when every parameter has curvature."""
     sizes = dict(model.named_parameters())
@@ -144,7 +144,7 @@ def prior_only(model: torch.nn.Module, structure: str) -> str:
               for p, _ in module.named_parameters(recurse=False)}
     groups: dict[str, list[str]] = {}
     for name, kind in block_policy(model, structure):
-        if kind == "prior":
+        if kind == "prior" or (private and kind == "residual"):  # a private capture clips layer rules only
             groups.setdefault(owners.get(name, "?"), []).append(name)
     return "; ".join(f"{sum(sizes[n].numel() for n in names):,} parameters of nn.{kind} ({', '.join(names[:4])}"
                      f"{', …' if len(names) > 4 else ''})" for kind, names in groups.items())
@@ -277,7 +277,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
     fast = cfg.capture == "fast" and reason is None
     if not done:
         probe_capture(spec, probe, x[:2], y[:2], cfg)
-        bare = prior_only(probe, cfg.structure) if fast else ""
+        bare = prior_only(probe, cfg.structure, cfg.dp is not None) if fast else ""
         if bare:
             warnings.warn(f"no curvature, the prior alone, for {bare}", stacklevel=2)
     per_component = 4 * layout.dim + curvature_bytes(probe, cfg.structure)
@@ -332,7 +332,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
                                         torch.Generator().manual_seed(component_seed), log, cfg.kfac, cfg.capture_dtype)
         t2 = time.perf_counter()
         if captured_by == "fast":  # what each parameter's block holds (docs/methods.md, "Layer policy")
-            metadata["curvature_blocks"] = dict(block_policy(model, cfg.structure, cfg.kfac))
+            metadata["curvature_blocks"] = {name: "prior" if kind == "residual" and cfg.dp is not None else kind
+                                            for name, kind in block_policy(model, cfg.structure, cfg.kfac)}
         if m == 0 and (zero := vanishing_blocks(model, curv, cfg.structure, cfg.kfac)):
             warnings.warn(f"numerically zero curvature (the prior alone in effect) for {', '.join(zero[:4])}"
                           f"{', …' if len(zero) > 4 else ''}: the data does not constrain them at this point", stacklevel=2)

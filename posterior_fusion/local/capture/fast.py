@@ -24,7 +24,8 @@ from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron, Precision
 from posterior_fusion.local.capture.gram import float64_gram
 from posterior_fusion.local.capture.inputs import input_gram, reduced_input
 from posterior_fusion.local.capture.outputs import output_gram, per_sample_grads, reduced_grad
-from posterior_fusion.local.capture.policy import expanded_under_reduce
+from posterior_fusion.local.capture.policy import block_policy, expanded_under_reduce
+from posterior_fusion.local.capture.residual import residual_diagonal, residual_names
 from posterior_fusion.local.capture.sizing import pass_size
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
@@ -87,7 +88,21 @@ def fast_kron(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: in
     with no_param_grads(model):
         for xb, _ in _loader(x, y, pass_size(model, x, batch_size), "curvature"):
             batch_pass(model, layers, xb, ggn, generator, on_column, compute_dtype)
-    return kron_blocks(model, layers, A, B, D)
+    blocks = kron_blocks(model, layers, A, B, D)
+    residual = residual_blocks(model, x, "kron", kfac, batch_size, ggn, generator)
+    if not residual:
+        return blocks
+    names = [n for n, _ in model.named_parameters()]
+    return BlockDiag([Diag(residual[n].to(b.diagonal().dtype)) if n in residual else b
+                      for n, b in zip(names, blocks.blocks)])
+
+
+def residual_blocks(model: nn.Module, x: torch.Tensor, structure: str, kfac: str, batch_size: int, ggn: str,
+                    generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """The GGN diagonal of every parameter no layer rule covers (:mod:`.residual`), on the CPU."""
+    names = residual_names(model, block_policy(model, structure, kfac))
+    found = residual_diagonal(model, x, names, min(batch_size, 64), ggn, generator)
+    return {k: v.cpu() for k, v in found.items()}
 
 
 def kron_blocks(model: nn.Module, layers: list[nn.Module], A: list, B: list, D: dict | list) -> BlockDiag:
@@ -162,8 +177,24 @@ def fast_diag_vector(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_s
     return torch.cat(parts).cpu()
 
 
+def with_residual(model: nn.Module, g: torch.Tensor, x: torch.Tensor, structure: str, batch_size: int, ggn: str,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """The diagonal ``g`` ``(d,)`` with the parameters no layer rule covers given their GGN diagonal."""
+    residual = residual_blocks(model, x, structure, "expand", batch_size, ggn, generator)
+    if not residual:
+        return g
+    g = g.clone()
+    offset = 0
+    for name, p in model.named_parameters():
+        if name in residual:
+            g[offset: offset + p.numel()] = residual[name].to(g.dtype)
+        offset += p.numel()
+    return g
+
+
 def fast_diag(model, x, y, batch_size=256, ggn="exact", generator=None, compute_dtype=None) -> BlockDiag:
-    return BlockDiag([Diag(fast_diag_vector(model, x, y, batch_size, ggn, generator, compute_dtype))])
+    g = fast_diag_vector(model, x, y, batch_size, ggn, generator, compute_dtype)
+    return BlockDiag([Diag(with_residual(model, g, x, "diag", batch_size, ggn, generator))])
 
 
 def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256,
@@ -212,7 +243,8 @@ def last_layer_ggn(model: nn.Module, x: torch.Tensor, batch_size: int = 256,
 def fast_diag_full(model, x, y, batch_size=256, ggn="exact", generator=None, compute_dtype=None) -> BlockDiag:
     """Diagonal GGN for all but the last layer (passes in ``compute_dtype``), exact full GGN block of
     the last ``nn.Linear`` (closed form, in the model's type)."""
-    g = fast_diag_vector(model, x, y, batch_size, ggn, generator, compute_dtype)
+    g = with_residual(model, fast_diag_vector(model, x, y, batch_size, ggn, generator, compute_dtype), x, "diag+full",
+                      batch_size, ggn, generator)
     H = last_layer_ggn(model, x, batch_size)
     p = H.shape[0]
     return BlockDiag([Diag(g[:-p]), Dense(0.5 * (H + H.T))])

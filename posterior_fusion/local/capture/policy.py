@@ -18,7 +18,9 @@ BLOCK_POLICY = {
     "kron-expand": "an attention key projection under kfac reduce: K-FAC expand (reduce's output factor vanishes "
                    "there: a softmax row ignores a shift of its scores); its bias: Dense",
     "diag": "diagonal GGN from per-sample gradients",
-    "prior": "no curvature captured (zero block: the prior alone)",
+    "residual": "no layer rule (a table used directly, position embeddings, a bare Parameter): the exact GGN "
+                "diagonal from its per-sample gradients",
+    "prior": "no curvature captured (zero block: the prior alone; a private fit's residual parameters)",
 }
 """What each parameter's block holds (recorded per parameter in the artifact's ``curvature_blocks``)."""
 
@@ -49,7 +51,7 @@ def block_policy(model: nn.Module, structure: str, kfac: str = "expand") -> list
             elif isinstance(module, DIAG_LAYERS) and owns_curvature(module):
                 kind = "diag"
             else:
-                kind = "prior"
+                kind = "residual"
             out.append((name, kind))
     return out
 
@@ -66,7 +68,7 @@ def curvature_bytes(model: nn.Module, structure: str) -> int:
             if isinstance(module, SUPPORTED_LAYERS) and structure == "kron":
                 out = p.shape[0]
                 total += out * out + (p[0].numel() ** 2 if pname == "weight" else 0)
-            elif isinstance(module, SUPPORTED_LAYERS) or (isinstance(module, DIAG_LAYERS) and owns_curvature(module)):
+            else:  # a diagonal block: layer rules, normalisation, embeddings and the residual parameters alike
                 total += p.numel()
         if isinstance(module, nn.Linear):
             last = module
