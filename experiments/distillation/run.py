@@ -103,7 +103,7 @@ def main() -> None:
                        "agreement": record.get("agreement"), "flip": record.get("flip"),
                        "synthesis": record.get("synthesis")}
                 result.write_text(json.dumps(out, indent=2))
-                print(f"alpha {alpha} seed {seed} {row}: {100 * out['accuracy']:.2f}% in {seconds:.0f}s", flush=True)
+                print(f"alpha {alpha} seed {seed} {tag}: {100 * out['accuracy']:.2f}% in {seconds:.0f}s", flush=True)
 
 
 if __name__ == "__main__":
