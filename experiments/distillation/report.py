@@ -1,9 +1,9 @@
 """The table of ``experiments/distillation/README.md`` from the committed cell results.
 
-    .venv/bin/python experiments/distillation/report.py docs/results/distillation docs/results/label_shift_pool
+    .venv/bin/python experiments/distillation/report.py docs/results/distillation
 
-Rows: the pool (the teacher), FedBE's recipe (``swa``, the label-shift-pool grid's ``ensemble-label-shift+distill``
-row, per seed) and every recipe / lever measured here; columns α; each cell the mean test accuracy over the seeds
+Rows: the client ensemble and the pool (the teacher) and FedBE's recipe (``swa``: the label-shift-pool grid's
+rows on the same networks, per seed) and every recipe / lever measured here; columns α; each cell the mean test accuracy over the seeds
 measured (their number in brackets), NLL / ECE, the student's agreement with the teacher on held-out inputs and
 the server's minutes.
 """
@@ -11,13 +11,12 @@ the server's minutes.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 from pathlib import Path
 
 ALPHAS = (0.1, 0.2, 0.4)
-LABELS = {"pool": "label-shift pool (the teacher, 25 networks)", "swa": "FedBE's recipe (`swa`), 5,000 inputs",
+LABELS = {"ensemble": "client ensemble (25 networks, averaged)", "pool": "label-shift pool (the teacher, 25 networks)", "swa": "FedBE's recipe (`swa`), 5,000 inputs",
           "consistent-5000": "consistent, 5,000 inputs", "consistent-500": "consistent, 500 inputs",
           "data-free": "data-free (no server inputs)"}
 
@@ -25,22 +24,13 @@ LABELS = {"pool": "label-shift pool (the teacher, 25 networks)", "swa": "FedBE's
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cells", type=Path)
-    ap.add_argument("grid", type=Path, help="the label-shift-pool study's results (its results.csv holds the swa row)")
     args = ap.parse_args()
     rows: dict[str, dict[float, list[dict]]] = {}
     for path in sorted(args.cells.glob("*.json")):
         r = json.loads(path.read_text())
         rows.setdefault(r["row"], {}).setdefault(r["alpha"], []).append(r)
-    swa = {}
-    with open(args.grid / "results.csv") as fh:
-        for r in csv.DictReader(fh):
-            if r["method"] == "ensemble-label-shift+distill":
-                swa[float(r["alpha"])] = r
     print("| one network (or the teacher) | " + " | ".join(f"α = {a}" for a in ALPHAS) + " |")
     print("|---|" + "---|" * len(ALPHAS))
-    print(f"| {LABELS['swa']} | " + " | ".join(
-        f"{float(swa[a]['accuracy_mean']):.2f} ± {float(swa[a]['accuracy_std']):.2f} ({swa[a]['seeds']}) · "
-        f"{float(swa[a]['nll_mean']):.3f} / {float(swa[a]['ece_mean']):.3f}" if a in swa else "–" for a in ALPHAS) + " |")
     order = [k for k in LABELS if k in rows] + sorted(k for k in rows if k not in LABELS)
     for key in order:
         cells = []
