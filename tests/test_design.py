@@ -563,7 +563,8 @@ def test_a_compressed_kron_answers_every_operation_from_its_compact_form(monkeyp
     torch.testing.assert_close(draws.T @ draws / 20000, torch.linalg.inv(dense), rtol=0, atol=0.05)
 
 
-HISTORY = re.compile(r"\b(?:issues?|sessions?)\s*#?\d+|\(issue:|measured in session", re.I)
+HISTORY = re.compile(r"\b(?:issues?|sessions?)[\s-]*#?\d+|\(issue:|measured in session|\bthe issue\b|\bas asked\b",
+                     re.I)
 
 
 def test_the_product_speaks_of_the_product_not_of_its_history():

@@ -11,7 +11,7 @@ resized to 28×28 (as ``predictive_fmnist.py``). One JSON line per (fusion, pred
 
     .venv/bin/python experiments/without_validation/default_ood_check.py --report docs/results/without_validation/default_s2[56]/ood.jsonl
 
-prints, per α, the means over the sets and how many sets meet the issue's two predictive goals (``glm`` with a lower
+prints, per α, the means over the sets and how many sets meet the two predictive goals (``glm`` with a lower
 NLL and ECE than the modes' ``map``; an OOD AUROC at least the client ensemble's).
 """
 
