@@ -25,17 +25,15 @@ from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
-from posterior_fusion.local.config import (
+from posterior_fusion.local.config import FitConfig, fit_config_from, fit_settings
+from posterior_fusion.local.refresh_settings import (
     AUTO_DAMPINGS,
     PRIVATE_REFRESH_DAMPING,
     RATIO_FLOOR,
     REFRESH_DAMPING,
     TRUST_RADIUS,
-    FitConfig,
     RefreshPrivacy,
     check_damping,
-    fit_config_from,
-    fit_settings,
     refresh_privacy_from,
 )
 from posterior_fusion.runtime import resolve_device

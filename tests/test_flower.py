@@ -191,7 +191,7 @@ def test_example_run_config_carries_fit_and_fusion_settings():
     assert (method, chosen.steps, chosen.val_every, robust) == ("fedbens", 300, 30, False)
     fit = FederatedSettings.from_run_config(flat)
     assert fit.components == 3 and fit.swag_rank == 20 and fit.fit_config().train.swag_rank == 20
-    from posterior_fusion.local.config import check_damping
+    from posterior_fusion.local.refresh_settings import check_damping
     assert check_damping(flat["refresh-damping"], "refresh-damping") == "auto"
 
 

@@ -13,9 +13,9 @@ import posterior_fusion
 from posterior_fusion.artifact import load_client, write_client_artifact, write_global_artifact
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.local.config import PRIVATE_REFRESH, RefreshPrivacy
 from posterior_fusion.local.privacy import training
 from posterior_fusion.local.refresh import TRUST_RADIUS, distance_from_own_posterior, refresh
+from posterior_fusion.local.refresh_settings import PRIVATE_REFRESH, RefreshPrivacy
 from posterior_fusion.posterior import GlobalEnsemble
 
 HIDDEN = 192  # the trap's thresholds: one hidden unit each

@@ -11,9 +11,9 @@ from conftest import fit_artifact
 from posterior_fusion.artifact import load_client
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
-from posterior_fusion.local.config import RefreshPrivacy
 from posterior_fusion.local.recapture import recapture
 from posterior_fusion.local.refresh import refresh
+from posterior_fusion.local.refresh_settings import RefreshPrivacy
 
 EXACT = RefreshPrivacy(refresh_dp_epsilon=None)  # the refresh round without its mechanism (its maths checked here)
 

@@ -27,9 +27,9 @@ from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.experiment.measure import save_rows
 from posterior_fusion.fusion import FusionOptions, fuse
-from posterior_fusion.local.config import refresh_privacy_from
 from posterior_fusion.local.refresh import check_damping
 from posterior_fusion.local.refresh import refresh as refresh_artifact
+from posterior_fusion.local.refresh_settings import refresh_privacy_from
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.posterior import GlobalEnsemble
 

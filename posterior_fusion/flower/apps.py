@@ -32,7 +32,7 @@ from posterior_fusion.flower.secure import SecureAggregation, run_secure_round
 from posterior_fusion.flower.server_app import run_round
 from posterior_fusion.fusion import FusionOptions, applicable_settings
 from posterior_fusion.fusion.registry import resolve_default
-from posterior_fusion.local.config import REFRESH_DAMPING
+from posterior_fusion.local.refresh_settings import REFRESH_DAMPING
 
 clientapp = make_client_app()
 serverapp = ServerApp()

@@ -24,12 +24,10 @@ from posterior_fusion.files import own_private_folder, user_data_folder, write_a
 from posterior_fusion.flower.base import node_base
 from posterior_fusion.flower.federated_settings import FederatedSettings
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
-from posterior_fusion.local.config import (
-    PrivateModelConfig,
-    refresh_privacy_from,
-)
+from posterior_fusion.local.config import PrivateModelConfig
 from posterior_fusion.local.fit import fit_silo_file
 from posterior_fusion.local.refresh import TRUST_RADIUS, check_damping, refresh_to_file
+from posterior_fusion.local.refresh_settings import refresh_privacy_from
 from posterior_fusion.models import ModelSpec
 
 

@@ -31,7 +31,7 @@ from posterior_fusion.flower.base import base_to_send
 from posterior_fusion.flower.federated_settings import BAD_REPLY_POLICIES, FederatedSettings
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings import MethodSettings
-from posterior_fusion.local.config import REFRESH_DAMPING, check_damping
+from posterior_fusion.local.refresh_settings import REFRESH_DAMPING, check_damping
 
 
 @dataclass
