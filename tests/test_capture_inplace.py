@@ -86,7 +86,7 @@ def test_in_place_operations_change_no_factor(kind, structure, kfac, ggn):
 def test_a_numerically_zero_block_of_a_trained_layer_warns():
     """A layer whose output the loss ignores (its output multiplied by zero) has a zero K-FAC output factor: the
     fit says so in one warning naming it, rather than listing it as curvature."""
-    from posterior_fusion.local.fit import vanishing_blocks
+    from posterior_fusion.local.fit_checks import vanishing_blocks
 
     class Ignored(nn.Module):
         def __init__(self) -> None:

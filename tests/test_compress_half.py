@@ -20,10 +20,10 @@ from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.artifact.blocks import ENCODINGS
 from posterior_fusion.artifact.writer import text_attr
 from posterior_fusion.curvature import BlockDiag, CompressedKron, Kron
-from posterior_fusion.curvature.compressed import (
+from posterior_fusion.curvature.compressed import Compression
+from posterior_fusion.curvature.truncation import (
     HALF_SHARE,
     ROUNDING_SHARE,
-    Compression,
     joined,
     orthonormalise,
     rebuild,

@@ -683,3 +683,10 @@ def test_the_api_lists_itself_and_names_the_classes(tmp_path, two_clients):
     assert {"load", "GlobalEnsemble", "ModelSpec", "read_data"} <= set(dir(posterior_fusion))
     client = posterior_fusion.load(two_clients[0])
     assert client.class_names == tuple(client.metadata.get("class_names") or ())
+
+
+def test_no_library_module_does_several_jobs_in_more_than_400_lines():
+    """A module does one job: outside ``fusion/methods/`` (one method a module) none passes 400 lines."""
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / "posterior_fusion").rglob("*.py"))
+            if "fusion/methods/" not in p.as_posix() and (n := len(p.read_text().splitlines())) > 400]
+    assert not long, long

@@ -227,7 +227,7 @@ def test_private_model_is_distilled_into_the_shared_model_and_never_stored(tmp_p
     assert len(art.components) == 1 and art.layout.dim == plain_dim(tmp_path)  # ... nor its weights
     # agreement with the private model's predictions: rebuild it exactly as fit-local did
     from posterior_fusion.local.config import FitConfig, PrivateModelConfig, TrainConfig
-    from posterior_fusion.local.fit import private_teacher
+    from posterior_fusion.local.fit_checks import private_teacher
     from posterior_fusion.models.functional import batched_logits
 
     data = SiloData(small_silo.x[:200], small_silo.y[:200], "fmnist", 10)

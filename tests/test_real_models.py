@@ -1,6 +1,6 @@
 """Models at real size: K-FAC-reduce against curvlinops, the layer policy (normalisation
-layers' diagonal blocks against a dense per-sample Jacobian reference, other parameters the prior
-alone, BatchNorm's running statistics refused), silos on a device, and a GroupNorm ResNet end to
+layers' diagonal blocks against a dense per-sample Jacobian reference, other parameters their own GGN
+diagonal, BatchNorm's running statistics refused), silos on a device, and a GroupNorm ResNet end to
 end through the CLI."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import posterior_fusion
 from cli.main import pfuse
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.capture.fast import fast_diag_vector, fast_kron
+from posterior_fusion.local.capture.fast import fast_diag, fast_diag_vector, fast_kron
 from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.models import non_parameter_state
@@ -119,26 +119,26 @@ def test_layer_policy_blocks_equal_the_dense_reference(kind):
     names = [n for n, _ in model.named_parameters()]
     policy = dict(block_policy(model, "kron"))
     assert list(policy) == names
-    expected = {"0.weight": "kron", "0.bias": "dense", "1.weight": "diag", "1.bias": "diag", "3.gain": "prior",
+    expected = {"0.weight": "kron", "0.bias": "dense", "1.weight": "diag", "1.bias": "diag", "3.gain": "residual",
                 "5.weight": "kron", "5.bias": "dense", "6.weight": "diag", "6.bias": "diag", "8.weight": "kron",
                 "8.bias": "dense"}
     assert policy == expected
 
     sizes = [p.numel() for p in model.parameters()]
-    prior = torch.cat([torch.full((s,), k == "prior") for s, k in zip(sizes, expected.values())])
-    diag = fast_diag_vector(model, x, y, 5)
-    torch.testing.assert_close(diag[~prior], ref[~prior], rtol=1e-10, atol=1e-12)
-    assert torch.count_nonzero(diag[prior]) == 0
+    residual = torch.cat([torch.full((s,), k == "residual") for s, k in zip(sizes, expected.values())])
+    diag = fast_diag_vector(model, x, y, 5)  # the layer rules' part; the residual parameters left at zero there
+    torch.testing.assert_close(diag[~residual], ref[~residual], rtol=1e-10, atol=1e-12)
+    assert torch.count_nonzero(diag[residual]) == 0
+    whole = fast_diag(model, x, y, 5).blocks[0].diagonal()  # with the residual parameters' own GGN diagonal
+    torch.testing.assert_close(whole, ref, rtol=1e-10, atol=1e-12)
     kron = fast_kron(model, x, y, 5)
-    assert [b.kind for b in kron.blocks] == [expected[n] if expected[n] != "prior" else "diag" for n in names]
+    assert [b.kind for b in kron.blocks] == [expected[n] if expected[n] != "residual" else "diag" for n in names]
     offsets = torch.tensor([0, *sizes]).cumsum(0)
     for i, kind_ in enumerate(expected.values()):
         block = kron.blocks[i].to_dense().diagonal()
         want = ref[offsets[i] : offsets[i + 1]]
-        if kind_ == "diag":
+        if kind_ in ("diag", "residual"):
             torch.testing.assert_close(block, want, rtol=1e-10, atol=1e-12)
-        elif kind_ == "prior":
-            assert torch.count_nonzero(block) == 0 and torch.count_nonzero(want) > 0
 
 
 def test_batchnorm_running_statistics_are_refused_in_one_line(tmp_path):
@@ -224,7 +224,7 @@ def _spectrum_psd(D: int, decay: float, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("budget", [0.01, 0.1, 0.3])
 def test_lowrank_truncation_error_is_the_true_error_and_the_rank_is_minimal(budget):
-    from posterior_fusion.curvature.compressed import rebuild, truncate
+    from posterior_fusion.curvature.truncation import rebuild, truncate
 
     F = _spectrum_psd(40, 0.8, 0)
     U, lam, sigma, err = truncate(F, budget)
@@ -245,8 +245,9 @@ def test_precision_metric_bounds_every_eigenvalue_of_the_precision(budget):
     within the budget (per factor, so 2·budget + budget² for both) of the plain one's — a dense float64
     eigen-decomposition, matched through the shared eigenvectors; the recorded error is the worst
     per-factor ratio; one rank less misses the budget at any isotropic level."""
-    from posterior_fusion.curvature.compressed import CompressedKron, rebuild, truncate
+    from posterior_fusion.curvature.compressed import CompressedKron
     from posterior_fusion.curvature.kron import Kron
+    from posterior_fusion.curvature.truncation import rebuild, truncate
 
     B, A = _spectrum_psd(6, 0.3, 1), _spectrum_psd(9, 0.5, 2)
     scale, T, lam0 = 3.0, 0.1, 2.0
@@ -546,7 +547,8 @@ def test_the_default_compression_keeps_every_precision_eigenvalue_within_its_bud
     matched through the shared eigenvectors. The Frobenius metric at the same budget moves them far more."""
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.curvature import BlockDiag, Kron
-    from posterior_fusion.curvature.compressed import Compression, rebuild, stored_error
+    from posterior_fusion.curvature.compressed import Compression
+    from posterior_fusion.curvature.truncation import rebuild, stored_error
     from posterior_fusion.layout import ParameterLayout
     from posterior_fusion.models import ModelSpec
     from posterior_fusion.posterior import Component, frozen_mapping

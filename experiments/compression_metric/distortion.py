@@ -15,8 +15,9 @@ import argparse
 
 import torch
 
-from posterior_fusion.curvature.compressed import CompressedKron, rebuild
+from posterior_fusion.curvature.compressed import CompressedKron
 from posterior_fusion.curvature.kron import Kron
+from posterior_fusion.curvature.truncation import rebuild
 
 
 def factor(D: int, decades: float, seed: int) -> torch.Tensor:

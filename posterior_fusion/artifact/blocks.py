@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from posterior_fusion.curvature import CompressedKron, Dense, Diag, Kron, Precision
-from posterior_fusion.curvature.compressed import Compression, joined
+from posterior_fusion.curvature.compressed import Compression
+from posterior_fusion.curvature.truncation import joined
 
 SYMMETRY_RTOL = 1e-4
 

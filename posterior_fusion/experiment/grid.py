@@ -39,7 +39,8 @@ from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_cli
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.local.config import FitConfig, TrainConfig, fit_config_from
-from posterior_fusion.local.fit import fit_silo_file, library_versions
+from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.fit_checks import library_versions
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.resume import partial_path

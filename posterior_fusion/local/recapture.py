@@ -33,7 +33,7 @@ from posterior_fusion.files import output_lock
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
-from posterior_fusion.local.fit import library_versions
+from posterior_fusion.local.fit_checks import library_versions
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import ClientPosterior, Component, build_model, frozen_mapping
 from posterior_fusion.runtime import resolve_device

@@ -80,7 +80,7 @@ from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError
 from posterior_fusion.files import output_lock
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
-from posterior_fusion.local.fit import library_versions
+from posterior_fusion.local.fit_checks import library_versions
 from posterior_fusion.local.recapture import finish_metadata, prepare
 from posterior_fusion.local.refresh_settings import (
     AUTO_DAMPINGS,
