@@ -4,8 +4,8 @@
 
 Rows: the client ensemble and the pool (the teacher) and FedBE's recipe (``swa``: the label-shift-pool grid's
 rows on the same networks, per seed) and every recipe / lever measured here; columns α; each cell the mean test accuracy over the seeds
-measured (their number in brackets), NLL / ECE, the student's agreement with the teacher on held-out inputs and
-the server's minutes.
+measured (their number in brackets), NLL / ECE, the mean difference to the pool on the same seeds, the student's
+agreement with the teacher on held-out inputs and the server's minutes.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ def main() -> None:
             std = statistics.stdev(acc) if len(acc) > 1 else 0.0
             agree = [r["agreement"] for r in got if r.get("agreement") is not None]
             minutes = statistics.mean(r["server_seconds"] for r in got) / 60
-            extra = (f" · agreement {statistics.mean(agree):.3f} · {minutes:.1f} min" if agree else "")
+            pool = {r["seed"]: r["accuracy"] for r in rows.get("pool", {}).get(a, [])}
+            gaps = [100 * (r["accuracy"] - pool[r["seed"]]) for r in got if r["seed"] in pool]
+            gap = f" · {statistics.mean(gaps):+.2f} vs the pool" if gaps and key != "pool" else ""
+            extra = gap + (f" · agreement {statistics.mean(agree):.3f} · {minutes:.1f} min" if agree else "")
             cells.append(f"{statistics.mean(acc):.2f} ± {std:.2f} ({len(acc)}) · "
                          f"{statistics.mean(r['nll'] for r in got):.3f} / {statistics.mean(r['ece'] for r in got):.3f}"
                          + extra)
