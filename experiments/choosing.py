@@ -90,6 +90,21 @@ def seed_files_cells(folders: list[str], label: str) -> dict[str, Cell]:
     return cells
 
 
+def distillation_cells(row: str) -> dict[str, Cell]:
+    """Per α, the distillation study's cells of ``row`` (``docs/results/distillation/<α>_<seed>_<row>.json``)."""
+    by_alpha: dict[str, list[dict]] = {}
+    for path in sorted((RESULTS / "distillation").glob(f"*_{row}.json")):
+        r = json.loads(path.read_text())
+        by_alpha.setdefault(str(float(r["alpha"])), []).append(r)
+    cells = {}
+    for alpha, rs in by_alpha.items():
+        acc = [100 * r["accuracy"] for r in rs]
+        cells[alpha] = Cell(statistics.mean(acc), statistics.stdev(acc) if len(acc) > 1 else 0.0, len(rs),
+                            statistics.mean(r["nll"] for r in rs), statistics.mean(r["ece"] for r in rs),
+                            statistics.mean(r["server_seconds"] for r in rs))
+    return cells
+
+
 def rows() -> list[Row]:
     pool, pool_n = grid_cells("label_shift_pool", "ensemble-label-shift")
     pool_d, _ = grid_cells("label_shift_pool", "ensemble-label-shift+distill")
@@ -105,6 +120,12 @@ def rows() -> list[Row]:
         Row("**the default** — any server; serves C·M networks; any curvature",
             "`pfuse fuse post_*.h5 --out g.h5` (= `--method ensemble --set pooling=label-shift`)",
             pool, pool_n, f"{lenet}; `experiments/label_shift_pool/config.toml`"),
+        Row("unlabeled server inputs; serves one network — what to run when one network must be deployed",
+            "`--method ensemble --set pooling=label-shift --distill --unlabeled U.h5` (the consistent recipe)",
+            distillation_cells("consistent-5000"), "1", f"{lenet}; `experiments/distillation/` (the same clients)"),
+        Row("no server data at all; serves one network",
+            "`--method ensemble --set pooling=label-shift --distill` (data-free: inputs synthesised from the artifacts)",
+            distillation_cells("data-free"), "1", f"{lenet}; `experiments/distillation/` (the same clients)"),
         Row("unlabeled server inputs; serves one network (FedBE's recipe)",
             "`--method ensemble --set pooling=label-shift --distill --distill-recipe swa --unlabeled U.h5`",
             pool_d, "1", f"{lenet}; `experiments/label_shift_pool/config.toml`"),
