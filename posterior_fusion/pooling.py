@@ -226,17 +226,16 @@ def solve_fixed_point(base: torch.Tensor, w: torch.Tensor, ratio: torch.Tensor,
     where extrapolations (SQUAREM, Newton) were measured to jump to another. Returns ``(q (n, P), the largest
     residual)``, float64."""
     n, P = base.shape
-    v = torch.zeros(n, w.shape[0], dtype=torch.float64)
     if n == 0:
         return torch.softmax(base, -1), 0.0
     q = torch.softmax(base, -1)
     move = torch.full((n,), math.inf, dtype=torch.float64)
     idx = torch.arange(n)
     for _ in range(rounds):
-        nxt = (q[idx] @ ratio.T).clamp_min(1e-300).log()
-        new_q = torch.softmax(base[idx] + nxt @ w, -1)
+        log_a = (q[idx] @ ratio.T).clamp_min(1e-300).log()
+        new_q = torch.softmax(base[idx] + log_a @ w, -1)
         step = (new_q - q[idx]).abs().amax(-1)
-        v[idx], q[idx], move[idx] = nxt, new_q, step
+        q[idx], move[idx] = new_q, step
         idx = idx[step > TOLERANCE]
         if len(idx) == 0:
             break

@@ -110,7 +110,8 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
     perm = torch.randperm(n, generator=gen)
     held_x, train_x = x[perm[:held]], x[perm[held:]]
     held_top = teach_fn(held_x).argmax(-1)
-    integral = not x.is_floating_point() or bool(torch.equal(x[:64], x[:64].round())) and x.ndim == 2
+    # token ids (integral vectors) take no mixup: an average of two ids is no token
+    integral = not x.is_floating_point() or (x.ndim == 2 and bool(torch.equal(x[:64], x[:64].round())))
     flip = {"on": True, "off": False}.get(cfg.flip)
     flip_agreement = None
     if flip is None:
@@ -189,16 +190,16 @@ def synthesise(spec: ModelSpec, members: torch.Tensor, moment: torch.Tensor, inp
     out, mismatch, confidence = [], [], []
     norm = moment.norm()
     batches = range(0, cfg.synth_size, cfg.batch_size)
+    nets = [spec.build().eval() for _ in range(min(members.shape[0], 8))]  # the gradient: up to 8 members, built once
+    for net, k in zip(nets, torch.linspace(0, members.shape[0] - 1, len(nets)).round().long()):
+        vector_to_parameters(members[k].detach().clone().float(), net.parameters())
+        net.requires_grad_(False)
+    scale = float(moment.diagonal().mean().clamp_min(1e-12).sqrt())
     for start in progress(batches, "distill (synthesising inputs)", show=show_progress):
         b = min(cfg.batch_size, cfg.synth_size - start)
-        scale = float(moment.diagonal().mean().clamp_min(1e-12).sqrt())
         z = (scale * torch.randn(b, *input_shape, generator=gen)).requires_grad_(True)
         target = torch.randint(0, classes, (b,), generator=gen)
         opt = torch.optim.Adam([z], lr=0.05 * scale)
-        nets = [spec.build().eval() for _ in range(min(members.shape[0], 8))]  # the gradient: up to 8 members
-        for net, k in zip(nets, torch.linspace(0, members.shape[0] - 1, len(nets)).round().long()):
-            vector_to_parameters(members[k].detach().clone().float(), net.parameters())
-            net.requires_grad_(False)
         for _ in range(cfg.synth_steps):
             logp = torch.stack([torch.log_softmax(net(z), -1) for net in nets]).logsumexp(0) - math.log(len(nets))
             ce = nn.functional.nll_loss(logp, target)
