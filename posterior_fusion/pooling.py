@@ -21,22 +21,25 @@
   prior, the pooled-data posterior is the fixed point whatever the weights (each client that saw ``y``
   estimates the same ``ρ``). A client that never saw a class (``n_c(y) = 0``)
   has no say on it at any ``s``; a class no client saw has ``π(y) = 0`` and probability 0. ``s``
-  (``smoothing``) only evens the per-class weights of tiny counts. The iteration starts from
-  ``a_c = 1`` (:func:`solve_fixed_point`); each input stops once one more round moves none of its probabilities
-  by more than :data:`TOLERANCE` (at most ``iterations`` rounds, :data:`ITERATIONS` by default). Where the clients'
-  predictives are exact the fixed point is reached on most federations; where a client holds almost all of a
-  class the iteration is slow, and with real models some inputs have no interior fixed point (a client that saw
-  a handful of examples of a class predicts it, its ``a_c(x)`` slides towards 0). One warning, with the
-  residual, whenever the largest move left is above :data:`WARN_RESIDUAL`.
+  (``smoothing``) only evens the per-class weights of tiny counts. The fixed point is solved: the start is the
+  maximiser of a concave likelihood (:func:`likelihood_start`, exact where the clients are), then Newton's method
+  on the fixed point in ``log a_c`` (:func:`solve_fixed_point`) until no step moves a ``log a_c`` by more than
+  :data:`TOLERANCE` (at most ``iterations`` steps, :data:`ITERATIONS` by default). With real models some inputs
+  have no interior fixed point (a client that saw a handful of examples of a class predicts it, its ``a_c(x)``
+  slides towards 0). One warning, with the residual, whenever the next Newton step would still move a probability
+  by more than :data:`WARN_RESIDUAL`.
 
   ``robust`` (``fuse --robust``, the ensemble's setting ``robust``): one lying client must not move
-  the pool. Its count claim is capped — every client's counts scaled so its total is at most
-  :data:`COUNT_CAP` × the clients' median total — and, on the inputs being predicted (no labels; at
-  least :data:`SCREEN_ROWS`), each client's label-shift-corrected predictive is compared with the pool
-  of the others on the classes it claims (mean total-variation distance); a client more than
-  :data:`SCREEN_MADS` median absolute deviations above the median is left out of the pool, named in a
-  warning. Measured in ``experiments/robustness/`` (one of five LeNet clients lying ×1,000 about its
-  counts, or trained on shifted labels).
+  the pool, and honest clients are left exactly as they are. A count claim is checked against the client's
+  curvature: ``fuse --robust`` leaves out a client whose curvature per claimed example is off the median by more than
+  5x (:mod:`posterior_fusion.fusion.robust`), and :func:`robust_label_shift_pool` given ``count_evidence`` scales a
+  claim beyond :data:`EVIDENCE_RATIO` × its evidence down to it. On the inputs being predicted (no labels; at
+  least :data:`SCREEN_ROWS`), each pair of clients that share two or more claimed classes is compared there (their
+  predictives moved to one label prior, mean total-variation distance: 0 for exact clients whatever their priors),
+  and a client's score is the median over its partners (:func:`disagreement`); a client above both
+  :data:`SCREEN_FLOOR` and :data:`SCREEN_MADS` median absolute deviations above the median is left out of the pool,
+  named in a warning. Measured in ``experiments/pool_robustness/`` (one of five LeNet clients lying ×1,000 about its
+  counts, or trained on shifted labels) and on conjugate federations in ``tests/test_pooling.py``.
 
   ``target_prior``: the pool answers under the pooled clients' label prior ``π``; where the data to be
   predicted follows another prior ``π_t`` (e.g. uniform test sets), ``q_t(y|x) ∝ q(y|x) π_t(y) / π(y)``.
@@ -58,12 +61,14 @@ from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 
 POOLINGS = ("average", "label-shift")
-TOLERANCE = 1e-12      # the solver stops once one more round moves no probability by more than this
-ITERATIONS = 10000     # ... or after this many rounds (the default; each row stops on its own)
-WARN_RESIDUAL = 1e-6   # a residual above this at the end warns (module doc)
-COUNT_CAP = 4.0    # robust: a client's counts scaled so its total is at most this x the clients' median total
-SCREEN_MADS = 5.0  # robust: a client this many median absolute deviations above the median disagreement is left out
-SCREEN_ROWS = 50   # robust: the screen needs at least this many inputs in the batch
+TOLERANCE = 1e-11        # a row stops once its Newton step moves no log a_c by more than this
+ITERATIONS = 200         # ... or after this many Newton steps (the default; each row stops on its own)
+LIKELIHOOD_ROUNDS = 100  # Newton steps at most of the likelihood start
+WARN_RESIDUAL = 1e-8     # a residual above this at the end warns (module doc)
+EVIDENCE_RATIO = 5.0  # robust: a count claim beyond this x what the client's curvature supports is scaled down to it
+SCREEN_MADS = 5.0     # robust: a client this many median absolute deviations above the median disagreement ...
+SCREEN_FLOOR = 0.1    # ... and above this mean total-variation distance is left out
+SCREEN_ROWS = 50      # robust: the screen needs at least this many inputs in the batch
 
 
 @dataclass(frozen=True)
@@ -184,8 +189,8 @@ def label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smo
     """The ``label-shift`` pooling (module doc) of the clients' predictives ``client_probs``
     ``(C, n, classes)`` with their class counts ``(C, classes)``; returns ``q`` ``(n, classes)``, float64,
     under the pooled clients' label prior, or ``target_prior`` ``(classes,)`` (frequencies) where given.
-    The fixed point is solved by :func:`solve_fixed_point` (at most ``iterations`` Newton rounds); a residual
-    above :data:`WARN_RESIDUAL` warns once with its value."""
+    The fixed point is solved by :func:`solve_fixed_point` from :func:`likelihood_start` (at most ``iterations``
+    Newton steps); a residual above :data:`WARN_RESIDUAL` warns once with its value."""
     counts = class_counts.double()
     seen = counts > 0                                                       # (C, classes)
     prior_c = counts / counts.sum(1, keepdim=True)                          # π_c(y), the clients' own
@@ -198,11 +203,13 @@ def label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smo
                            torch.zeros_like(log_p))
     base = prior[present].log() + (w[:, None, :] * evidence).sum(0)[:, present]   # (n, P) over the present classes
     ratio = prior_c[:, present] / prior[present]                                  # π_c(y) / π(y)  (C, P)
-    sub, residual = solve_fixed_point(base, w[:, present], ratio, iterations)
-    if iterations and residual > WARN_RESIDUAL:
+    start = likelihood_start(client_probs.double()[:, :, present], counts[:, present])
+    start = torch.softmax(start + prior[present].log(), -1)
+    sub, residual = solve_fixed_point(base, w[:, present], ratio, (start @ ratio.T).clamp_min(1e-300).log(), iterations)
+    if residual > WARN_RESIDUAL:
         warnings.warn(f"label-shift pool: the fixed point did not settle in {iterations} rounds (the residual, the "
-                      f"largest move of a probability under one more round, is {residual:.2g}); raise `iterations`",
-                      stacklevel=2)
+                      f"largest change of a probability under one more Newton step, is {residual:.2g}); raise "
+                      "`iterations`", stacklevel=2)
     q = torch.zeros(client_probs.shape[1], counts.shape[1], dtype=torch.float64)
     q[:, present] = sub
     if target_prior is not None:
@@ -212,83 +219,170 @@ def label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smo
     return q
 
 
-def solve_fixed_point(base: torch.Tensor, w: torch.Tensor, ratio: torch.Tensor,
+def likelihood_start(client_probs: torch.Tensor, counts: torch.Tensor, rounds: int = LIKELIHOOD_ROUNDS) -> torch.Tensor:
+    """The pool's start: ``ρ`` maximising the concave likelihood of the clients' predictives as soft labels,
+    ``Σ_c n_c Σ_y p_c(y|x) log m_c(y)``, ``m_c = softmax_{y seen by c}(log ρ(y) + log π_c(y))`` — the clients'
+    posteriors implied by one shared ``ρ`` — by Newton's method with a backtracking line search, every row at once.
+    Its maximiser is unique where the clients' class sets overlap, and it is the exact pooled-prior posterior
+    whenever the clients' predictives are exact. ``client_probs`` ``(C, n, P)`` and ``counts`` ``(C, P)`` over the
+    classes some client saw; returns ``log ρ`` ``(n, P)`` (up to a constant per row), float64."""
+    seen = counts > 0
+    n_c = counts.sum(1)                                                             # (C,)
+    log_prior_c = torch.where(seen, (counts / n_c[:, None]).clamp_min(1e-300).log(), -math.inf)
+    p = client_probs * seen[:, None, :]
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+    soft = torch.einsum("c,cnp->np", n_c, p)                                        # Σ_c n_c p_c(y|x)  (n, P)
+    u = soft.clamp_min(1e-300).log() - (counts.sum(0) / counts.sum()).log()
+    total, P = float(n_c.sum()), u.shape[1]
+    flat = torch.ones(P, P, dtype=torch.float64) * total / P                        # removes the shift's null space
+
+    def value(u: torch.Tensor, soft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = u[:, None, :] + log_prior_c[None]                                       # (m, C, P)
+        lse = torch.logsumexp(z, -1)
+        return (soft * u).sum(-1) - lse @ n_c, torch.exp(z - lse[..., None])
+
+    idx = torch.arange(len(u))
+    for _ in range(rounds):
+        if len(idx) == 0:
+            break
+        soft_i, ui = soft[idx], u[idx]
+        objective, m = value(ui, soft_i)
+        nm = n_c[None, :, None] * m
+        grad = soft_i - nm.sum(1)
+        hess = torch.diag_embed(nm.sum(1)) - torch.einsum("ncp,ncq->npq", nm, m) + flat
+        step = torch.linalg.lstsq(hess, grad.unsqueeze(-1)).solution.squeeze(-1)
+        slope = (grad * step).sum(-1)
+        moving = (step.abs().amax(-1) > 1e-12) & (slope > 1e-13 * total)
+        idx, soft_i, ui, objective, step, slope = (t[moving] for t in (idx, soft_i, ui, objective, step, slope))
+        t = torch.ones(len(idx), 1, dtype=torch.float64)
+        taken = torch.zeros(len(idx), dtype=torch.bool)
+        for _ in range(30):
+            trial = ui + t * step
+            ok = (value(trial, soft_i)[0] >= objective + 1e-4 * t[:, 0] * slope) & ~taken
+            u[idx[ok]] = trial[ok]
+            taken |= ok
+            if taken.all():
+                break
+            t = torch.where(taken[:, None], t, t / 2)
+        idx = idx[taken]                                                            # a row that cannot climb is done
+    return u
+
+
+def solve_fixed_point(base: torch.Tensor, w: torch.Tensor, ratio: torch.Tensor, log_a: torch.Tensor,
                       rounds: int = ITERATIONS) -> tuple[torch.Tensor, float]:
     """The pool's fixed point (module doc) for every row at once: ``base`` ``(n, P)`` (log prior plus the weighted
     evidence, P the classes some client saw), ``w`` ``(C, P)`` the per-class weights (summing to 1 over the
-    clients), ``ratio`` ``(C, P)`` the clients' prior ratios ``π_c / π``.
+    clients), ``ratio`` ``(C, P)`` the clients' prior ratios ``π_c / π``, ``log_a`` ``(n, C)`` the start.
 
-    The map depends on q only through the clients' ``a_c = Σ_y ratio_c(y) q(y)``, so the iteration runs in
-    ``v = log a`` ``(n, C)``: ``q(v) = softmax(base + v W)``, one round ``v ← log(q(v) Rᵀ)``, from ``a_c = 1``. Each
-    row stops on its own once one more round moves none of its probabilities by more than :data:`TOLERANCE`;
-    only the rows still moving take the next round (at most ``rounds``). The map can have more than one fixed
-    point: the plain iteration from ``a_c = 1`` is the one that reaches the exact posterior on exact clients,
-    where extrapolations (SQUAREM, Newton) were measured to jump to another. Returns ``(q (n, P), the largest
-    residual)``, float64."""
-    n, P = base.shape
-    if n == 0:
-        return torch.softmax(base, -1), 0.0
-    q = torch.softmax(base, -1)
-    move = torch.full((n,), math.inf, dtype=torch.float64)
+    The map depends on q only through the clients' ``a_c = Σ_y ratio_c(y) q(y)``, so it is solved in ``v = log a``:
+    ``q(v) = softmax(base + v W)``, ``G(v) = log(q(v) Rᵀ)``, Newton's method on ``G(v) = v`` (its Jacobian
+    ``(T − 1 qᵀ) Wᵀ``, ``T_c(y) = ratio_c(y) q(y) / a_c``), each step halved until the residual ``|G(v) − v|`` falls
+    (a plain round where no halving does), at most ``rounds`` steps. A row stops once its Newton step moves no
+    ``log a_c`` by more than :data:`TOLERANCE`. The residual returned is the largest change of a probability the
+    next Newton step would make (0 where every row has stopped). Returns ``(q (n, P), residual)``, float64."""
+    n, C = log_a.shape
+    v = log_a.clone()
+    eye = torch.eye(C, dtype=torch.float64)
+
+    def image(b: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.softmax(b + v @ w, -1)
+        a = (q @ ratio.T).clamp_min(1e-300)
+        return q, a, a.log()
+
     idx = torch.arange(n)
-    for _ in range(rounds):
-        log_a = (q[idx] @ ratio.T).clamp_min(1e-300).log()
-        new_q = torch.softmax(base[idx] + log_a @ w, -1)
-        step = (new_q - q[idx]).abs().amax(-1)
-        q[idx], move[idx] = new_q, step
-        idx = idx[step > TOLERANCE]
+    residual = 0.0
+    for k in range(rounds + 1):
         if len(idx) == 0:
             break
-    return q, float(move.max()) if rounds else 0.0
+        b, vi = base[idx], v[idx]
+        q, a, g = image(b, vi)
+        r = g - vi
+        jac = (ratio[None] * q[:, None, :] / a[:, :, None] - q[:, None, :]) @ w.T    # (m, C, C)
+        step = torch.linalg.lstsq(eye - jac, r.unsqueeze(-1)).solution.squeeze(-1)
+        moving = step.abs().amax(-1) > TOLERANCE
+        idx, b, vi, q, g, r, step = (t[moving] for t in (idx, b, vi, q, g, r, step))
+        if len(idx) == 0:
+            residual = 0.0
+            break
+        residual = float((image(b, vi + step)[0] - q).abs().max())
+        if k == rounds:
+            break
+        res = r.abs().amax(-1)
+        nxt, taken, scale = g.clone(), torch.zeros(len(idx), dtype=torch.bool), 1.0
+        for _half in range(10):
+            trial = vi + scale * step
+            rt = (image(b, trial)[2] - trial).abs().amax(-1)
+            ok = ((rt < res) | (rt < 1e-14)) & torch.isfinite(rt) & ~taken
+            nxt[ok] = trial[ok]
+            taken |= ok
+            if taken.all():
+                break
+            scale /= 2
+        v[idx] = nxt
+    return torch.softmax(base + v @ w, -1), residual
 
 
-def capped_counts(class_counts: torch.Tensor, cap: float = COUNT_CAP) -> tuple[torch.Tensor, list[int]]:
-    """``(C, classes)`` counts with every client's row scaled so its total is at most ``cap`` × the median
-    total, and the clients that were scaled."""
+def checked_counts(class_counts: torch.Tensor, count_evidence: torch.Tensor | None,
+                   ratio: float = EVIDENCE_RATIO) -> tuple[torch.Tensor, list[int]]:
+    """``(C, classes)`` counts with the row of every client whose claimed total exceeds ``ratio`` × the count its
+    curvature supports (``count_evidence`` ``(C,)``) scaled down to that count, and those clients. Without evidence
+    the counts are returned as they are."""
     counts = class_counts.double()
+    if count_evidence is None:
+        return counts, []
     totals = counts.sum(1)
-    scale = torch.clamp(cap * totals.median() / totals.clamp_min(1e-300), max=1.0)
-    return counts * scale[:, None], [c for c in range(len(scale)) if scale[c] < 1.0]
+    evidence = count_evidence.double().clamp_min(0)
+    over = totals > ratio * evidence
+    scale = torch.where(over, evidence / totals.clamp_min(1e-300), torch.ones_like(totals))
+    return counts * scale[:, None], [c for c in range(len(scale)) if bool(over[c])]
 
 
-def disagreement(client_probs: torch.Tensor, class_counts: torch.Tensor, smoothing: float = 0.5,
-                 iterations: int = ITERATIONS) -> torch.Tensor:
-    """Per client ``(C,)``: the mean total-variation distance, over the inputs and the classes the client
-    claims, between its own predictive moved to the pooled label prior and the label-shift pool of the
-    others (leave one out)."""
+def disagreement(client_probs: torch.Tensor, class_counts: torch.Tensor) -> torch.Tensor:
+    """Per client ``(C,)``: the median, over the other clients it shares at least two claimed classes with, of the
+    mean total-variation distance between its predictive and theirs moved to its label prior, both restricted to
+    the shared classes (each input weighted by the smaller of the two predictives' mass there). For clients whose
+    predictives are their exact Bayes posteriors every pair agrees whatever their priors; a client trained on wrong
+    labels disagrees with every partner, while one liar is a minority of an honest client's partners. 0 for a client
+    with no partner."""
     C = client_probs.shape[0]
     counts = class_counts.double()
-    prior = counts.sum(0) / counts.sum()
-    scores = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the others' pools drift as the full pool does; it warns once itself
-        for c in range(C):
-            others = [k for k in range(C) if k != c]
-            pool = label_shift_pool(client_probs[others], counts[others], smoothing, iterations)
-            own_prior = counts[c] / counts[c].sum()
-            own = client_probs[c].double() * torch.where(own_prior > 0, prior / own_prior.clamp_min(1e-300),
-                                                         torch.zeros_like(prior))
+    probs = client_probs.double()
+    prior_c = counts / counts.sum(1, keepdim=True).clamp_min(1e-300)
+    pair = torch.full((C, C), math.nan, dtype=torch.float64)
+    for c in range(C):
+        for k in range(c + 1, C):
+            shared = (counts[c] > 0) & (counts[k] > 0)
+            if int(shared.sum()) < 2:
+                continue
+            own, other = probs[c][:, shared], probs[k][:, shared]
+            mass = torch.minimum(own.sum(-1), other.sum(-1))                          # (n,)
+            moved = other * (prior_c[c, shared] / prior_c[k, shared])
             own = own / own.sum(-1, keepdim=True).clamp_min(1e-300)
-            claimed = counts[c] > 0
-            scores.append(0.5 * (own[:, claimed] - pool[:, claimed]).abs().sum(-1).mean())
-    return torch.stack(scores)
+            moved = moved / moved.sum(-1, keepdim=True).clamp_min(1e-300)
+            tv = 0.5 * (own - moved).abs().sum(-1)
+            pair[c, k] = pair[k, c] = (mass * tv).sum() / mass.sum().clamp_min(1e-300)
+    scores = [pair[c][~pair[c].isnan()] for c in range(C)]
+    return torch.stack([row.median() if len(row) else torch.zeros((), dtype=torch.float64) for row in scores])
 
 
 def robust_label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smoothing: float = 0.5,
-                            iterations: int = ITERATIONS, target_prior: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`label_shift_pool` resisting one lying client (module doc, ``robust``): count claims capped,
-    then a client that predicts unlike the others on the classes it claims left out; each named in a
-    warning (client indices in the artifact's order)."""
-    counts, capped = capped_counts(class_counts)
-    if capped:
-        warnings.warn(f"label-shift pool (robust): client(s) {', '.join(map(str, capped))} claim more than "
-                      f"{COUNT_CAP:g}x the clients' median count; their counts are scaled down to it", stacklevel=2)
+                            iterations: int = ITERATIONS, target_prior: torch.Tensor | None = None,
+                            count_evidence: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`label_shift_pool` resisting one lying client (module doc, ``robust``): count claims beyond what the
+    client's curvature supports (``count_evidence`` ``(C,)``, where given) scaled down to it, then a client that
+    predicts unlike the others on the classes it claims left out; each named in a warning (client indices in the
+    artifact's order). Where nobody lies it is :func:`label_shift_pool` itself."""
+    counts, scaled = checked_counts(class_counts, count_evidence)
+    if scaled:
+        warnings.warn(f"label-shift pool (robust): client(s) {', '.join(map(str, scaled))} claim more than "
+                      f"{EVIDENCE_RATIO:g}x the examples their curvature supports; their counts are scaled down to it",
+                      stacklevel=2)
     keep = list(range(client_probs.shape[0]))
     if client_probs.shape[0] >= 3 and client_probs.shape[1] >= SCREEN_ROWS:
-        scores = disagreement(client_probs, counts, smoothing, iterations)
+        scores = disagreement(client_probs, counts)
         median = scores.median()
-        spread = (scores - median).abs().median().clamp_min(1e-6)
-        out = [c for c in keep if scores[c] > median + SCREEN_MADS * spread]
+        spread = (scores - median).abs().median()
+        out = [c for c in keep if scores[c] > max(SCREEN_FLOOR, median + SCREEN_MADS * spread)]
         if out and len(out) < len(keep) / 2:
             warnings.warn(f"label-shift pool (robust): client(s) {', '.join(map(str, out))} predict unlike the "
                           f"others on the classes they claim (disagreement {', '.join(f'{float(scores[c]):.3g}' for c in out)}"

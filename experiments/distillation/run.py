@@ -6,7 +6,8 @@ clients (``experiments/label_shift_pool/``, its grid's cache), each cell through
 
 Rows: ``pool`` (the teacher: the clients' 25 networks pooled under label shift), ``consistent-5000`` and
 ``consistent-500`` (the consistent recipe on 5,000 or the first 500 of the grid's unlabeled server images),
-``data-free`` (no server inputs: synthesised from the teachers and the clients' first-layer input factors).
+``data-free`` (no server inputs: synthesised from the teachers and the clients' first-layer input factors),
+``plain-teacher`` (the consistent recipe on the 5,000 images, taught by the plain client ensemble instead).
 FedBE's recipe is the grid's own ``ensemble-label-shift+distill`` row. Each cell writes
 ``OUT/<alpha>_<seed>_<row>.json`` (accuracy, NLL, ECE, agreement, server seconds) and is skipped when present.
 """
@@ -24,7 +25,7 @@ import posterior_fusion
 from posterior_fusion.data.silo import SiloData, write_silo
 
 PFUSE = str(Path(sys.executable).parent / "pfuse")
-ROWS = ("pool", "consistent-5000", "consistent-500", "data-free")
+ROWS = ("pool", "consistent-5000", "consistent-500", "data-free", "plain-teacher")
 
 
 def cells(work: Path) -> dict[tuple[float, int], tuple[list[Path], Path]]:
@@ -90,8 +91,10 @@ def main() -> None:
                 else:
                     target = scratch / f"{tag}_{alpha}_{seed}.h5"
                     data = {"consistent-5000": ["--unlabeled", part / "server_unlabeled.h5"],
-                            "consistent-500": ["--unlabeled", small], "data-free": ["--distill-input-shape", "1,28,28"]}
-                    run("fuse", *posts, "--method", "ensemble", "--set", "pooling=label-shift", "--distill",
+                            "consistent-500": ["--unlabeled", small], "data-free": ["--distill-input-shape", "1,28,28"],
+                            "plain-teacher": ["--unlabeled", part / "server_unlabeled.h5"]}
+                    pooling = [] if row == "plain-teacher" else ["--set", "pooling=label-shift"]
+                    run("fuse", *posts, "--method", "ensemble", *pooling, "--distill",
                         "--distill-steps", args.steps, *data[row], *extra.split(), "--out", target)
                 seconds = time.time() - t0
                 metrics = json.loads(run("evaluate", target, "--data", part / "test.h5", "--json"))

@@ -1,15 +1,14 @@
 """One lying client against the label-shift pool (``ensemble --set pooling=label-shift``), without
-validation data: one client's recorded class counts ×1,000 (what the pool weighs by; its curvature,
-which the pool never uses, scaled to match would pass ``--robust``), or one client retrained on its
-silo with every label shifted by one (y → y + 1 mod K), beside the honest clients. Each scenario is
-combined by the plain average, the pool, each of the robust pool's two levers alone and the robust
-pool (``posterior_fusion.pooling``, ``robust``: both):
+validation data: one client's recorded class counts ×1,000 (what the pool weighs by), or one client retrained on
+its silo with every label shifted by one (y → y + 1 mod K), beside the honest clients. Each scenario is combined
+by the plain average, the pool and the robust pool (``posterior_fusion.pooling.robust_label_shift_pool``):
 
-* ``cap``: every client's counts scaled down so its total is at most 4 × the clients' median total
-  before pooling (a count claim far above the others' is not believed);
-* ``screen``: on the inputs being predicted (no labels), each client's label-shift-corrected
-  predictive is compared with the pool of the others on the classes it claims (mean total-variation
-  distance); a client more than 5 median absolute deviations above the median is left out, named.
+* count claims are checked against the curvature: each client's count evidence is the number of examples at which
+  its curvature per example (mean diagonal / (T · n)) would equal the clients' median; a claim beyond 5 × its
+  evidence is scaled down to it (``fuse --robust`` leaves such a client out before fusion instead);
+* on the inputs being predicted (no labels), each pair of clients sharing two or more claimed classes is compared
+  there (their predictives moved to one label prior); a client whose median disagreement with its partners is
+  above 0.1 and 5 median absolute deviations above the median is left out, named.
 
     .venv/bin/python experiments/robustness/lying_client.py --clients 'runs/label_shift_pool/clients/KEY/post_*.h5' \\
         --partition runs/label_shift_pool/partitions/PKEY --json docs/results/pool_robustness/lying_client.json
@@ -30,14 +29,7 @@ import torch
 from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.experiment.measure import save_rows
-from posterior_fusion.pooling import (
-    COUNT_CAP,
-    SCREEN_MADS,
-    capped_counts,
-    disagreement,
-    label_shift_pool,
-    robust_label_shift_pool,
-)
+from posterior_fusion.pooling import label_shift_pool, robust_label_shift_pool
 from posterior_fusion.predictive import predict
 
 
@@ -46,11 +38,16 @@ def client_probs(path: str | Path, x: torch.Tensor) -> torch.Tensor:
     return predict(c.model_spec, [m.map for m in c.components], x, "map").double()
 
 
-def screened(probs: torch.Tensor, counts: torch.Tensor, k: float) -> list[int]:
-    s = disagreement(probs, counts)
-    med = s.median()
-    mad = (s - med).abs().median().clamp_min(1e-6)
-    return [c for c in range(len(s)) if s[c] > med + k * mad]
+def count_evidence(paths: list[str], claimed: torch.Tensor) -> torch.Tensor:
+    """``(C,)``: the examples at which each client's curvature per example would equal the median client's, given
+    the claimed totals ``claimed`` ``(C,)``."""
+    scale = []
+    for p in paths:
+        c = load_client(p)
+        scale.append(sum(float(m.curvature.diagonal().double().mean()) for m in c.components)
+                     / (c.num_components * c.temperature))
+    scale = torch.tensor(scale, dtype=torch.float64)
+    return scale / (scale / claimed).median()
 
 
 def main() -> None:
@@ -85,20 +82,18 @@ def main() -> None:
     liar_counts = counts.clone()
     liar_counts[args.liar] *= 1000
     rows = []
-    for scenario, probs, cnt in (("honest", honest, counts), ("counts x1000", honest, liar_counts),
-                                 ("labels shifted", flipped, flipped_counts)):
+    flipped_paths = [str(flipped_path) if i == args.liar else p for i, p in enumerate(paths)]
+    for scenario, probs, cnt, files in (("honest", honest, counts, paths), ("counts x1000", honest, liar_counts, paths),
+                                        ("labels shifted", flipped, flipped_counts, flipped_paths)):
         def acc(q):
             return float((q.argmax(1) == y).double().mean()) * 100
-        out = screened(probs, cnt, SCREEN_MADS)
-        keep = [c for c in range(len(paths)) if c not in out]
+        evidence = count_evidence(files, cnt.sum(1))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            robust = acc(robust_label_shift_pool(probs, cnt))
+            robust = acc(robust_label_shift_pool(probs, cnt, count_evidence=evidence))
         named = sorted({int(c) for w in caught if "robust" in str(w.message)
                         for c in str(w.message).split("client(s) ")[1].split(" ")[0].split(",")})
         row = {"scenario": scenario, "average": acc(probs.mean(0)), "pool": acc(label_shift_pool(probs, cnt)),
-               "cap": acc(label_shift_pool(probs, capped_counts(cnt, COUNT_CAP)[0])),
-               "screen": acc(label_shift_pool(probs[keep], cnt[keep])), "screen_named": out,
                "robust": robust, "robust_named": named}
         rows.append(row)
         print(json.dumps(row), flush=True)

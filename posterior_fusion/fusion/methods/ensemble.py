@@ -26,12 +26,12 @@ class EnsembleSettings(MethodSettings):
     smoothing: float = setting(0.5, "label-shift: s added to the class counts of the clients that saw a class, in "
                                     "their per-class weights only (the label priors are the exact counts).",
                                bounds=ranges.POOLING_SMOOTHING)
-    iterations: int = setting(ITERATIONS, "label-shift: the fixed point's rounds at most (it stops once no "
-                                          "probability moves by 1e-10; a warning if the last round still moved one "
-                                          "by 1e-2).", bounds=ranges.POOLING_ITERATIONS)
-    robust: bool = setting(False, "label-shift: resist one lying client — count claims capped at 4x the median, "
-                                  "a client that predicts unlike the others on the classes it claims left out of "
-                                  "each prediction and named (fuse --robust sets it; docs/security.md).")
+    iterations: int = setting(ITERATIONS, "label-shift: the fixed point's Newton steps at most (each input "
+                                          "stops once no step moves a log a_c by 1e-11; a warning where the next "
+                                          "step would still move a probability by 1e-8).", bounds=ranges.POOLING_ITERATIONS)
+    robust: bool = setting(False, "label-shift: resist one lying client — a client that predicts unlike its "
+                                  "partners on the classes they share left out of each prediction and named (fuse "
+                                  "--robust sets it and checks count claims against curvature; docs/methods.md).")
     target_prior: str = setting("clients", "label-shift: the label prior of the data to be predicted — clients (the "
                                            "pooled clients' class frequencies), uniform, or comma-separated class "
                                            "frequencies (recorded in the artifact; predict and evaluate use it).")
