@@ -172,7 +172,7 @@ def structured_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
                        batch_size: int | None = None,
                        max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`logit_moments` layer by layer: for a batch, one forward and C backward passes to the
-    layer outputs give each parameter's Jacobian ``(b, C, numel)`` (``local/fastcapture.logit_jacobians``);
+    layer outputs give each parameter's Jacobian ``(b, C, numel)`` (``models/jacobians.logit_jacobians``);
     each block of ``Λ`` whitens its own parameters' Jacobians (a Kronecker block by its factors'
     eigenbases, no dense matrix) and ``J Λ⁻¹ Jᵀ = Σ_blocks (Λ_b^{-½} J_b)(Λ_b^{-½} J_b)ᵀ``, so one
     block's Jacobians are held at a time, never the ``(b, C, d)`` Jacobian."""
@@ -215,7 +215,7 @@ def structured_moments(spec: ModelSpec, w: torch.Tensor, precision: Precision, x
 
 
 def _dense(J) -> torch.Tensor:
-    """A Jacobian from :func:`~posterior_fusion.local.fastcapture.logit_jacobians` as ``(M, C, numel)``."""
+    """A Jacobian from :func:`~posterior_fusion.models.jacobians.logit_jacobians` as ``(M, C, numel)``."""
     return J if isinstance(J, torch.Tensor) else J.dense()
 
 

@@ -56,7 +56,7 @@ def _is(value, tp) -> bool:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """A grid; every list is an axis. See benchmarks/*.toml for examples.
+    """A grid; every list is an axis. See experiments/*/config.toml for examples.
 
     ``seeds`` are run seeds: for run seed s the partition, init and training seeds all equal s.
     """

@@ -38,7 +38,7 @@ class FusionOptions:
     component: int = 0
     sampling_seed: int = 0
     kernel: str | None = None    # "torch" | "triton" | None ($PFUSE_KERNEL, else torch)
-    device: str = "cpu"          # "cuda" uses the Triton kernels
+    device: str = "cpu"          # "cpu" | "cuda" (torch kernels on either unless `kernel` says triton)
     progress: bool = True
     batchnorm_statistics: str = "fold"  # the fused model's BatchNorm: fold | reset (fusion/batchnorm.py)
     allow_mixed_privacy: bool = False   # fuse differentially private clients with non-private ones
