@@ -34,9 +34,9 @@
   curvature: ``fuse --robust`` leaves out a client whose curvature per claimed example is off the median by more than
   5x (:mod:`posterior_fusion.fusion.robust`), and :func:`robust_label_shift_pool` given ``count_evidence`` scales a
   claim beyond :data:`EVIDENCE_RATIO` × its evidence down to it. On the inputs being predicted (no labels; at
-  least :data:`SCREEN_ROWS`), each pair of clients that share two or more claimed classes is compared there (their
+  least :data:`SCREEN_ROWS`), each pair of clients with two or more classes that make up at least :data:`SCREEN_SUPPORT` of both clients' data is compared there (their
   predictives moved to one label prior, mean total-variation distance: 0 for exact clients whatever their priors),
-  and a client's score is the median over its partners (:func:`disagreement`); a client above both
+  and a client's score is the median over its partners (:func:`disagreement`); a client (among those with a partner) above both
   :data:`SCREEN_FLOOR` and :data:`SCREEN_MADS` median absolute deviations above the median is left out of the pool,
   named in a warning. Measured in ``experiments/pool_robustness/`` (one of five LeNet clients lying ×1,000 about its
   counts, or trained on shifted labels) and on conjugate federations in ``tests/test_pooling.py``.
@@ -69,6 +69,7 @@ EVIDENCE_RATIO = 5.0  # robust: a count claim beyond this x what the client's cu
 SCREEN_MADS = 5.0     # robust: a client this many median absolute deviations above the median disagreement ...
 SCREEN_FLOOR = 0.1    # ... and above this mean total-variation distance is left out
 SCREEN_ROWS = 50      # robust: the screen needs at least this many inputs in the batch
+SCREEN_SUPPORT = 0.01  # robust: a pair is compared on the classes that make up at least this share of both clients' data
 
 
 @dataclass(frozen=True)
@@ -342,8 +343,8 @@ def disagreement(client_probs: torch.Tensor, class_counts: torch.Tensor) -> torc
     mean total-variation distance between its predictive and theirs moved to its label prior, both restricted to
     the shared classes (each input weighted by the smaller of the two predictives' mass there). For clients whose
     predictives are their exact Bayes posteriors every pair agrees whatever their priors; a client trained on wrong
-    labels disagrees with every partner, while one liar is a minority of an honest client's partners. 0 for a client
-    with no partner."""
+    labels disagrees with every partner, while one liar is a minority of an honest client's partners. NaN for a
+    client with no partner (it is not screened)."""
     C = client_probs.shape[0]
     counts = class_counts.double()
     probs = client_probs.double()
@@ -351,7 +352,7 @@ def disagreement(client_probs: torch.Tensor, class_counts: torch.Tensor) -> torc
     pair = torch.full((C, C), math.nan, dtype=torch.float64)
     for c in range(C):
         for k in range(c + 1, C):
-            shared = (counts[c] > 0) & (counts[k] > 0)
+            shared = (prior_c[c] >= SCREEN_SUPPORT) & (prior_c[k] >= SCREEN_SUPPORT)
             if int(shared.sum()) < 2:
                 continue
             own, other = probs[c][:, shared], probs[k][:, shared]
@@ -362,7 +363,7 @@ def disagreement(client_probs: torch.Tensor, class_counts: torch.Tensor) -> torc
             tv = 0.5 * (own - moved).abs().sum(-1)
             pair[c, k] = pair[k, c] = (mass * tv).sum() / mass.sum().clamp_min(1e-300)
     scores = [pair[c][~pair[c].isnan()] for c in range(C)]
-    return torch.stack([row.median() if len(row) else torch.zeros((), dtype=torch.float64) for row in scores])
+    return torch.stack([row.median() if len(row) else torch.tensor(math.nan, dtype=torch.float64) for row in scores])
 
 
 def robust_label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tensor, smoothing: float = 0.5,
@@ -380,8 +381,9 @@ def robust_label_shift_pool(client_probs: torch.Tensor, class_counts: torch.Tens
     keep = list(range(client_probs.shape[0]))
     if client_probs.shape[0] >= 3 and client_probs.shape[1] >= SCREEN_ROWS:
         scores = disagreement(client_probs, counts)
-        median = scores.median()
-        spread = (scores - median).abs().median()
+        screened = scores[~scores.isnan()]
+        median = screened.median() if len(screened) else torch.zeros((), dtype=torch.float64)
+        spread = (screened - median).abs().median() if len(screened) else median
         out = [c for c in keep if scores[c] > max(SCREEN_FLOOR, median + SCREEN_MADS * spread)]
         if out and len(out) < len(keep) / 2:
             warnings.warn(f"label-shift pool (robust): client(s) {', '.join(map(str, out))} predict unlike the "
