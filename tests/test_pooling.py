@@ -119,8 +119,8 @@ def test_random_federations_are_solved_or_say_so(dim, hoarder):
     """20 random Dirichlet(0.1) federations with exact client posteriors (the pooled-prior posterior is the pool's
     fixed point), with and without a one-class client holding almost all of its class and a class nobody saw: at
     the default settings the pool is within 1e-8 of the exact posterior or warns with its residual — never
-    silently off — and at least 18 of the 20 are solved outright (on 200 such federations without the hoarder,
-    194 are)."""
+    silently off — and at least 17 of the 20 are solved outright (on 200 such federations without the hoarder,
+    192 are)."""
     import warnings as warning_module
 
     solved = 0
@@ -134,7 +134,7 @@ def test_random_federations_are_solved_or_say_so(dim, hoarder):
         warned = any("did not settle" in str(w.message) for w in caught)
         assert warned or error < 1e-8, (seed, error)
         solved += error < 1e-8 and not warned
-    assert solved >= 18, solved
+    assert solved >= 17, solved
 
 
 def test_the_target_prior_is_a_setting_recorded_and_used_by_the_artifact(skewed, tmp_path):

@@ -28,7 +28,7 @@ class EnsembleSettings(MethodSettings):
                                bounds=ranges.POOLING_SMOOTHING)
     iterations: int = setting(ITERATIONS, "label-shift: the fixed point's Newton steps at most (each input "
                                           "stops once no step moves a log a_c by 1e-11; a warning where the next "
-                                          "step would still move a probability by 1e-8).", bounds=ranges.POOLING_ITERATIONS)
+                                          "step would still move a probability by 1e-10).", bounds=ranges.POOLING_ITERATIONS)
     robust: bool = setting(False, "label-shift: resist one lying client — a client that predicts unlike its "
                                   "partners on the classes they share left out of each prediction and named (fuse "
                                   "--robust sets it and checks count claims against curvature; docs/methods.md).")
