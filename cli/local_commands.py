@@ -22,7 +22,6 @@ from posterior_fusion.cli.common import (
     say,
 )
 from posterior_fusion.data.silo import read_silo, silo_header
-from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
 from posterior_fusion.local.config import FitConfig, fit_config_from, fit_settings
@@ -150,9 +149,7 @@ def fit_options(fn, only: tuple[str, ...] | None = None):
 def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, components, out, resume, as_json, max_memory,
                   **settings):
     """Train M models on one silo and write their local posteriors to one artifact."""
-    from posterior_fusion.artifact import load_global
-    from posterior_fusion.local.fit import fit_and_write
-    from posterior_fusion.local.init import finetune_start, initial_weights
+    from posterior_fusion.local.fit import Start, fit_local
 
     ctx = click.get_current_context()
     given = [name for name in settings if name.startswith("dp_")
@@ -162,40 +159,24 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                           "privately, or leave the privacy options out (an ordinary fit protects nothing)")
     cfg = fit_config_from(settings)
     resolve_device(cfg.device, "--device")  # before the data is read
+    explicit = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+                for name in ("model", "model_kwargs", "components")}
     if init_path is not None:
-        init_art = load_global(init_path, max_memory)
-        spec, inits = init_art.model_spec, list(init_art.members)
-        explicit = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
-                    for name in ("model", "model_kwargs", "components")}
-        if init_art.method != "init":
-            raise ConfigError(f"{init_path}: is a fused global artifact (method {init_art.method!r}), not an init file "
-                              "from 'pfuse init'")
-        if (explicit["model"] or explicit["model_kwargs"]) and parse_model(model, model_kwargs) != spec:
-            raise ConfigError(f"{init_path}: holds starting points for {spec.to_json()}, but --model asks for "
-                              f"{parse_model(model, model_kwargs).to_json()}")
-        if explicit["components"] and components != len(inits):
-            raise ConfigError(f"{init_path}: holds {len(inits)} starting points, but --components asks for {components}")
+        spec = parse_model(model, model_kwargs) if explicit["model"] or explicit["model_kwargs"] else None
+        start = Start(init_file=init_path)
+        if explicit["components"]:
+            from posterior_fusion.artifact import load_global
+
+            held = len(load_global(init_path, max_memory).members)
+            if components != held:
+                raise ConfigError(f"{init_path}: holds {held} starting points, but --components asks for {components}")
     else:
         head = silo_header(data_path)  # the model takes its input size and class count from the data
         spec = parse_model(model, model_kwargs, max_memory, fit_to=(head.input_shape, head.num_classes, data_path))
         if components < 1:
             raise ConfigError("--components must be >= 1")
-        inits = initial_weights(spec, components, init_seed)
-    data = read_silo(data_path, num_classes=spec.num_classes, max_memory=max_memory)
-    if init_path is not None:
-        check_transform(init_art.metadata.get("input_transform"), data.input_transform, data_path, init_path)
-    init_info = {"file": init_path} if init_path else {"init_seed": init_seed}
-    prior_mean = None
-    if init_path is not None and isinstance(init_art.metadata.get("base"), dict):
-        init_info["base_sha256"] = str(init_art.metadata["base"].get("sha256"))
-        # fine-tuning a base (all of it, or cfg.finetune's part): the prior N(start, λ0⁻¹ I) is centred at it
-        spec, inits, prior_mean = finetune_start(spec, inits[0], cfg.finetune, len(inits),
-                                                 init_file_seed(init_art.metadata, init_path))
-    elif cfg.finetune != "all":
-        raise ConfigError(f"--finetune {cfg.finetune} fine-tunes part of a pretrained base: give --init a file from "
-                          "`pfuse init --from BASE`")
-    meta, comps = fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log_to_stderr,
-                                prior_mean=prior_mean)
+        start = Start(init_seed=init_seed, components=components)
+    meta, comps = fit_local(spec, data_path, start, cfg, out, log=log_to_stderr, resume=resume, max_memory=max_memory)
     if as_json:
         echo_json({"out": out, "n_data": meta["n_data"], "components": [dict(c.training) for c in comps]})
     else:
@@ -254,15 +235,6 @@ def refresh_settings(damping, trust_radius, refresh_dp_epsilon, refresh_dp_delta
     given = {k: v for k, v in (("refresh_dp_epsilon", refresh_dp_epsilon), ("refresh_dp_delta", refresh_dp_delta),
                                ("refresh_dp_clip", refresh_dp_clip)) if v is not None}
     return damping, trust_radius, refresh_privacy_from(given)
-
-
-def init_file_seed(meta, init_path) -> int:
-    """An init file's recorded ``init_seed`` (the server's value), checked with the CLI's range."""
-    seed = meta.get("init_seed", 0) or 0
-    if not ranges.is_int(seed):
-        raise ConfigError(f"{init_path}: metadata init_seed must be an integer, got {str(seed)[:40]!r}")
-    ranges.check(f"{init_path}: metadata init_seed", seed, ranges.SEED)
-    return int(seed)
 
 
 @click.command("recapture")

@@ -57,7 +57,7 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
     ``methods`` None: the default fusion (row ``default``) and the demo's methods that apply to ``structure``."""
     from posterior_fusion.artifact import load_global
     from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse, write_fused
-    from posterior_fusion.local.fit import fit_silo_file
+    from posterior_fusion.local.fit import Start, fit_local
     from posterior_fusion.metrics import evaluate_members
     from posterior_fusion.models import ModelSpec
 
@@ -87,7 +87,7 @@ def run_demo(out_dir: str | os.PathLike, subset: bool = False, clients: int = 5,
     for i, c in enumerate(summary["clients"]):
         log(f"fit-local client {i} (n={c['n']}, M={components}, {structure}, {epochs} epochs)")
         paths.append(out / f"post_{i}.h5")
-        fit_silo_file(spec, c["path"], paths[-1], components, seed, cfg, log=lambda m: log("  " + m))
+        fit_local(spec, c["path"], Start(seed, components), cfg, paths[-1], log=lambda m: log("  " + m))
     test = read_silo(summary["test"])
     rows = []
     for method in methods:

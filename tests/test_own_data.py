@@ -191,7 +191,7 @@ def test_shared_starting_points_are_checked(tmp_path, digits):
                "--out", tmp_path / "i.h5").exit_code == 0
     r = cli("fit-local", "--data", part / "client_0.h5", "--init", tmp_path / "i.h5", "--model", "lenet",
             "--out", tmp_path / "x.h5")
-    assert r.exit_code == 2 and "--model asks for" in r.stderr and r.stderr.count("\n") == 1
+    assert r.exit_code == 2 and "model asked for (--model)" in r.stderr and r.stderr.count("\n") == 1
     r = cli("fit-local", "--data", part / "client_0.h5", "--init", tmp_path / "i.h5", "--components", 7,
             "--out", tmp_path / "x.h5")
     assert r.exit_code == 2 and "holds 2 starting points" in r.stderr

@@ -23,7 +23,7 @@ from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.fusion import FusionOptions, fuse, get_method
 from posterior_fusion.local.audit import membership
 from posterior_fusion.local.config import fit_config_from
-from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.fit import Start, fit_local
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -51,8 +51,8 @@ def run_cell(args, alpha: float, seed: int) -> list[dict]:
             out = work / f"eps{eps:g}_lr{args.lr:g}_b{args.batch_size}{recipe_tag(args.epochs, args.structure, args.max_train)}" / f"post_{c}.h5"
             out.parent.mkdir(parents=True, exist_ok=True)
             if not out.exists():
-                fit_silo_file(spec, work / "data" / f"client_{c}.h5", out, 1, seed,
-                              fit_config_from(dict(settings, train_seed=100 * seed + c)), log=lambda m: None)
+                fit_local(spec, work / "data" / f"client_{c}.h5", Start(seed, 1),
+                          fit_config_from(dict(settings, train_seed=100 * seed + c)), out, log=lambda m: None)
             paths.append(out)
             aucs.append(membership(load_client(out), read_silo(work / "data" / f"client_{c}.h5"), holdout)["auc"])
         guarantee = load_client(paths[0]).metadata.get("dp", {})

@@ -24,7 +24,7 @@ from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.fit import Start, fit_local
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -58,8 +58,8 @@ def main() -> None:
         if path.exists():
             continue
         t0 = time.perf_counter()
-        fit_silo_file(spec, c["path"], path, args.components, args.seed, cfg,
-                             log=lambda m, i=i: print(f"client {i}:", m, flush=True))
+        fit_local(spec, c["path"], Start(args.seed, args.components), cfg, path,
+                  log=lambda m, i=i: print(f"client {i}:", m, flush=True))
         fit_times.append(time.perf_counter() - t0)
     test = read_silo(summary["test"])
     rows = []

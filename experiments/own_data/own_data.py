@@ -24,7 +24,7 @@ from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse
 from posterior_fusion.local.config import FitConfig, TrainConfig
-from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.fit import Start, fit_local
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 
@@ -68,8 +68,8 @@ def main() -> None:
                     for i, c in enumerate(summary["clients"]):
                         paths.append(part / f"{structure}_post_{i}.h5")
                         if not paths[-1].exists():
-                            fit_silo_file(cfg["model"], c["path"], paths[-1], args.components, seed, fit,
-                                                 log=lambda m: None)
+                            fit_local(cfg["model"], c["path"], Start(seed, args.components), fit, paths[-1],
+                                      log=lambda m: None)
                     for method in [*METHODS, POOL]:
                         named, settings = ("ensemble", {"pooling": "label-shift"}) if method == POOL else (method, {})
                         try:

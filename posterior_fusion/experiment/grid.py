@@ -39,7 +39,7 @@ from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_cli
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.local.config import FitConfig, TrainConfig, fit_config_from
-from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.fit import Start, fit_local
 from posterior_fusion.local.fit_checks import library_versions
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.recapture import recapture_to_file
@@ -86,12 +86,12 @@ class FitJob:
             torch.set_num_threads(self.threads)
         spec = ModelSpec.from_json(self.spec_json)
         try:  # an interrupted grid continues its clients' partial fits (same fingerprint only)
-            fit_silo_file(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log,
-                                 resume=partial_path(self.out).exists())
+            fit_local(spec, self.silo, Start(self.init_seed, self.components), self.fit, self.out, log=log,
+                      resume=partial_path(self.out).exists())
         except ResumeError as exc:
             log(f"note: {exc}; starting this client afresh")
             partial_path(self.out).unlink(missing_ok=True)
-            fit_silo_file(spec, self.silo, self.out, self.components, self.init_seed, self.fit, log=log)
+            fit_local(spec, self.silo, Start(self.init_seed, self.components), self.fit, self.out, log=log)
         return self.out
 
 

@@ -1,4 +1,4 @@
-"""The ClientApp: a node fits its own silo (the same :func:`~posterior_fusion.local.fit.fit_silo_file` as
+"""The ClientApp: a node fits its own silo (the same :func:`~posterior_fusion.local.fit.fit_local` as
 ``pfuse fit-local``) and replies with the artifact's bytes; in the refresh round it recaptures its own kept
 artifact at the global (:mod:`posterior_fusion.flower`)."""
 
@@ -25,7 +25,7 @@ from posterior_fusion.flower.base import node_base
 from posterior_fusion.flower.federated_settings import FederatedSettings
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
 from posterior_fusion.local.config import PrivateModelConfig
-from posterior_fusion.local.fit import fit_silo_file
+from posterior_fusion.local.fit import Start, fit_local
 from posterior_fusion.local.refresh import TRUST_RADIUS, check_damping, refresh_to_file
 from posterior_fusion.local.refresh_settings import refresh_privacy_from
 from posterior_fusion.models import ModelSpec
@@ -45,8 +45,9 @@ def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, o
     if settings.base_sha256 and base is None:
         raise ConfigError(f"the run fine-tunes the base {settings.base_sha256[:12]}…: set this node's node config "
                           "'base' to its copy of the base file, or the server's run config 'base' to send it")
-    fit_silo_file(settings.spec(), silo_path, out, settings.components, settings.init_seed, cfg, log=log,
-                  base=base if settings.base_sha256 else None, base_sha256=settings.base_sha256)
+    start = Start(settings.init_seed, settings.components, base=base if settings.base_sha256 else None,
+                  base_sha256=settings.base_sha256)
+    fit_local(settings.spec(), silo_path, start, cfg, out, log=log)
 
 
 def node_private_model(context: Context) -> PrivateModelConfig | None:

@@ -15,12 +15,13 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from posterior_fusion import ranges
 from posterior_fusion.artifact.writer import write_client_artifact
 from posterior_fusion.curvature import BlockDiag, Diag
 from posterior_fusion.data.silo import SiloData, read_silo
@@ -257,25 +258,78 @@ def fit_and_write(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cf
     return meta, comps
 
 
-def fit_silo_file(spec: ModelSpec, silo_path: str | os.PathLike, out: str | os.PathLike, components: int,
-                  init_seed: int, cfg: FitConfig, log=print, resume: bool = False,
-                  base: str | os.PathLike | None = None, base_sha256: str | None = None) -> dict:
-    """Read a silo, fit ``components`` components from the ``init_seed`` starting points, write the
-    artifact to ``out``: what ``pfuse fit-local --init-seed [--resume]`` does. Returns the metadata.
-    ``base``: a pretrained base file instead (``pfuse init --from`` + ``fit-local --init``: every component
-    starts at it, the prior is centred there), refused in one line when ``base_sha256`` is given and differs."""
-    data = read_silo(silo_path, num_classes=spec.num_classes)
-    if base is None and cfg.finetune != "all":
-        raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base, and this fit has none")
-    if base is None:
-        meta, _ = fit_and_write(spec, data, initial_weights(spec, components, init_seed), cfg, out,
-                                {"init_seed": init_seed}, resume=resume, log=log)
-        return meta
-    spec, w, sha = read_base(spec, base)  # with a BatchNorm model's statistics, frozen at the base's
-    if base_sha256 is not None and sha != base_sha256:
-        raise IncompatibleArtifactsError(f"{base}: SHA-256 {sha[:12]}… is not the base {base_sha256[:12]}… this "
-                                         "federation fine-tunes")
-    spec, inits, prior_mean = finetune_start(spec, w, cfg.finetune, components, init_seed)
-    meta, _ = fit_and_write(spec, data, inits, cfg, out, {"base_sha256": sha}, resume=resume, log=log,
-                            prior_mean=prior_mean)
-    return meta
+@dataclass(frozen=True)
+class Start:
+    """Where a silo's components start — exactly one of:
+
+    * ``init_seed`` (with ``components``): M starting points drawn from the seed (``fit-local --init-seed``);
+    * ``init_file``: the starting points of ``pfuse init`` (their count, model and seed are the file's; where the
+      file holds a pretrained base, the components fine-tune it and the prior is centred there);
+    * ``base``: a pretrained base file every component starts at (the prior centred there), refused in one line
+      where ``base_sha256`` is given and differs (the Flower node's own copy of the run's base).
+    """
+
+    init_seed: int = 0
+    components: int = 1
+    init_file: str | os.PathLike | None = None
+    base: str | os.PathLike | None = None
+    base_sha256: str | None = None
+
+
+def init_file_seed(meta: dict, init_path: str | os.PathLike) -> int:
+    """An init file's recorded ``init_seed`` (the server's value), checked with the seed's range."""
+    seed = meta.get("init_seed", 0) or 0
+    if not ranges.is_int(seed):
+        raise ConfigError(f"{init_path}: metadata init_seed must be an integer, got {str(seed)[:40]!r}")
+    ranges.check(f"{init_path}: metadata init_seed", seed, ranges.SEED)
+    return int(seed)
+
+
+def fit_local(spec: ModelSpec | None, silo_path: str | os.PathLike, start: Start, cfg: FitConfig,
+              out: str | os.PathLike, log: Callable[[str], None] = print, resume: bool = False,
+              max_memory: int | str | None = None) -> tuple[dict, list]:
+    """What ``pfuse fit-local`` does, for the CLI, the Flower node and the experiment grid alike: read the silo,
+    start its components where ``start`` says, fit them and write the artifact to ``out``. ``spec``: the model
+    (``None`` with an init file: the file's; a spec that differs from the file's is refused). Returns the
+    artifact's metadata and its components."""
+    from posterior_fusion.artifact.reader import load_global
+    from posterior_fusion.data.transform import check_transform
+
+    if start.init_file is not None:
+        init_art = load_global(start.init_file, max_memory)
+        if init_art.method != "init":
+            raise ConfigError(f"{start.init_file}: is a fused global artifact (method {init_art.method!r}), not an "
+                              "init file from 'pfuse init'")
+        if spec is not None and spec != init_art.model_spec:
+            raise ConfigError(f"{start.init_file}: holds starting points for {init_art.model_spec.to_json()}, but the "
+                              f"model asked for (--model) is {spec.to_json()}")
+        spec, inits = init_art.model_spec, list(init_art.members)
+        data = read_silo(silo_path, num_classes=spec.num_classes, max_memory=max_memory)
+        check_transform(init_art.metadata.get("input_transform"), data.input_transform, str(silo_path),
+                        str(start.init_file))
+        init_info: dict[str, Any] = {"file": str(start.init_file)}
+        prior_mean = None
+        if isinstance(init_art.metadata.get("base"), dict):
+            init_info["base_sha256"] = str(init_art.metadata["base"].get("sha256"))
+            spec, inits, prior_mean = finetune_start(spec, inits[0], cfg.finetune, len(inits),
+                                                     init_file_seed(init_art.metadata, start.init_file))
+        elif cfg.finetune != "all":
+            raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base: give an init file "
+                              "from `pfuse init --from BASE`")
+        return fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log, prior_mean=prior_mean)
+    if spec is None:
+        raise ConfigError("fit_local needs a model spec unless it starts from an init file")
+    data = read_silo(silo_path, num_classes=spec.num_classes, max_memory=max_memory)
+    if start.base is None:
+        if cfg.finetune != "all":
+            raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base: give an init file "
+                              "from `pfuse init --from BASE`")
+        return fit_and_write(spec, data, initial_weights(spec, start.components, start.init_seed), cfg, out,
+                             {"init_seed": start.init_seed}, resume=resume, log=log)
+    spec, w, sha = read_base(spec, start.base)  # with a BatchNorm model's statistics, frozen at the base's
+    if start.base_sha256 is not None and sha != start.base_sha256:
+        raise IncompatibleArtifactsError(f"{start.base}: SHA-256 {sha[:12]}… is not the base {start.base_sha256[:12]}… "
+                                         "this federation fine-tunes")
+    spec, inits, prior_mean = finetune_start(spec, w, cfg.finetune, start.components, start.init_seed)
+    return fit_and_write(spec, data, inits, cfg, out, {"base_sha256": sha}, resume=resume, log=log,
+                         prior_mean=prior_mean)
