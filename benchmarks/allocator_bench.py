@@ -33,7 +33,7 @@ def one(setting: str, threads: int, artifacts: str | None) -> dict:
     from capture_bench import fmnist_train
 
     from posterior_fusion.local.capture import capture
-    from posterior_fusion.local.config import TrainConfig
+    from posterior_fusion.local.fit_config import TrainConfig
     from posterior_fusion.local.train import train_map
     from posterior_fusion.models import ModelSpec
 

@@ -20,7 +20,7 @@ import torch
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, SYSTEM_FMNIST_DIR, load_fmnist
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.fast import last_layer_ggn
-from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.runtime import keep_freed_memory

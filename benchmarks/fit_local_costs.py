@@ -24,7 +24,7 @@ from posterior_fusion.artifact import write_client_artifact
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec

@@ -50,7 +50,7 @@ def device_estimate_mib(paths: list[Path], settings: list[str]) -> float:
     from posterior_fusion.artifact.reader import declared_bytes
     from posterior_fusion.fusion.from_posteriors import method_settings
     from posterior_fusion.fusion.resources import estimate_device_bytes
-    from posterior_fusion.fusion.settings import parse_pairs
+    from posterior_fusion.fusion.settings_parsing import parse_pairs
 
     chosen = method_settings("fedbens", parse_pairs(settings))
     return round(estimate_device_bytes([declared_bytes(p) for p in paths], "fedbens", chosen) / 2**20, 1)

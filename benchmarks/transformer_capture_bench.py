@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models.attention import linear_attention
 from posterior_fusion.models.builtin import resnet20

@@ -1,5 +1,5 @@
 """``pfuse init``, ``fit-local``, ``recapture``, ``refresh`` and ``audit``. The options come from torch-free
-declarations (:mod:`posterior_fusion.choices`, :mod:`posterior_fusion.local.config`); the code that
+declarations (:mod:`posterior_fusion.choices`, :mod:`posterior_fusion.local.fit_config`); the code that
 trains and captures is imported when a command runs, so ``--help`` starts without torch."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from posterior_fusion.cli.common import (
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
-from posterior_fusion.local.config import FitConfig, fit_config_from, fit_settings
+from posterior_fusion.local.fit_config import FitConfig, fit_config_from, fit_settings
 from posterior_fusion.local.refresh_settings import (
     AUTO_DAMPINGS,
     PRIVATE_REFRESH_DAMPING,
@@ -112,7 +112,7 @@ def init(model, model_kwargs, components, init_seed, transform_from, base_path, 
 
 
 def fit_options(fn, only: tuple[str, ...] | None = None):
-    """One click option per fit setting (:func:`~posterior_fusion.local.config.fit_settings`: name,
+    """One click option per fit setting (:func:`~posterior_fusion.local.fit_config.fit_settings`: name,
     default, help and choices declared once on the config records); ``only``: those settings."""
     types = {int: int, float: float, str: str, dict: str}
     for s in reversed([s for s in fit_settings() if only is None or s.name in only]):
@@ -175,6 +175,9 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
         spec = parse_model(model, model_kwargs, max_memory, fit_to=(head.input_shape, head.num_classes, data_path))
         if components < 1:
             raise ConfigError("--components must be >= 1")
+        if cfg.finetune != "all":
+            raise ConfigError(f"--finetune {cfg.finetune} fine-tunes part of a pretrained base: give --init a file from "
+                              "`pfuse init --from BASE`")
         start = Start(init_seed=init_seed, components=components)
     meta, comps = fit_local(spec, data_path, start, cfg, out, log=log_to_stderr, resume=resume, max_memory=max_memory)
     if as_json:
@@ -184,7 +187,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
 
 
 def refresh_privacy_options(fn):
-    """One click option per :class:`~posterior_fusion.local.config.RefreshPrivacy` setting (text, read by the
+    """One click option per :class:`~posterior_fusion.local.fit_config.RefreshPrivacy` setting (text, read by the
     settings converter: ``none`` switches the mechanism off)."""
     for row in reversed(describe(RefreshPrivacy)):
         fn = click.option("--" + row["name"].replace("_", "-"), row["name"], default=None, metavar="NUMBER",

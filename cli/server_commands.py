@@ -36,7 +36,7 @@ from posterior_fusion.fusion.registry import (
     get_method,
     resolve_default,
 )
-from posterior_fusion.fusion.settings import parse_pairs
+from posterior_fusion.fusion.settings_parsing import parse_pairs
 from posterior_fusion.settings import describe
 
 

@@ -14,7 +14,7 @@ from posterior_fusion.data.prepare import import_data, partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion.registry import DEFAULT_METHOD, DEFAULT_SETTINGS, DEMO, METHODS
-from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fit_config import FitConfig, TrainConfig
 
 DEMO_METHODS = DEMO
 DEMO_DATASETS = ("fmnist", "digits")

@@ -52,8 +52,8 @@ def fit_artifact(path, silo: SiloData, structure: str = "kron", model: str = "ml
     """Run fit_components in-process and write the artifact; returns ``(metadata, components)``."""
     from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.layout import ParameterLayout
-    from posterior_fusion.local.config import FitConfig, TrainConfig
     from posterior_fusion.local.fit import fit_components
+    from posterior_fusion.local.fit_config import FitConfig, TrainConfig
     from posterior_fusion.local.init import initial_weights
     from posterior_fusion.models import ModelSpec
 

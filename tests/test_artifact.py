@@ -27,7 +27,7 @@ from posterior_fusion.errors import (
 )
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
-from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.posterior import Component

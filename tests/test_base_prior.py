@@ -22,7 +22,7 @@ from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings
 from posterior_fusion.fusion.methods.hbfl import HBFLSettings
 from posterior_fusion.fusion.methods.swag_product import SwagProductSettings
 from posterior_fusion.fusion.types import check_compatible
-from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.local.refresh import newton_centre, step_ratio
 from posterior_fusion.local.train import train_map
 from posterior_fusion.posterior import SwagMoments

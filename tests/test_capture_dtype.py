@@ -15,7 +15,7 @@ from cli.main import pfuse
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.fast import fast_diag_vector, fast_kron
-from posterior_fusion.local.config import FitConfig
+from posterior_fusion.local.fit_config import FitConfig
 
 
 def _net() -> nn.Module:

@@ -246,7 +246,7 @@ def test_a_half_count_beyond_the_rank_is_refused_in_one_line(tmp_path):
 def test_compress_vectors_is_a_fit_setting():
     """``compress_vectors`` is validated, enters the fingerprint only when it changes what is written."""
     from posterior_fusion.errors import ConfigError
-    from posterior_fusion.local.config import FitConfig
+    from posterior_fusion.local.fit_config import FitConfig
 
     assert "compress_vectors" not in FitConfig(compress=0.05).fingerprint_dict()
     assert "compress_vectors" not in FitConfig(compress_vectors="float16").fingerprint_dict()  # plain: no effect

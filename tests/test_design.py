@@ -24,7 +24,7 @@ from posterior_fusion.fusion import METHODS, FusionMethod, FusionResult, fuse
 from posterior_fusion.fusion.block_stacks import STACKERS
 from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings, GlobalLogPosterior
-from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.posterior import Component
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -448,9 +448,9 @@ def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypa
     from dataclasses import make_dataclass
 
     from posterior_fusion.cli import local_commands
-    from posterior_fusion.experiment.config import ExperimentConfig
+    from posterior_fusion.experiment.grid_config import ExperimentConfig
     from posterior_fusion.flower.federated_settings import FederatedSettings
-    from posterior_fusion.local import config
+    from posterior_fusion.local import fit_config as config
     from posterior_fusion.settings import setting
 
     extended = make_dataclass("TrainConfig", [("label_smoothing", float, setting(0.0, "Label smoothing (a test)."))],
@@ -628,7 +628,7 @@ def test_choosing_page_is_what_its_command_generates():
 def test_a_misspelt_boolean_is_one_clear_error_everywhere(tmp_path, two_clients):
     """``"ture"`` for a boolean setting: one ConfigError naming the setting in a TOML ``[fit]`` table, a
     Flower run config and ``fuse --set`` (never silently False)."""
-    from posterior_fusion.experiment.config import ExperimentConfig
+    from posterior_fusion.experiment.grid_config import ExperimentConfig
     from posterior_fusion.flower.federated_settings import FederatedSettings
 
     (tmp_path / "g.toml").write_text("[fit]\nswag = \"ture\"\n")
@@ -690,3 +690,15 @@ def test_no_library_module_does_several_jobs_in_more_than_400_lines():
     long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / "posterior_fusion").rglob("*.py"))
             if "fusion/methods/" not in p.as_posix() and (n := len(p.read_text().splitlines())) > 400]
     assert not long, long
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says what it does, so no two modules of the package (the CLI's included) share one: a second
+    ``settings.py`` or ``batchnorm.py`` elsewhere says nothing of how the two differ."""
+    seen: dict[str, list[str]] = {}
+    for folder in ("posterior_fusion", "cli"):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            if p.name != "__init__.py":
+                seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, shared

@@ -23,7 +23,7 @@ from posterior_fusion.local.capture.private import (
     per_sample_ggn_diagonal,
     private_diagonal,
 )
-from posterior_fusion.local.config import DPConfig
+from posterior_fusion.local.fit_config import DPConfig
 
 pytest.importorskip("opacus", reason="differential privacy needs the `dp` extra (opacus)")
 
@@ -71,8 +71,8 @@ def test_without_dp_a_fit_is_the_plain_training_and_capture_bit_for_bit(small_si
     """Without ``dp`` no mechanism touches the fit: each component's MAP and curvature equal, bit for bit, plain
     training (``train_map``) and the fast capture run by hand from the same start and seed."""
     from posterior_fusion.local.capture import capture as plain_capture
-    from posterior_fusion.local.config import FitConfig, TrainConfig
     from posterior_fusion.local.fit import fit_components
+    from posterior_fusion.local.fit_config import FitConfig, TrainConfig
     from posterior_fusion.local.init import initial_weights
     from posterior_fusion.local.train import train_map
     from posterior_fusion.models import ModelSpec
@@ -181,7 +181,7 @@ def test_the_training_noise_comes_from_its_own_generator_not_the_recorded_seed()
     """Opacus' gradient noise is drawn from the generator the fit seeds from the system's entropy: the same
     generator state gives the same private model whatever the global seed (the recorded training seed sets it),
     another state another model."""
-    from posterior_fusion.local.config import TrainConfig
+    from posterior_fusion.local.fit_config import TrainConfig
     from posterior_fusion.local.privacy.accounting import plan
     from posterior_fusion.local.privacy.training import private_train
 
@@ -434,7 +434,7 @@ def test_a_privacy_setting_without_dp_is_refused_never_a_plain_fit(tmp_path, sma
     (even at the default value), in a TOML-style flat table and in the Flower settings."""
     from posterior_fusion.errors import ConfigError
     from posterior_fusion.flower.federated_settings import FederatedSettings
-    from posterior_fusion.local.config import fit_config_from
+    from posterior_fusion.local.fit_config import fit_config_from
 
     silo = _silo(tmp_path, small_silo)
     for extra in (["--dp-epsilon", "3"], ["--dp-epsilon", "8"], ["--dp-delta", "1e-5"], ["--dp-clip", "2"]):

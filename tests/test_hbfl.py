@@ -181,7 +181,7 @@ def test_hbfl_kron_paper_mean_reaches_the_dense_optimum(tmp_path, small_silo):
 
 def test_soft_targets_with_full_weight_on_one_hot_labels_equal_plain_training(small_silo):
     """``(1 − β) CE(y) + β CE(one_hot(y))`` is CE(y) for any β: the same trajectory."""
-    from posterior_fusion.local.config import TrainConfig
+    from posterior_fusion.local.fit_config import TrainConfig
     from posterior_fusion.local.train import train_map
     from posterior_fusion.models import ModelSpec
 
@@ -226,8 +226,8 @@ def test_private_model_is_distilled_into_the_shared_model_and_never_stored(tmp_p
     assert art.metadata["hbfl_private"] == {"weight": 0.9, "epochs": 6}
     assert len(art.components) == 1 and art.layout.dim == plain_dim(tmp_path)  # ... nor its weights
     # agreement with the private model's predictions: rebuild it exactly as fit-local did
-    from posterior_fusion.local.config import FitConfig, PrivateModelConfig, TrainConfig
     from posterior_fusion.local.fit_checks import private_teacher
+    from posterior_fusion.local.fit_config import FitConfig, PrivateModelConfig, TrainConfig
     from posterior_fusion.models.functional import batched_logits
 
     data = SiloData(small_silo.x[:200], small_silo.y[:200], "fmnist", 10)

@@ -14,7 +14,7 @@ from posterior_fusion.data.silo import write_silo
 from posterior_fusion.experiment.grid import FitJob
 from posterior_fusion.flower.client_app import fit_to_artifact
 from posterior_fusion.flower.federated_settings import FederatedSettings
-from posterior_fusion.local.config import fit_config_from
+from posterior_fusion.local.fit_config import fit_config_from
 from posterior_fusion.models import ModelSpec
 
 TIMINGS = ("train_seconds", "curvature_seconds")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.config import TrainConfig, fit_config_from
+from posterior_fusion.local.fit_config import TrainConfig, fit_config_from
 from posterior_fusion.local.train import learning_rate_factor, train_map
 from posterior_fusion.models import ModelSpec
 

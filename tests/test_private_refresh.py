@@ -167,8 +167,8 @@ def test_a_private_artifact_is_refreshed_only_privately_its_epsilon_composed(tmp
     """A ``fit-local --dp`` artifact: the exact refresh is refused in one line; the private one is taken (the silo
     cannot be checked by hash: a private fit releases none) and records the fit's ε plus its own."""
     from posterior_fusion.errors import ConfigError
-    from posterior_fusion.local.config import DPConfig, FitConfig, TrainConfig
     from posterior_fusion.local.fit import fit_and_write
+    from posterior_fusion.local.fit_config import DPConfig, FitConfig, TrainConfig
     from posterior_fusion.local.init import initial_weights
     from posterior_fusion.models import ModelSpec
 

@@ -17,7 +17,7 @@ from posterior_fusion.data.silo import SiloData
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.fast import fast_diag, fast_diag_vector, fast_kron
 from posterior_fusion.local.capture.policy import block_policy
-from posterior_fusion.local.config import FitConfig, TrainConfig
+from posterior_fusion.local.fit_config import FitConfig, TrainConfig
 from posterior_fusion.models import non_parameter_state
 from posterior_fusion.models.layers import unsupported_reason
 

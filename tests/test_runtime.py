@@ -13,7 +13,7 @@ SCRIPT = """
 import resource, sys
 import torch
 from posterior_fusion.runtime import keep_freed_memory
-from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 took = keep_freed_memory()
@@ -100,7 +100,7 @@ def test_training_reads_its_sums_once_per_epoch_not_per_step(monkeypatch):
 
     import torch
 
-    from posterior_fusion.local.config import TrainConfig
+    from posterior_fusion.local.fit_config import TrainConfig
     from posterior_fusion.local.train import train_map
     from posterior_fusion.models import ModelSpec
 

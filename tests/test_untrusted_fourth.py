@@ -178,7 +178,7 @@ def test_every_numeric_option_and_setting_declares_its_range():
 
     from posterior_fusion.compat import RENAMED_OPTIONS
     from posterior_fusion.fusion.registry import METHODS
-    from posterior_fusion.local.config import fit_settings
+    from posterior_fusion.local.fit_config import fit_settings
     from posterior_fusion.settings import describe
 
     fit = {s.name: s for s in fit_settings()}
@@ -236,7 +236,7 @@ def test_device_and_method_needs_are_checked_before_any_work(tmp_path, small_sil
 
     from cli.main import main
     from posterior_fusion.errors import ConfigError
-    from posterior_fusion.experiment.config import ExperimentConfig
+    from posterior_fusion.experiment.grid_config import ExperimentConfig
 
     if not torch.cuda.is_available():
         (tmp_path / "e.toml").write_text('name = "x"\ndata = "system"\nalphas = [0.4]\nclients = [2]\nseeds = [0]\n'

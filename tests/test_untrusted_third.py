@@ -27,7 +27,7 @@ from posterior_fusion.artifact.writer import text_attr, write_predictions
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.errors import ConfigError, NonFiniteOutputError, OutputError, PfuseError, shown, terminal_safe
-from posterior_fusion.experiment.config import ExperimentConfig
+from posterior_fusion.experiment.grid_config import ExperimentConfig
 from posterior_fusion.files import atomic_folder, write_atomically
 from posterior_fusion.posterior import Component
 

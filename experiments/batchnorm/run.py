@@ -23,8 +23,8 @@ from posterior_fusion.artifact.reader import load_client
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
-from posterior_fusion.local.config import TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
+from posterior_fusion.local.fit_config import TrainConfig, fit_config_from
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members

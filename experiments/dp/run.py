@@ -22,8 +22,8 @@ from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.fusion import FusionOptions, fuse, get_method
 from posterior_fusion.local.audit import membership
-from posterior_fusion.local.config import fit_config_from
 from posterior_fusion.local.fit import Start, fit_local
+from posterior_fusion.local.fit_config import fit_config_from
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 

@@ -23,8 +23,8 @@ from posterior_fusion.data.prepare import import_data, partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion import METHODS, FusionOptions, applicable_settings, fuse
-from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import Start, fit_local
+from posterior_fusion.local.fit_config import FitConfig, TrainConfig
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 

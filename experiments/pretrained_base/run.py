@@ -37,8 +37,8 @@ from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform
 from posterior_fusion.errors import IncompatibleArtifactsError
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
-from posterior_fusion.local.config import TrainConfig, fit_config_from
 from posterior_fusion.local.fit import fit_and_write
+from posterior_fusion.local.fit_config import TrainConfig, fit_config_from
 from posterior_fusion.local.init import finetune_start, initial_weights, read_base, write_base
 from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.refresh import refresh_to_file

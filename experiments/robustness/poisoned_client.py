@@ -24,8 +24,8 @@ from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.fusion import FusionOptions, fuse
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.config import FitConfig, TrainConfig
 from posterior_fusion.local.fit import fit_components
+from posterior_fusion.local.fit_config import FitConfig, TrainConfig
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec

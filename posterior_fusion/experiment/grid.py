@@ -32,15 +32,15 @@ from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR
 from posterior_fusion.data.prepare import partition_to_files
 from posterior_fusion.data.silo import SiloData, read_silo
 from posterior_fusion.errors import MethodNotApplicableError, ResumeError
-from posterior_fusion.experiment.config import ExperimentConfig
+from posterior_fusion.experiment.grid_config import ExperimentConfig
 from posterior_fusion.experiment.report import write_tables
 from posterior_fusion.files import write_text_atomically
 from posterior_fusion.fusion import FusionOptions, applicable_settings, fuse_clients, get_method, method_settings
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.tuning import tune_fusion
-from posterior_fusion.local.config import FitConfig, TrainConfig, fit_config_from
 from posterior_fusion.local.fit import Start, fit_local
 from posterior_fusion.local.fit_checks import library_versions
+from posterior_fusion.local.fit_config import FitConfig, TrainConfig, fit_config_from
 from posterior_fusion.local.init import initial_weights
 from posterior_fusion.local.recapture import recapture_to_file
 from posterior_fusion.local.resume import partial_path

@@ -7,7 +7,7 @@ import io
 import math
 from pathlib import Path
 
-from posterior_fusion.experiment.config import ExperimentConfig
+from posterior_fusion.experiment.grid_config import ExperimentConfig
 from posterior_fusion.files import write_atomically, write_text_atomically
 from posterior_fusion.fusion.registry import MODES_METHOD
 

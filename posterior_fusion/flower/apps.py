@@ -4,7 +4,7 @@ Run config keys (names as on the CLI):
 - fit settings sent to every node: model, model-kwargs, components, init-seed, structure,
   temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed, and
   base-sha256 (fine-tune a shared base, checked by hash: each node's own copy, node config ``base``, or the
-  server's, run config ``base``, sent once in every train message: :mod:`posterior_fusion.flower.base`);
+  server's, run config ``base``, sent once in every train message: :mod:`posterior_fusion.flower.pretrained_base`);
 - the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
 - the refresh round (``pfuse refresh`` on every node, then fuse again): refresh (bool),
   refresh-damping (``recapture --damping``);

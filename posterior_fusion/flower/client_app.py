@@ -21,11 +21,11 @@ from posterior_fusion.errors import (
     FederationError,
 )
 from posterior_fusion.files import own_private_folder, user_data_folder, write_atomically
-from posterior_fusion.flower.base import node_base
 from posterior_fusion.flower.federated_settings import FederatedSettings
+from posterior_fusion.flower.pretrained_base import node_base
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
-from posterior_fusion.local.config import PrivateModelConfig
 from posterior_fusion.local.fit import Start, fit_local
+from posterior_fusion.local.fit_config import PrivateModelConfig
 from posterior_fusion.local.refresh import TRUST_RADIUS, check_damping, refresh_to_file
 from posterior_fusion.local.refresh_settings import refresh_privacy_from
 from posterior_fusion.models import ModelSpec
@@ -87,7 +87,7 @@ def node_state_dir(context: Context, silo: Path) -> Path:
 
 def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
     """ClientApp train handler: fit the node's silo (from the run's base, when it fine-tunes one: the node's own
-    copy or the one the message carries, :func:`~posterior_fusion.flower.base.node_base`), keep the artifact in the
+    copy or the one the message carries, :func:`~posterior_fusion.flower.pretrained_base.node_base`), keep the artifact in the
     node's state folder (named by its SHA-256, for the refresh round) and reply with its bytes — or, in the secure aggregation's
     round, with the fusion method's statistics only (:func:`~posterior_fusion.flower.secure.secure_fit_reply`)."""
     secure = is_secure_fit(msg)

@@ -11,7 +11,7 @@ from posterior_fusion.compat import RENAMED_RUN_CONFIG_KEYS, rename_keys
 from posterior_fusion.errors import (
     ConfigError,
 )
-from posterior_fusion.local.config import (
+from posterior_fusion.local.fit_config import (
     FitConfig,
     fit_config_from,
     fit_settings,
@@ -23,7 +23,7 @@ BAD_REPLY_POLICIES = ("skip", "fail")
 
 class FederatedSettings:
     """What the server sends to every node: the model, M, the init seed and every fit setting of
-    ``pfuse fit-local`` (:func:`~posterior_fusion.local.config.fit_settings`, declared once: a
+    ``pfuse fit-local`` (:func:`~posterior_fusion.local.fit_config.fit_settings`, declared once: a
     setting added there is a run-config key here too), except the private model, which each node
     chooses in its own node config."""
 

@@ -45,7 +45,7 @@ from flwr.serverapp import Grid
 from posterior_fusion.artifact import load_client, write_global_artifact
 from posterior_fusion.errors import ConfigError, FederationError
 from posterior_fusion.files import check_output
-from posterior_fusion.flower.base import base_to_send
+from posterior_fusion.flower.pretrained_base import base_to_send
 from posterior_fusion.fusion.from_posteriors import method_settings as chosen_settings
 from posterior_fusion.fusion.registry import METHODS, get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext, prior_precision_of

@@ -27,10 +27,10 @@ from posterior_fusion.errors import (
     ResourceLimitError,
 )
 from posterior_fusion.files import check_output, write_atomically
-from posterior_fusion.flower.base import base_to_send
 from posterior_fusion.flower.federated_settings import BAD_REPLY_POLICIES, FederatedSettings
+from posterior_fusion.flower.pretrained_base import base_to_send
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
-from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.local.refresh_settings import REFRESH_DAMPING, check_damping
 
 
@@ -205,7 +205,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     training-free exchange (module docstring) and ``global_refreshed.h5``; its metadata
     ``federation.refresh`` records the nodes, bytes moved and who was left out. ``base``: the server's copy of
     the base the run fine-tunes, checked and sent once in every train message
-    (:func:`~posterior_fusion.flower.base.base_to_send`; a node with its own copy uses that)."""
+    (:func:`~posterior_fusion.flower.pretrained_base.base_to_send`; a node with its own copy uses that)."""
     if on_bad_reply not in BAD_REPLY_POLICIES:
         raise ConfigError(f"on-bad-reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):

@@ -13,13 +13,13 @@ from posterior_fusion.artifact.reader import declared_bytes
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.data.transform import check_transform
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, SchemaError
-from posterior_fusion.fusion.batchnorm import check_batchnorm_statistics, reset_members
+from posterior_fusion.fusion.batchnorm_statistics import check_batchnorm_statistics, reset_members
 from posterior_fusion.fusion.distill import DistillConfig, distill_members
 from posterior_fusion.fusion.from_posteriors import fuse_clients, method_settings
 from posterior_fusion.fusion.registry import get_method, resolve_default
 from posterior_fusion.fusion.resources import estimate_device_bytes, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
-from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.fusion.teaching import TeachingConfig, teach_members
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult

@@ -12,7 +12,7 @@ import torch
 from posterior_fusion import ranges
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits

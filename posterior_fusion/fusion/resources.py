@@ -5,7 +5,7 @@ Each method declares its own part (:class:`~posterior_fusion.fusion.types.Fusion
 from __future__ import annotations
 
 from posterior_fusion.fusion.registry import get_method
-from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.fusion.types import FuseSize
 
 READ_OVERHEAD = 32 * 2**20  # what reading and validating the files costs beyond their tensors (HDF5 buffers, copies)

@@ -17,7 +17,7 @@ from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.from_posteriors import fuse_clients
-from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.fusion.types import FusionOptions
 from posterior_fusion.metrics import evaluate_members
 

@@ -15,7 +15,7 @@ from posterior_fusion.choices import BATCHNORM_STATISTICS
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError, shown
-from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.pooling import AVERAGE, Pooling
 
@@ -28,7 +28,7 @@ class FusionOptions:
     server otherwise); ``component``: the client component unimodal methods use;
     ``sampling_seed``: the server's random draws; ``kernel``/``device``: where and with which
     Kronecker kernel the optimising methods compute; ``batchnorm_statistics``: the fused model's BatchNorm
-    statistics when the clients folded theirs (:mod:`posterior_fusion.fusion.batchnorm`);
+    statistics when the clients folded theirs (:mod:`posterior_fusion.fusion.batchnorm_statistics`);
     ``allow_mixed_privacy``: fuse differentially private clients with non-private ones (refused otherwise: the
     global then carries no guarantee for the non-private clients' data, and the metadata says so).
     """
@@ -40,7 +40,7 @@ class FusionOptions:
     kernel: str | None = None    # "torch" | "triton" | None ($PFUSE_KERNEL, else torch)
     device: str = "cpu"          # "cpu" | "cuda" (torch kernels on either unless `kernel` says triton)
     progress: bool = True
-    batchnorm_statistics: str = "fold"  # the fused model's BatchNorm: fold | reset (fusion/batchnorm.py)
+    batchnorm_statistics: str = "fold"  # the fused model's BatchNorm: fold | reset (fusion/batchnorm_statistics.py)
     allow_mixed_privacy: bool = False   # fuse differentially private clients with non-private ones
 
     def validate(self) -> None:

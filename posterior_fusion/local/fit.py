@@ -37,7 +37,6 @@ from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.laplace import laplace_backends
 from posterior_fusion.local.capture.policy import block_policy, curvature_bytes
-from posterior_fusion.local.config import FitConfig, capture_dtype_problem
 from posterior_fusion.local.fit_checks import (
     check_batchnorm_fit,
     check_component_count,
@@ -48,6 +47,7 @@ from posterior_fusion.local.fit_checks import (
     probe_capture,
     vanishing_blocks,
 )
+from posterior_fusion.local.fit_config import FitConfig, capture_dtype_problem
 from posterior_fusion.local.init import (
     finetune_start,
     init_fingerprint,
@@ -302,7 +302,7 @@ def fit_local(spec: ModelSpec | None, silo_path: str | os.PathLike, start: Start
                               "init file from 'pfuse init'")
         if spec is not None and spec != init_art.model_spec:
             raise ConfigError(f"{start.init_file}: holds starting points for {init_art.model_spec.to_json()}, but the "
-                              f"model asked for (--model) is {spec.to_json()}")
+                              f"model asked for (`model`) is {spec.to_json()}")
         spec, inits = init_art.model_spec, list(init_art.members)
         data = read_silo(silo_path, num_classes=spec.num_classes, max_memory=max_memory)
         check_transform(init_art.metadata.get("input_transform"), data.input_transform, str(silo_path),
@@ -314,16 +314,16 @@ def fit_local(spec: ModelSpec | None, silo_path: str | os.PathLike, start: Start
             spec, inits, prior_mean = finetune_start(spec, inits[0], cfg.finetune, len(inits),
                                                      init_file_seed(init_art.metadata, start.init_file))
         elif cfg.finetune != "all":
-            raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base: give an init file "
-                              "from `pfuse init --from BASE`")
+            raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base: start from an init file "
+                              "that holds a base (pfuse init with a base file)")
         return fit_and_write(spec, data, inits, cfg, out, init_info, resume=resume, log=log, prior_mean=prior_mean)
     if spec is None:
         raise ConfigError("fit_local needs a model spec unless it starts from an init file")
     data = read_silo(silo_path, num_classes=spec.num_classes, max_memory=max_memory)
     if start.base is None:
         if cfg.finetune != "all":
-            raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base: give an init file "
-                              "from `pfuse init --from BASE`")
+            raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base: start from an init file "
+                              "that holds a base (pfuse init with a base file)")
         return fit_and_write(spec, data, initial_weights(spec, start.components, start.init_seed), cfg, out,
                              {"init_seed": start.init_seed}, resume=resume, log=log)
     spec, w, sha = read_base(spec, start.base)  # with a BatchNorm model's statistics, frozen at the base's

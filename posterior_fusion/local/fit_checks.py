@@ -23,7 +23,7 @@ from posterior_fusion.errors import (
 )
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
-from posterior_fusion.local.config import FitConfig
+from posterior_fusion.local.fit_config import FitConfig
 from posterior_fusion.local.train import train_map
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.batchnorm import batch_norms, check_foldable

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.config import PPDConfig
+from posterior_fusion.local.fit_config import PPDConfig
 from posterior_fusion.local.train import prior_centres
 from posterior_fusion.progress import progress
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from posterior_fusion.errors import NonFiniteOutputError
-from posterior_fusion.local.config import TrainConfig
+from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.posterior import SwagMoments
 from posterior_fusion.progress import progress
 

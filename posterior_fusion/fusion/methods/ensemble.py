@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 from posterior_fusion.pooling import ITERATIONS, POOLINGS, Pooling, client_groups
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from posterior_fusion.fusion.settings import MethodSettings
+from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext
 
 

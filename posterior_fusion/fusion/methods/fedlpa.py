@@ -54,7 +54,7 @@ import torch
 
 from posterior_fusion.curvature import Dense, Kron
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
-from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_structures
 
 ESTIMATES = ("newton", "expectation", "authors-gd", "validation")

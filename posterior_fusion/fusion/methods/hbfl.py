@@ -42,7 +42,7 @@ from posterior_fusion.curvature import BlockDiag, Kron
 from posterior_fusion.curvature.base import eigh_psd
 from posterior_fusion.errors import MethodNotApplicableError
 from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
-from posterior_fusion.fusion.settings import setting
+from posterior_fusion.fusion.settings_parsing import setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 MEANS = ("paper", "map")

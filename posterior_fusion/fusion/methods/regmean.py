@@ -23,7 +23,7 @@ import torch
 from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
-from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_structures
 
 PROTOCOLS = ("reference", "kfac")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
-from posterior_fusion.fusion.settings import MethodSettings, setting
+from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
 
 

@@ -21,7 +21,7 @@ from posterior_fusion.errors import CaptureNotApplicableError, ConfigError
 from posterior_fusion.local.capture.fast import FAST_CAPTURE
 from posterior_fusion.local.capture.laplace import LAPLACE_CAPTURE
 from posterior_fusion.local.capture.policy import AUTOCAST_DTYPES
-from posterior_fusion.local.config import capture_dtype_problem
+from posterior_fusion.local.fit_config import capture_dtype_problem
 from posterior_fusion.models.layers import unsupported_reason
 
 __all__ = ["capture", "capture_dtype_problem"]

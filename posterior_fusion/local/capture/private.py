@@ -13,7 +13,7 @@ from posterior_fusion.local.capture.fast import kron_blocks
 from posterior_fusion.local.capture.inputs import reduced_input
 from posterior_fusion.local.capture.outputs import reduced_grad
 from posterior_fusion.local.capture.policy import expanded_under_reduce
-from posterior_fusion.local.config import DPConfig
+from posterior_fusion.local.fit_config import DPConfig
 from posterior_fusion.models.jacobians import batch_pass, no_param_grads
 from posterior_fusion.models.layers import (
     DIAG_LAYERS,

@@ -11,7 +11,7 @@ import torch
 
 from posterior_fusion.artifact.privacy import epsilon_of, rdp
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.config import DPConfig
+from posterior_fusion.local.fit_config import DPConfig
 
 
 @dataclass(frozen=True)

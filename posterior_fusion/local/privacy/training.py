@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from posterior_fusion.errors import ConfigError
-from posterior_fusion.local.config import DPConfig
+from posterior_fusion.local.fit_config import DPConfig
 from posterior_fusion.local.privacy.accounting import DPPass, DPPlan
 from posterior_fusion.local.train import SwagCollector, prior_centres, training_diverged
 from posterior_fusion.posterior import SwagMoments

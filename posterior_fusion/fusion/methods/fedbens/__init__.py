@@ -38,9 +38,9 @@ from posterior_fusion.fusion.methods.fedbens.evidence import (
     evidence_server_prior,
     server_prior_blocks,
 )
+from posterior_fusion.fusion.methods.fedbens.fedbens_settings import FedBEnsSettings, resolve_auto
 from posterior_fusion.fusion.methods.fedbens.merging import MERGE_TOLERANCE, coinciding_rows, merge_coinciding
 from posterior_fusion.fusion.methods.fedbens.objective import GlobalLogPosterior
-from posterior_fusion.fusion.methods.fedbens.settings import FedBEnsSettings, resolve_auto
 from posterior_fusion.fusion.methods.fedbens.solvers import solve_modes
 from posterior_fusion.fusion.methods.fedbens.starts import (
     client_centres,

@@ -13,7 +13,7 @@ import torch
 from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.fusion.em import MixtureProduct, em_modes
-from posterior_fusion.fusion.methods.fedbens.settings import FedBEnsSettings
+from posterior_fusion.fusion.methods.fedbens.fedbens_settings import FedBEnsSettings
 from posterior_fusion.fusion.mode_laplace import EVIDENCE_RANGE, evidence_prior_precision, mode_precisions
 from posterior_fusion.progress import progress
 

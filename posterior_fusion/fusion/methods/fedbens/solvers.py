@@ -10,8 +10,8 @@ import torch
 from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.fusion.em import MixtureProduct, em_modes
 from posterior_fusion.fusion.methods.fedbens.evidence import evidence_server_prior
+from posterior_fusion.fusion.methods.fedbens.fedbens_settings import FedBEnsSettings
 from posterior_fusion.fusion.methods.fedbens.objective import GlobalLogPosterior
-from posterior_fusion.fusion.methods.fedbens.settings import FedBEnsSettings
 from posterior_fusion.fusion.optimise import optimise_modes
 from posterior_fusion.fusion.types import FusionInputs
 

@@ -17,7 +17,7 @@ from posterior_fusion.errors import ConfigError, DataError, ModelSpecError, show
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion import METHODS, method_settings
 from posterior_fusion.fusion.registry import COMPARED
-from posterior_fusion.local.config import STRUCTURES, fit_config_from
+from posterior_fusion.local.fit_config import STRUCTURES, fit_config_from
 from posterior_fusion.runtime import resolve_device
 
 MAX_CONFIG_BYTES = 1_000_000

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.optimise import OptimiserSettings
-from posterior_fusion.fusion.settings import setting
+from posterior_fusion.fusion.settings_parsing import setting
 
 STARTS = ("median", "clients", "median+clients")
 
