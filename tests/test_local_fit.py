@@ -58,7 +58,7 @@ def test_the_cli_the_flower_node_and_the_grid_write_the_same_artifact(tmp_path, 
     spec = ModelSpec("mlp", {"hidden": 16}).fitted_to((28, 28), 10, str(silo))
 
     cli = tmp_path / "cli.h5"
-    r = CliRunner().invoke(pfuse, ["-q", "fit-local", "--data", str(silo), "--model", "mlp", "--model-kwargs",
+    r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(silo), "--model", "mlp", "--model-kwargs",
                                    json.dumps({"hidden": 16}), "--components", "2", "--init-seed", "3",
                                    "--structure", "kron", "--epochs", "1", "--batch-size", "32", "--train-seed", "1",
                                    "--out", str(cli)])
