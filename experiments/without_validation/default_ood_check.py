@@ -3,7 +3,7 @@ the client ensemble's"), on a ``pfuse demo`` folder (its ``g_equal.h5``, the def
 made here when missing — the same file ``mode_weights_check.sh`` writes).
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/without_validation/default_ood_check.py runs/s25/a0.1_s3 \\
-        >> docs/results/without_validation/default_s25/ood.jsonl
+        >> docs/results/without_validation/default/ood.jsonl
 
 The client ensemble (``fuse --method ensemble``) and the default's modes with the ``map`` and ``glm`` predictives
 are each evaluated by ``pfuse evaluate --ood`` on the folder's test split, the OOD set being scikit-learn's digits

@@ -2,8 +2,8 @@
 "candidates to measure side by side — … server-side tempering of the client posteriors"), on ``pfuse demo`` folders.
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/without_validation/retemper_without_validation.py runs/s25/a0.1_s3 \\
-        --json docs/results/without_validation/retemper_s25/a0.1_s3.json
-    .venv/bin/python experiments/without_validation/retemper_without_validation.py --report docs/results/without_validation/retemper_s25/*.json
+        --json docs/results/without_validation/retemper/a0.1_s3.json
+    .venv/bin/python experiments/without_validation/retemper_without_validation.py --report docs/results/without_validation/retemper/*.json
 
 Per folder: the default fusion without validation data (``solver=auto``: EM, prior centre clients, server prior from
 the evidence) with every client re-tempered to T (``fuse --temperature T``; ``None``: the clients' own T), beside the
