@@ -26,7 +26,8 @@ CHILD = """
 import json, sys, time, torch
 from posterior_fusion.curvature import BlockDiag, Dense, Kron
 from posterior_fusion.layout import ParameterLayout
-from posterior_fusion.local.fastcapture import JACOBIAN, _batch_pass, _layers, _no_param_grads, logit_jacobians
+from posterior_fusion.models.jacobians import JACOBIAN, batch_pass, logit_jacobians, no_param_grads
+from posterior_fusion.models.layers import captured_layers
 from posterior_fusion.models import ModelSpec
 from posterior_fusion import predictive as P
 
@@ -51,8 +52,8 @@ def run(xb):
         with torch.no_grad():
             model(xb)
     elif stage == "passes":
-        with _no_param_grads(model):
-            _batch_pass(model, _layers(model), xb, JACOBIAN, None, lambda r, inputs, grads: None)
+        with no_param_grads(model):
+            batch_pass(model, captured_layers(model), xb, JACOBIAN, None, lambda r, inputs, grads: None)
     elif stage == "held":
         for _ in logit_jacobians(model, xb):
             pass

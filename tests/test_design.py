@@ -702,3 +702,30 @@ def test_no_two_modules_share_a_name():
                 seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
     shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not shared, shared
+
+
+def test_studies_and_benchmarks_import_public_names_that_exist():
+    """A study or benchmark reads like a user's script: every name it imports from the package exists (a module
+    renamed under it is found here, not when someone reruns it) and none is private (``_name``)."""
+    import importlib
+
+    problems = []
+    scripts = sorted([*(ROOT / "experiments").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")])
+    for path in scripts:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "posterior_fusion":
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                try:
+                    module = importlib.import_module(node.module)
+                except ImportError as exc:
+                    problems.append(f"{where}: {exc}")
+                    continue
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        problems.append(f"{where}: private name {alias.name}")
+                    elif not hasattr(module, alias.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{alias.name}")
+                        except ImportError:
+                            problems.append(f"{where}: {node.module} has no {alias.name}")
+    assert not problems, problems
