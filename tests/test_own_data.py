@@ -496,3 +496,25 @@ def test_integer_labels_with_a_stray_value_are_refused_not_renumbered(tmp_path):
     assert not (tmp_path / "m.h5").exists()
     (tmp_path / "named.csv").write_text("x,label\n1.0,cat\n2.0,dog\n3.0,cat\n")
     assert cli("import-data", tmp_path / "named.csv", "--out", tmp_path / "n.h5").exit_code == 0
+
+
+def test_integer_token_ids_are_kept_or_the_standardisation_is_named(tmp_path):
+    """Token ids stored as integers (an npz of int64): `--transform auto` would standardise them, and import-data says
+    so in one warning line naming the way out; with `--transform none` they arrive as the ids, exactly, and nothing is
+    said. Integer-valued floats (sklearn's digits: pixel counts) are features, not ids: no warning."""
+    from posterior_fusion.data.silo import read_silo
+
+    ids = np.random.default_rng(0).integers(0, 5000, size=(40, 12)).astype(np.int64)
+    np.savez(tmp_path / "tokens.npz", x=ids, y=np.arange(40) % 3)
+    r = CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "tokens.npz"), "--out", str(tmp_path / "a.h5")])
+    assert r.exit_code == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "token ids" in warned[0] and "--transform none" in warned[0], r.stderr
+    r = CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "tokens.npz"), "--transform", "none",
+                                   "--out", str(tmp_path / "b.h5")])
+    assert r.exit_code == 0 and "warning:" not in r.stderr, r.stderr
+    kept = read_silo(tmp_path / "b.h5")
+    assert np.array_equal(kept.inputs().numpy(), ids.astype(np.float32))
+    np.savez(tmp_path / "counts.npz", x=ids.astype(np.float64), y=np.arange(40) % 3)
+    r = CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "counts.npz"), "--out", str(tmp_path / "c.h5")])
+    assert r.exit_code == 0 and "warning:" not in r.stderr, r.stderr

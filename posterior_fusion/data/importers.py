@@ -12,6 +12,7 @@ import csv
 import math
 import os
 import struct
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -51,6 +52,11 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".we
 
 
 
+class IntegerInputs(UserWarning):
+    """Inputs stored as integers other than uint8 images (token ids, typically), converted to float32 exactly;
+    :func:`~posterior_fusion.data.prepare.import_data` says so where its transform would standardise them."""
+
+
 def _inputs(x, where: str) -> np.ndarray:
     x = np.asarray(x)
     if x.ndim not in (2, 3, 4) or x.shape[0] < 1:
@@ -59,6 +65,8 @@ def _inputs(x, where: str) -> np.ndarray:
         return x
     if x.dtype.kind not in "fiu":
         raise DataError(f"{where}: inputs must be numeric, got {x.dtype}")
+    if x.dtype.kind in "iu":
+        warnings.warn(f"{where}: inputs are {x.dtype} integers", IntegerInputs, stacklevel=2)
     x = x.astype(np.float32)
     if not np.isfinite(x).all():
         raise DataError(f"{where}: inputs contain NaN or Inf")

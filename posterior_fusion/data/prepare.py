@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from posterior_fusion.data.idx import find_fmnist_dir, load_fmnist
-from posterior_fusion.data.importers import load_source, source_class_names
+from posterior_fusion.data.importers import IntegerInputs, load_source, source_class_names
 from posterior_fusion.data.partition import dirichlet_partition, fedbens_reference_partition, label_skew_partition
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform
@@ -42,10 +43,20 @@ def import_data(source: str, out: str | os.PathLike, fmt: str = "auto", transfor
     ``out`` may not be one of the inputs; what is written is what :func:`read_silo` accepts."""
     from_file = transform.split(":", 1)[1] if transform.startswith("from:") else None
     check_output(out, inputs=[source, kwargs.get("labels"), from_file])
-    x, y = load_source(source, fmt, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", IntegerInputs)
+        x, y = load_source(source, fmt, **kwargs)
+    for w in caught:
+        if not issubclass(w.category, IntegerInputs):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    integers = any(issubclass(w.category, IntegerInputs) for w in caught)
     k = num_classes if num_classes is not None else (int(y.max()) + 1 if y is not None and y.size else 0)
     if y is not None and (k < 1 or y.max() >= k):
         raise DataError(f"{source}: labels reach {int(y.max())}, more than `num_classes` {k} allows")
+    if transform == "auto" and integers and x.ndim == 2:
+        warnings.warn(f"{source}: the inputs are stored as integers (token ids?); `transform` auto standardises them "
+                      "feature by feature, so an embedding would see no ids — use `transform` none to keep them as "
+                      "they are", stacklevel=2)
     t = resolve_transform(transform, x, str(source))
     dataset = name or Path(str(source).split(":")[-1]).stem
     names = source_class_names(source, fmt, **kwargs) if y is not None else ()
