@@ -86,8 +86,10 @@ def test_installing_the_wheel_keeps_the_installed_torch(tmp_path):
     _dummy_wheel(index, "torchvision", "99.0", ("torch==99.0", "nvidia-cuda-runtime"))
     _dummy_wheel(index, "laplace-torch", "0.3", ("torch", "torchvision"))
     report = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}  # Ray's PYTHONPATH shows the checkout
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(index),
-                        "--report", str(report), "-q", f"{wheel}[data,plot]"], capture_output=True, text=True, timeout=300)
+                        "--report", str(report), "-q", f"{wheel}[data,plot]"], capture_output=True, text=True, timeout=300,
+                       env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     names = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
     assert "posterior-fusion" in names and not names & {"torch", "torchvision", "nvidia-cuda-runtime", "laplace-torch"}, names
