@@ -77,3 +77,45 @@ def test_the_cli_the_flower_node_and_the_grid_write_the_same_artifact(tmp_path, 
         assert got.keys() == reference.keys(), (other, set(got) ^ set(reference))
         differing = [k for k in reference if got[k] != reference[k]]
         assert not differing, (other.name, differing)
+
+
+def test_a_capture_far_costlier_than_kfac_is_estimated_and_warned_before_training(tmp_path, small_silo, monkeypatch):
+    """Before training, a diag capture is timed on a few inputs beside K-FAC's and scaled to the silo and M: where it
+    would take minutes and many times K-FAC's, fit-local warns in one line with the estimate (the clock is replaced
+    here: tests never time); where it is cheap, nothing is said; K-FAC itself is never timed."""
+    from posterior_fusion.local import fit_checks
+    from posterior_fusion.local.fit_config import FitConfig
+
+    silo = tmp_path / "silo.h5"
+    write_silo(silo, small_silo.subset(np.arange(64)))
+    timed = []
+
+    def clock(per_input: dict):
+        def seconds(model, x, y, structure, cfg):
+            timed.append(structure)
+            return per_input[structure] * len(x)
+        return seconds
+
+    def fit(structure: str) -> str:
+        r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(silo), "--model", "mlp", "--model-kwargs",
+                                       json.dumps({"hidden": 8}), "-M", "2", "--epochs", "1", "--structure", structure,
+                                       "--out", str(tmp_path / f"{structure}.h5")])
+        assert r.exit_code == 0, r.output
+        return r.stderr
+
+    monkeypatch.setattr(fit_checks, "capture_seconds", clock({"diag": 2.0, "kron": 0.01}))
+    warned = [line for line in fit("diag").splitlines() if line.startswith("warning: the diag capture")]
+    assert len(warned) == 1 and "about 4 min for 2 component(s) of 64 inputs, 200x what K-FAC takes" in warned[0], warned
+    assert "--structure kron" in warned[0] and timed == ["diag", "kron"]
+    timed.clear()
+    monkeypatch.setattr(fit_checks, "capture_seconds", clock({"diag": 0.001, "kron": 0.0001}))
+    assert "warning: the diag capture" not in fit("diag")
+    timed.clear()
+    assert "warning:" not in fit("kron") and timed == []
+    # the real clock runs too, on the real capture (its value is not asserted)
+    monkeypatch.undo()
+    from posterior_fusion.models import ModelSpec as Spec
+
+    model = Spec("mlp", {"hidden": 8, "in_features": 784}).build()
+    x, y = small_silo.subset(np.arange(16)).tensors()
+    assert fit_checks.capture_seconds(model, x, y, "diag", FitConfig(structure="diag")) > 0

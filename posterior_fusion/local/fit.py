@@ -38,6 +38,7 @@ from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.laplace import laplace_backends
 from posterior_fusion.local.capture.policy import block_policy, curvature_bytes
 from posterior_fusion.local.fit_checks import (
+    capture_cost_warning,
     check_batchnorm_fit,
     check_component_count,
     fit_metadata,
@@ -136,6 +137,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         bare = prior_only(probe, cfg.structure, cfg.dp is not None) if fast else ""
         if bare:
             warnings.warn(f"no curvature, the prior alone, for {bare}", stacklevel=2)
+        costly = capture_cost_warning(probe, x, y, cfg, len(data), len(inits)) if fast else None
+        if costly:
+            warnings.warn(costly, stacklevel=2)
     per_component = 4 * layout.dim + curvature_bytes(probe, cfg.structure)
     log(f"fit-local: n = {len(data)}, M = {len(inits)}, {layout.dim:,} parameters, structure {cfg.structure}"
         + (f" ({cfg.kfac})" if cfg.structure == "kron" else "") + f", ggn {cfg.ggn}, device {device.type}; "

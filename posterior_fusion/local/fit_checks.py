@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import warnings
 from dataclasses import asdict, replace
 from importlib.metadata import PackageNotFoundError, version
@@ -151,6 +152,40 @@ def probe_capture(spec: ModelSpec, model: torch.nn.Module, x: torch.Tensor, y: t
         raise ModelSpecError(f"model {spec.name!r}: the {cfg.structure} capture ({cfg.capture}) fails on it: {why}; "
                              "nothing was trained "
                              "(docs/methods.md, layer policy: use layers it supports, or another structure)") from None
+
+
+COST_PROBE = 16          # inputs the capture-cost estimate times each structure on
+COST_WARN_SECONDS = 120  # an estimated capture above this many seconds in all ...
+COST_WARN_RATIO = 5.0    # ... and this many times K-FAC's warns before training
+
+
+def capture_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, structure: str, cfg: FitConfig) -> float:
+    """Wall seconds of the capture of ``structure`` on the inputs ``x`` ``(b, …)`` (one timed run)."""
+    start = time.perf_counter()
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):  # the fit's random stream is left as it was
+        warnings.simplefilter("ignore")
+        capture(structure, model, x, y, len(x), cfg.ggn, cfg.capture, torch.Generator().manual_seed(0), lambda m: None,
+                cfg.kfac, cfg.capture_dtype)
+    return time.perf_counter() - start
+
+
+def capture_cost_warning(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: FitConfig, n: int,
+                         components: int) -> str | None:
+    """Before training, for the diag and diag+full structures: the capture timed on :data:`COST_PROBE` inputs
+    beside K-FAC's on the same inputs and scaled to ``n`` inputs × ``components``; the warning's text where it
+    exceeds :data:`COST_WARN_SECONDS` and :data:`COST_WARN_RATIO` × K-FAC's, else None."""
+    if cfg.structure == "kron" or len(x) < 2:
+        return None
+    xb, yb = x[:COST_PROBE], y[:COST_PROBE]
+    own = capture_seconds(model, xb, yb, cfg.structure, cfg)
+    kron = capture_seconds(model, xb, yb, "kron", cfg)
+    total = own / len(xb) * n * components
+    ratio = own / max(kron, 1e-9)
+    if total <= COST_WARN_SECONDS or ratio <= COST_WARN_RATIO:
+        return None
+    return (f"the {cfg.structure} capture will take about {total / 60:.0f} min for {components} component(s) of {n} "
+            f"inputs, {ratio:.0f}x what K-FAC takes on this model (timed on {len(xb)} inputs before training; "
+            "`structure` kron is the cheaper capture)")
 
 
 def check_batchnorm_fit(spec: ModelSpec, probe: torch.nn.Module, cfg: FitConfig) -> None:
