@@ -518,3 +518,19 @@ def test_integer_token_ids_are_kept_or_the_standardisation_is_named(tmp_path):
     np.savez(tmp_path / "counts.npz", x=ids.astype(np.float64), y=np.arange(40) % 3)
     r = CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "counts.npz"), "--out", str(tmp_path / "c.h5")])
     assert r.exit_code == 0 and "warning:" not in r.stderr, r.stderr
+
+
+def test_class_names_come_from_an_npz_and_from_scikit_learn(tmp_path):
+    """An npz's ``class_names`` member and a scikit-learn set's ``target_names`` name the classes of the file
+    import-data writes (as a CSV's names and an image folder's sub-folders do); a malformed member names nothing."""
+    from posterior_fusion.data.silo import read_silo
+
+    x = np.random.default_rng(0).normal(size=(30, 4)).astype(np.float32)
+    np.savez(tmp_path / "named.npz", x=x, y=np.arange(30) % 3, class_names=np.array(["ant", "bee", "cat"]))
+    assert CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "named.npz"), "--out", str(tmp_path / "a.h5")]).exit_code == 0
+    assert read_silo(tmp_path / "a.h5").class_names == ("ant", "bee", "cat")
+    np.savez(tmp_path / "bad.npz", x=x, y=np.arange(30) % 3, class_names=np.zeros((3, 2)))
+    assert CliRunner().invoke(pfuse, ["import-data", str(tmp_path / "bad.npz"), "--out", str(tmp_path / "b.h5")]).exit_code == 0
+    assert read_silo(tmp_path / "b.h5").class_names == ()
+    assert CliRunner().invoke(pfuse, ["import-data", "sklearn:wine", "--out", str(tmp_path / "w.h5")]).exit_code == 0
+    assert read_silo(tmp_path / "w.h5").class_names == ("class_0", "class_1", "class_2")
