@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from posterior_fusion.data.class_names import source_class_names
 from posterior_fusion.data.idx import find_fmnist_dir, load_fmnist
-from posterior_fusion.data.importers import IntegerInputs, load_source, source_class_names
+from posterior_fusion.data.importers import IntegerInputs, load_source
 from posterior_fusion.data.partition import dirichlet_partition, fedbens_reference_partition, label_skew_partition
 from posterior_fusion.data.silo import SiloData, read_silo, write_silo
 from posterior_fusion.data.transform import InputTransform

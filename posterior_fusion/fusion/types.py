@@ -14,47 +14,43 @@ from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.choices import BATCHNORM_STATISTICS
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.silo import SiloData
-from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError, shown
+from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError
 from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.pooling import AVERAGE, Pooling
+from posterior_fusion.settings import check_declared, setting
+
+KERNELS = ("torch", "triton")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class FusionOptions:
-    """Settings shared by every method (each method's own are in its settings record).
+    """Settings shared by every method (each method's own are in its settings record), declared with
+    :func:`~posterior_fusion.settings.setting` like every other setting: one default and one line of help each."""
 
-    ``temperature`` / ``prior_var`` ``None``: each client's own T / σ0² (re-tempering on the
-    server otherwise); ``component``: the client component unimodal methods use;
-    ``sampling_seed``: the server's random draws; ``kernel``/``device``: where and with which
-    Kronecker kernel the optimising methods compute; ``batchnorm_statistics``: the fused model's BatchNorm
-    statistics when the clients folded theirs (:mod:`posterior_fusion.fusion.batchnorm_statistics`);
-    ``allow_mixed_privacy``: fuse differentially private clients with non-private ones (refused otherwise: the
-    global then carries no guarantee for the non-private clients' data, and the metadata says so).
-    """
-
-    temperature: float | None = None
-    prior_var: float | None = None
-    component: int = 0
-    sampling_seed: int = 0
-    kernel: str | None = None    # "torch" | "triton" | None ($PFUSE_KERNEL, else torch)
-    device: str = "cpu"          # "cpu" | "cuda" (torch kernels on either unless `kernel` says triton)
-    progress: bool = True
-    batchnorm_statistics: str = "fold"  # the fused model's BatchNorm: fold | reset (fusion/batchnorm_statistics.py)
-    allow_mixed_privacy: bool = False   # fuse differentially private clients with non-private ones
+    temperature: float | None = setting(None, "Re-temper every client: T on the server (None: each client's own T).",
+                                        bounds=ranges.TEMPERATURE)
+    prior_var: float | None = setting(None, "Re-set every client's prior variance σ0² (None: each client's own).",
+                                      bounds=ranges.PRIOR_VAR)
+    component: int = setting(0, "The client component the unimodal methods use.", bounds=(0, ranges.COMPONENTS[1] - 1))
+    sampling_seed: int = setting(0, "Seed of the server's random draws.", bounds=ranges.SEED)
+    kernel: str | None = setting(None, "Kronecker kernel of the optimising methods: torch or triton (None: "
+                                       "$PFUSE_KERNEL, else torch).", choices=KERNELS)
+    device: str = setting("cpu", "Where the optimising methods compute: cpu or cuda (torch kernels on either unless "
+                                 "`kernel` says triton).", choices=DEVICES)
+    progress: bool = setting(True, "Show progress lines.")
+    batchnorm_statistics: str = setting("fold", "The fused model's BatchNorm statistics where the clients folded "
+                                                "theirs: fold (as fused) or reset (estimated again on server inputs; "
+                                                "fusion/batchnorm_statistics.py).", choices=BATCHNORM_STATISTICS)
+    allow_mixed_privacy: bool = setting(False, "Fuse differentially private clients with non-private ones (the "
+                                               "global then carries no guarantee for the non-private clients' data, "
+                                               "and its metadata says so).")
 
     def validate(self) -> None:
-        if self.batchnorm_statistics not in BATCHNORM_STATISTICS:
-            raise ConfigError(f"`batchnorm_statistics` must be one of {', '.join(BATCHNORM_STATISTICS)}, got "
-                              f"{shown(self.batchnorm_statistics, 40)}")
-        if self.temperature is not None:
-            ranges.check("temperature", self.temperature, ranges.TEMPERATURE)
-        if self.prior_var is not None:
-            ranges.check("prior_var", self.prior_var, ranges.PRIOR_VAR)
-        if self.component < 0:
-            raise ConfigError("`component` must be >= 0")
-        if self.device not in ("cpu", "cuda") or (self.device == "cuda" and not torch.cuda.is_available()):
-            raise ConfigError(f"`device` {self.device!r} is not available here (cpu, or cuda with a GPU)")
+        check_declared(self)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("`device` cuda is not available here (no GPU)")
 
 
 def prior_precision_of(prior_var: float) -> float:
