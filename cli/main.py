@@ -79,8 +79,11 @@ def pfuse(quiet: bool) -> None:
     """
     keep_freed_memory()
     warnings.showwarning = one_line_warning
-    if quiet:
+    if quiet:  # for this invocation only: a process that calls pfuse in process keeps its own setting afterwards
+        before = os.environ.get("PFUSE_PROGRESS")
         os.environ["PFUSE_PROGRESS"] = "0"
+        click.get_current_context().call_on_close(
+            lambda: os.environ.pop("PFUSE_PROGRESS", None) if before is None else os.environ.update(PFUSE_PROGRESS=before))
 
 
 def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

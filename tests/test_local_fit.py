@@ -119,3 +119,16 @@ def test_a_capture_far_costlier_than_kfac_is_estimated_and_warned_before_trainin
     model = Spec("mlp", {"hidden": 8, "in_features": 784}).build()
     x, y = small_silo.subset(np.arange(16)).tensors()
     assert fit_checks.capture_seconds(model, x, y, "diag", FitConfig(structure="diag")) > 0
+
+
+def test_quiet_lasts_one_invocation(tmp_path, small_silo, monkeypatch):
+    """``pfuse -q`` silences the progress of that command only: a later in-process invocation shows its lines."""
+    monkeypatch.delenv("PFUSE_PROGRESS", raising=False)
+    silo = tmp_path / "silo.h5"
+    write_silo(silo, small_silo.subset(np.arange(64)))
+    args = ["fit-local", "--data", str(silo), "--model", "mlp", "--model-kwargs", json.dumps({"hidden": 8}), "-M", "1",
+            "--epochs", "1", "--structure", "diag"]
+    quiet = CliRunner().invoke(pfuse, ["-q", *args, "--out", str(tmp_path / "a.h5")])
+    assert quiet.exit_code == 0 and "fit-local: n = 64" not in quiet.stderr
+    loud = CliRunner().invoke(pfuse, [*args, "--out", str(tmp_path / "b.h5")])
+    assert loud.exit_code == 0 and "fit-local: n = 64" in loud.stderr, loud.stderr
