@@ -91,14 +91,16 @@ def convert(value: Any, tp: Any, name: str, where: str = "") -> Any:
         raise ConfigError(f"{label} must be {type_name(tp)}, got {str(value)[:40]!r}") from None
 
 
-def check_declared(record: Any, where: str = "", prefix: str = "") -> None:
+def check_declared(record: Any, where: str = "", prefix: str = "", dashed: bool = False) -> None:
     """Refuse (one :class:`ConfigError` line) a field of ``record`` outside its declared ``bounds``
     or ``choices``; ``prefix``: what the record's settings are called by outside it (``ppd_`` for
-    FedPPD's), so the message names the setting (and the CLI its flag) as the user wrote it."""
+    FedPPD's), so the message names the setting (and the CLI its flag) as the user wrote it; ``dashed``: the
+    names as a Flower run config spells them (``min-nodes``)."""
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
         bounds, choices = f.metadata.get("bounds"), f.metadata.get("choices")
         name = prefix + f.name
+        name = name.replace("_", "-") if dashed else name
         if value is None or isinstance(value, bool):
             continue
         if bounds is not None and not isinstance(value, str):

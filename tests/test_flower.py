@@ -500,3 +500,20 @@ def test_server_sent_settings_are_checked_with_the_cli_ranges(field, value):
 
     with pytest.raises(ConfigError, match=field.replace("_", "-")):
         FederatedSettings.from_json(json.dumps({"model": "mlp", field: value}))
+
+
+def test_the_round_keys_are_declared_once_and_read_typed():
+    """The server's round keys come from one declaration (``flower/round_settings.py``): a key left out takes its
+    declared default, a value is converted to its declared type, and one out of its range or choices, or of the
+    wrong type, is refused in one line naming the key."""
+    from posterior_fusion.flower.round_settings import RoundSettings
+    from posterior_fusion.settings import describe
+
+    declared = {row["name"]: row["default"] for row in describe(RoundSettings)}
+    assert RoundSettings.from_run_config({}) == RoundSettings(**declared)
+    r = RoundSettings.from_run_config({"min-nodes": "3", "round-timeout": 5, "refresh": "true", "base": ""})
+    assert (r.min_nodes, r.round_timeout, r.refresh, r.base) == (3, 5.0, True, None)
+    for cfg, key in (({"min-nodes": 0}, "min-nodes"), ({"on-bad-reply": "retry"}, "on-bad-reply"),
+                     ({"min-nodes": 1.5}, "min-nodes"), ({"refresh": "maybe"}, "refresh")):
+        with pytest.raises(ConfigError, match=key):
+            RoundSettings.from_run_config(cfg)

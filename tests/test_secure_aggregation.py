@@ -82,9 +82,11 @@ def test_a_node_refuses_statistics_out_of_range_and_the_server_refuses_what_sums
         check_secure_round("fedavg", "diag", "a" * 64, None)
     check_secure_round("fisher-merge", "kron", None, None)  # the diagonal of any curvature
     from posterior_fusion.flower.apps import check_secure_run_config
+    from posterior_fusion.flower.round_settings import RoundSettings
 
-    with pytest.raises(ConfigError, match="`refresh`"):
-        check_secure_run_config({"refresh": True}, robust=False)
+    for key in ("refresh", "robust"):
+        with pytest.raises(ConfigError, match=f"`{key}`"):
+            check_secure_run_config(RoundSettings.from_run_config({key: True}))
     with pytest.raises(ConfigError, match="secure-aggregation-reconstruction-threshold"):
         SecureAggregation.from_run_config({"secure-aggregation-reconstruction-threshold": 0.2})
 

@@ -5,7 +5,8 @@ Run config keys (names as on the CLI):
   temperature, prior-var, epochs, batch-size, lr, momentum, swag, swag-rank, ggn, train-seed, and
   base-sha256 (fine-tune a shared base, checked by hash: each node's own copy, node config ``base``, or the
   server's, run config ``base``, sent once in every train message: :mod:`posterior_fusion.flower.pretrained_base`);
-- the round: silo-dir, out-dir, val, on-bad-reply, min-nodes, round-timeout, max-memory;
+- the round (declared in :mod:`posterior_fusion.flower.round_settings`): out-dir, val, on-bad-reply, min-nodes,
+  round-timeout, max-memory, and silo-dir (read by the nodes);
 - the refresh round (``pfuse refresh`` on every node, then fuse again): refresh (bool),
   refresh-damping (``recapture --damping``);
 - secure aggregation (Flower's SecAgg+: the server gets sums over the nodes only; fedavg, fisher-merge, product
@@ -28,21 +29,21 @@ from flwr.serverapp import Grid, ServerApp
 from posterior_fusion.errors import ConfigError, PfuseError
 from posterior_fusion.flower.client_app import make_client_app
 from posterior_fusion.flower.federated_settings import FederatedSettings
+from posterior_fusion.flower.round_settings import SECURE_MIN_NODES, RoundSettings
 from posterior_fusion.flower.secure import SecureAggregation, run_secure_round
 from posterior_fusion.flower.server_app import run_round
 from posterior_fusion.fusion import FusionOptions, applicable_settings
 from posterior_fusion.fusion.registry import resolve_default
-from posterior_fusion.local.refresh_settings import REFRESH_DAMPING
 
 clientapp = make_client_app()
 serverapp = ServerApp()
 
 
-def check_secure_run_config(cfg: dict[str, Any], robust: bool) -> None:
+def check_secure_run_config(round_settings: RoundSettings) -> None:
     """What a secure round cannot do, refused before any message: the refresh round, screening and server data
     (each reads one client's artifact)."""
-    for key, wanted in (("refresh", bool(cfg.get("refresh", False))), ("robust", robust), ("val", bool(cfg.get("val"))),
-                        ("batchnorm-statistics", str(cfg.get("batchnorm-statistics", "fold")) != "fold")):
+    for key, wanted in (("refresh", round_settings.refresh), ("robust", round_settings.robust),
+                        ("val", bool(round_settings.val)), ("batchnorm-statistics", round_settings.batchnorm_statistics != "fold")):
         if wanted:
             raise ConfigError(f"run config `{key}` needs each client's artifact on the server; secure aggregation "
                               "gives it only sums over the clients: unset one of them")
@@ -50,16 +51,16 @@ def check_secure_run_config(cfg: dict[str, Any], robust: bool) -> None:
 
 def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dict[str, Any], bool]:
     """(method, shared options, the method's settings, robust) from a flat Flower run config."""
+    r = RoundSettings.from_run_config(cfg)
     settings = {k[len("set."):]: v for k, v in cfg.items() if k.startswith("set.")}
-    options = FusionOptions(temperature=cfg.get("fuse-temperature"), prior_var=cfg.get("fuse-prior-var"), progress=False,
-                            batchnorm_statistics=str(cfg.get("batchnorm-statistics", "fold")),
-                            allow_mixed_privacy=bool(cfg.get("allow-mixed-privacy", False)))
-    method, settings = resolve_default(str(cfg["method"]) if "method" in cfg else None, settings)
+    options = FusionOptions(temperature=r.fuse_temperature, prior_var=r.fuse_prior_var, progress=False,
+                            batchnorm_statistics=r.batchnorm_statistics, allow_mixed_privacy=r.allow_mixed_privacy)
+    method, settings = resolve_default(r.method, settings)
     kept = applicable_settings(method, settings)  # the table may hold another method's settings, as a grid's does
     if set(settings) - set(kept):
         print(f"run config: {', '.join('set.' + k for k in sorted(set(settings) - set(kept)))} "
               f"{'is not a setting' if len(settings) - len(kept) == 1 else 'are not settings'} of {method}: not used")
-    return method, options, kept, bool(cfg.get("robust", False))
+    return method, options, kept, r.robust
 
 
 @serverapp.main()
@@ -76,18 +77,15 @@ def main(grid: Grid, context: Context) -> None:
 def serve(grid: Grid, context: Context) -> None:
     """Fit every node's silo, fuse the replies (or their secure sums) and write the global (run config above)."""
     cfg = dict(context.run_config)
+    r = RoundSettings.from_run_config(cfg)
     method, options, settings, robust = fusion_from_run_config(cfg)
-    if cfg.get("secure-aggregation", False):
-        check_secure_run_config(cfg, robust)
-        run_secure_round(grid, context, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
-                         method, options, settings, SecureAggregation.from_run_config(cfg),
-                         min_nodes=int(cfg.get("min-nodes", 2)), round_timeout=float(cfg.get("round-timeout", 0.0)),
-                         base=str(cfg["base"]) if cfg.get("base") else None)
+    if r.secure_aggregation:
+        check_secure_run_config(r)
+        run_secure_round(grid, context, FederatedSettings.from_run_config(cfg), r.out_dir, method, options, settings,
+                         SecureAggregation.from_run_config(cfg), min_nodes=max(r.min_nodes, SECURE_MIN_NODES),
+                         round_timeout=r.round_timeout, base=r.base)
         return
-    run_round(grid, FederatedSettings.from_run_config(cfg), str(cfg.get("out-dir", "flower-run")),
-              method=method, options=options, val_path=str(cfg["val"]) if cfg.get("val") else None,
-              on_bad_reply=str(cfg.get("on-bad-reply", "skip")), min_nodes=int(cfg.get("min-nodes", 1)),
-              method_settings=settings, max_memory=cfg.get("max-memory"), robust=robust,
-              round_timeout=cfg.get("round-timeout", 0.0), refresh=bool(cfg.get("refresh", False)),
-              refresh_damping=cfg.get("refresh-damping", REFRESH_DAMPING),
-              base=str(cfg["base"]) if cfg.get("base") else None)
+    run_round(grid, FederatedSettings.from_run_config(cfg), r.out_dir, method=method, options=options, val_path=r.val,
+              on_bad_reply=r.on_bad_reply, min_nodes=r.min_nodes, method_settings=settings, max_memory=r.max_memory,
+              robust=robust, round_timeout=r.round_timeout, refresh=r.refresh, refresh_damping=r.refresh_damping,
+              base=r.base)

@@ -1,0 +1,64 @@
+"""The server's run-config keys for one Flower round (``flwr run`` with ``examples/flower/``), declared once with
+:func:`~posterior_fusion.settings.setting`: every key's default, help, bounds and choices live here, and
+:meth:`RoundSettings.from_run_config` reads them by their names as the run config spells them (``min-nodes`` for
+``min_nodes``). The fit settings the server sends to every node are :class:`~posterior_fusion.flower.federated_settings.FederatedSettings`';
+a method's own are ``set.<name>``."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from posterior_fusion import ranges
+from posterior_fusion.choices import BATCHNORM_STATISTICS
+from posterior_fusion.local.refresh_settings import REFRESH_DAMPING
+from posterior_fusion.settings import check_declared, convert, setting
+
+ON_BAD_REPLY = ("skip", "fail")
+SECURE_MIN_NODES = 2  # a secure round sums at least this many replies, whatever min-nodes says (one reply's sum is itself)
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """One round's server settings (run config keys: the field names with ``-`` for ``_``)."""
+
+    out_dir: str = setting("flower-run", "Where the server writes the clients' artifacts and the global.")
+    val: str | None = setting(None, "The server's validation data file (fuse --val).")
+    on_bad_reply: str = setting("skip", "A reply that is no valid artifact: skip it (named in the log) or fail the "
+                                        "round.", choices=ON_BAD_REPLY)
+    min_nodes: int = setting(1, f"Fuse once at least this many replies arrived (a secure round needs at least "
+                                f"{SECURE_MIN_NODES} whatever this says).", bounds=(1, 100000))
+    round_timeout: float = setting(0.0, "Seconds to wait for the replies (0: Flower's default).", bounds=(0.0, 1e7))
+    max_memory: str | None = setting(None, "Refuse work estimated above this size, e.g. 8G (fuse --max-memory).")
+    refresh: bool = setting(False, "Run the refresh round after the first fusion (pfuse refresh on every node).")
+    refresh_damping: str = setting(str(REFRESH_DAMPING), "The refresh round's damping (refresh --damping): a number, "
+                                                         "or auto.")
+    secure_aggregation: bool = setting(False, "Flower's SecAgg+: the server gets sums over the nodes only (fedavg, "
+                                              "fisher-merge, the diagonal product).")
+    base: str | None = setting(None, "The server's copy of the pretrained base the run fine-tunes (sent once in "
+                                     "every train message).")
+    method: str | None = setting(None, "The fusion method (None: fuse's default).")
+    robust: bool = setting(False, "Screen out outlying clients (fuse --robust).")
+    fuse_temperature: float | None = setting(None, "Re-temper every client on the server (fuse --temperature).",
+                                             bounds=ranges.TEMPERATURE)
+    fuse_prior_var: float | None = setting(None, "Re-set every client's prior variance (fuse --prior-var).",
+                                           bounds=ranges.PRIOR_VAR)
+    allow_mixed_privacy: bool = setting(False, "Fuse differentially private clients with non-private ones.")
+    batchnorm_statistics: str = setting("fold", "The fused model's BatchNorm statistics: fold, or reset (estimated "
+                                                "on val's inputs).", choices=BATCHNORM_STATISTICS)
+
+    @classmethod
+    def from_run_config(cls, cfg: dict[str, Any]) -> RoundSettings:
+        """The round's settings from a flat run config (other keys — fit settings, ``set.*`` — are left to their
+        readers); each value converted to its declared type and checked, one :class:`ConfigError` line otherwise."""
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in dataclasses.fields(cls):
+            key = f.name.replace("_", "-")
+            if key in cfg:
+                values[f.name] = convert(cfg[key], hints[f.name], key, "run config")
+        out = cls(**values)
+        check_declared(out, "run config", dashed=True)
+        return out
