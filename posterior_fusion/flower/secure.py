@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from posterior_fusion.fusion.registry import METHODS, get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext, prior_precision_of
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.init import finetune_start
+from posterior_fusion.settings import check_declared, convert, setting
 
 
 def secure_methods() -> str:
@@ -70,17 +72,16 @@ class SecureAggregation:
     (SecAgg+ weights by ``n_c / max_weight``); ``reconstruction_threshold``: the fraction of nodes whose shares
     rebuild a dropped node's mask (more: more private, less tolerant of dropouts)."""
 
-    clipping_range: float = 8.0
-    max_weight: int = 100_000
-    reconstruction_threshold: float = 0.67
+    clipping_range: float = setting(8.0, "Every value a node sends lies in [-r, r] (a node outside refuses).",
+                                    bounds=(1e-12, 1e12))
+    max_weight: int = setting(100_000, "The largest silo's sample count (SecAgg+ weights by n_c / max_weight).",
+                              bounds=(1, 10**12))
+    reconstruction_threshold: float = setting(0.67, "The fraction of nodes whose shares rebuild a dropped node's mask "
+                                                    "(more: more private, less tolerant of dropouts).",
+                                              bounds=(0.5, 1.0))
 
     def validate(self) -> None:
-        for name, value in (("clipping_range", self.clipping_range), ("max_weight", self.max_weight)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"`secure-aggregation-{name.replace('_', '-')}` must be a positive number, got {value!r}")
-        t = self.reconstruction_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.5 <= t <= 1:
-            raise ConfigError(f"`secure-aggregation-reconstruction-threshold` must be a fraction in [0.5, 1], got {t!r}")
+        check_declared(self, "run config", prefix="secure_aggregation_", dashed=True)
 
     def quantization_range(self, nodes: int) -> int:
         """Levels per value: the largest power of two with ``nodes`` quantised values summing below SecAgg+'s
@@ -89,8 +90,15 @@ class SecureAggregation:
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> SecureAggregation:
-        keys = {f"secure-aggregation-{name.replace('_', '-')}": name for name in cls.__dataclass_fields__}
-        out = cls(**{name: cfg[key] for key, name in keys.items() if key in cfg})
+        """The settings from the run config's ``secure-aggregation-*`` keys, converted to their declared types and
+        checked (one :class:`ConfigError` line naming the key)."""
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for name in cls.__dataclass_fields__:
+            key = f"secure-aggregation-{name.replace('_', '-')}"
+            if key in cfg:
+                values[name] = convert(cfg[key], hints[name], key, "run config")
+        out = cls(**values)
         out.validate()
         return out
 
