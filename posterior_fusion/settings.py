@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from posterior_fusion import ranges
@@ -121,4 +122,20 @@ def describe(cls: type) -> list[dict[str, Any]]:
         out.append({"name": f.name, "type": type_name(hints[f.name]), "default": default,
                     "help": f.metadata["help"], "bounds": f.metadata.get("bounds"),
                     "choices": f.metadata.get("choices")})
+    return out
+
+
+def from_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "") -> Any:
+    """A settings record ``cls`` from a flat Flower run config whose keys spell its fields with ``-`` for ``_``
+    after ``prefix`` (``secure-aggregation-`` + ``max-weight``): each present key converted to its declared type,
+    the rest at their defaults, then bounds and choices checked (one :class:`ConfigError` line naming the key).
+    Other keys are left to their own readers."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name.replace("_", "-")
+        if key in cfg:
+            values[f.name] = convert(cfg[key], hints[f.name], key, "run config")
+    out = cls(**values)
+    check_declared(out, "run config", prefix=prefix.replace("-", "_"), dashed=True)
     return out

@@ -6,15 +6,14 @@ a method's own are ``set.<name>``."""
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass
 from typing import Any
 
 from posterior_fusion import ranges
 from posterior_fusion.choices import BATCHNORM_STATISTICS
 from posterior_fusion.local.refresh_settings import REFRESH_DAMPING
-from posterior_fusion.settings import check_declared, convert, setting
+from posterior_fusion.settings import from_run_config as settings_from_run_config
+from posterior_fusion.settings import setting
 
 ON_BAD_REPLY = ("skip", "fail")
 SECURE_MIN_NODES = 2  # a secure round sums at least this many replies, whatever min-nodes says (one reply's sum is itself)
@@ -53,12 +52,4 @@ class RoundSettings:
     def from_run_config(cls, cfg: dict[str, Any]) -> RoundSettings:
         """The round's settings from a flat run config (other keys — fit settings, ``set.*`` — are left to their
         readers); each value converted to its declared type and checked, one :class:`ConfigError` line otherwise."""
-        hints = typing.get_type_hints(cls)
-        values = {}
-        for f in dataclasses.fields(cls):
-            key = f.name.replace("_", "-")
-            if key in cfg:
-                values[f.name] = convert(cfg[key], hints[f.name], key, "run config")
-        out = cls(**values)
-        check_declared(out, "run config", dashed=True)
-        return out
+        return settings_from_run_config(cls, cfg)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,7 +51,8 @@ from posterior_fusion.fusion.registry import METHODS, get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext, prior_precision_of
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.init import finetune_start
-from posterior_fusion.settings import check_declared, convert, setting
+from posterior_fusion.settings import check_declared, setting
+from posterior_fusion.settings import from_run_config as settings_from_run_config
 
 
 def secure_methods() -> str:
@@ -92,15 +92,7 @@ class SecureAggregation:
     def from_run_config(cls, cfg: dict[str, Any]) -> SecureAggregation:
         """The settings from the run config's ``secure-aggregation-*`` keys, converted to their declared types and
         checked (one :class:`ConfigError` line naming the key)."""
-        hints = typing.get_type_hints(cls)
-        values = {}
-        for name in cls.__dataclass_fields__:
-            key = f"secure-aggregation-{name.replace('_', '-')}"
-            if key in cfg:
-                values[name] = convert(cfg[key], hints[name], key, "run config")
-        out = cls(**values)
-        out.validate()
-        return out
+        return settings_from_run_config(cls, cfg, "secure-aggregation-")
 
 
 def check_secure_round(method: str, structure: str, base_sha256: str | None, base: str | Path | None) -> None:
