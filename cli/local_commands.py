@@ -163,13 +163,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
                 for name in ("model", "model_kwargs", "components")}
     if init_path is not None:
         spec = parse_model(model, model_kwargs) if explicit["model"] or explicit["model_kwargs"] else None
-        start = Start(init_file=init_path)
-        if explicit["components"]:
-            from posterior_fusion.artifact import load_global
-
-            held = len(load_global(init_path, max_memory).members)
-            if components != held:
-                raise ConfigError(f"{init_path}: holds {held} starting points, but --components asks for {components}")
+        start = Start(init_file=init_path, components=components if explicit["components"] else None)
     else:
         head = silo_header(data_path)  # the model takes its input size and class count from the data
         spec = parse_model(model, model_kwargs, max_memory, fit_to=(head.input_shape, head.num_classes, data_path))

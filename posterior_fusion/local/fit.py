@@ -274,7 +274,7 @@ class Start:
     """
 
     init_seed: int = 0
-    components: int = 1
+    components: int | None = None  # None: one from a seed or base; an init file's own count (checked where given)
     init_file: str | os.PathLike | None = None
     base: str | os.PathLike | None = None
     base_sha256: str | None = None
@@ -308,6 +308,9 @@ def fit_local(spec: ModelSpec | None, silo_path: str | os.PathLike, start: Start
             raise ConfigError(f"{start.init_file}: holds starting points for {init_art.model_spec.to_json()}, but the "
                               f"model asked for (`model`) is {spec.to_json()}")
         spec, inits = init_art.model_spec, list(init_art.members)
+        if start.components is not None and start.components != len(inits):
+            raise ConfigError(f"{start.init_file}: holds {len(inits)} starting points, but `components` asks for "
+                              f"{start.components}")
         data = read_silo(silo_path, num_classes=spec.num_classes, max_memory=max_memory)
         check_transform(init_art.metadata.get("input_transform"), data.input_transform, str(silo_path),
                         str(start.init_file))
@@ -328,12 +331,12 @@ def fit_local(spec: ModelSpec | None, silo_path: str | os.PathLike, start: Start
         if cfg.finetune != "all":
             raise ConfigError(f"`finetune` {cfg.finetune} fine-tunes part of a pretrained base: start from an init file "
                               "that holds a base (pfuse init with a base file)")
-        return fit_and_write(spec, data, initial_weights(spec, start.components, start.init_seed), cfg, out,
+        return fit_and_write(spec, data, initial_weights(spec, start.components or 1, start.init_seed), cfg, out,
                              {"init_seed": start.init_seed}, resume=resume, log=log)
     spec, w, sha = read_base(spec, start.base)  # with a BatchNorm model's statistics, frozen at the base's
     if start.base_sha256 is not None and sha != start.base_sha256:
         raise IncompatibleArtifactsError(f"{start.base}: SHA-256 {sha[:12]}… is not the base {start.base_sha256[:12]}… "
                                          "this federation fine-tunes")
-    spec, inits, prior_mean = finetune_start(spec, w, cfg.finetune, start.components, start.init_seed)
+    spec, inits, prior_mean = finetune_start(spec, w, cfg.finetune, start.components or 1, start.init_seed)
     return fit_and_write(spec, data, inits, cfg, out, {"base_sha256": sha}, resume=resume, log=log,
                          prior_mean=prior_mean)
