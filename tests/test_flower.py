@@ -27,6 +27,12 @@ from posterior_fusion.flower import (  # noqa: E402
     fit_to_artifact,
     make_server_app,
 )
+from posterior_fusion.flower.transfer import message_content, received_file  # noqa: E402
+
+
+def artifact_of(reply: Message) -> bytes:
+    """The artifact file a node's reply carries (its length and SHA-256 checked)."""
+    return received_file(reply.content, reply.content["artifact"], "artifact")
 
 
 @pytest.fixture
@@ -65,7 +71,7 @@ def test_collect_replies_policies(tmp_path, kron_artifact):
 def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_train, monkeypatch):
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.app import Message
     from flwr.clientapp import ClientApp
     from flwr.simulation import run_simulation
 
@@ -79,11 +85,10 @@ def test_simulation_equals_file_path_and_skips_corrupt_reply(tmp_path, fmnist_tr
     def train_corrupting_node_3(msg, context):
         reply = client_train(msg, context, silo_dir=silos)
         rec = reply.content["artifact"]
-        if int(rec["partition-id"]) == 3:
-            blob = bytearray(rec["artifact"])
+        if int(rec["partition-id"]) == 3:  # a node that sends a broken artifact, announced as such
+            blob = bytearray(artifact_of(reply))
             blob[len(blob) // 2 :] = b"\0" * (len(blob) - len(blob) // 2)
-            rec = ConfigRecord({**dict(rec), "artifact": bytes(blob)})
-            return Message(RecordDict({"artifact": rec}), reply_to=msg)
+            return Message(message_content("artifact", {"partition-id": 3}, {"artifact": bytes(blob)}), reply_to=msg)
         return reply
 
     client = ClientApp()
@@ -154,7 +159,7 @@ def test_the_refresh_handler_recaptures_only_its_own_artifact_within_its_trust_r
     small = FederatedSettings(model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1)
     train = Message(RecordDict({"config": ConfigRecord({"settings": small.to_json()})}), dst_node_id=1,
                     message_type="train")
-    blob = client_train(train, ctx).content["artifact"]["artifact"]
+    blob = artifact_of(client_train(train, ctx))
     sha = hashlib.sha256(blob).hexdigest()
     assert (tmp_path / "st" / f"{sha}.h5").read_bytes() == blob
     own = posterior_fusion.load(tmp_path / "st" / f"{sha}.h5")
@@ -165,10 +170,10 @@ def test_the_refresh_handler_recaptures_only_its_own_artifact_within_its_trust_r
     for members, ok in (((near,), True), ((near, far), False)):
         g = tmp_path / "g.h5"
         write_global_artifact(g, own.model_spec, own.layout, {"method": "fedavg"}, list(members))
-        msg = Message(RecordDict({"refresh": ConfigRecord({"global": g.read_bytes(), "artifact-sha256": sha,
-                                                           "damping": 1.0})}), dst_node_id=1, message_type="query")
+        msg = Message(message_content("refresh", {"own-sha256": sha, "damping": 1.0}, {"global": g.read_bytes()}),
+                      dst_node_id=1, message_type="query")
         if ok:
-            (tmp_path / "r.h5").write_bytes(client_refresh(msg, ctx).content["artifact"]["artifact"])
+            (tmp_path / "r.h5").write_bytes(artifact_of(client_refresh(msg, ctx)))
             assert posterior_fusion.load(tmp_path / "r.h5").metadata["refreshed_at"]["members"] == 1
         else:
             with pytest.raises(IncompatibleArtifactsError, match="member 1 lies at .* beyond the trust radius"):
@@ -339,14 +344,14 @@ def test_a_run_that_fine_tunes_a_base_uses_the_node_s_copy_checked_by_hash(tmp_p
         config = {"silo": str(silo), "state-dir": str(tmp_path / "st")} | ({"base": str(base)} if base else {})
         return Context(run_id=1, node_id=1, node_config=config, state=RecordDict(), run_config={})
 
-    blob = client_train(train, node(bases[0][0])).content["artifact"]["artifact"]
+    blob = artifact_of(client_train(train, node(bases[0][0])))
     (tmp_path / "c.h5").write_bytes(blob)
     art = posterior_fusion.load(tmp_path / "c.h5")
     assert art.metadata["init"]["base_sha256"] == bases[0][2] and torch.equal(art.prior_mean, bases[0][1])
     head = FederatedSettings(model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1,
                              base_sha256=bases[0][2], finetune="head")  # a fit setting: it travels as every other
-    blob_head = client_train(Message(RecordDict({"config": ConfigRecord({"settings": head.to_json()})}), dst_node_id=1,
-                                     message_type="train"), node(bases[0][0])).content["artifact"]["artifact"]
+    blob_head = artifact_of(client_train(Message(RecordDict({"config": ConfigRecord({"settings": head.to_json()})}), dst_node_id=1,
+                                     message_type="train"), node(bases[0][0])))
     (tmp_path / "h.h5").write_bytes(blob_head)
     assert posterior_fusion.load(tmp_path / "h.h5").layout.names == ["3.weight", "3.bias"]
     with pytest.raises(ConfigError, match="node config 'base'"):
@@ -354,9 +359,9 @@ def test_a_run_that_fine_tunes_a_base_uses_the_node_s_copy_checked_by_hash(tmp_p
     with pytest.raises(IncompatibleArtifactsError, match="is not the base"):
         client_train(train, node(bases[1][0]))
     logs = []
-    scratch = client_train(Message(RecordDict({"config": ConfigRecord({"settings": FederatedSettings(
+    scratch = artifact_of(client_train(Message(RecordDict({"config": ConfigRecord({"settings": FederatedSettings(
         model="mlp", model_kwargs={"hidden": 4}, components=1, structure="diag", epochs=1).to_json()})}),
-        dst_node_id=1, message_type="train"), node(None)).content["artifact"]["artifact"]
+        dst_node_id=1, message_type="train"), node(None)))
     paths = collect_replies([Reply(0, blob), Reply(1, scratch)], tmp_path / "srv", "skip", logs.append,
                             base_sha256=bases[0][2])
     assert [p.name for p in paths] == ["client_0.h5"]
@@ -368,7 +373,7 @@ def test_the_server_sends_its_copy_of_the_base_once_and_a_node_checks_it_by_hash
     message and sends its bytes in every train message; a node without a copy trains from them — the artifact the
     one a node with its own copy writes — and keeps them in its state folder; bytes with another
     SHA-256 are refused in one line; a node that names its own copy uses it, whatever the server sent."""
-    from flwr.app import ConfigRecord, Context
+    from flwr.app import Context
     from safetensors.torch import save_file
 
     from posterior_fusion.errors import FederationError
@@ -397,15 +402,16 @@ def test_the_server_sends_its_copy_of_the_base_once_and_a_node_checks_it_by_hash
     assert grid.pushed == []
     with pytest.raises(FederationError, match="no valid client artifact"):
         run_round(grid, run, tmp_path / "out", base=bases[0][0], round_timeout=0.01, log=lambda m: None)
-    sent = grid.pushed[0].content["config"]["base"]
+    pushed = grid.pushed[0].content
+    sent = received_file(pushed, pushed["config"], "base")
     assert sent == bases[0][0].read_bytes()
 
     def train(blob, node_config):
-        fields = {"settings": run.to_json()} | ({"base": blob} if blob is not None else {})
-        msg = Message(RecordDict({"config": ConfigRecord(fields)}), dst_node_id=1, message_type="train")
+        content = message_content("config", {"settings": run.to_json()}, {"base": blob} if blob is not None else {})
+        msg = Message(content, dst_node_id=1, message_type="train")
         ctx = Context(run_id=1, node_id=1, node_config={"silo": str(silo)} | node_config, state=RecordDict(),
                       run_config={})
-        return client_train(msg, ctx).content["artifact"]["artifact"]
+        return artifact_of(client_train(msg, ctx))
 
     def same_fit(a: bytes, b: bytes) -> bool:
         (tmp_path / "a.h5").write_bytes(a)

@@ -277,30 +277,55 @@ def test_data_that_does_not_fit_the_model_is_one_line(tmp_path, kron_artifact, s
 
 
 class FakeMessage:
-    def __init__(self, node, record=None, error=None):
+    def __init__(self, node, content=None, error=None):
+        from flwr.app import RecordDict
+
         self.metadata = type("Meta", (), {"src_node_id": node})()
-        self.content = {"artifact": record} if record is not None else {}
+        self.content = content if content is not None else RecordDict({})
         self.error = type("Err", (), {"reason": error})() if error else None
 
     def has_error(self):
         return self.error is not None
 
 
-def test_flower_replies_are_typed_and_named_by_the_server(tmp_path, kron_artifact):
+def test_flower_replies_are_typed_checked_and_named_by_the_server(tmp_path, kron_artifact):
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from posterior_fusion.flower.transfer import file_fields, message_content
+
     good = kron_artifact.read_bytes()
-    msgs = [FakeMessage(11, {"artifact": good, "partition-id": 0}),
-            FakeMessage(12, {"artifact": good, "partition-id": 0}),          # colliding id: still its own file
-            FakeMessage(13, {"artifact": "not bytes", "partition-id": "x"}),
-            FakeMessage(14, {"artifact": good, "partition-id": 1e300}),
+
+    def reply(fields: dict, files: dict | None = None, array=None) -> RecordDict:
+        content = message_content("artifact", fields, {"artifact": good} if files is None else files)
+        if array is not None:  # the file's bytes replaced by another array, its announced SHA-256 and length kept
+            content.array_records["files"] = ArrayRecord({"artifact": Array(array)})
+        return content
+
+    changed = bytearray(good)
+    changed[len(good) // 2] ^= 1
+    msgs = [FakeMessage(11, reply({"partition-id": 0})),
+            FakeMessage(12, reply({"partition-id": 0})),          # colliding id: still its own file
+            FakeMessage(13, reply({"partition-id": "x"}, array=np.frombuffer(good, np.uint8).astype(np.float32))),
+            FakeMessage(14, reply({"partition-id": 1e300})),
             FakeMessage(15, None),
-            FakeMessage(16, error="boom")]
+            FakeMessage(16, error="boom"),
+            FakeMessage(17, reply({}, array=np.frombuffer(bytes(changed), np.uint8))),  # a chunk changed
+            FakeMessage(18, RecordDict({"artifact": ConfigRecord(file_fields("artifact", good))})),  # bytes lost
+            FakeMessage(19, reply({}, files={}))]
     replies = [reply_from_message(k, m) for k, m in enumerate(msgs)]
     assert [r.reported_partition_id for r in replies[:4]] == [0, 0, None, None]
     logs = []
     paths = collect_replies(replies, tmp_path / "out", "skip", logs.append)
     assert [p.name for p in paths] == ["client_0.h5", "client_1.h5", "client_3.h5"]
-    assert any("client 2: reply rejected (field 'artifact' must be bytes" in m for m in logs)
+    assert (tmp_path / "out" / "client_0.h5").read_bytes() == good
+    assert any("client 2: reply rejected (file 'artifact' must be" in m and "as a uint8 array" in m for m in logs)
     assert any("client 4: reply rejected (reply has no valid 'artifact' record" in m for m in logs)
+    assert any("client 6: reply rejected (file 'artifact' is not the bytes its SHA-256 names" in m for m in logs)
+    assert any("client 7: reply rejected (file 'artifact' is announced" in m and "missing" in m for m in logs)
+    assert any("client 8: reply rejected (reply carries no file 'artifact')" in m for m in logs)
+    small = reply_from_message(0, msgs[0], max_memory=3 * len(good) - 3)
+    assert small.blob is None and "more than the" in small.error
     with pytest.raises(FederationError, match="distinct"):
         collect_replies([Reply(0, good), Reply(0, good)], tmp_path / "dup", "skip", logs.append)
     # second names after the reported partition: only an id claimed by exactly one accepted node

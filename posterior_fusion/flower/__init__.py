@@ -1,11 +1,12 @@
 """Flower integration (optional extra ``posterior-fusion[flower]``): :mod:`.client_app`, :mod:`.server_app`,
-:mod:`.federated_settings` (what the server sends), :mod:`.secure` (SecAgg+ rounds), :mod:`.base` (a shared base), and
-:mod:`.apps` (the module-level apps ``flwr run`` names).
+:mod:`.federated_settings` (what the server sends), :mod:`.round_settings` (the server's run-config keys),
+:mod:`.transfer` (files of any size in messages), :mod:`.secure` (SecAgg+ rounds), :mod:`.pretrained_base` (a shared
+base), and :mod:`.apps` (the module-level apps ``flwr run`` names).
 
 One-round federated fit-local + fuse on Flower (``pip install posterior-fusion[flower]``).
 
-The ClientApp's train handler runs the same :func:`~posterior_fusion.local.fit.fit_components`
-as ``pfuse fit-local`` on the node's silo and replies with the artifact's bytes. The
+The ClientApp's train handler runs the same :func:`~posterior_fusion.local.fit.fit_local`
+as ``pfuse fit-local`` on the node's silo and replies with the artifact, a file in chunks (:mod:`.transfer`). The
 ServerApp sends the shared settings to every node, validates each reply with the same
 reader as files (a bad or missing reply is logged and left out, or stops the run, per
 ``on_bad_reply``), runs :func:`~posterior_fusion.fusion.fuse` and saves the global
@@ -16,7 +17,7 @@ training-free ``query`` message with the global artifact and the SHA-256 of the 
 artifact; the node recaptures *its own copy* of that artifact — kept on its disk since the first
 round (node config ``state-dir``, default a per-silo folder of the user's own, mode 0700, under ``~/.local/share``) —
 never one the server sends, so model, structure, T and λ0 are the node's; the global is checked
-against it first (:func:`~posterior_fusion.local.recapture.check_refresh_global`: the same model, at
+against it first (:func:`~posterior_fusion.local.refresh.check_refresh_global`: the same model, at
 most ``-M``'s cap of members, each within the node's trust radius — node config
 ``refresh-trust-radius``, the server cannot set it). It runs ``pfuse refresh`` on its silo
 (``refresh_damping``) — private by the node's own settings (node config ``refresh-dp-epsilon``,

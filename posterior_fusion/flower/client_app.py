@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from posterior_fusion import ranges
@@ -24,6 +24,7 @@ from posterior_fusion.files import own_private_folder, user_data_folder, write_a
 from posterior_fusion.flower.federated_settings import FederatedSettings
 from posterior_fusion.flower.pretrained_base import node_base
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
+from posterior_fusion.flower.transfer import FILES, TransferError, message_content, received_file
 from posterior_fusion.local.fit import Start, fit_local
 from posterior_fusion.local.fit_config import PrivateModelConfig
 from posterior_fusion.local.refresh import TRUST_RADIUS, check_damping, refresh_to_file
@@ -95,7 +96,11 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
     settings = FederatedSettings.from_json(str(config["settings"]))
     silo = node_silo(context, silo_dir)
     state = node_state_dir(context, silo)
-    base = node_base(dict(context.node_config), settings.base_sha256, config.get("base"), state)
+    try:  # the plain round sends the base as a file; SecAgg+'s legacy round as bytes in its config
+        sent = config.get("base") if secure else received_file(msg.content, config, "base")
+    except TransferError as exc:
+        raise FederationError(f"the train message: {exc}") from None
+    base = node_base(dict(context.node_config), settings.base_sha256, sent, state)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
         fit_to_artifact(settings, silo, out, private=node_private_model(context), base=base)
@@ -110,24 +115,35 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
     write_atomically(own, write_private)
     if secure:  # only the method's statistics leave, masked by SecAgg+ (flower/secure.py)
         return secure_fit_reply(msg, own)
-    reply = {"artifact": blob, "silo": str(silo)}
+    return artifact_reply(msg, context, silo, blob)
+
+
+def artifact_reply(msg: Message, context: Context, silo: Path, blob: bytes) -> Message:
+    """The reply carrying an artifact: its bytes as the file ``artifact`` (:mod:`~posterior_fusion.flower.transfer`:
+    chunked by Flower, whatever its size), the silo's path and the node's partition id in the ``artifact`` record."""
+    reply: dict = {"silo": str(silo)}
     if "partition-id" in context.node_config:
         reply["partition-id"] = int(context.node_config["partition-id"])
-    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
+    return Message(message_content("artifact", reply, {"artifact": blob}), reply_to=msg)
 
 
 def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike | None = None) -> Message:
     """ClientApp query handler, the refresh round: recapture the node's own artifact at the global
     artifact's members on its silo, reply with the refreshed artifact's bytes (as ``train`` does)."""
     rec = msg.content["refresh"]
-    if "artifact" in rec:
-        raise FederationError("a refresh message may name the node's own artifact by 'artifact-sha256', never send "
+    sent = set(msg.content.array_records[FILES].keys()) if FILES in msg.content.array_records else set()
+    if "artifact" in rec or sent - {"global"}:
+        raise FederationError("a refresh message may name the node's own artifact by 'own-sha256', never send "
                               "one: the node recaptures only its own copy")
-    own, at, damping = rec.get("artifact-sha256"), rec.get("global"), rec.get("damping")
+    own, damping = rec.get("own-sha256"), rec.get("damping")
     if not isinstance(own, str) or len(own) != 64 or any(ch not in "0123456789abcdef" for ch in own):
-        raise FederationError("a refresh message needs 'artifact-sha256', the SHA-256 of the node's own artifact")
-    if not isinstance(at, bytes):
-        raise FederationError("a refresh message needs the bytes of 'global'")
+        raise FederationError("a refresh message needs 'own-sha256', the SHA-256 of the node's own artifact")
+    try:
+        at = received_file(msg.content, rec, "global")
+    except TransferError as exc:
+        raise FederationError(f"the refresh message: {exc}") from None
+    if at is None:
+        raise FederationError("a refresh message needs the file 'global', the global artifact")
     if damping != "auto" and (isinstance(damping, bool) or not isinstance(damping, (int, float))):
         raise FederationError(f"a refresh message's 'damping' must be 'auto' or a number, got {type(damping).__name__}")
     damping = check_damping(damping, "the refresh message's damping")
@@ -151,10 +167,7 @@ def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike |
         refresh_to_file(first, silo, glob, out, damping=damping, log=lambda m: None,
                           trust_radius=float(radius), privacy=privacy)
         blob = out.read_bytes()
-    reply = {"artifact": blob, "silo": str(silo)}
-    if "partition-id" in context.node_config:
-        reply["partition-id"] = int(context.node_config["partition-id"])
-    return Message(RecordDict({"artifact": ConfigRecord(reply)}), reply_to=msg)
+    return artifact_reply(msg, context, silo, blob)
 
 
 def make_client_app(silo_dir: str | os.PathLike | None = None) -> ClientApp:

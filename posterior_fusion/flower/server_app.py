@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from posterior_fusion import budget
@@ -29,6 +29,7 @@ from posterior_fusion.errors import (
 from posterior_fusion.files import check_output, write_atomically
 from posterior_fusion.flower.federated_settings import BAD_REPLY_POLICIES, FederatedSettings
 from posterior_fusion.flower.pretrained_base import base_to_send
+from posterior_fusion.flower.transfer import TransferError, message_content, received_file
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.local.refresh_settings import REFRESH_DAMPING, check_damping
@@ -47,19 +48,24 @@ class Reply:
     reported_partition_id: int | None = None
 
 
-def reply_from_message(key: int, msg: Message) -> Reply:
-    """Type-check a reply's fields; anything unexpected becomes an error reply (never an exception)."""
+def reply_from_message(key: int, msg: Message, max_memory: int | str | None = None) -> Reply:
+    """Type-check a reply's fields and take its artifact file (:func:`~posterior_fusion.flower.transfer.received_file`:
+    its length and SHA-256 checked, at most a third of the memory budget); anything unexpected becomes an error reply
+    (never an exception)."""
     node = msg.metadata.src_node_id
     if msg.has_error():
         return Reply(key, None, f"node error: {str(msg.error.reason)[:200]}", node)
     try:
         rec = msg.content["artifact"]
-        blob = rec["artifact"] if "artifact" in rec else None
         pid = rec["partition-id"] if "partition-id" in rec else None
+        limit = budget.resolve_limit(max_memory)
+        blob = received_file(msg.content, rec, "artifact", None if limit is None else limit // 3)
+    except TransferError as exc:
+        return Reply(key, None, str(exc), node)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         return Reply(key, None, f"reply has no valid 'artifact' record ({type(exc).__name__})", node)
-    if not isinstance(blob, bytes):
-        return Reply(key, None, f"field 'artifact' must be bytes, got {type(blob).__name__}", node)
+    if blob is None:
+        return Reply(key, None, "reply carries no file 'artifact'", node)
     reported = pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 31 else None
     return Reply(key, blob, None, node, reported)
 
@@ -224,8 +230,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
         ids = sorted(grid.get_node_ids())
     if len(ids) < min_nodes:
         raise FederationError(f"only {len(ids)} of {min_nodes} nodes connected within {wait_s:.0f}s")
-    content = RecordDict({"config": ConfigRecord({"settings": settings.to_json(),
-                                                  **({"base": sent} if sent is not None else {})})})
+    content = message_content("config", {"settings": settings.to_json()}, {"base": sent} if sent is not None else {})
     messages = [Message(content, dst_node_id=i, message_type="train") for i in ids]
     log(f"sent settings{' and the base' if sent is not None else ''} to {len(messages)} nodes")
     answers, missing = exchange(grid, messages, list(range(len(ids))), float(round_timeout), log)
@@ -234,7 +239,7 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
             raise FederationError(f"{len(missing)} node(s) did not reply: "
                                   + "; ".join(f"node {ids[k]}: {why}" for k, why in sorted(missing.items())))
         log(f"{len(missing)} node(s) did not reply; continuing without them")
-    replies = [reply_from_message(k, m) for k, m in sorted(answers.items())]
+    replies = [reply_from_message(k, m, max_memory) for k, m in sorted(answers.items())]
     paths = collect_replies(replies, out, on_bad_reply, log, max_memory, settings.base_sha256)
     silo_files = name_by_silo(replies, paths, out, log)
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
@@ -265,15 +270,15 @@ def refresh_round(grid: Grid, ids: list[int], paths: list[Path], out: Path, meth
     ``out/refresh/``), fused again into ``global_refreshed.h5``. Returns its metadata."""
     at = (out / "global.h5").read_bytes()
     keys = [int(p.stem.split("_")[1]) for p in paths]  # client_<key>.h5, the server's own names
-    messages = [Message(RecordDict({"refresh": ConfigRecord({"global": at, "damping": damping, "artifact-sha256":
-                                                             hashlib.sha256(p.read_bytes()).hexdigest()})}),
+    messages = [Message(message_content("refresh", {"damping": damping, "own-sha256": hashlib.sha256(p.read_bytes())
+                                                    .hexdigest()}, {"global": at}),
                         dst_node_id=ids[k], message_type="query") for k, p in zip(keys, paths)]
     log(f"refresh round: sent the global artifact to {len(messages)} nodes")
     answers, missing = exchange(grid, messages, keys, round_timeout, log)
     if missing and on_bad_reply == "fail":
         raise FederationError(f"{len(missing)} node(s) did not answer the refresh round: "
                               + "; ".join(f"node {ids[k]}: {why}" for k, why in sorted(missing.items())))
-    replies = [reply_from_message(k, m) for k, m in sorted(answers.items())]
+    replies = [reply_from_message(k, m, max_memory) for k, m in sorted(answers.items())]
     refreshed = collect_replies(replies, out / "refresh", on_bad_reply, log, max_memory,
                                 first_meta["federation"]["settings"].get("base_sha256"))
     inputs, result, meta = fuse(refreshed, method, options or FusionOptions(progress=False), method_settings,
