@@ -11,11 +11,18 @@ from typing import Any
 
 REMOVED_IN = "0.4"
 
+# Fit settings (fit-local's options, the TOML's [fit] keys, Flower's run-config and node-config keys, with ``-``
+# for ``_`` where those spell them so): old name -> (new name, type name).
+RENAMED_FIT_SETTINGS: dict[str, tuple[str, str]] = {
+    "private_model": ("local_model", "str"), "private_model_kwargs": ("local_model_kwargs", "str"),
+    "private_epochs": ("local_model_epochs", "int"), "private_weight": ("local_model_weight", "float")}
 # Command-line options: old flag -> (new flag, parameter, type name) per command.
 RENAMED_OPTIONS: dict[str, dict[str, tuple[str, str, str]]] = {
     "init": {"--mixtures": ("--components", "components", "int"), "--seed": ("--init-seed", "init_seed", "int")},
     "fit-local": {"--mixtures": ("--components", "components", "int"), "--hessian": ("--structure", "structure", "str"),
-                  "--seed": ("--train-seed", "train_seed", "int")},
+                  "--seed": ("--train-seed", "train_seed", "int"),
+                  **{"--" + old.replace("_", "-"): ("--" + new.replace("_", "-"), new, kind)
+                     for old, (new, kind) in RENAMED_FIT_SETTINGS.items()}},
     "partition": {"--seed": ("--partition-seed", "partition_seed", "int")},
     "fuse": {"--seed": ("--sampling-seed", "sampling_seed", "int"), "--mode-index": ("--component", "component", "int")},
     "demo": {"--mixtures": ("--components", "components", "int"), "--hessian": ("--structure", "structure", "str")},

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -82,12 +84,23 @@ def test_deprecated_spellings_warn_and_still_work(tmp_path, two_clients, small_s
 
     write_silo(tmp_path / "s.h5", SiloData(small_silo.x[:60], small_silo.y[:60], "fmnist", 10))
     r = CliRunner().invoke(pfuse, ["fit-local", "--data", str(tmp_path / "s.h5"), "--model", "mlp", "--mixtures", "1",
-                                   "--hessian", "diag", "--seed", "4", "--epochs", "1", "--out", str(tmp_path / "a.h5")])
+                                   "--hessian", "diag", "--seed", "4", "--epochs", "1", "--private-model", "mlp",
+                                   "--private-model-kwargs", '{"hidden": 4}', "--private-epochs", "1",
+                                   "--private-weight", "0.3", "--out", str(tmp_path / "a.h5")])
     assert r.exit_code == 0, r.stderr
-    for old, new in (("--mixtures", "--components"), ("--hessian", "--structure"), ("--seed", "--train-seed")):
+    for old, new in (("--mixtures", "--components"), ("--hessian", "--structure"), ("--seed", "--train-seed"),
+                     ("--private-model", "--local-model"), ("--private-model-kwargs", "--local-model-kwargs"),
+                     ("--private-epochs", "--local-model-epochs"), ("--private-weight", "--local-model-weight")):
         assert f"warning: {old} is deprecated" in r.stderr and new in r.stderr
     art = posterior_fusion.load(tmp_path / "a.h5")
     assert art.num_components == 1 and art.structure == "diag" and art.metadata["train_seed"] == 4
+    assert art.metadata["hbfl_local_model"] == {"weight": 0.3, "epochs": 1}
+    from posterior_fusion.local.fit_config import fit_config_from
+
+    with contextlib.redirect_stderr(io.StringIO()) as err:  # the TOML's [fit] keys and Flower's run config
+        old_keys = fit_config_from({"private_model": "mlp", "private_weight": 0.3})
+    assert old_keys == fit_config_from({"local_model": "mlp", "local_model_weight": 0.3})
+    assert "key 'private_weight' is deprecated" in err.getvalue() and "'local_model_weight'" in err.getvalue()
     r = CliRunner().invoke(pfuse, ["fuse", *map(str, two_clients), "--method", "fedfisher", "--steps", "2",
                                    "--lr", "0.01", "--out", str(tmp_path / "g.h5")])
     assert r.exit_code == 0 and "--steps is deprecated; use --set steps=2" in r.stderr

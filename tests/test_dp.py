@@ -163,23 +163,23 @@ def test_a_private_fedppd_student_is_in_the_accounted_release(tmp_path, small_si
     assert r.exit_code == 0, r.output
 
 
-def test_a_private_model_is_trained_privately_and_accounted(tmp_path, small_silo):
-    """``--dp --private-model``: HBFL's private model is one more DP-SGD pass (epochs × ⌈n / batch⌉ steps at the
+def test_a_local_model_is_trained_privately_and_accounted(tmp_path, small_silo):
+    """``--dp --local-model``: HBFL's local model is one more DP-SGD pass (epochs × ⌈n / batch⌉ steps at the
     training's rate), the recorded ε Opacus' accountant's; the artifact holds only the shared model."""
     silo = _silo(tmp_path, small_silo)
     r = _run("fit-local", "--data", silo, "--model", "mlp", "--model-kwargs", KW, "-M", "1", "--epochs", "2",
-             "--structure", "diag", "--dp", "--dp-epsilon", "5", "--private-model", "mlp", "--private-model-kwargs",
-             '{"in_features": 196, "hidden": 16}', "--private-epochs", "3", "--out", tmp_path / "h.h5")
+             "--structure", "diag", "--dp", "--dp-epsilon", "5", "--local-model", "mlp", "--local-model-kwargs",
+             '{"in_features": 196, "hidden": 16}', "--local-model-epochs", "3", "--out", tmp_path / "h.h5")
     assert r.exit_code == 0, r.output
     dp = posterior_fusion.load(tmp_path / "h.h5").metadata["dp"]
-    assert dp["passes"] == [{"part": "private model", "sample_rate": pytest.approx(64 / 120),
+    assert dp["passes"] == [{"part": "local model", "sample_rate": pytest.approx(64 / 120),
                              "steps": 3 * math.ceil(120 / 64)}]
     assert math.isclose(_accountant_epsilon(dp), dp["epsilon"], rel_tol=1e-9) and dp["epsilon"] <= 5.0
 
 
 def test_the_training_noise_comes_from_its_own_generator_not_the_recorded_seed():
     """Opacus' gradient noise is drawn from the generator the fit seeds from the system's entropy: the same
-    generator state gives the same private model whatever the global seed (the recorded training seed sets it),
+    generator state gives the same local model whatever the global seed (the recorded training seed sets it),
     another state another model."""
     from posterior_fusion.local.fit_config import TrainConfig
     from posterior_fusion.local.privacy.accounting import plan

@@ -276,23 +276,23 @@ def test_exchange_matches_replies_by_message_and_times_out(task_identity):
     assert sorted(replies) == [5, 6, 7] and missing == {}
 
 
-def test_ppd_settings_and_a_node_s_private_model():
+def test_ppd_settings_and_a_node_s_local_model():
     from types import SimpleNamespace
 
-    from posterior_fusion.flower.client_app import node_private_model
+    from posterior_fusion.flower.client_app import node_local_model
 
     cfg = FederatedSettings(ppd=True, ppd_steps=50, ppd_burn_in=10).fit_config()
     assert cfg.ppd is not None and (cfg.ppd.steps, cfg.ppd.burn_in) == (50, 10)
     assert FederatedSettings().fit_config().ppd is None
-    node = SimpleNamespace(node_config={"private-model": "mlp", "private-model-kwargs": '{"hidden": 7}',
-                                        "private-weight": 0.3})
-    private = node_private_model(node)
+    node = SimpleNamespace(node_config={"local-model": "mlp", "local-model-kwargs": '{"hidden": 7}',
+                                        "local-model-weight": 0.3})
+    private = node_local_model(node)
     assert (private.model, private.model_kwargs, private.epochs, private.weight) == ("mlp", {"hidden": 7}, None, 0.3)
-    assert node_private_model(SimpleNamespace(node_config={})) is None
+    assert node_local_model(SimpleNamespace(node_config={})) is None
     from posterior_fusion.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="private-model-kwargs"):
-        node_private_model(SimpleNamespace(node_config={"private-model": "mlp", "private-model-kwargs": "{bad"}))
+    with pytest.raises(ConfigError, match="local-model-kwargs"):
+        node_local_model(SimpleNamespace(node_config={"local-model": "mlp", "local-model-kwargs": "{bad"}))
 
 
 def test_importing_the_flower_integration_silences_rays_notice_only():

@@ -201,7 +201,7 @@ def plain_dim(folder) -> int:
     return posterior_fusion.load(folder / "plain.h5").layout.dim
 
 
-def test_private_model_is_distilled_into_the_shared_model_and_never_stored(tmp_path, small_silo):
+def test_local_model_is_distilled_into_the_shared_model_and_never_stored(tmp_path, small_silo):
     """HBFL's heterogeneous client: a private MLP (another architecture) trained on the silo; the
     shared model trained with the distillation term agrees with it more often than without; the
     artifact holds neither the private weights nor its name or settings."""
@@ -216,25 +216,25 @@ def test_private_model_is_distilled_into_the_shared_model_and_never_stored(tmp_p
               "--components", "1", "--epochs", "10", "--structure", "diag"]
     r = CliRunner().invoke(pfuse, [*common, "--out", str(tmp_path / "plain.h5")])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(pfuse, [*common, "--private-model", "mlp", "--private-model-kwargs",
-                                   '{"hidden_sizes": [57, 33]}', "--private-epochs", "6", "--private-weight", "0.9",
+    r = CliRunner().invoke(pfuse, [*common, "--local-model", "mlp", "--local-model-kwargs",
+                                   '{"hidden_sizes": [57, 33]}', "--local-model-epochs", "6", "--local-model-weight", "0.9",
                                    "--out", str(tmp_path / "hbfl.h5")])
     assert r.exit_code == 0, r.output
     raw = (tmp_path / "hbfl.h5").read_bytes()
     assert b"hidden_sizes" not in raw  # neither the private architecture's settings ...
     art = posterior_fusion.load(tmp_path / "hbfl.h5")
-    assert art.metadata["hbfl_private"] == {"weight": 0.9, "epochs": 6}
+    assert art.metadata["hbfl_local_model"] == {"weight": 0.9, "epochs": 6}
     assert len(art.components) == 1 and art.layout.dim == plain_dim(tmp_path)  # ... nor its weights
-    # agreement with the private model's predictions: rebuild it exactly as fit-local did
-    from posterior_fusion.local.fit_checks import private_teacher
-    from posterior_fusion.local.fit_config import FitConfig, PrivateModelConfig, TrainConfig
+    # agreement with the local model's predictions: rebuild it exactly as fit-local did
+    from posterior_fusion.local.fit_checks import local_model_teacher
+    from posterior_fusion.local.fit_config import FitConfig, LocalModelConfig, TrainConfig
     from posterior_fusion.models.functional import batched_logits
 
     data = SiloData(small_silo.x[:200], small_silo.y[:200], "fmnist", 10)
     x, y = data.tensors()
     cfg = FitConfig(structure="diag", train=TrainConfig(epochs=10),
-                    private=PrivateModelConfig("mlp", {"hidden_sizes": [57, 33]}, 6, 0.9)).resolved(200)
-    teacher = private_teacher(cfg, x, y, 10, log=lambda m: None)
+                    local_model=LocalModelConfig("mlp", {"hidden_sizes": [57, 33]}, 6, 0.9)).resolved(200)
+    teacher = local_model_teacher(cfg, x, y, 10, log=lambda m: None)
     plain = posterior_fusion.load(tmp_path / "plain.h5")
 
     def cross_entropy_to_teacher(a):  # what the distillation term lowers

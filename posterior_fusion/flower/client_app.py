@@ -16,6 +16,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from posterior_fusion import ranges
+from posterior_fusion.compat import RENAMED_FIT_SETTINGS, rename_keys
 from posterior_fusion.errors import (
     ConfigError,
     FederationError,
@@ -26,22 +27,22 @@ from posterior_fusion.flower.pretrained_base import node_base
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
 from posterior_fusion.flower.transfer import FILES, TransferError, message_content, received_file
 from posterior_fusion.local.fit import Start, fit_local
-from posterior_fusion.local.fit_config import PrivateModelConfig
+from posterior_fusion.local.fit_config import LocalModelConfig
 from posterior_fusion.local.refresh import TRUST_RADIUS, check_damping, refresh_to_file
 from posterior_fusion.local.refresh_settings import refresh_privacy_from
 from posterior_fusion.models import ModelSpec
 
 
 def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
-                    log: Callable[[str], None] = lambda m: None, private: PrivateModelConfig | None = None,
+                    log: Callable[[str], None] = lambda m: None, local_model: LocalModelConfig | None = None,
                     base: str | os.PathLike | None = None) -> None:
-    """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does (``private``:
+    """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does (``local_model``:
     the node's own architecture, HBFL's heterogeneous client — chosen by the node, not the server), or,
     when the run names a base by its SHA-256, what ``pfuse init --from BASE`` + ``fit-local --init`` do with
     the node's own copy ``base`` (node config ``base``), refused in one line unless its SHA-256 is the run's."""
     cfg = settings.fit_config()
-    if private is not None:
-        cfg = replace(cfg, private=private)
+    if local_model is not None:
+        cfg = replace(cfg, local_model=local_model)
         cfg.validate()
     if settings.base_sha256 and base is None:
         raise ConfigError(f"the run fine-tunes the base {settings.base_sha256[:12]}…: set this node's node config "
@@ -51,20 +52,22 @@ def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, o
     fit_local(settings.spec(), silo_path, start, cfg, out, log=log)
 
 
-def node_private_model(context: Context) -> PrivateModelConfig | None:
-    """The node's own architecture from its node config (``private-model``, ``private-model-kwargs``,
-    ``private-epochs``, ``private-weight``), or None."""
-    nc = context.node_config
-    if "private-model" not in nc:
+def node_local_model(context: Context) -> LocalModelConfig | None:
+    """The node's own architecture from its node config (``local-model``, ``local-model-kwargs``,
+    ``local-model-epochs``, ``local-model-weight``), or None."""
+    nc = rename_keys(dict(context.node_config), {old.replace("_", "-"): new.replace("_", "-")
+                                                 for old, (new, _) in RENAMED_FIT_SETTINGS.items()},
+                     "node config", print)
+    if "local-model" not in nc:
         return None
     try:
-        kwargs = json.loads(str(nc.get("private-model-kwargs", "{}")))
+        kwargs = json.loads(str(nc.get("local-model-kwargs", "{}")))
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"node config private-model-kwargs is not valid JSON: {exc.msg}") from None
-    spec = ModelSpec(str(nc["private-model"]), kwargs)
-    epochs = nc.get("private-epochs")
-    return PrivateModelConfig(spec.name, dict(spec.kwargs), int(epochs) if epochs is not None else None,
-                              float(nc.get("private-weight", 0.5)))
+        raise ConfigError(f"node config local-model-kwargs is not valid JSON: {exc.msg}") from None
+    spec = ModelSpec(str(nc["local-model"]), kwargs)
+    epochs = nc.get("local-model-epochs")
+    return LocalModelConfig(spec.name, dict(spec.kwargs), int(epochs) if epochs is not None else None,
+                            float(nc.get("local-model-weight", 0.5)))
 
 
 def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:
@@ -103,7 +106,7 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
     base = node_base(dict(context.node_config), settings.base_sha256, sent, state)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
-        fit_to_artifact(settings, silo, out, private=node_private_model(context), base=base)
+        fit_to_artifact(settings, silo, out, local_model=node_local_model(context), base=base)
         blob = out.read_bytes()
     own = state / f"{hashlib.sha256(blob).hexdigest()}.h5"
 

@@ -24,7 +24,7 @@ BAD_REPLY_POLICIES = ("skip", "fail")
 class FederatedSettings:
     """What the server sends to every node: the model, M, the init seed and every fit setting of
     ``pfuse fit-local`` (:func:`~posterior_fusion.local.fit_config.fit_settings`, declared once: a
-    setting added there is a run-config key here too), except the private model, which each node
+    setting added there is a run-config key here too), except the local model, which each node
     chooses in its own node config."""
 
     def __init__(self, model: str = "lenet", model_kwargs: dict | None = None, components: int = 5,
@@ -88,4 +88,4 @@ class FederatedSettings:
 
 
 def _server_fit_settings() -> dict:
-    return {s.name: s for s in fit_settings() if s.path[0] != "private"}
+    return {s.name: s for s in fit_settings() if s.path[0] != "local_model"}

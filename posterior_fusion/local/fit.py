@@ -42,9 +42,9 @@ from posterior_fusion.local.fit_checks import (
     check_batchnorm_fit,
     check_component_count,
     fit_metadata,
+    local_model_epochs,
+    local_model_teacher,
     prior_only,
-    private_epochs,
-    private_teacher,
     probe_capture,
     vanishing_blocks,
 )
@@ -91,9 +91,9 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         if done:
             raise ConfigError("a differentially private fit cannot be resumed (its noise and budget are the run's own)")
         passes = private_training.ppd_passes(cfg.ppd, len(data), len(inits)) if cfg.ppd is not None else ()
-        if cfg.private is not None:
-            passes = (*passes, accounting.DPPass("private model", min(1.0, cfg.train.batch_size / len(data)),
-                                         private_epochs(cfg) * math.ceil(len(data) / cfg.train.batch_size)))
+        if cfg.local_model is not None:
+            passes = (*passes, accounting.DPPass("local model", min(1.0, cfg.train.batch_size / len(data)),
+                                         local_model_epochs(cfg) * math.ceil(len(data) / cfg.train.batch_size)))
         dp_plan = accounting.plan(cfg.dp, len(data), cfg.train.batch_size, cfg.train.epochs, len(inits), passes)
         noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # fresh per run
         counts = accounting.private_counts(data.class_counts(), dp_plan.release_noise, noise)
@@ -153,8 +153,8 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         raise IncompatibleArtifactsError(f"the prior mean has shape {tuple(prior_mean.shape)}, model needs ({layout.dim},)")
     gradient_noise = None if dp_plan is None else \
         torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # Opacus' noise
-    soft_targets = private_teacher(cfg, x, y, spec.num_classes, log, dp_plan, gradient_noise) \
-        if cfg.private is not None and len(comps) < len(inits) else None
+    soft_targets = local_model_teacher(cfg, x, y, spec.num_classes, log, dp_plan, gradient_noise) \
+        if cfg.local_model is not None and len(comps) < len(inits) else None
     for m in range(len(comps), len(inits)):
         w0 = inits[m]
         if w0.shape != (layout.dim,):
@@ -169,7 +169,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
             swag = private_training.private_train(model, x, y, cfg.train, cfg.dp, dp_plan, cfg.train.weight_decay,
                                     int.from_bytes(os.urandom(8), "little") >> 1, gradient_noise,
                                     None if prior_mean is None else prior_mean.to(device), soft_targets,
-                                    cfg.private.weight if cfg.private else 0.0)
+                                    cfg.local_model.weight if cfg.local_model else 0.0)
             res = TrainResult(float("nan"), float("nan"), swag)  # the loss and accuracy are not released
             t1 = time.perf_counter()
             if cfg.structure == "kron":
@@ -183,7 +183,7 @@ def fit_components(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], c
         else:
             res = train_map(thaw(model) if folds else model, x, y, cfg.train, seed=component_seed,
                             desc=f"component {m + 1}/{len(inits)}",
-                            soft_targets=soft_targets, soft_weight=cfg.private.weight if cfg.private else 0.0,
+                            soft_targets=soft_targets, soft_weight=cfg.local_model.weight if cfg.local_model else 0.0,
                             prior_mean=None if prior_mean is None else prior_mean.to(device))
             # the silo's statistics at the trained weights, folded into the affine parameters (models/batchnorm.py)
             statistics = fold_statistics(model, x, cfg.curvature_batch_size) if folds else None

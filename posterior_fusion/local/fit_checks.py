@@ -1,6 +1,6 @@
 """What a fit records and checks before any training: the client metadata and its fingerprint, the capture's
 probe, the parameters left to the prior or numerically zero, a BatchNorm fit's and the component count's
-checks, HBFL's private teacher."""
+checks, HBFL's local-model teacher."""
 
 from __future__ import annotations
 
@@ -69,24 +69,24 @@ def fit_metadata(spec: ModelSpec, data: SiloData, inits: list[torch.Tensor], cfg
         **({"compress": cfg.compress} if cfg.compress > 0 else {}),  # the file's own: write_client_artifact
         "train": asdict(cfg.train), "library_versions": library_versions(), "fit_fingerprint": h.hexdigest(),
         **({"ppd": asdict(cfg.ppd)} if cfg.ppd is not None else {}),
-        # HBFL: the private architecture stays in the silo; only how it was used is recorded
-        **({"hbfl_private": {"weight": cfg.private.weight, "epochs": cfg.private.epochs or cfg.train.epochs}}
-           if cfg.private is not None else {}),
+        # HBFL: the local architecture stays in the silo; only how it was used is recorded
+        **({"hbfl_local_model": {"weight": cfg.local_model.weight, "epochs": cfg.local_model.epochs or cfg.train.epochs}}
+           if cfg.local_model is not None else {}),
         **({"class_names": list(data.class_names)} if data.class_names else {}),
     }
 
 
-def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classes: int, log=print,
+def local_model_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classes: int, log=print,
                     dp_plan=None, noise: torch.Generator | None = None) -> torch.Tensor:
-    """HBFL's heterogeneous client: train the silo's private model (same SGD settings, its own
+    """HBFL's heterogeneous client: train the silo's local model (same SGD settings, its own
     epochs) and return its probabilities on the silo ``(n, classes)`` for distillation. Under ``dp``
-    (``dp_plan``, its pass "private model") through DP-SGD with the plan's noise, drawn from ``noise``."""
-    spec = ModelSpec(cfg.private.model, dict(cfg.private.model_kwargs))
+    (``dp_plan``, its pass "local model") through DP-SGD with the plan's noise, drawn from ``noise``."""
+    spec = ModelSpec(cfg.local_model.model, dict(cfg.local_model.model_kwargs))
     if spec.num_classes != num_classes:
-        raise ConfigError(f"`private_model` outputs {spec.num_classes} classes, the shared model {num_classes}")
+        raise ConfigError(f"`local_model` outputs {spec.num_classes} classes, the shared model {num_classes}")
     spec.check_input(tuple(x.shape[1:]), "the silo")
     model = spec.build().to(x.device)
-    train = replace(cfg.train, epochs=private_epochs(cfg), swag=False)
+    train = replace(cfg.train, epochs=local_model_epochs(cfg), swag=False)
     seed = cfg.train_seed * 1_000_003 + 999_983
     torch.manual_seed(seed)
     if dp_plan is not None:
@@ -94,19 +94,19 @@ def private_teacher(cfg: FitConfig, x: torch.Tensor, y: torch.Tensor, num_classe
 
         private_training.private_train(model, x, y, train, cfg.dp, dp_plan, train.weight_decay,
                          int.from_bytes(os.urandom(8), "little") >> 1, noise,
-                         sample_rate=dp_plan.pass_of("private model").sample_rate)
-        log("private model: trained under DP-SGD (kept in the silo)")
+                         sample_rate=dp_plan.pass_of("local model").sample_rate)
+        log("local model: trained under DP-SGD (kept in the silo)")
     else:
-        res = train_map(model, x, y, train, seed=seed, desc="private model")
-        log(f"private model: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} (kept in the silo)")
+        res = train_map(model, x, y, train, seed=seed, desc="local model")
+        log(f"local model: loss {res.final_loss:.4f} acc {res.final_accuracy:.3f} (kept in the silo)")
     model.eval()
     with torch.no_grad():
         return torch.cat([torch.softmax(model(x[i : i + 1024]), -1) for i in range(0, x.shape[0], 1024)])  # on x's device
 
 
-def private_epochs(cfg: FitConfig) -> int:
-    """The private model's epochs: ``private_epochs``, else the shared model's."""
-    return cfg.private.epochs or cfg.train.epochs
+def local_model_epochs(cfg: FitConfig) -> int:
+    """The local model's epochs: ``local_model_epochs``, else the shared model's."""
+    return cfg.local_model.epochs or cfg.train.epochs
 
 
 def prior_only(model: torch.nn.Module, structure: str, private: bool = False) -> str:

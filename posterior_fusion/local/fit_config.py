@@ -4,6 +4,7 @@ experiment runner all build (defaults live here and nowhere else)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -21,6 +22,7 @@ from posterior_fusion.choices import (
     STRUCTURES,
     VECTOR_DTYPES,
 )
+from posterior_fusion.compat import RENAMED_FIT_SETTINGS, rename_keys
 from posterior_fusion.errors import ConfigError, shown
 from posterior_fusion.runtime import DEVICES
 from posterior_fusion.settings import check_declared, convert, setting
@@ -98,16 +100,16 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class PrivateModelConfig:
+class LocalModelConfig:
     """HBFL's heterogeneous client: the silo's own architecture (never written to the artifact),
     trained first and distilled on the silo's data into the shared model (``weight``: the
     weight of the distillation term, HBFL's 1 − α; ``epochs`` None: the shared model's epochs)."""
 
     model: str | None = setting(None, "HBFL's heterogeneous client: the silo's own architecture, trained first and "
                                  "distilled into the shared model; never written to the artifact [default: none].")
-    model_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON keyword arguments of the private model.",
+    model_kwargs: dict = field(default_factory=dict, metadata={"help": "JSON keyword arguments of the local model.",
                                                                 "choices": None})
-    epochs: int | None = setting(None, "Epochs of the private model [default: the shared model's epochs].",
+    epochs: int | None = setting(None, "Epochs of the local model [default: the shared model's epochs].",
                                  bounds=(1, ranges.EPOCHS[1]))
     weight: float = setting(0.5, "Weight of the distillation term in the shared model's loss (HBFL's 1 − α).",
                            bounds=(0.0, 1.0))
@@ -115,9 +117,9 @@ class PrivateModelConfig:
     def validate(self) -> None:
         check_declared(self)
         if not 0 <= self.weight <= 1:
-            raise ConfigError(f"`private_weight` must be in [0, 1], got {self.weight}")
+            raise ConfigError(f"`local_model_weight` must be in [0, 1], got {self.weight}")
         if self.epochs is not None and self.epochs < 1:
-            raise ConfigError(f"`private_epochs` must be >= 1, got {self.epochs}")
+            raise ConfigError(f"`local_model_epochs` must be >= 1, got {self.epochs}")
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ class FitConfig:
                              choices=BATCHNORM_POLICIES)
     dp: DPConfig | None = None  # differential privacy of the whole artifact (local/privacy/)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
-    private: PrivateModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
+    local_model: LocalModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
@@ -247,8 +249,8 @@ class FitConfig:
             self.ppd.validate()
         if self.dp is not None:
             self.dp.validate()
-        if self.private is not None:
-            self.private.validate()
+        if self.local_model is not None:
+            self.local_model.validate()
         if self.curvature_batch_size < 1:
             raise ConfigError("`curvature_batch_size` must be >= 1")
         self.train.validate()
@@ -268,7 +270,7 @@ class FitConfig:
 
     def fingerprint_dict(self) -> dict:
         """The settings that determine the result: ``capture`` (fast or laplace-torch) and ``device``
-        (equal at rounding level) are left out, and ``ppd``, ``private``, ``kfac``, ``capture_dtype`` and the
+        (equal at rounding level) are left out, and ``ppd``, ``local_model``, ``kfac``, ``capture_dtype`` and the
         compression at their defaults (a frobenius compress_metric too, the default of earlier versions),
         so caches and partial files written before these options existed keep their keys."""
         out = {k: v for k, v in asdict(self).items() if k not in ("capture", "device")}
@@ -290,7 +292,7 @@ class FitConfig:
             out.pop("compress_metric")
         if out["compress_vectors"] == "float32" or "compress" not in out:
             out.pop("compress_vectors")
-        for optional in ("ppd", "private", "dp"):
+        for optional in ("ppd", "local_model", "dp"):
             if out[optional] is None:
                 out.pop(optional)
         return out
@@ -314,7 +316,7 @@ PPD_SWITCH_HELP = ("FedPPD: also run an SGLD chain from each component's MAP and
 
 @dataclass(frozen=True)
 class FitSetting:
-    """One fit setting under its flat name (``epochs``, ``ppd_steps``, ``private_model``…): where
+    """One fit setting under its flat name (``epochs``, ``ppd_steps``, ``local_model``…): where
     it lives in :class:`FitConfig` (``path``), its type, default, help and choices."""
 
     name: str
@@ -338,7 +340,7 @@ def _declared(cls: type, prefix: str, path: tuple[str, ...]) -> list[FitSetting]
     hints = typing.get_type_hints(cls)
     out = []
     for f in fields(cls):
-        if "help" not in f.metadata:  # nested records (train, ppd, private) are listed on their own
+        if "help" not in f.metadata:  # nested records (train, ppd, local_model) are listed on their own
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append(FitSetting(prefix + f.name, (*path, f.name), hints[f.name], default, f.metadata["help"],
@@ -348,7 +350,7 @@ def _declared(cls: type, prefix: str, path: tuple[str, ...]) -> list[FitSetting]
 
 def fit_settings() -> list[FitSetting]:
     """Every fit setting, declared once on :class:`FitConfig`, :class:`TrainConfig`, :class:`PPDConfig`
-    and :class:`PrivateModelConfig`: ``fit-local``'s options, the Flower run-config keys and the
+    and :class:`LocalModelConfig`: ``fit-local``'s options, the Flower run-config keys and the
     experiment TOML's ``[fit]`` keys are these names (read at call time, so a field added to one of
     the records appears everywhere)."""
     return [*_declared(FitConfig, "", ()), *_declared(TrainConfig, "", ("train",)),
@@ -356,13 +358,16 @@ def fit_settings() -> list[FitSetting]:
             *_declared(DPConfig, "", ("dp",)),  # its fields carry the dp_ prefix themselves
             FitSetting("ppd", ("ppd",), bool, False, PPD_SWITCH_HELP),
             *_declared(PPDConfig, "ppd_", ("ppd",)),
-            *[replace(s, name="private_" + s.name.removeprefix("private_")) for s in _declared(PrivateModelConfig, "private_", ("private",))]]
+            *[replace(s, name=s.name.replace("local_model_model", "local_model"))
+              for s in _declared(LocalModelConfig, "local_model_", ("local_model",))]]
 
 
 def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
     """A validated :class:`FitConfig` from flat settings (names of :func:`fit_settings`; the rest
     take their declared defaults)."""
     table = {s.name: s for s in fit_settings()}
+    values = rename_keys(values, {old: new for old, (new, _) in RENAMED_FIT_SETTINGS.items()}, where.rstrip(": ")
+                         or "fit settings", lambda msg: print(msg, file=sys.stderr))
     unknown = sorted(set(values) - set(table))
     if unknown:
         raise ConfigError(f"{where}no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
@@ -380,6 +385,6 @@ def fit_config_from(values: Mapping[str, Any], where: str = "") -> FitConfig:
     cfg = FitConfig(**own, train=TrainConfig(**parts[("train",)]),
                     dp=DPConfig(**parts[("dp",)]) if flat["dp"] else None,
                     ppd=PPDConfig(**parts[("ppd",)]) if flat["ppd"] else None,
-                    private=PrivateModelConfig(**parts[("private",)]) if flat["private_model"] else None)
+                    local_model=LocalModelConfig(**parts[("local_model",)]) if flat["local_model"] else None)
     cfg.validate()
     return cfg

@@ -35,7 +35,7 @@ for. Under add/remove-one-sample neighbouring:
 - **FedPPD** (``ppd``, :func:`~posterior_fusion.local.privacy.training.private_ppd`): the SGLD chain's gradient and the student's distillation step each
   through Opacus on their own Poisson batches at ``ppd_batch_size / n`` (two more passes of subsampled Gaussian
   steps at the training's noise multiplier, recorded under ``passes``);
-- **a private model** (``private_model``, HBFL): trained by DP-SGD as one more pass; its probabilities on each
+- **a local model** (``local_model``, HBFL): trained by DP-SGD as one more pass; its probabilities on each
   sample enter only that sample's loss in the shared model's DP-SGD, clipped with it;
 - everything else the artifact holds is post-processing of these or data-independent (the MAPs, the
   temperature and prior, the input transform, the model); the data's SHA-256 and the training loss and

@@ -17,7 +17,7 @@ from posterior_fusion.local.fit_config import DPConfig
 @dataclass(frozen=True)
 class DPPass:
     """One more pass of subsampled Gaussian steps over the silo at the plan's ``noise_multiplier``: FedPPD's SGLD
-    chain and its student's distillation, or HBFL's private model (``part`` names it)."""
+    chain and its student's distillation, or HBFL's local model (``part`` names it)."""
 
     part: str
     sample_rate: float
@@ -35,7 +35,7 @@ class DPPlan:
     releases: int            # M curvature releases + 1 histogram
     delta: float
     epsilon: float           # the composed ε of all of it
-    passes: tuple[DPPass, ...] = ()  # the other gradient passes (FedPPD, a private model), at noise_multiplier
+    passes: tuple[DPPass, ...] = ()  # the other gradient passes (FedPPD, a local model), at noise_multiplier
 
     def pass_of(self, part: str) -> DPPass:
         """The recorded pass named ``part``."""
