@@ -59,12 +59,12 @@ def import_data_cmd(source, out, fmt, transform, labels_path, label_column, x_ke
 
 
 @click.command("partition")
-@click.option("--from", "source", default=None, type=click.Path(dir_okay=False),
+@click.option("--data", "source", default=None, type=click.Path(dir_okay=False),
               help="An imported, labelled data file to split [default: the built-in --dataset].")
 @click.option("--test", "test_path", default=None, type=click.Path(dir_okay=False),
-              help="With --from: the test data file, copied to test.h5 with the federation's transform [default: none].")
+              help="With --data: the test data file, copied to test.h5 with the federation's transform [default: none].")
 @click.option("--test-size", default=0, show_default=True, type=bounded((0, ranges.N_DATA[1])),
-              help="With --from and no --test: hold out this many samples as test.h5 (disjoint from all others).")
+              help="With --data and no --test: hold out this many samples as test.h5 (disjoint from all others).")
 @click.option("--dataset", default="fmnist", show_default=True, type=click.Choice(DATASETS), help="Built-in data set to split.")
 @click.option("--clients", default=5, show_default=True, type=bounded(ranges.CLIENTS), help="Number of client silos C.")
 @click.option("--alpha", default=0.1, show_default=True, type=bounded(ranges.ALPHA, float), help="Dirichlet concentration α (smaller = more non-IID).")

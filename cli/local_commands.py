@@ -78,7 +78,7 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
 @click.option("--transform-from", default=None, type=click.Path(dir_okay=False),
               help="A data file whose input transform every silo must share (recorded in the init file and "
                    "checked by fit-local) [default: not recorded].")
-@click.option("--from", "base_path", default=None, type=click.Path(dir_okay=False),
+@click.option("--base", "base_path", default=None, type=click.Path(dir_okay=False),
               help="Pretrained weights every starting point takes (fine-tuning a shared base): a .safetensors file "
                    "with exactly the model's parameters by name, or a global artifact of the same model (its first "
                    "member). Its SHA-256 is recorded here, in every client artifact and in the fused global; fuse "
@@ -130,7 +130,7 @@ def fit_options(fn, only: tuple[str, ...] | None = None):
 @click.command("fit-local")
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Silo data file (from partition).")
 @click.option("--init", "init_path", default=None, type=click.Path(dir_okay=False),
-              help="Init file from 'pfuse init' (fixes model and M; from 'init --from BASE' every component "
+              help="Init file from 'pfuse init' (fixes model and M; from 'init --base BASE' every component "
                    "fine-tunes the base and the prior N(base, σ0² I) is centred at it) [default: derive from "
                    "--init-seed, the prior centred at zero].")
 @click.option("--init-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the shared starting points when no --init file is given.")
@@ -171,7 +171,7 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
             raise ConfigError("--components must be >= 1")
         if cfg.finetune != "all":
             raise ConfigError(f"--finetune {cfg.finetune} fine-tunes part of a pretrained base: give --init a file from "
-                              "`pfuse init --from BASE`")
+                              "`pfuse init --base BASE`")
         start = Start(init_seed=init_seed, components=components)
     meta, comps = fit_local(spec, data_path, start, cfg, out, log=log_to_stderr, resume=resume, max_memory=max_memory)
     if as_json:

@@ -18,12 +18,13 @@ RENAMED_FIT_SETTINGS: dict[str, tuple[str, str]] = {
     "private_epochs": ("local_model_epochs", "int"), "private_weight": ("local_model_weight", "float")}
 # Command-line options: old flag -> (new flag, parameter, type name) per command.
 RENAMED_OPTIONS: dict[str, dict[str, tuple[str, str, str]]] = {
-    "init": {"--mixtures": ("--components", "components", "int"), "--seed": ("--init-seed", "init_seed", "int")},
+    "init": {"--mixtures": ("--components", "components", "int"), "--seed": ("--init-seed", "init_seed", "int"),
+             "--from": ("--base", "base_path", "str")},
     "fit-local": {"--mixtures": ("--components", "components", "int"), "--hessian": ("--structure", "structure", "str"),
                   "--seed": ("--train-seed", "train_seed", "int"),
                   **{"--" + old.replace("_", "-"): ("--" + new.replace("_", "-"), new, kind)
                      for old, (new, kind) in RENAMED_FIT_SETTINGS.items()}},
-    "partition": {"--seed": ("--partition-seed", "partition_seed", "int")},
+    "partition": {"--seed": ("--partition-seed", "partition_seed", "int"), "--from": ("--data", "source", "str")},
     "fuse": {"--seed": ("--sampling-seed", "sampling_seed", "int"), "--mode-index": ("--component", "component", "int")},
     "demo": {"--mixtures": ("--components", "components", "int"), "--hessian": ("--structure", "structure", "str")},
     "experiment": {"--work-dir": ("--out-dir", "out_dir", "str")},

@@ -54,7 +54,7 @@ def test_head_and_last_k_store_only_the_trained_parameters_and_keep_the_base_bit
     path, base = _base(tmp_path)
     _silos(tmp_path, small_silo)
     assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "2",
-                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+                "--base", path, "--out", tmp_path / "i.h5").exit_code == 0
     for c in range(2):
         r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--finetune", finetune,
                  "--structure", "diag", "--epochs", "2", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
@@ -81,7 +81,7 @@ def test_head_and_last_k_store_only_the_trained_parameters_and_keep_the_base_bit
                 assert torch.equal(whole[offsets[i]: offsets[i + 1]], base[n].reshape(-1))
     # the fused model as the next base: all of its weights, the frozen ones the first base's
     r = _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
-             "--from", tmp_path / "fedavg.h5", "--out", tmp_path / "i2.h5")
+             "--base", tmp_path / "fedavg.h5", "--out", tmp_path / "i2.h5")
     assert r.exit_code == 0, r.output
     assert torch.equal(posterior_fusion.load(tmp_path / "i2.h5").members[0],
                        full_base(posterior_fusion.load(tmp_path / "fedavg.h5").model_spec,
@@ -169,7 +169,7 @@ def test_lora_adapters_kfac_is_the_dense_ggn_and_fused_adapters_merge_into_the_w
     save_file(base, str(path))
     _silos(tmp_path, small_silo)
     _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
-         "--from", path, "--out", tmp_path / "i.h5")
+         "--base", path, "--out", tmp_path / "i.h5")
     for c in range(2):
         r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--finetune", "lora:2",
                  "--structure", "kron", "--epochs", "1", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
@@ -208,8 +208,8 @@ def test_fine_tuning_refusals_are_one_line(tmp_path, small_silo):
     kw = '{"in_features": 49, "hidden_sizes": [6, 5]}'
     r = _run("fit-local", "--data", tmp_path / "s0.h5", "--model", "mlp", "--model-kwargs", kw, "--finetune", "head",
              "--out", tmp_path / "x.h5")
-    assert r.exit_code == 2 and "init --from BASE" in r.stderr and r.stderr.count("\n") == 1, r.output
-    _run("init", "--model", "mlp", "--model-kwargs", kw, "-M", "1", "--from", path, "--out", tmp_path / "i.h5")
+    assert r.exit_code == 2 and "init --base BASE" in r.stderr and r.stderr.count("\n") == 1, r.output
+    _run("init", "--model", "mlp", "--model-kwargs", kw, "-M", "1", "--base", path, "--out", tmp_path / "i.h5")
     for bad in ("last:0", "lora:x", "head;rm", "last:99"):
         r = _run("fit-local", "--data", tmp_path / "s0.h5", "--init", tmp_path / "i.h5", "--finetune", bad,
                  "--epochs", "1", "--out", tmp_path / "x.h5")
@@ -236,7 +236,7 @@ def test_a_client_that_forges_the_frozen_base_is_refused_by_fuse(tmp_path, small
     path, _ = _base(tmp_path)
     _silos(tmp_path, small_silo)
     assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
-                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+                "--base", path, "--out", tmp_path / "i.h5").exit_code == 0
     for c in range(2):
         r = _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--finetune", "head",
                  "--structure", "diag", "--epochs", "1", "--train-seed", c, "--out", tmp_path / f"c{c}.h5")
@@ -285,7 +285,7 @@ def test_an_init_file_whose_seed_is_out_of_range_is_one_line(tmp_path, small_sil
     path, _ = _base(tmp_path)
     _silos(tmp_path, small_silo, 1)
     assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
-                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+                "--base", path, "--out", tmp_path / "i.h5").exit_code == 0
     with h5py.File(tmp_path / "i.h5", "r+") as f:
         meta = json.loads(f.attrs["metadata"])
         meta["init_seed"] = seed
@@ -303,7 +303,7 @@ def test_a_lora_rank_beyond_the_layers_is_refused_before_any_work(tmp_path, smal
     path, _ = _base(tmp_path)
     _silos(tmp_path, small_silo, 1)
     assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
-                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+                "--base", path, "--out", tmp_path / "i.h5").exit_code == 0
     from conftest import run_measured
 
     r, peak_kib = run_measured([Path(sys.executable).parent / "pfuse", "fit-local", "--data", tmp_path / "s0.h5",
@@ -327,7 +327,7 @@ def test_fused_networks_export_like_any_pytorch_model(tmp_path, small_silo, fine
     path, _ = _base(tmp_path)
     _silos(tmp_path, small_silo)
     assert _run("init", "--model", "mlp", "--model-kwargs", '{"in_features": 49, "hidden_sizes": [6, 5]}', "-M", "1",
-                "--from", path, "--out", tmp_path / "i.h5").exit_code == 0
+                "--base", path, "--out", tmp_path / "i.h5").exit_code == 0
     for c in range(2):
         assert _run("fit-local", "--data", tmp_path / f"s{c}.h5", "--init", tmp_path / "i.h5", "--finetune", finetune,
                     "--structure", "diag", "--epochs", "2", "--train-seed", c, "--out", tmp_path / f"c{c}.h5").exit_code == 0

@@ -339,7 +339,7 @@ def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, 
             "--epochs", "50", "--batchnorm", "refuse", "--out", tmp_path / "x.h5")
     assert r.exit_code == 2 and "BatchNorm" in r.stderr and "pretrained base" in r.stderr and r.stderr.count("\n") == 1
     assert "training" not in r.stderr and not (tmp_path / "x.h5").exists()
-    assert run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "base.safetensors",
+    assert run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--base", tmp_path / "base.safetensors",
                "--out", tmp_path / "i.h5").exit_code == 0
     for structure in ("kron", "diag"):
         for c in range(2):
@@ -364,7 +364,7 @@ def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, 
         assert r.exit_code == 0, r.output
     bare = load_file(str(tmp_path / "base.safetensors"))
     save_file({k: v for k, v in bare.items() if "running" not in k}, str(tmp_path / "nostats.safetensors"))
-    r = run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "nostats.safetensors",
+    r = run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--base", tmp_path / "nostats.safetensors",
             "--out", tmp_path / "j.h5")
     assert r.exit_code == 2 and "running statistics" in r.stderr and r.stderr.count("\n") == 1, r.output
 
@@ -390,7 +390,7 @@ def test_merging_a_batchnorm_models_adapters_keeps_the_bases_statistics(tmp_path
     write_silo(tmp_path / "s0.h5", SiloData(small_silo.x[:60], small_silo.y[:60], "fmnist", 10))
     kw = '{"in_channels": 1, "width": 4, "norm": "batch"}'
     run = lambda *a: CliRunner().invoke(pfuse, [str(v) for v in a])  # noqa: E731
-    assert run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--from", tmp_path / "base.safetensors",
+    assert run("init", "--model", "resnet20", "--model-kwargs", kw, "-M", "1", "--base", tmp_path / "base.safetensors",
                "--out", tmp_path / "i.h5").exit_code == 0
     r = run("fit-local", "--data", tmp_path / "s0.h5", "--init", tmp_path / "i.h5", "--finetune", "lora:1",
             "--structure", "diag", "--epochs", "1", "--out", tmp_path / "c0.h5")

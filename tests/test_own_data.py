@@ -129,7 +129,7 @@ def test_label_skew_partition_is_complete_disjoint_and_k_classes():
 def digits(tmp_path_factory):
     folder = tmp_path_factory.mktemp("digits")
     assert cli("import-data", "sklearn:digits", "--out", folder / "digits.h5").exit_code == 0
-    r = cli("partition", "--from", folder / "digits.h5", "--clients", 3, "--alpha", 0.5, "--val-size", 150,
+    r = cli("partition", "--data", folder / "digits.h5", "--clients", 3, "--alpha", 0.5, "--val-size", 150,
             "--test-size", 300, "--out-dir", folder / "part", "--json")
     assert r.exit_code == 0, r.stderr
     return folder
@@ -385,8 +385,10 @@ def test_inspect_describes_a_data_file(tmp_path):
 
 def test_partition_on_small_data_says_which_option_to_lower(tmp_path):
     cli("import-data", "sklearn:wine", "--out", tmp_path / "wine.h5")
-    r = cli("partition", "--from", tmp_path / "wine.h5", "--clients", "2", "--out-dir", tmp_path / "p")
+    r = cli("partition", "--data", tmp_path / "wine.h5", "--clients", "2", "--out-dir", tmp_path / "p")
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--val-size" in r.stderr and "178" in r.stderr
+    r = cli("partition", "--from", tmp_path / "wine.h5", "--clients", "2", "--out-dir", tmp_path / "p")  # old spelling
+    assert r.exit_code == 2 and "warning: --from is deprecated" in r.stderr and "178" in r.stderr
 
 
 def test_image_folders_detect_greyscale_and_the_flags_force_it(tmp_path):
@@ -462,7 +464,7 @@ def test_class_names_travel_from_a_csv_to_the_predictions(tmp_path):
 
     ok("import-data", tmp_path / "animals.csv", "--out", tmp_path / "a.h5")
     assert "class names: bear, cat, dog" in ok("inspect", tmp_path / "a.h5").output
-    ok("partition", "--from", tmp_path / "a.h5", "--clients", "2", "--alpha", "10", "--val-size", "20",
+    ok("partition", "--data", tmp_path / "a.h5", "--clients", "2", "--alpha", "10", "--val-size", "20",
        "--test-size", "40", "--out-dir", tmp_path / "p")
     for c in range(2):
         ok("fit-local", "--data", tmp_path / "p" / f"client_{c}.h5", "--model", "mlp", "-M", "1", "--epochs", "2",

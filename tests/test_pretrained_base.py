@@ -1,4 +1,4 @@
-"""A shared pretrained base: ``pfuse init --from`` (safetensors or a global artifact), its SHA-256 recorded
+"""A shared pretrained base: ``pfuse init --base`` (safetensors or a global artifact), its SHA-256 recorded
 from the init file through every client artifact to the global, clients of different bases refused."""
 
 from __future__ import annotations
@@ -50,8 +50,13 @@ def test_init_from_a_safetensors_base_runs_through_fit_local_and_fuse(tmp_path, 
     from another base, or from none, are refused."""
     path, w = _base(tmp_path, 0)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--from", path, "--out", tmp_path / "i.h5")
+    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--base", path, "--out", tmp_path / "i.h5")
     assert r.exit_code == 0, r.output
+    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--from", path, "--out", tmp_path / "o.h5")
+    assert r.exit_code == 0 and "warning: --from is deprecated" in r.stderr and "--base" in r.stderr, r.output
+    old = posterior_fusion.load(tmp_path / "o.h5")  # the old spelling: the same starting points
+    assert old.metadata["base"] == posterior_fusion.load(tmp_path / "i.h5").metadata["base"]
+    assert all(torch.equal(m, w) for m in old.members)
     init = posterior_fusion.load(tmp_path / "i.h5")
     assert init.metadata["base"]["sha256"] == sha and all(torch.equal(m, w) for m in init.members)
     for c in _fit_two_silos(tmp_path, small_silo):
@@ -65,13 +70,13 @@ def test_init_from_a_safetensors_base_runs_through_fit_local_and_fuse(tmp_path, 
         r = _run("fuse", tmp_path / "c0.h5", tmp_path / "c1.h5", "--method", method, "--out", tmp_path / f"{method}.h5")
         assert r.exit_code == 0, r.output
     # a fused global as the next base: its first member
-    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--from", tmp_path / "g.h5",
+    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--base", tmp_path / "g.h5",
              "--out", tmp_path / "i2.h5")
     assert r.exit_code == 0, r.output
     assert torch.equal(posterior_fusion.load(tmp_path / "i2.h5").members[0], posterior_fusion.load(tmp_path / "g.h5").members[0])
     # another base, and no base: refused beside the first client in one line
     other, _ = _base(tmp_path, 1, "other.safetensors")
-    _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--from", other, "--out", tmp_path / "j.h5")
+    _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--base", other, "--out", tmp_path / "j.h5")
     _run("fit-local", "--data", tmp_path / "s1.h5", "--init", tmp_path / "j.h5", "--epochs", "1", "--structure", "diag",
          "--out", tmp_path / "d1.h5")
     _run("fit-local", "--data", tmp_path / "s1.h5", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "2", "--epochs", "1",
@@ -100,18 +105,18 @@ def test_a_base_that_does_not_fit_the_model_is_one_line(tmp_path):
     for name, (tensors, words) in cases.items():
         path = tmp_path / f"{name}.safetensors"
         save_file(tensors, str(path))
-        r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "--from", path, "--out", tmp_path / "i.h5")
+        r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "--base", path, "--out", tmp_path / "i.h5")
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and path.name in lines[0] and words in lines[0], (name, r.output)
         assert not (tmp_path / "i.h5").exists()
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\xff" * 64)
-    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "--from", junk, "--out", tmp_path / "i.h5")
+    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "--base", junk, "--out", tmp_path / "i.h5")
     assert r.exit_code == 2 and "not a readable safetensors file" in r.stderr, r.output
 
 
 def test_the_python_api_writes_a_base_from_a_module(tmp_path):
-    """``posterior_fusion.write_base(module, path)``: the module's parameters by name, read back by ``init --from``
+    """``posterior_fusion.write_base(module, path)``: the module's parameters by name, read back by ``init --base``
     as exactly its flat parameter vector; its SHA-256 is the one returned."""
     from posterior_fusion.local.init import read_base
 
@@ -121,7 +126,7 @@ def test_the_python_api_writes_a_base_from_a_module(tmp_path):
     assert sha == hashlib.sha256((tmp_path / "b.safetensors").read_bytes()).hexdigest()
     _, w, read_sha = read_base(ModelSpec("mlp", {"in_features": 49, "hidden": 6}), tmp_path / "b.safetensors")
     assert read_sha == sha and torch.equal(w, parameters_to_vector(model.parameters()).detach())
-    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--from", tmp_path / "b.safetensors",
+    r = _run("init", "--model", "mlp", "--model-kwargs", KWARGS, "-M", "1", "--base", tmp_path / "b.safetensors",
              "--out", tmp_path / "i.h5")
     assert r.exit_code == 0 and posterior_fusion.load(tmp_path / "i.h5").metadata["base"]["sha256"] == sha
 
@@ -143,7 +148,7 @@ def test_a_fused_member_far_from_every_client_warns_at_fusion_and_evaluate_refus
 
     deep = '{"in_features": 49, "hidden_sizes": [6, 6, 6]}'  # four layers: a member 1e11 times the base overflows
     path, w = _base(tmp_path, 0, kwargs=deep)
-    _run("init", "--model", "mlp", "--model-kwargs", deep, "-M", "2", "--from", path, "--out", tmp_path / "i.h5")
+    _run("init", "--model", "mlp", "--model-kwargs", deep, "-M", "2", "--base", path, "--out", tmp_path / "i.h5")
     _fit_two_silos(tmp_path, small_silo)
     clients = [load_client(tmp_path / f"c{c}.h5") for c in range(2)]
     inputs = FusionInputs(clients, FusionOptions(progress=False))

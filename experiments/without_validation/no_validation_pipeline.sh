@@ -19,7 +19,7 @@ mkdir -p "$D/refresh" "$OUT"
     --out "$D/cem.h5"
 for post in "$D"/post_*.h5; do
   c=$(basename "$post" .h5); c=${c#post_}
-  [ -f "$D/refresh/at_cem_post_$c.h5" ] || $P recapture --from "$post" --data "$D/client_$c.h5" --at "$D/cem.h5" \
+  [ -f "$D/refresh/at_cem_post_$c.h5" ] || $P refresh --artifact "$post" --data "$D/client_$c.h5" --at "$D/cem.h5" \
       --out "$D/refresh/at_cem_post_$c.h5"
 done
 [ -f "$D/cem_refresh_em.h5" ] || $P fuse "$D"/refresh/at_cem_post_*.h5 --method fedbens --set solver=em \

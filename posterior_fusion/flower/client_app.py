@@ -38,7 +38,7 @@ def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, o
                     base: str | os.PathLike | None = None) -> None:
     """The work of one silo: exactly what ``pfuse fit-local --init-seed S`` does (``local_model``:
     the node's own architecture, HBFL's heterogeneous client — chosen by the node, not the server), or,
-    when the run names a base by its SHA-256, what ``pfuse init --from BASE`` + ``fit-local --init`` do with
+    when the run names a base by its SHA-256, what ``pfuse init --base BASE`` + ``fit-local --init`` do with
     the node's own copy ``base`` (node config ``base``), refused in one line unless its SHA-256 is the run's."""
     cfg = settings.fit_config()
     if local_model is not None:

@@ -5,7 +5,7 @@ own copy when it holds one (node config ``base``: a silo that pins its base neve
 else from the copy the server sent once in its train message (run config ``base``: the server's file). Either copy
 is refused in one line unless its SHA-256 is the run's; a sent copy is kept in the node's state folder as
 ``base-<sha256>.safetensors`` (or ``.h5``, a fused global artifact used as the base) and read with the same checks
-as ``pfuse init --from``.
+as ``pfuse init --base``.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ class FitConfig:
                                                  "them orthonormal again, and the recorded error is that of the "
                                                  "stored form).",
                                       choices=VECTOR_DTYPES)
-    finetune: str = setting("all", "What a silo fine-tunes of the init file's pretrained base (`init --from`): all "
+    finetune: str = setting("all", "What a silo fine-tunes of the init file's pretrained base (`init --base`): all "
                                     "(every weight), head (the last module with parameters), last:K (the last K), "
                                     "or lora:R (rank-R adapters on every other Linear/Conv2d, the head trained as "
                                     "it is); the rest stays frozen at the base, bit for bit, and only the trained "

@@ -98,7 +98,7 @@ def _checked_statistics(path: Path, spec: ModelSpec, wanted: dict[str, tuple[int
 
 def write_base(model: torch.nn.Module, path: str | os.PathLike) -> str:
     """Write ``model``'s parameters, by name (``named_parameters()``), as a ``.safetensors`` base for
-    ``pfuse init --from`` (atomically; tensors only, nothing executed on load); returns the file's SHA-256, the base's name everywhere
+    ``pfuse init --base`` (atomically; tensors only, nothing executed on load); returns the file's SHA-256, the base's name everywhere
     downstream. A stock ``nn.MultiheadAttention``'s packed projections are written as they are (the reader
     splits them)."""
     from safetensors.torch import save_file
