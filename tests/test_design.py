@@ -717,6 +717,24 @@ def test_no_two_modules_share_a_name():
     assert not shared, shared
 
 
+def test_a_test_in_a_package_folder_names_the_module_it_tests_by_its_path():
+    """Tests mirror the package: ``tests/<package path>/test_<module>.py`` tests ``posterior_fusion/<package
+    path>/<module>.py`` (``tests/flower/test_transfer.py`` → ``posterior_fusion/flower/transfer.py``), so a
+    test file in a folder whose module does not exist (renamed, moved) is found here; and no two test files share
+    a name (pytest imports them by their names)."""
+    wrong, names = [], {}
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+        folder = p.parent.relative_to(ROOT / "tests")
+        if folder.parts:
+            module = ROOT / "posterior_fusion" / folder / (p.stem.removeprefix("test_") + ".py")
+            if not module.is_file():
+                wrong.append(f"{p.relative_to(ROOT)}: no {module.relative_to(ROOT)}")
+    assert not wrong, wrong
+    assert not {n: ps for n, ps in names.items() if len(ps) > 1}
+    assert (ROOT / "tests" / "flower" / "test_transfer.py").is_file()  # the check has something to check
+
+
 def test_studies_and_benchmarks_import_public_names_that_exist():
     """A study or benchmark reads like a user's script: every name it imports from the package exists (a module
     renamed under it is found here, not when someone reruns it) and none is private (``_name``)."""
