@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -129,7 +130,8 @@ def distill_options(fn):
               help="Unlabeled server data (labels not needed): fedbe's and --distill's distillation set.")
 @click.option("--distill", is_flag=True,
               help="Serve one network: teach it what the fused predictive knows (--distill-recipe), on --unlabeled, "
-                   "or without server inputs on inputs synthesised from the artifacts [default: no distillation].")
+                   "or without server inputs on inputs synthesised from the artifacts; an interrupted run resumes "
+                   "from OUT.distill-partial when run again with the same settings [default: no distillation].")
 @click.option("--distill-recipe", default="consistent", show_default=True, type=click.Choice(RECIPES),
               help="consistent: the teacher on the student's own augmented view at every step, KL at a temperature, "
                    "Adam with a cosine schedule, a moving average (docs/methods.md, \"Distillation\"); without "
@@ -213,6 +215,12 @@ def distill_config(distill: bool, recipe: str, epochs: int | None, given: dict, 
     return cfg
 
 
+def distill_checkpoint(out) -> Path:
+    """Where ``fuse --distill --out OUT`` keeps the teaching's state until OUT is written (``OUT.distill-partial``):
+    a run interrupted before resumes from it (``posterior_fusion/fusion/teaching_checkpoint.py``)."""
+    return Path(str(out) + ".distill-partial")
+
+
 def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                   sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
                   as_json, distill=None, batchnorm_statistics: str = "fold", allow_mixed_privacy: bool = False) -> None:
@@ -225,12 +233,14 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
     inputs, result, meta = fuse(list(clients), method, opts, overrides, val_path, unlabeled, log=log_to_stderr,
                                 robust=robust, max_memory=max_memory, tune=parse_tune(tune),
                                 tune_temperatures=parse_floats(tune_temperatures, "--tune-temperatures"),
-                                tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"), distill=distill)
+                                tune_prior_vars=parse_floats(tune_prior_vars, "--tune-prior-vars"), distill=distill,
+                                distill_checkpoint=distill_checkpoint(out))
     if "tuning" in meta:
         chosen = meta["tuning"]["chosen"]
         say(f"tuned: T={chosen['temperature']} prior_var={chosen['prior_var']} "
                    f"(val accuracy {chosen['val_accuracy']:.4f})")
     write_fused(out, inputs, result, meta)
+    distill_checkpoint(out).unlink(missing_ok=True)
     if as_json:
         echo_json({"out": out, "method": method, "members": len(result.members), "fuse_seconds": meta["fuse_seconds"],
                    "settings": meta["settings"],

@@ -32,6 +32,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
          log=lambda msg: None, robust: bool = False, max_memory: int | str | None = None,
          tune: tuple[str, ...] = (), tune_temperatures=None, tune_prior_vars=None,
          distill: DistillConfig | TeachingConfig | None = None,
+         distill_checkpoint: str | os.PathLike | None = None,
          ) -> tuple[FusionInputs, FusionResult, dict]:
     """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
 
@@ -45,7 +46,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     (:mod:`posterior_fusion.fusion.tuning`). ``distill``: distil the fused ensemble into one
     model — :class:`DistillConfig`, FedBE's recipe on the unlabeled data (:mod:`posterior_fusion.fusion.distill`;
     fedbe distils by itself), or :class:`TeachingConfig`, consistent teaching on the unlabeled data or, without
-    any, on inputs synthesised from the artifacts (:mod:`posterior_fusion.fusion.teaching`).
+    any, on inputs synthesised from the artifacts (:mod:`posterior_fusion.fusion.teaching`);
+    ``distill_checkpoint``: where that teaching keeps its state, and from which an interrupted one resumes
+    (:mod:`posterior_fusion.fusion.teaching_checkpoint`).
     """
     options = options or FusionOptions()
     options.validate()
@@ -108,7 +111,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
             + (f"on {len(unlabeled)} unlabeled inputs" if unlabeled is not None else "without server inputs"))
         w, record = teach_members(inputs.spec, list(result.members), None if unlabeled is None else unlabeled.inputs(),
                                   distill, result.pooling(inputs.spec.num_classes), result.mode_weights,
-                                  inputs.clients, options.progress, log)
+                                  inputs.clients, options.progress, log, distill_checkpoint)
         teachers, result = result, result.distilled(w, record)
         metadata = {**{k: v for k, v in metadata.items() if k not in teachers.info}, **result.info}
         metadata["distill"] = {**record, **({"file": str(unlabeled_path), "sha256": unlabeled.sha256()}

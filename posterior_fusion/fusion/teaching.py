@@ -27,7 +27,9 @@ artifact already. The synthetic set then feeds the consistent recipe.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -35,6 +37,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion import teaching_checkpoint as checkpoints
 from posterior_fusion.fusion.distill_settings import TeachingConfig
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
@@ -94,13 +97,21 @@ def _agreement(student: nn.Module, x: torch.Tensor, target: torch.Tensor) -> flo
 def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: TeachingConfig | None = None,
           pooling: Pooling = AVERAGE, weights: torch.Tensor | None = None, student: ModelSpec | None = None,
           show_progress: bool = True, teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
-          log: Callable[[str], None] = lambda m: None) -> tuple[torch.Tensor, dict]:
+          log: Callable[[str], None] = lambda m: None, checkpoint: str | os.PathLike | None = None,
+          synthetic_key: str | None = None, synthesis: dict | None = None) -> tuple[torch.Tensor, dict]:
     """One network ``(d,)`` of ``student`` (default ``spec``) taught by the members ``(K, d)`` of ``spec``
     combined by ``pooling``, on the inputs ``x`` ``(n, ...)`` (module doc, "Consistent teaching"); and a record
-    (the recipe, the flip decision, the held-out agreement). ``teacher``: any ``x ↦ probabilities`` instead."""
+    (the recipe, the flip decision, the held-out agreement). ``teacher``: any ``x ↦ probabilities`` instead.
+    ``checkpoint``: a file where the run's state is kept every tenth of the schedule and from which an
+    interrupted run of the same recipe, teachers and inputs resumes to the same result
+    (:mod:`~posterior_fusion.fusion.teaching_checkpoint`); ``synthetic_key``: ``x`` was synthesised by the run of
+    that fingerprint, which names the checkpoint, and is kept in it with ``synthesis``, its record."""
     cfg = cfg or TeachingConfig()
     cfg.validate()
     student = student or spec
+    key = synthetic_key or (checkpoints.fingerprint("consistent", cfg.to_json(), spec.to_json(), student.to_json(),
+                                                    repr(pooling), weights, members, x) if checkpoint is not None else "")
+    synthetic = x if synthetic_key else None
     teach_fn = teacher or teacher_probabilities(spec, members, pooling, weights)
     gen = torch.Generator().manual_seed(cfg.seed)
     n = x.shape[0]
@@ -131,8 +142,17 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
     average = parameters_to_vector(model.parameters()).detach().clone()
     T = cfg.temperature
     every = max(1, cfg.steps // 10)
-    bar = progress(range(cfg.steps), "distill (consistent)", show=show_progress)
-    history = []
+    history, done = [], 0
+    resumed = checkpoints.restore(checkpoint, key, model, opt, gen) if checkpoint is not None else None
+    if resumed is not None:
+        done, average, history = resumed
+        sched.last_epoch = done  # the schedule's closed form at the step reached
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * sched.lr_lambdas[0](done)
+        log(f"distill: resuming at step {done} of {cfg.steps} from {checkpoint}")
+    elif synthetic is not None:  # the synthetic inputs are kept before the first step
+        checkpoints.save(checkpoint, key, 0, model, opt, average, gen, history, synthetic, synthesis)
+    bar = progress(range(done, cfg.steps), "distill (consistent)", total=cfg.steps - done, show=show_progress)
     for step in bar:
         idx = torch.randint(0, train_x.shape[0], (min(cfg.batch_size, train_x.shape[0]),), generator=gen)
         view = augment(train_x[idx], cfg, flip, gen, integral)
@@ -154,6 +174,8 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
             agreement = _agreement(probe, held_x, held_top)
             history.append({"step": step + 1, "loss": float(loss.detach()), "agreement": agreement})
             log(f"distill: step {step + 1}/{cfg.steps}, loss {float(loss.detach()):.4f}, held-out agreement {agreement:.4f}")
+            if checkpoint is not None and step + 1 < cfg.steps:
+                checkpoints.save(checkpoint, key, step + 1, model, opt, average, gen, history, synthetic, synthesis)
     return average.detach().clone(), {
         "recipe": "consistent", "config": cfg.to_json(), "start": start, "flip": flip,
         **({"flip_agreement": round(flip_agreement, 6)} if flip_agreement is not None else {}),
@@ -235,15 +257,18 @@ def client_input_moment(client) -> torch.Tensor | None:
 
 
 def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor | None, cfg: TeachingConfig,
-                  pooling: Pooling, weights: torch.Tensor | None, clients=(), show_progress: bool = True, log: Callable[[str], None] = lambda m: None) -> tuple[torch.Tensor, dict]:
+                  pooling: Pooling, weights: torch.Tensor | None, clients=(), show_progress: bool = True,
+                  log: Callable[[str], None] = lambda m: None,
+                  checkpoint: str | os.PathLike | None = None) -> tuple[torch.Tensor, dict]:
     """:func:`teach` on the server's inputs ``x``, or without them (``x`` None) on inputs synthesised from the
     teacher and the ``clients``' first-layer input factors (:func:`synthesise`; one input's shape from ``cfg`` or
-    the clients' records)."""
+    the clients' records). ``checkpoint``: :func:`teach`'s (a data-free run keeps its synthetic inputs there)."""
     import hashlib
 
     teachers = torch.stack([m.float() for m in members])
     teacher = teacher_probabilities(spec, teachers, pooling, weights)
     record: dict = {}
+    synthetic_key = None
     digest = hashlib.sha256(teachers.contiguous().numpy().tobytes()).hexdigest()  # the teachers' weights
     if x is None:
         moments = [client_input_moment(c) for c in clients]
@@ -256,9 +281,17 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
         if input_shape is None:
             raise ConfigError("distillation without server inputs needs one input's shape: the clients record none "
                               "(set the distillation setting input_shape, e.g. 1,28,28)")
-        log(f"synthesising {cfg.synth_size} inputs from the teachers and the clients' first-layer input moments")
-        x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress)
-    w, out = teach(spec, teachers, x, cfg, pooling, weights, show_progress=show_progress, teacher=teacher, log=log)
+        synthetic_key = checkpoints.fingerprint("data-free", cfg.to_json(), spec.to_json(), repr(pooling), weights,
+                                                teachers, moment, list(input_shape))
+        kept = checkpoints.saved_inputs(checkpoint, synthetic_key) if checkpoint is not None else None
+        if kept is not None:
+            log(f"distill: the {len(kept)} synthetic inputs of the interrupted run, from {checkpoint}")
+            x, record = kept, dict(json.loads(checkpoints.metadata(checkpoint)["synthesis"]))
+        else:
+            log(f"synthesising {cfg.synth_size} inputs from the teachers and the clients' first-layer input moments")
+            x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress)
+    w, out = teach(spec, teachers, x, cfg, pooling, weights, show_progress=show_progress, teacher=teacher, log=log,
+                   checkpoint=checkpoint, synthetic_key=synthetic_key if record else None, synthesis=record)
     if record:
         out.update(recipe="data-free", synthesis=record)
     out["teacher_sha256"] = digest
