@@ -163,6 +163,10 @@ def distill_options(fn):
 @click.option("--tune-prior-vars", default="0.01,0.1,1.0", show_default=True, help="Grid of σ0² for --tune.")
 @click.option("--robust", is_flag=True,
               help="Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from the others' median.")
+@click.option("--dry-run", is_flag=True,
+              help="Validate the clients' headers and say what the fusion will hold (artifacts on disk, their data "
+                   "once loaded, the working-set estimate against the memory limit), then stop: nothing is fused or "
+                   "written.")
 @max_memory_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print a JSON summary: out, method, members, fuse_seconds, settings and, where they apply, resolved "
@@ -172,8 +176,8 @@ def distill_options(fn):
 @handle_errors
 def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, distill_recipe, distill_epochs,
              temperature, prior_var, component, sampling_seed, kernel, device, batchnorm_statistics,
-             allow_mixed_privacy, tune, tune_temperatures, tune_prior_vars, robust, max_memory, as_json, legacy,
-             **teaching):
+             allow_mixed_privacy, tune, tune_temperatures, tune_prior_vars, robust, dry_run, max_memory, as_json,
+             legacy, **teaching):
     """Validate client artifacts and fuse them into a global ensemble."""
     from posterior_fusion.fusion import applicable_settings
 
@@ -184,6 +188,21 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
     overrides.update(parse_pairs(set_values))
     if distill_epochs is not None and "distill_epochs" in applicable_settings(method, {"distill_epochs": 0}):
         overrides["distill_epochs"] = distill_epochs
+    if dry_run:
+        from posterior_fusion.fusion.from_files import plan_fusion
+        from posterior_fusion.fusion.from_posteriors import method_settings
+
+        plan = plan_fusion(list(clients), method, method_settings(method, overrides), val_path, unlabeled, max_memory)
+        plan.pop("headers")
+        if as_json:
+            echo_json(plan)
+            return
+        limit = plan["memory_limit_bytes"]
+        say(f"dry run: {plan['clients']} client headers valid; {method} will hold about "
+            f"{plan['memory_estimate_bytes'] / 2**20:.1f} MiB (the clients' data {plan['data_bytes'] / 2**20:.1f} MiB "
+            f"once loaded, {plan['artifact_bytes'] / 2**20:.1f} MiB on disk)"
+            + (f", within the limit of {limit / 2**20:.0f} MiB" if limit else "") + "; nothing fused or written")
+        return
     with output_lock(out, inputs=[*clients, val_path, unlabeled]):
         _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                       sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,
