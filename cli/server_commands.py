@@ -190,10 +190,8 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
         overrides["distill_epochs"] = distill_epochs
     if dry_run:
         from posterior_fusion.fusion.from_files import plan_fusion
-        from posterior_fusion.fusion.from_posteriors import method_settings
 
-        plan = plan_fusion(list(clients), method, method_settings(method, overrides), val_path, unlabeled, max_memory)
-        plan.pop("headers")
+        plan = plan_fusion(list(clients), method, overrides, val_path, unlabeled, max_memory)
         if as_json:
             echo_json(plan)
             return

@@ -124,3 +124,28 @@ def run_measured(args: list[str], timeout: float = 300):
     lines = r.stderr.strip().splitlines()
     return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, "\n".join(lines[:-1]) + "\n" if lines[:-1] else ""), \
         int(lines[-1])
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a deployment test's SuperLink or SuperNode)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process_groups(procs) -> None:
+    """Stop every process started with ``start_new_session=True`` and its children: SIGTERM to each group,
+    then SIGKILL to those still running after 20 s."""
+    import signal
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)

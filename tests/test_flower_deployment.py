@@ -14,7 +14,6 @@ import ipaddress
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="the flower extra is not installed")  # scripts/setup.sh installs it
 
+from conftest import free_port, stop_process_groups  # noqa: E402
 from cryptography import x509  # noqa: E402  (a dependency of flwr)
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
@@ -68,12 +68,6 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
     public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                      serialization.PublicFormat.OpenSSH))
     return private, public
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clientapp_running(runtime_port: int) -> bool:
@@ -176,14 +170,7 @@ def test_superlink_three_tls_supernodes_one_killed_mid_round(tmp_path, fmnist_tr
             time.sleep(1)
         time.sleep(1)  # the atomic write has renamed the file: it is complete
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_process_groups(procs.values())
 
     from posterior_fusion.artifact import load_global
 

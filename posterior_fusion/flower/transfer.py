@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 FILES = "files"  # the ArrayRecord holding a message's files
 
@@ -31,8 +31,6 @@ def files_record(files: Mapping[str, bytes]) -> ArrayRecord:
 def message_content(config_name: str, config: dict, files: Mapping[str, bytes]) -> RecordDict:
     """A message's content: ``config`` (plus each file's SHA-256 and length) as the ConfigRecord
     ``config_name``, the files' bytes in the ``files`` ArrayRecord."""
-    from flwr.app import ConfigRecord
-
     fields = dict(config)
     for name, blob in files.items():
         fields.update(file_fields(name, blob))

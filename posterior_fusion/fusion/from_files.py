@@ -26,23 +26,32 @@ from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionRes
 from posterior_fusion.metrics import evaluate_members
 
 
-def plan_fusion(client_paths: list[str | os.PathLike], method: str, settings: MethodSettings,
-                val_path: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
-                max_memory: int | str | None = None) -> dict:
+def plan_fusion(client_paths: list[str | os.PathLike], method: str | None,
+                settings: MethodSettings | Mapping[str, Any] | None = None, val_path: str | os.PathLike | None = None,
+                unlabeled_path: str | os.PathLike | None = None, max_memory: int | str | None = None) -> dict:
     """What :func:`fuse` will hold, from the headers alone (each client's header validated, no value read):
-    ``{clients, artifact_bytes (on disk), data_bytes (the clients' datasets once loaded), memory_estimate_bytes
-    (the whole fusion's working set, server data included), memory_limit_bytes, headers}``; refused where the
-    estimate exceeds ``max_memory``. ``fuse --dry-run`` prints it."""
+    ``{method, clients, artifact_bytes (on disk), data_bytes (the clients' datasets once loaded),
+    memory_estimate_bytes (the whole fusion's working set, server data included), memory_limit_bytes}``; refused
+    where the estimate exceeds ``max_memory``. ``method`` and ``settings`` as :func:`fuse` takes them.
+    ``fuse --dry-run`` prints it."""
+    if method is None:
+        method, settings = resolve_default(None, None if isinstance(settings, MethodSettings) else settings)
+    return _plan(client_paths, method, method_settings(method, settings), val_path, unlabeled_path, max_memory)[0]
+
+
+def _plan(client_paths, method: str, chosen: MethodSettings, val_path, unlabeled_path,
+          max_memory) -> tuple[dict, list[dict]]:
+    """:func:`plan_fusion`'s record and the clients' validated headers."""
     headers = [declared_bytes(p) for p in client_paths]
     for p, h in zip(client_paths, headers):
         if h["kind"] != "client":
             raise SchemaError(str(p), "expected a client artifact (from fit-local), got a global one", "/")
     data = [silo_header(p) for p in (val_path, unlabeled_path) if p]
-    need = estimate_fuse_bytes(headers, method, settings, sum(h.load_bytes for h in data), sum(h.n for h in data))
+    need = estimate_fuse_bytes(headers, method, chosen, sum(h.load_bytes for h in data), sum(h.n for h in data))
     budget.require(need, f"fusing these {len(headers)} artifacts with {method}", max_memory)
     return {"method": method, "clients": len(headers), "artifact_bytes": sum(os.path.getsize(p) for p in client_paths),
             "data_bytes": sum(h["data_bytes"] for h in headers), "memory_estimate_bytes": need,
-            "memory_limit_bytes": budget.resolve_limit(max_memory), "headers": headers}
+            "memory_limit_bytes": budget.resolve_limit(max_memory)}, headers
 
 
 def fuse(client_paths: list[str | os.PathLike], method: str | None, options: FusionOptions | None = None,
@@ -84,8 +93,8 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     if options.batchnorm_statistics == "reset" and not (unlabeled_path or val_path):
         raise ConfigError("`batchnorm_statistics` reset estimates the fused model's BatchNorm statistics on server "
                           "inputs: give `unlabeled` (or `val`) data")
-    plan = plan_fusion(client_paths, method, chosen, val_path, unlabeled_path, max_memory)
-    headers, need = plan.pop("headers"), plan["memory_estimate_bytes"]
+    plan, headers = _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory)
+    need = plan["memory_estimate_bytes"]
     if options.device == "cuda":  # the GPU's own working set, against what is free on it now
         import torch
 

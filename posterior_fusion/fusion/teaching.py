@@ -291,7 +291,7 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
             log(f"synthesising {cfg.synth_size} inputs from the teachers and the clients' first-layer input moments")
             x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress)
     w, out = teach(spec, teachers, x, cfg, pooling, weights, show_progress=show_progress, teacher=teacher, log=log,
-                   checkpoint=checkpoint, synthetic_key=synthetic_key if record else None, synthesis=record)
+                   checkpoint=checkpoint, synthetic_key=synthetic_key, synthesis=record)
     if record:
         out.update(recipe="data-free", synthesis=record)
     out["teacher_sha256"] = digest

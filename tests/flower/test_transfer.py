@@ -7,7 +7,6 @@ about 10 MiB down in the refresh round and the refreshed artifacts up again — 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("flwr", reason="the flower extra is not installed")  # scripts/setup.sh installs it
+
+from conftest import free_port, stop_process_groups  # noqa: E402
 
 from posterior_fusion.data.silo import SiloData, write_silo  # noqa: E402
 
@@ -47,14 +48,6 @@ flwr.superlink.main.create_app = lambda *a, **k: limited(create_app(*a, **k))
 sys.argv[0] = "flower-superlink"
 flower_superlink()
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses process groups (Linux)")
@@ -114,14 +107,7 @@ def test_artifacts_larger_than_the_message_limit_arrive_bit_for_bit(tmp_path, fm
             time.sleep(1)
         time.sleep(1)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_process_groups(procs.values())
 
     import posterior_fusion
 
