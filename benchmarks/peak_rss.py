@@ -128,7 +128,7 @@ def main() -> None:
         ("fuse (fedbens, 3 clients, 100 steps, --val)", ["fuse", work / "c0.h5", work / "c1.h5", work / "c2.h5",
                                                          "--method", "fedbens", "--set", "steps=100", "--val",
                                                          split / "server_val.h5", "--out", work / "g.h5"]),
-        ("inspect", ["inspect", work / "c0.h5"]),
+        ("inspect", ["inspect", work / "c0.h5", "--validate"]),
         ("predict (map, 10,000 test images)", ["predict", work / "g.h5", "--data", split / "test.h5",
                                                "--out", work / "p.h5"]),
         ("evaluate (map)", ["evaluate", work / "g.h5", "--data", split / "test.h5"]),

@@ -22,15 +22,21 @@ def _num(value, spec: str) -> str:
 
 @click.command("inspect")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the full summary as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (with --validate: the loaded "
+                                                      "artifact's full summary).")
+@click.option("--validate", is_flag=True, help="Also read and check every value as fuse reads the file (the model "
+                                               "spec against the layout, finiteness, factor symmetry, the privacy "
+                                               "record against Opacus' accountant); imports torch.")
 @max_memory_option
 @handle_errors
-def inspect_cmd(file, as_json, max_memory):
-    """Summarise an artifact (model, layout, structure, sizes, metadata) and validate it.
+def inspect_cmd(file, as_json, validate, max_memory):
+    """Summarise an artifact (model, layout, structure, sizes, metadata) from its header.
 
-    The summary comes from the header at once (torch is not needed for it); then the whole file,
-    values included, is validated as fuse would — a bad file still ends with one line and exit 2.
-    A data file (from import-data or partition) is described too: samples, shape, classes, transform."""
+    The header is read without torch, at once: its attributes typed and size-capped, every HDF5
+    object a plain group or dataset on the schema's paths. --validate then checks the whole file,
+    values included, as fuse reads it. A bad file ends with one line and exit 2 either way.
+    A data file (from import-data or partition) is described and validated whole: samples, shape,
+    classes, transform."""
     from posterior_fusion.data.silo import describe_data, is_data_file
 
     if is_data_file(file):
@@ -49,13 +55,16 @@ def inspect_cmd(file, as_json, max_memory):
         say(f"input transform: {'; '.join(parts)}")
         say("validated: the whole file, values included")
         return
-    if as_json:
+    if as_json and validate:
         from posterior_fusion.artifact import load
         from posterior_fusion.summary import summarize
 
         echo_json(summarize(load(file, max_memory)))
         return
     s = preview(file)
+    if as_json:
+        echo_json({**s, "validated": "header"})
+        return
     say(f"{s['file']}  ({s['kind']} artifact, {_bytes(s['file_bytes'])}, sha256 {s['sha256'][:16]}…)")
     tuned = f"  fine-tuning {s['model']['finetune']} of a base (frozen weights stored once)" \
         if s["model"].get("finetune") else ""
@@ -123,6 +132,9 @@ def inspect_cmd(file, as_json, max_memory):
         for key in sorted(meta):
             if key not in ("history",):
                 say(f"  {key}: {meta[key]}")
+    if not validate:
+        say("checked: the header and the file's structure (--validate checks every value as fuse reads them)")
+        return
     from posterior_fusion.artifact import load  # imports torch: after the summary is on screen
 
     art = load(file, max_memory)

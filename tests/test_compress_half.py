@@ -190,7 +190,7 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
     with h5py.File(paths["float32"]) as f:
         assert "compress_vectors" not in json.loads(f.attrs["metadata"])
     assert paths["float16"].stat().st_size < paths["float32"].stat().st_size
-    shown = CliRunner().invoke(pfuse, ["inspect", str(paths["float16"])])
+    shown = CliRunner().invoke(pfuse, ["inspect", str(paths["float16"]), "--validate"])
     assert shown.exit_code == 0 and "compressed: budget 0.05 (precision), eigenvectors float16" in shown.output
     from posterior_fusion.artifact.reader import declared_bytes
 
@@ -226,7 +226,7 @@ def test_float16_elsewhere_is_refused_in_one_line(tmp_path, dataset, dtype):
         data = f[where][...]
         del f[where]
         f.create_dataset(where, data=data.astype(dtype))
-    r = CliRunner().invoke(pfuse, ["inspect", str(path)])
+    r = CliRunner().invoke(pfuse, ["inspect", str(path), "--validate"])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "dtype" in r.stderr and dataset in r.stderr, r.stderr
 
 
@@ -239,7 +239,7 @@ def test_a_half_count_beyond_the_rank_is_refused_in_one_line(tmp_path):
         blocks = json.loads(grp.attrs["blocks"])
         blocks[0]["half"] = [0, blocks[0]["rank"][1] + 1]
         grp.attrs["blocks"] = text_attr(json.dumps(blocks))
-    r = CliRunner().invoke(pfuse, ["inspect", str(path)])
+    r = CliRunner().invoke(pfuse, ["inspect", str(path), "--validate"])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "half" in r.stderr, r.stderr
 
 

@@ -56,7 +56,7 @@ def test_the_recorded_guarantee_is_opacus_accountant_on_the_recorded_mechanisms(
     # what is released: noisy counts summing to n_data, no data hash, no training loss or accuracy
     assert sum(art.metadata["class_counts"]) == art.n_data and "data_sha256" not in art.metadata
     assert all("final_loss" not in c.training for c in art.components)
-    shown = _run("inspect", tmp_path / "a.h5")
+    shown = _run("inspect", tmp_path / "a.h5", "--validate")
     assert "differential privacy, as recorded (checked below): (ε, δ)" in shown.output
     assert "under Opacus' accountant" in shown.output
     # fresh noise: a second run of the same command releases other values
@@ -158,7 +158,7 @@ def test_a_private_fedppd_student_is_in_the_accounted_release(tmp_path, small_si
     for c in art.components:
         assert c.student is not None and c.training["ppd_samples"] == kept
         assert c.training["ppd_chain_excess_noise"] >= 0 and not torch.equal(c.student, c.map)
-    assert "ppd chain" in _run("inspect", paths[0]).output
+    assert "ppd chain" in _run("inspect", paths[0], "--validate").output
     r = _run("fuse", *paths, "--method", "fedppd", "--out", tmp_path / "g.h5")
     assert r.exit_code == 0, r.output
 
@@ -552,7 +552,7 @@ def test_privacy_records_are_read_as_a_schema_and_checked_against_what_they_clai
     for name, (edit, words) in cases.items():
         path = forged(name, edit)
         for args in (("fuse", path, tmp_path / "honest.h5", "--method", "fedavg", "--allow-mixed-privacy",
-                      "--out", tmp_path / "g.h5"), ("inspect", path)):
+                      "--out", tmp_path / "g.h5"), ("inspect", path, "--validate")):
             r = _run(*args)
             errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
             assert r.exit_code == 2 and len(errors) == 1 and words in errors[0] and path.name in errors[0], (name, r.output)

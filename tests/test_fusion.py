@@ -1135,7 +1135,7 @@ def test_server_prior_evidence_global_artifact_round_trip(tmp_path, fitted):
         m = json.loads(bytes(f.attrs["metadata"]).decode())
         m["laplace"]["prior_precision"] = lam[:-1]
         f.attrs["metadata"] = text_attr(json.dumps(m))
-    r = CliRunner().invoke(pfuse, ["inspect", str(bad)])
+    r = CliRunner().invoke(pfuse, ["inspect", str(bad), "--validate"])
     assert r.exit_code == 2 and "laplace.prior_precision" in r.stderr and str(bad) in r.stderr
     assert r.stderr.count("\n") == 1
 

@@ -226,7 +226,7 @@ def test_entry_point_plugin_end_to_end_and_refused_when_missing(tmp_path, digits
         ModelSpec("tinynet", {"evil": 1})
     # without the package installed: one line, naming what to install
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(site)])
-    for cmd in (["inspect", tmp_path / "p0.h5"], ["fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--out", tmp_path / "h.h5"]):
+    for cmd in (["inspect", tmp_path / "p0.h5", "--validate"], ["fuse", tmp_path / "p0.h5", tmp_path / "p1.h5", "--out", tmp_path / "h.h5"]):
         r = cli(*cmd)
         assert r.exit_code == 2 and "tinyplug==0.3" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 

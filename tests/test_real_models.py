@@ -502,7 +502,7 @@ def test_hostile_compressed_blocks_are_one_line(tmp_path):
     meta = {"n_data": 10, "class_counts": [3, 3, 4], "temperature": 0.1, "prior_precision": 10.0, "structure": "kron"}
     good = tmp_path / "good.h5"
     write_client_artifact(good, spec, layout, meta, [comp], Compression(0.3))
-    assert CliRunner().invoke(pfuse, ["inspect", str(good)]).exit_code == 0
+    assert CliRunner().invoke(pfuse, ["inspect", str(good), "--validate"]).exit_code == 0
 
     def broken(name, edit_header=None, edit_data=None):
         path = tmp_path / f"{name}.h5"
@@ -536,7 +536,7 @@ def test_hostile_compressed_blocks_are_one_line(tmp_path):
     cases["curvature too large "] = broken("edge", edit_data=lambda grp: grp["lowrank_A_values"].__setitem__(0, 3e38))
     for needle, path in cases.items():
         needle = needle.strip()
-        r = CliRunner().invoke(pfuse, ["inspect", str(path)])
+        r = CliRunner().invoke(pfuse, ["inspect", str(path), "--validate"])
         assert r.exit_code == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, (needle, r.stderr)
 
 
@@ -595,7 +595,7 @@ def test_the_default_compression_keeps_every_precision_eigenvalue_within_its_bud
             assert row["precision_metric_is_bound"]
             assert all(bound >= a * (1 - 1e-9) for bound, a in zip(row["precision_metric"], actual)), (row, actual)
             assert max(actual) > 10 * budget  # the Frobenius budget does not bound what fusion sees
-        text = CliRunner().invoke(pfuse, ["inspect", str(path)])
+        text = CliRunner().invoke(pfuse, ["inspect", str(path), "--validate"])
         assert text.exit_code == 0 and "1.weight" in text.output and "precision B" in text.output, text.output
     lo, hi = spread["precision"]
     assert (1 - budget) ** 2 - 1e-6 <= lo and hi <= (1 + budget) ** 2 + 1e-6, spread

@@ -95,7 +95,7 @@ def test_fifo_target_is_refused_without_hanging(tmp_path, kron_artifact):
     os.mkfifo(fifo)
     bad = replace_map(kron_artifact, tmp_path / "fifo.h5",
                       lambda g, n: g.create_dataset("map", shape=(n,), dtype="f4", external=[(str(fifo), 0, 4 * n)]))
-    proc, seconds = run_cli_subprocess("inspect", str(bad))
+    proc, seconds = run_cli_subprocess("inspect", str(bad), "--validate")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "external raw storage" in proc.stderr
     assert seconds < 60
 
@@ -159,7 +159,7 @@ def test_memory_budget_applies_to_every_reader(tmp_path, kron_artifact, small_si
     write_silo(tmp_path / "s.h5", small_silo)
     with pytest.raises(ResourceLimitError, match="reading"):
         read_silo(tmp_path / "s.h5", max_memory="10K")
-    for args in (["inspect", str(kron_artifact)], ["fit-local", "--data", str(tmp_path / "s.h5"), "--out",
+    for args in (["inspect", str(kron_artifact), "--validate"], ["fit-local", "--data", str(tmp_path / "s.h5"), "--out",
                                                    str(tmp_path / "o.h5")]):
         r = CliRunner().invoke(pfuse, [*args, "--max-memory", "1K"])
         assert r.exit_code == 2 and "over the limit" in r.stderr and r.stderr.count("\n") == 1
@@ -199,7 +199,7 @@ def test_metadata_is_typed_and_range_checked(tmp_path, kron_artifact, case):
     with pytest.raises(SchemaError, match=needle) as info:
         posterior_fusion.load(bad)
     assert str(info.value).startswith(str(bad)) and "[/]" in str(info.value)
-    r = CliRunner().invoke(pfuse, ["inspect", str(bad)])
+    r = CliRunner().invoke(pfuse, ["inspect", str(bad), "--validate"])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
 
 
@@ -208,7 +208,7 @@ def test_training_record_of_the_wrong_type_is_refused(tmp_path, kron_artifact):
     shutil.copy(kron_artifact, bad)
     with h5py.File(bad, "r+") as f:
         f["/components/0"].attrs["training"] = text_attr(json.dumps({"final_loss": "low"}))
-    r = CliRunner().invoke(pfuse, ["inspect", str(bad)])
+    r = CliRunner().invoke(pfuse, ["inspect", str(bad), "--validate"])
     assert r.exit_code == 2 and "final_loss" in r.stderr and "/components/0" in r.stderr
 
 

@@ -397,7 +397,7 @@ def test_weights_beyond_the_declared_bound_and_featureless_imports_are_one_line(
         bad.write_bytes((tmp_path / "c.h5").read_bytes())
         with h5py.File(bad, "r+") as f:
             f[f"components/0/{name}"][0] = 3e38
-        r = CliRunner().invoke(pfuse, ["inspect", str(bad)])
+        r = CliRunner().invoke(pfuse, ["inspect", str(bad), "--validate"])
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 2 and len(lines) == 1 and f"/components/0/{name}" in lines[0], r.output
         assert f"beyond {WEIGHT_MAX:g}" in lines[0]

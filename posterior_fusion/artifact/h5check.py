@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,6 +81,37 @@ class Checker:
             return bytes(obj.attrs[name]).decode("utf-8")
         except UnicodeDecodeError:
             raise self.bad_schema(where, f"attribute {name!r} is not valid UTF-8") from None
+
+    def walk(self, f: h5py.File, pattern: re.Pattern) -> set[str]:
+        """All object paths in the file; refuses soft and external links, paths ``pattern`` does not match,
+        objects other than groups and datasets, and more objects than a schema-sized file holds."""
+        found: set[str] = set()
+        stack = ["/"]
+        while stack:
+            gpath = stack.pop()
+            group = f[gpath]
+            for key in group.keys():
+                full = (gpath.rstrip("/") + "/" + key)
+                link = group.get(key, getlink=True)
+                if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
+                    raise self.bad_schema(full, f"{type(link).__name__} not allowed (only plain groups and datasets)")
+                if not pattern.match(full):
+                    raise self.bad_schema(full, "path not allowed by the schema")
+                if len(found) > 4 * schema.MAX_BLOCKS * 4:
+                    raise self.bad_schema(full, "too many objects in the file")
+                found.add(full)
+                obj = group.get(key)
+                if isinstance(obj, h5py.Group):
+                    stack.append(full)
+                elif not isinstance(obj, h5py.Dataset):
+                    raise self.bad_schema(full, "unsupported HDF5 object type")
+        return found
+
+    def root_attributes(self, f: h5py.File) -> None:
+        """Refuses root attributes the schema does not name."""
+        extra = set(f.attrs.keys()) - schema.ROOT_ATTRS
+        if extra:
+            raise self.bad_schema("/", f"unexpected root attributes: {', '.join(sorted(extra))[:200]}")
 
     def json_attr(self, obj: h5py.HLObject, name: str, where: str) -> Any:
         return parse_json(self.attr(obj, name, where, "text"), where, name)

@@ -1,7 +1,9 @@
-"""What an artifact says about itself, read from its header without importing torch (the first
-lines of ``pfuse inspect``, printed in well under a second). Attributes go through the same
-typed, size-capped readers and strict JSON as the full reader; nothing here is a validation —
-``pfuse inspect`` validates the whole file (values included) right after printing this.
+"""What an artifact says about itself, read from its header without importing torch (``pfuse
+inspect``, well under a second). Attributes go through the same typed, size-capped readers and
+strict JSON as the full reader, and the file's structure is checked as the reader checks it (every
+object a plain group or dataset on the schema's paths, no links, the root attributes the schema
+names, the privacy records' schema); the model spec against the layout and the values are not —
+``pfuse inspect --validate`` (the reader, :func:`posterior_fusion.artifact.load`) checks those.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def preview(path: str | os.PathLike) -> dict[str, Any]:
         if version not in schema.READABLE_VERSIONS:
             raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported", "/")
         kind = chk.attr(f, "artifact_kind", "/", "text")
+        if kind not in (schema.KIND_CLIENT, schema.KIND_GLOBAL):
+            raise chk.bad_schema("/", f"artifact_kind {kind[:100]!r} must be 'client' or 'global'")
+        chk.root_attributes(f)
+        pattern = schema.client_path_re if kind == schema.KIND_CLIENT else schema.global_path_re
+        chk.walk(f, pattern(schema.ANY_DATASET_NAME))
         model = chk.json_attr(f, "model_spec", "/")
         layout = chk.json_attr(f, "layout", "/")
         meta = chk.json_attr(f, "metadata", "/")

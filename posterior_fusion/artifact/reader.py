@@ -70,31 +70,6 @@ from posterior_fusion.posterior import (
 )
 
 
-def _walk(chk: _Checker, f: h5py.File, pattern) -> set[str]:
-    """All object paths in the file; rejects soft/external links and non-whitelisted paths."""
-    found: set[str] = set()
-    stack = ["/"]
-    while stack:
-        gpath = stack.pop()
-        group = f[gpath]
-        for key in group.keys():
-            full = (gpath.rstrip("/") + "/" + key)
-            link = group.get(key, getlink=True)
-            if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
-                raise chk.bad_schema(full, f"{type(link).__name__} not allowed (only plain groups and datasets)")
-            if not pattern.match(full):
-                raise chk.bad_schema(full, "path not allowed by the schema")
-            if len(found) > 4 * schema.MAX_BLOCKS * 4:
-                raise chk.bad_schema(full, "too many objects in the file")
-            found.add(full)
-            obj = group.get(key)
-            if isinstance(obj, h5py.Group):
-                stack.append(full)
-            elif not isinstance(obj, h5py.Dataset):
-                raise chk.bad_schema(full, "unsupported HDF5 object type")
-    return found
-
-
 def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayout, dict]:
     for name in ("format", "format_version", "artifact_kind"):
         if name not in f.attrs:
@@ -109,9 +84,7 @@ def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayou
     if version not in schema.READABLE_VERSIONS:
         raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported (this reader knows "
                                                 f"{', '.join(map(str, schema.READABLE_VERSIONS))})", "/")
-    extra = set(f.attrs.keys()) - schema.ROOT_ATTRS
-    if extra:
-        raise chk.bad_schema("/", f"unexpected root attributes: {', '.join(sorted(extra))[:200]}")
+    chk.root_attributes(f)
     kind = chk.attr(f, "artifact_kind", "/", "text")
     if kind not in (schema.KIND_CLIENT, schema.KIND_GLOBAL):
         raise chk.bad_schema("/", f"artifact_kind {kind[:100]!r} must be 'client' or 'global'")
@@ -172,7 +145,7 @@ def _client_plan(chk: _Checker, f: h5py.File, spec: ModelSpec, layout: Parameter
                  meta: dict) -> tuple[ClientMetadata, list[ComponentRecord]]:
     """Phase 1 for a client artifact: typed metadata and component records; reads no data."""
     typed = ClientMetadata.parse(meta, spec.num_classes)
-    paths = _walk(chk, f, schema.client_path_re())
+    paths = chk.walk(f, schema.client_path_re())
     d = layout.dim
     records: list[ComponentRecord] = []
     for i in range(typed.num_components):
@@ -265,7 +238,7 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dic
     n = meta.get("num_members")
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= schema.MAX_MEMBERS:
         raise chk.bad_schema("/", f"metadata num_members must be an integer in [1, {schema.MAX_MEMBERS}]")
-    paths = _walk(chk, f, schema.global_path_re())
+    paths = chk.walk(f, schema.global_path_re())
     expected = {"/members"} | {f"/members/{i}" for i in range(n)} | {f"/members/{i}/weights" for i in range(n)}
     if "/frozen" in f:  # the frozen weights of a fine-tuning spec: checked with the header (_header)
         expected.add("/frozen")
@@ -322,7 +295,7 @@ def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
     """Bytes of every dataset once loaded (float16 eigenvectors are held as float32)."""
     pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.global_path_re()
     return sum(f[p].size * max(f[p].dtype.itemsize, 4 if f[p].dtype.kind == "f" else 1)
-               for p in _walk(chk, f, pattern) if isinstance(f[p], h5py.Dataset))
+               for p in chk.walk(f, pattern) if isinstance(f[p], h5py.Dataset))
 
 
 def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:

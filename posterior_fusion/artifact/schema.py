@@ -46,8 +46,12 @@ def _dataset_names() -> str:
     return "|".join(sorted({re.escape(n) for enc in ENCODINGS.values() for n in enc.dataset_names}))
 
 
-def global_path_re() -> re.Pattern:
-    """The whitelist of global-artifact paths (members, and optionally their Laplace curvature)."""
+ANY_DATASET_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,39}"  # the header preview's curvature dataset names (torch-free)
+
+
+def global_path_re(names: str | None = None) -> re.Pattern:
+    """The whitelist of global-artifact paths (members, and optionally their Laplace curvature); ``names``:
+    a pattern for the curvature dataset names (default: exactly the block-type table's)."""
     return re.compile("^(" + "|".join([
         r"/frozen",
         r"/members",
@@ -55,13 +59,14 @@ def global_path_re() -> re.Pattern:
         rf"/members/{_IDX}/weights",
         rf"/members/{_IDX}/curvature",
         rf"/members/{_IDX}/curvature/{_IDX}",
-        rf"/members/{_IDX}/curvature/{_IDX}/({_dataset_names()})",
+        rf"/members/{_IDX}/curvature/{_IDX}/({names or _dataset_names()})",
     ]) + ")$")
 
 
-def client_path_re() -> re.Pattern:
-    """The whitelist of client-artifact paths; curvature dataset names come from the block-type table."""
-    names = _dataset_names()
+def client_path_re(names: str | None = None) -> re.Pattern:
+    """The whitelist of client-artifact paths; curvature dataset names come from the block-type table (or
+    match ``names``)."""
+    names = names or _dataset_names()
     return re.compile("^(" + "|".join([
         r"/prior_mean",
         r"/frozen",
