@@ -121,7 +121,8 @@ def distill_options(fn):
                    "e.g. --set steps=300 --set adam_lr=1e-3 [default: the method's defaults].")
 @click.option("--help-method", callback=show_method_help, expose_value=False, is_eager=True, metavar="NAME",
               help="Describe a method and list its settings with their defaults, then exit.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output global artifact (HDF5).")
+@click.option("--out", type=click.Path(dir_okay=False), help="Output global artifact (HDF5); required unless "
+                                                            "--dry-run.")
 @click.option("--val", "val_path", default=None, type=click.Path(dir_okay=False),
               help="Server validation data: Adam keeps its best validation iterate per mode [default: none; Adam "
                    "then keeps its best objective, and fedbens' default solver=auto on kron curvature runs its "
@@ -190,17 +191,22 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
         overrides["distill_epochs"] = distill_epochs
     if dry_run:
         from posterior_fusion.fusion.from_files import plan_fusion
+        from posterior_fusion.fusion.tuning import parse_tune
 
-        plan = plan_fusion(list(clients), method, overrides, val_path, unlabeled, max_memory)
+        plan = plan_fusion(list(clients), method, overrides, val_path, unlabeled, max_memory, robust, parse_tune(tune),
+                           distill_config(distill, distill_recipe, distill_epochs, teaching, unlabeled))
         if as_json:
             echo_json(plan)
             return
         limit = plan["memory_limit_bytes"]
         say(f"dry run: {plan['clients']} client headers valid; {method} will hold about "
             f"{plan['memory_estimate_bytes'] / 2**20:.1f} MiB (the clients' data {plan['data_bytes'] / 2**20:.1f} MiB "
-            f"once loaded, {plan['artifact_bytes'] / 2**20:.1f} MiB on disk)"
+            f"once loaded, {plan['artifact_bytes'] / 2**20:.1f} MiB on disk"
+            + ("" if plan["curvature_kept"] else "; their curvature checked block by block, not kept") + ")"
             + (f", within the limit of {limit / 2**20:.0f} MiB" if limit else "") + "; nothing fused or written")
         return
+    if out is None:
+        raise click.UsageError("Missing option '--out'.")
     with output_lock(out, inputs=[*clients, val_path, unlabeled]):
         _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperature, prior_var, component,
                       sampling_seed, kernel, device, tune, tune_temperatures, tune_prior_vars, robust, max_memory,

@@ -93,11 +93,12 @@ def build_model(spec: ModelSpec, weights: torch.Tensor) -> nn.Module:
 
 @dataclass(frozen=True)
 class Component:
-    """One mixture component of a client posterior: MAP ``(d,)`` and raw curvature ``G``."""
+    """One mixture component of a client posterior: MAP ``(d,)`` and raw curvature ``G`` (None where it was
+    read without it: ``load(…, keep_curvature=False)``)."""
 
     index: int
     map: torch.Tensor
-    curvature: BlockDiag
+    curvature: BlockDiag | None
     training: Mapping[str, Any]
     temperature: float
     prior_precision: float
@@ -107,6 +108,8 @@ class Component:
 
     def precision(self, temperature: float | None = None, prior_precision: float | None = None) -> BlockDiag:
         """``Λ = G / T + λ0 I`` (defaults: the client's T and λ0)."""
+        if self.curvature is None:
+            raise RuntimeError("this component was loaded without its curvature (keep_curvature=False)")
         t = self.temperature if temperature is None else temperature
         lam = self.prior_precision if prior_precision is None else prior_precision
         return self.curvature.precision(t, lam)

@@ -209,13 +209,14 @@ def variance_mask(spec: ModelSpec) -> torch.Tensor:
 
 
 def _client(chk: _Checker, f: h5py.File, typed: ClientMetadata, records: list[ComponentRecord],
-            spec: ModelSpec) -> list[Component]:
-    """Phase 2 for a client artifact: read and check values; each block is rebuilt by its class."""
+            spec: ModelSpec, keep_curvature: bool = True) -> list[Component]:
+    """Phase 2 for a client artifact: read and check values; each block is rebuilt by its class (and, without
+    ``keep_curvature``, dropped once checked)."""
     comps = []
     for r in records:
         base = f"/components/{r.index}"
         w = _read(chk, f[f"{base}/map"], f"{base}/map", WEIGHT_MAX)
-        curvature = _blocks(chk, f, f"{base}/curvature", r.blocks)
+        curvature = _blocks(chk, f, f"{base}/curvature", r.blocks, keep=keep_curvature)
         swag = None
         if r.swag_rank is not None:
             swag = SwagMoments(*(_read(chk, f[f"{base}/swag/{n}"], f"{base}/swag/{n}")
@@ -267,19 +268,23 @@ def _global_plan(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dic
 
 
 def _blocks(chk: _Checker, f: h5py.File, base: str, records: tuple[BlockRecord, ...],
-            limit: float = CURVATURE_MAX) -> BlockDiag:
+            limit: float = CURVATURE_MAX, keep: bool = True) -> BlockDiag | None:
     """Read and check the curvature blocks under ``base`` (each rebuilt by its class, its largest
-    eigenvalue within ``limit``: :func:`~posterior_fusion.artifact.blocks.check_curvature_scale`)."""
+    eigenvalue within ``limit``: :func:`~posterior_fusion.artifact.blocks.check_curvature_scale`); ``keep``
+    False: each block is dropped once checked (one block held at a time) and None returned."""
     parts: list[Precision] = []
     for j, b in enumerate(records):
         where = f"{base}/{j}"
         tensors = {name: _read(chk, f[f"{where}/{name}"], f"{where}/{name}") for name in b.datasets}
         try:
-            parts.append(ENCODINGS[b.kind].decode(tensors, {**b.fields, "size": b.size}))
-            check_curvature_scale(parts[-1], limit)
+            block = ENCODINGS[b.kind].decode(tensors, {**b.fields, "size": b.size})
+            check_curvature_scale(block, limit)
         except BlockValueError as exc:
             raise chk.bad_value(f"{where}/{exc.name}", exc.message) from None
-    return BlockDiag(parts)
+        if keep:
+            parts.append(block)
+        del tensors, block
+    return BlockDiag(parts) if keep else None
 
 
 def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict,
@@ -291,18 +296,25 @@ def _global(chk: _Checker, f: h5py.File, layout: ParameterLayout, meta: dict,
     return members, [_blocks(chk, f, f"/members/{i}/curvature", r, GLOBAL_CURVATURE_MAX) for i, r in enumerate(records)]
 
 
-def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
-    """Bytes of every dataset once loaded (float16 eigenvectors are held as float32)."""
+def _dataset_bytes(chk: _Checker, f: h5py.File, kind: str) -> dict[str, int]:
+    """Each dataset's bytes once loaded (float16 eigenvectors are held as float32), by path."""
     pattern = schema.client_path_re() if kind == schema.KIND_CLIENT else schema.global_path_re()
-    return sum(f[p].size * max(f[p].dtype.itemsize, 4 if f[p].dtype.kind == "f" else 1)
-               for p in chk.walk(f, pattern) if isinstance(f[p], h5py.Dataset))
+    return {p: f[p].size * max(f[p].dtype.itemsize, 4 if f[p].dtype.kind == "f" else 1)
+            for p in chk.walk(f, pattern) if isinstance(f[p], h5py.Dataset)}
+
+
+def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
+    """Bytes of every dataset once loaded."""
+    return sum(_dataset_bytes(chk, f, kind).values())
 
 
 def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
     """Validate an artifact's header (phase 1 only) and report its size without reading data.
 
-    Returns ``{"kind", "num_params", "num_components", "num_classes", "data_bytes", "dense_bytes"}``, where
-    ``data_bytes`` is the in-memory size of every dataset once loaded and ``dense_bytes`` adds, for every
+    Returns ``{"kind", "num_params", "num_components", "num_classes", "data_bytes", "dense_bytes",
+    "curvature_bytes", "largest_block_bytes"}``, where ``data_bytes`` is the in-memory size of every dataset once
+    loaded (``curvature_bytes`` of them the client components' curvature, ``largest_block_bytes`` its largest
+    block's) and ``dense_bytes`` adds, for every
     compressed Kronecker block, its two factors as dense float32 matrices (what a method or predictive that
     rebuilds, decomposes or stacks them holds: the working-set estimates count it).
     """
@@ -314,15 +326,27 @@ def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
         else:
             records = _global_plan(chk, f, layout, meta, spec.num_classes)[1] or []
             blocks = [b for r in records for b in r]
-        total = _data_bytes(chk, f, kind)
+        sizes = _dataset_bytes(chk, f, kind)
+    total = sum(sizes.values())
+    blocks_bytes: dict[str, int] = {}
+    for p, n in sizes.items():  # /components/<i>/curvature/<j>/<name>
+        parts = p.split("/")
+        if len(parts) == 6 and parts[1] == "components" and parts[3] == "curvature":
+            blocks_bytes["/".join(parts[:5])] = blocks_bytes.get("/".join(parts[:5]), 0) + n
     # a compact Kronecker block as the methods and predictives that rebuild or decompose it hold it: two dense factors
     dense = sum(4 * (b.fields["shape"][0] ** 2 + b.fields["shape"][1] ** 2) for b in blocks if b.kind == "kron_lowrank")
     return {"kind": kind, "num_params": layout.dim, "num_components": meta.get("num_components", meta.get("num_members")),
-            "num_classes": spec.num_classes, "data_bytes": total, "dense_bytes": total + dense}
+            "num_classes": spec.num_classes, "data_bytes": total, "dense_bytes": total + dense,
+            "curvature_bytes": sum(blocks_bytes.values()), "largest_block_bytes": max(blocks_bytes.values(), default=0)}
 
 
-def load(path: str | os.PathLike, max_memory: int | str | None = None) -> ClientPosterior | GlobalEnsemble:
+def load(path: str | os.PathLike, max_memory: int | str | None = None,
+         keep_curvature: bool = True) -> ClientPosterior | GlobalEnsemble:
     """Validate and load an artifact; returns :class:`ClientPosterior` or :class:`GlobalEnsemble`.
+
+    ``keep_curvature`` False (a client artifact): every curvature block is read and checked as always, then
+    dropped — the components' ``curvature`` is None (what a fusion that reads no curvature loads: one block
+    in memory at a time instead of the whole artifact's).
 
     The header is validated and the bytes the load would allocate are checked against the
     memory budget (``max_memory``, default 80% of available memory; see
@@ -344,7 +368,7 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
             _global_plan(chk, f, layout, meta, spec.num_classes)
         budget.require(2 * _data_bytes(chk, f, kind), f"loading {path}", max_memory)
         if plan is not None:
-            comps = _client(chk, f, *plan, spec)
+            comps = _client(chk, f, *plan, spec, keep_curvature)
             prior_mean = _read(chk, f["/prior_mean"], "/prior_mean", WEIGHT_MAX) if "/prior_mean" in f else None
         else:
             members, precisions = _global(chk, f, layout, meta, spec.num_classes)
@@ -356,9 +380,10 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None) -> Client
                           None if precisions is None else tuple(precisions))
 
 
-def load_client(path: str | os.PathLike, max_memory: int | str | None = None) -> ClientPosterior:
+def load_client(path: str | os.PathLike, max_memory: int | str | None = None,
+                keep_curvature: bool = True) -> ClientPosterior:
     """:func:`load`, insisting on a client artifact."""
-    art = load(path, max_memory)
+    art = load(path, max_memory, keep_curvature)
     if not isinstance(art, ClientPosterior):
         raise SchemaError(str(path), "expected a client artifact (from fit-local), got a global one", "/")
     return art

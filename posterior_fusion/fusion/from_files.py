@@ -28,29 +28,47 @@ from posterior_fusion.metrics import evaluate_members
 
 def plan_fusion(client_paths: list[str | os.PathLike], method: str | None,
                 settings: MethodSettings | Mapping[str, Any] | None = None, val_path: str | os.PathLike | None = None,
-                unlabeled_path: str | os.PathLike | None = None, max_memory: int | str | None = None) -> dict:
+                unlabeled_path: str | os.PathLike | None = None, max_memory: int | str | None = None,
+                robust: bool = False, tune: tuple[str, ...] = (),
+                distill: DistillConfig | TeachingConfig | None = None) -> dict:
     """What :func:`fuse` will hold, from the headers alone (each client's header validated, no value read):
     ``{method, clients, artifact_bytes (on disk), data_bytes (the clients' datasets once loaded),
+    curvature_kept (whether the clients' curvature stays in memory: :func:`keeps_curvature`),
     memory_estimate_bytes (the whole fusion's working set, server data included), memory_limit_bytes}``; refused
-    where the estimate exceeds ``max_memory``. ``method`` and ``settings`` as :func:`fuse` takes them.
-    ``fuse --dry-run`` prints it."""
+    where the estimate exceeds ``max_memory``. The arguments as :func:`fuse` takes them. ``fuse --dry-run``
+    prints it."""
     if method is None:
         method, settings = resolve_default(None, None if isinstance(settings, MethodSettings) else settings)
-    return _plan(client_paths, method, method_settings(method, settings), val_path, unlabeled_path, max_memory)[0]
+    chosen = method_settings(method, settings)
+    keep = keeps_curvature(method, chosen, robust, tune, distill, unlabeled_path)
+    return _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep)[0]
+
+
+def keeps_curvature(method: str, chosen: MethodSettings, robust: bool = False, tune: tuple[str, ...] = (),
+                    distill: DistillConfig | TeachingConfig | None = None,
+                    unlabeled_path: str | os.PathLike | None = None) -> bool:
+    """Whether a fusion holds the clients' curvature: the method reads it with these settings
+    (:attr:`~posterior_fusion.fusion.types.FusionMethod.uses_curvature`), or ``robust`` screening, ``tune`` or
+    data-free teaching (the first layer's recorded input factor) does. Where not, each curvature block is read
+    and checked, then dropped."""
+    data_free = isinstance(distill, TeachingConfig) and not unlabeled_path
+    return get_method(method).uses_curvature(chosen) or robust or bool(tune) or data_free
 
 
 def _plan(client_paths, method: str, chosen: MethodSettings, val_path, unlabeled_path,
-          max_memory) -> tuple[dict, list[dict]]:
+          max_memory, keep_curvature: bool = True) -> tuple[dict, list[dict]]:
     """:func:`plan_fusion`'s record and the clients' validated headers."""
     headers = [declared_bytes(p) for p in client_paths]
     for p, h in zip(client_paths, headers):
         if h["kind"] != "client":
             raise SchemaError(str(p), "expected a client artifact (from fit-local), got a global one", "/")
     data = [silo_header(p) for p in (val_path, unlabeled_path) if p]
-    need = estimate_fuse_bytes(headers, method, chosen, sum(h.load_bytes for h in data), sum(h.n for h in data))
+    need = estimate_fuse_bytes(headers, method, chosen, sum(h.load_bytes for h in data), sum(h.n for h in data),
+                               keep_curvature)
     budget.require(need, f"fusing these {len(headers)} artifacts with {method}", max_memory)
     return {"method": method, "clients": len(headers), "artifact_bytes": sum(os.path.getsize(p) for p in client_paths),
-            "data_bytes": sum(h["data_bytes"] for h in headers), "memory_estimate_bytes": need,
+            "data_bytes": sum(h["data_bytes"] for h in headers), "curvature_kept": keep_curvature,
+            "memory_estimate_bytes": need,
             "memory_limit_bytes": budget.resolve_limit(max_memory)}, headers
 
 
@@ -93,7 +111,8 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     if options.batchnorm_statistics == "reset" and not (unlabeled_path or val_path):
         raise ConfigError("`batchnorm_statistics` reset estimates the fused model's BatchNorm statistics on server "
                           "inputs: give `unlabeled` (or `val`) data")
-    plan, headers = _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory)
+    keep = keeps_curvature(method, chosen, robust, tune, distill, unlabeled_path)
+    plan, headers = _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep)
     need = plan["memory_estimate_bytes"]
     if options.device == "cuda":  # the GPU's own working set, against what is free on it now
         import torch
@@ -101,7 +120,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
         budget.require_device(estimate_device_bytes(headers, method, chosen),
                               f"fusing these {len(headers)} artifacts with {method} on the GPU",
                               torch.cuda.mem_get_info()[0])
-    clients = [load_client(p, max_memory) for p in client_paths]
+    clients = [load_client(p, max_memory, keep) for p in client_paths]
     if options.batchnorm_statistics == "reset":
         check_batchnorm_statistics(FusionInputs(clients, options))
     k = clients[0].model_spec.num_classes

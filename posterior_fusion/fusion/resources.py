@@ -12,7 +12,7 @@ READ_OVERHEAD = 32 * 2**20  # what reading and validating the files costs beyond
 
 
 def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettings, data_bytes: int = 0,
-                        data_rows: int = 0) -> int:
+                        data_rows: int = 0, keep_curvature: bool = True) -> int:
     """Peak-memory estimate of a fusion from ``declared_bytes`` of each client artifact and
     the declared size of the server's data files (``data_bytes``, ``data_rows`` samples).
 
@@ -21,13 +21,19 @@ def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettin
     working set; its members (twice: the result and its copy); data files converted to float32
     (4 bytes per stored byte at most) and their logits per member; :data:`READ_OVERHEAD` on top
     (``benchmarks/compact_memory.py``: 6–16 MiB above the start-up for methods that hold nothing else).
+    ``keep_curvature`` False (a fusion that reads none: :func:`~posterior_fusion.fusion.from_files.keeps_curvature`):
+    the artifacts without their curvature, and one block at a time (twice: read and decoded) while each is checked.
     """
     entry = get_method(method)
     size = FuseSize(headers[0]["num_params"], len(headers), max(h["num_components"] for h in headers))
     num_classes = max(h.get("num_classes", 1) for h in headers)
     members = entry.members(settings, size)
-    total = READ_OVERHEAD + 3 * sum(h["data_bytes"] for h in headers)
-    total += entry.dense_copies * sum(h.get("dense_bytes", h["data_bytes"]) - h["data_bytes"] for h in headers)
+    if keep_curvature:
+        total = READ_OVERHEAD + 3 * sum(h["data_bytes"] for h in headers)
+        total += entry.dense_copies * sum(h.get("dense_bytes", h["data_bytes"]) - h["data_bytes"] for h in headers)
+    else:
+        total = READ_OVERHEAD + 3 * sum(h["data_bytes"] - h["curvature_bytes"] for h in headers)
+        total += 2 * max(h["largest_block_bytes"] for h in headers)
     total += entry.work_bytes(settings, size)
     total += 2 * members * size.d * 4
     total += 4 * data_bytes + members * data_rows * num_classes * 4

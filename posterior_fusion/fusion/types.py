@@ -156,6 +156,14 @@ def no_work(settings: Any, size: FuseSize) -> int:
     return 0
 
 
+def always(settings: Any) -> bool:
+    return True
+
+
+def never(settings: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class SumsContext:
     """What a server that holds only sums over clients knows besides them: the model, how many clients and samples
@@ -224,7 +232,8 @@ class FusionMethod:
     ``needs``: what its inputs must hold (:data:`NEEDS`); ``dense_copies``: how many copies of the dense
     factors of every compressed Kronecker block it holds at its peak (rebuilt, decomposed, stacked;
     measured by ``benchmarks/compact_memory.py``), for the memory estimate; ``sums``: how it runs from sums
-    over clients alone (:class:`ClientSums`: secure aggregation), or None.
+    over clients alone (:class:`ClientSums`: secure aggregation), or None; ``uses_curvature``: whether, with
+    these settings, it reads the clients' curvature (where not, ``fuse`` validates each block and keeps none).
     """
 
     name: str
@@ -240,6 +249,7 @@ class FusionMethod:
     needs: tuple[str, ...] = ()  # of NEEDS: checked before any work (:meth:`check_needs`)
     dense_copies: float = 0.0  # peak copies of a compressed Kronecker block's dense factors it holds (memory estimate)
     sums: ClientSums | None = None
+    uses_curvature: Callable[[Any], bool] = always
 
     def applies_to(self, structure: str) -> bool:
         return self.structures is None or structure in self.structures

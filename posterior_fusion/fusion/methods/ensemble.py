@@ -73,4 +73,5 @@ def ensemble(inputs: FusionInputs, settings: EnsembleSettings) -> FusionResult:
 
 METHOD = FusionMethod("ensemble", ensemble, EnsembleSettings,
                       "all C x M client models, averaged or pooled under label shift (serving cost C x M models)",
-                      members=lambda settings, size: size.clients * size.components)
+                      members=lambda settings, size: size.clients * size.components,
+                      uses_curvature=lambda settings: settings.robust)

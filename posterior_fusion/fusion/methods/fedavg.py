@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext
+from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext, never
 
 
 def fedavg_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:
@@ -32,4 +32,5 @@ def fedavg_weights(inputs: FusionInputs) -> torch.Tensor:
     return SUMS.run(inputs, MethodSettings()).members[0]
 
 
-METHOD = FusionMethod("fedavg", SUMS.run, MethodSettings, "n-weighted mean of the client MAPs", sums=SUMS)
+METHOD = FusionMethod("fedavg", SUMS.run, MethodSettings, "n-weighted mean of the client MAPs", sums=SUMS,
+                      uses_curvature=never)

@@ -13,7 +13,7 @@ from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.distill import DistillConfig, distill
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, never
 
 
 @dataclass(frozen=True)
@@ -53,4 +53,5 @@ def fedbe(inputs: FusionInputs, settings: FedBESettings) -> FusionResult:
 
 METHOD = FusionMethod("fedbe", fedbe, FedBESettings,
                       "FedBE: Gaussian or Dirichlet distribution over client models, sampled ensemble, distilled",
-                      members=lambda settings, size: 1 + size.clients + settings.num_samples, distils=True)
+                      members=lambda settings, size: 1 + size.clients + settings.num_samples, distils=True,
+                      uses_curvature=never)

@@ -8,7 +8,7 @@ import torch
 
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, never
 
 
 @dataclass(frozen=True)
@@ -33,4 +33,5 @@ def swag_ensemble(inputs: FusionInputs, settings: SwagSettings) -> FusionResult:
 
 
 METHOD = FusionMethod("swag", swag_ensemble, SwagSettings, "samples of every client component's SWAG Gaussian", needs=("swag_moments",),
-                      members=lambda settings, size: size.clients * size.components * max(1, settings.num_samples))
+                      members=lambda settings, size: size.clients * size.components * max(1, settings.num_samples),
+                      uses_curvature=never)
