@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -13,6 +12,7 @@ from typing import Any
 import click
 
 from posterior_fusion.compat import REMOVED_IN, RENAMED_OPTIONS
+from posterior_fusion.environment import environment
 from posterior_fusion.errors import PfuseError, terminal_safe
 
 MAX_ERROR_CHARS = 2000
@@ -60,7 +60,7 @@ def echo_json(obj: Any) -> None:
 def log_to_stderr(msg: str) -> None:
     """A progress or log line on stderr; nothing under ``pfuse --quiet`` (warnings go through
     :mod:`warnings`, printed whatever ``--quiet`` says)."""
-    if os.environ.get("PFUSE_PROGRESS", "1") != "0":
+    if environment("PFUSE_PROGRESS"):
         say(msg, err=True)
 
 

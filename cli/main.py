@@ -4,7 +4,6 @@ only when that command runs, so ``pfuse --help`` starts without importing torch.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import typing
 import warnings
@@ -13,6 +12,7 @@ import click
 
 from posterior_fusion import __version__
 from posterior_fusion.cli.common import as_flags, say
+from posterior_fusion.environment import override
 from posterior_fusion.runtime import keep_freed_memory
 
 # name -> (module, attribute, one-line help shown by `pfuse --help`)
@@ -48,7 +48,7 @@ class LazyGroup(click.Group):
 
         args = renamed_command(list(args), lambda m: say(m, err=True))
         if any(a in ("-q", "--quiet") for a in args[1:]):
-            os.environ["PFUSE_PROGRESS"] = "0"
+            ctx.call_on_close(override("PFUSE_PROGRESS", "0"))
             args = [args[0], *[a for a in args[1:] if a not in ("-q", "--quiet")]]
         return super().resolve_command(ctx, args)
 
@@ -80,10 +80,7 @@ def pfuse(quiet: bool) -> None:
     keep_freed_memory()
     warnings.showwarning = one_line_warning
     if quiet:  # for this invocation only: a process that calls pfuse in process keeps its own setting afterwards
-        before = os.environ.get("PFUSE_PROGRESS")
-        os.environ["PFUSE_PROGRESS"] = "0"
-        click.get_current_context().call_on_close(
-            lambda: os.environ.pop("PFUSE_PROGRESS", None) if before is None else os.environ.update(PFUSE_PROGRESS=before))
+        click.get_current_context().call_on_close(override("PFUSE_PROGRESS", "0"))
 
 
 def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

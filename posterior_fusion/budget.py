@@ -7,9 +7,9 @@ reads artifacts or data files; default 80% of MemAvailable, or ``$PFUSE_MAX_MEMO
 
 from __future__ import annotations
 
-import os
 import re
 
+from posterior_fusion.environment import environment
 from posterior_fusion.errors import ConfigError, ResourceLimitError
 
 
@@ -36,7 +36,7 @@ def available_memory() -> int | None:
 
 def default_limit() -> int | None:
     """``$PFUSE_MAX_MEMORY`` if set, else 80% of MemAvailable (None where unknown)."""
-    env = os.environ.get("PFUSE_MAX_MEMORY")
+    env = environment("PFUSE_MAX_MEMORY")
     if env:
         return parse_bytes(env)
     avail = available_memory()

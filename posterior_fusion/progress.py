@@ -3,7 +3,6 @@ seconds on stderr (pipes, nohup, CI logs). ``PFUSE_PROGRESS=0`` (``pfuse --quiet
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -11,12 +10,14 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
+from posterior_fusion.environment import environment
+
 T = TypeVar("T")
 EVERY_SECONDS = 5.0
 
 
 def enabled() -> bool:
-    return os.environ.get("PFUSE_PROGRESS", "1") != "0"
+    return bool(environment("PFUSE_PROGRESS"))
 
 
 class _Plain:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
+
+from posterior_fusion.environment import environment
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -28,7 +29,7 @@ DEFAULT_LIMIT = 1 << 30
 def keep_freed_memory(limit: int = DEFAULT_LIMIT) -> bool:
     """Make glibc reuse freed buffers of up to ``limit`` bytes instead of unmapping them; returns
     whether the setting took effect (False off Linux/glibc or with ``PFUSE_MALLOC=default``)."""
-    if os.environ.get("PFUSE_MALLOC", "").lower() == "default" or not sys.platform.startswith("linux"):
+    if environment("PFUSE_MALLOC") == "default" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -494,7 +494,7 @@ def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypa
 # and the layers below it, never one above. The small shared modules sit at the bottom.
 LAYERS = [
     {"errors", "files", "ranges", "budget", "progress", "layout", "runtime", "compat", "hdf5_safety", "settings", "choices",
-     "__init__"},
+     "environment", "__init__"},
     {"curvature", "kernels", "data", "pooling"},
     {"models"},
     {"predictive"},

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
+from posterior_fusion.environment import environment
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.kernels import reference
 
@@ -39,7 +40,7 @@ def triton_available() -> bool:
 
 def choose_backend(W: torch.Tensor, backend: str | None = None) -> str:
     """Explicit ``backend``, else ``$PFUSE_KERNEL``, else torch (on a GPU too: see the module docstring)."""
-    backend = backend or os.environ.get("PFUSE_KERNEL") or "torch"
+    backend = backend or environment("PFUSE_KERNEL") or "torch"
     if backend not in BACKENDS:
         raise ConfigError(f"unknown kernel backend {backend!r}; use one of {BACKENDS}")
     if backend == "triton":
