@@ -125,17 +125,17 @@ def describe(cls: type) -> list[dict[str, Any]]:
     return out
 
 
-def from_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "") -> Any:
+def from_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "", where: str = "run config") -> Any:
     """A settings record ``cls`` from a flat Flower run config whose keys spell its fields with ``-`` for ``_``
     after ``prefix`` (``secure-aggregation-`` + ``max-weight``): each present key converted to its declared type,
     the rest at their defaults, then bounds and choices checked (one :class:`ConfigError` line naming the key).
-    Other keys are left to their own readers."""
+    Other keys are left to their own readers; ``where``: what the messages call ``cfg`` (a node config)."""
     hints = typing.get_type_hints(cls)
     values = {}
     for f in dataclasses.fields(cls):
         key = prefix + f.name.replace("_", "-")
         if key in cfg:
-            values[f.name] = convert(cfg[key], hints[f.name], key, "run config")
+            values[f.name] = convert(cfg[key], hints[f.name], key, where)
     out = cls(**values)
-    check_declared(out, "run config", prefix=prefix.replace("-", "_"), dashed=True)
+    check_declared(out, where, prefix=prefix.replace("-", "_"), dashed=True)
     return out

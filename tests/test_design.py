@@ -760,3 +760,26 @@ def test_studies_and_benchmarks_import_public_names_that_exist():
                         except ImportError:
                             problems.append(f"{where}: {node.module} has no {alias.name}")
     assert not problems, problems
+
+
+def test_flower_keys_are_read_only_through_their_declared_records():
+    """A node-config or run-config key read by hand (``context.node_config.get("x", default)``,
+    ``context.run_config["x"]``) carries an inline default or none; every key goes through its record
+    (:class:`~posterior_fusion.flower.round_settings.RoundSettings`, ``NodeSettings``, ``FederatedSettings``, the fit
+    settings), which declares its default, help and bounds."""
+    found = []
+    for path in sorted((ROOT / "posterior_fusion" / "flower").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            target = None
+            if isinstance(node, ast.Subscript):
+                target = node.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                target = node.func.value
+            if isinstance(target, ast.Attribute) and target.attr in ("node_config", "run_config"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
+    from posterior_fusion.flower.round_settings import NodeSettings
+
+    with pytest.raises(ConfigError, match="node config setting 'refresh-trust-radius'"):
+        NodeSettings.from_node_config({"refresh-trust-radius": "-1"})
+    assert NodeSettings.from_node_config({"partition-id": 3, "other": "x"}).partition_id == 3

@@ -5,7 +5,6 @@ artifact at the global (:mod:`posterior_fusion.flower`)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -15,7 +14,6 @@ from pathlib import Path
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from posterior_fusion import ranges
 from posterior_fusion.compat import RENAMED_FIT_SETTINGS, rename_keys
 from posterior_fusion.errors import (
     ConfigError,
@@ -24,13 +22,15 @@ from posterior_fusion.errors import (
 from posterior_fusion.files import own_private_folder, user_data_folder, write_atomically
 from posterior_fusion.flower.federated_settings import FederatedSettings
 from posterior_fusion.flower.pretrained_base import node_base
+from posterior_fusion.flower.round_settings import NodeSettings, RoundSettings
 from posterior_fusion.flower.secure import is_secure_fit, secure_fit_reply, secure_sums_mod
 from posterior_fusion.flower.transfer import FILES, TransferError, message_content, received_file
 from posterior_fusion.local.fit import Start, fit_local
-from posterior_fusion.local.fit_config import LocalModelConfig
-from posterior_fusion.local.refresh import TRUST_RADIUS, check_damping, refresh_to_file
+from posterior_fusion.local.fit_config import LocalModelConfig, fit_settings
+from posterior_fusion.local.refresh import check_damping, refresh_to_file
 from posterior_fusion.local.refresh_settings import refresh_privacy_from
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.settings import convert
 
 
 def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, out: str | os.PathLike,
@@ -54,28 +54,28 @@ def fit_to_artifact(settings: FederatedSettings, silo_path: str | os.PathLike, o
 
 def node_local_model(context: Context) -> LocalModelConfig | None:
     """The node's own architecture from its node config (``local-model``, ``local-model-kwargs``,
-    ``local-model-epochs``, ``local-model-weight``), or None."""
+    ``local-model-epochs``, ``local-model-weight``: the fit settings of :class:`LocalModelConfig`), or None."""
     nc = rename_keys(dict(context.node_config), {old.replace("_", "-"): new.replace("_", "-")
                                                  for old, (new, _) in RENAMED_FIT_SETTINGS.items()},
                      "node config", print)
     if "local-model" not in nc:
         return None
-    try:
-        kwargs = json.loads(str(nc.get("local-model-kwargs", "{}")))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"node config local-model-kwargs is not valid JSON: {exc.msg}") from None
-    spec = ModelSpec(str(nc["local-model"]), kwargs)
-    epochs = nc.get("local-model-epochs")
-    return LocalModelConfig(spec.name, dict(spec.kwargs), int(epochs) if epochs is not None else None,
-                            float(nc.get("local-model-weight", 0.5)))
+    values = {s.path[-1]: convert(nc[key], s.type, key, "node config")
+              for s in fit_settings() if s.path[0] == "local_model" and (key := s.name.replace("_", "-")) in nc}
+    local = LocalModelConfig(**values)
+    spec = ModelSpec(str(local.model), local.model_kwargs)  # a registered model with the arguments it takes
+    local = replace(local, model=spec.name, model_kwargs=dict(spec.kwargs))
+    local.validate()
+    return local
 
 
 def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:
-    if "silo" in context.node_config:
-        return Path(str(context.node_config["silo"]))
-    folder = silo_dir if silo_dir is not None else context.run_config.get("silo-dir")
-    if "partition-id" in context.node_config and folder is not None:
-        return Path(str(folder)) / f"client_{int(context.node_config['partition-id'])}.h5"
+    node = NodeSettings.from_node_config(dict(context.node_config))
+    if node.silo is not None:
+        return Path(node.silo)
+    folder = silo_dir if silo_dir is not None else RoundSettings.from_run_config(dict(context.run_config)).silo_dir
+    if node.partition_id is not None and folder is not None:
+        return Path(str(folder)) / f"client_{node.partition_id}.h5"
     raise ConfigError("this node has no silo: set node_config 'silo', or a silo-dir with partition-id")
 
 
@@ -83,8 +83,9 @@ def node_state_dir(context: Context, silo: Path) -> Path:
     """Where the node keeps its own artifacts between rounds, a folder of this user's only (0700, never through
     a link: :func:`~posterior_fusion.files.own_private_folder`): node config ``state-dir``, else
     ``<the user's data folder>/posterior-fusion/node/<hash of the silo's path>``."""
-    if "state-dir" in context.node_config:
-        return own_private_folder(Path(str(context.node_config["state-dir"])), "node config state-dir")
+    state_dir = NodeSettings.from_node_config(dict(context.node_config)).state_dir
+    if state_dir is not None:
+        return own_private_folder(Path(state_dir), "node config state-dir")
     key = hashlib.sha256(str(silo.resolve()).encode()).hexdigest()[:16]
     return own_private_folder(user_data_folder() / "posterior-fusion" / "node" / key, "the node's state folder")
 
@@ -103,7 +104,7 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
         sent = config.get("base") if secure else received_file(msg.content, config, "base")
     except TransferError as exc:
         raise FederationError(f"the train message: {exc}") from None
-    base = node_base(dict(context.node_config), settings.base_sha256, sent, state)
+    base = node_base(NodeSettings.from_node_config(dict(context.node_config)).base, settings.base_sha256, sent, state)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
         fit_to_artifact(settings, silo, out, local_model=node_local_model(context), base=base)
@@ -125,8 +126,9 @@ def artifact_reply(msg: Message, context: Context, silo: Path, blob: bytes) -> M
     """The reply carrying an artifact: its bytes as the file ``artifact`` (:mod:`~posterior_fusion.flower.transfer`:
     chunked by Flower, whatever its size), the silo's path and the node's partition id in the ``artifact`` record."""
     reply: dict = {"silo": str(silo)}
-    if "partition-id" in context.node_config:
-        reply["partition-id"] = int(context.node_config["partition-id"])
+    partition = NodeSettings.from_node_config(dict(context.node_config)).partition_id
+    if partition is not None:
+        reply["partition-id"] = partition
     return Message(message_content("artifact", reply, {"artifact": blob}), reply_to=msg)
 
 
@@ -150,13 +152,7 @@ def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike |
     if damping != "auto" and (isinstance(damping, bool) or not isinstance(damping, (int, float))):
         raise FederationError(f"a refresh message's 'damping' must be 'auto' or a number, got {type(damping).__name__}")
     damping = check_damping(damping, "the refresh message's damping")
-    radius = context.node_config.get("refresh-trust-radius", TRUST_RADIUS)
-    if isinstance(radius, str):
-        try:
-            radius = float(radius)
-        except ValueError:
-            pass
-    ranges.check("node config refresh-trust-radius", radius, ranges.TRUST_RADIUS)
+    radius = NodeSettings.from_node_config(dict(context.node_config)).refresh_trust_radius
     privacy = refresh_privacy_from({k.replace("-", "_"): v for k, v in context.node_config.items()
                                     if k.startswith("refresh-dp-")}, "node config: ")
     silo = node_silo(context, silo_dir)

@@ -17,6 +17,7 @@ from posterior_fusion.local.fit_config import (
     fit_settings,
 )
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.settings import convert
 
 BAD_REPLY_POLICIES = ("skip", "fail")
 
@@ -75,10 +76,11 @@ class FederatedSettings:
         """Settings from a Flower run config (keys as in examples/flower/pyproject.toml: the fit
         settings' names with ``-``)."""
         cfg = rename_keys(cfg, RENAMED_RUN_CONFIG_KEYS, "run config", print)
-        kwargs = json.loads(str(cfg.get("model-kwargs", "{}")))
-        keys = {"model": "model", "components": "components", "init-seed": "init_seed", "base-sha256": "base_sha256",
-                **{s.run_config_key: name for name, s in _server_fit_settings().items()}}
-        return cls(model_kwargs=kwargs, **{name: cfg[key] for key, name in keys.items() if key in cfg})
+        given = {"model-kwargs": convert(cfg["model-kwargs"], dict, "model-kwargs", "run config")} \
+            if "model-kwargs" in cfg else {}
+        keys = {"model": "model", "model-kwargs": "model_kwargs", "components": "components", "init-seed": "init_seed",
+                "base-sha256": "base_sha256", **{s.run_config_key: name for name, s in _server_fit_settings().items()}}
+        return cls(**{name: given.get(key, cfg[key]) for key, name in keys.items() if key in cfg})
 
     def spec(self) -> ModelSpec:
         return ModelSpec(self.model, dict(self.model_kwargs))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -44,14 +43,14 @@ def base_to_send(spec: ModelSpec, base_sha256: str | None, base: str | os.PathLi
     return blob, held, weights
 
 
-def node_base(node_config: dict[str, Any], base_sha256: str | None, sent: object, state: Path) -> Path | None:
-    """The base file this node fine-tunes: its own copy (node config ``base``) when it names one, else the
+def node_base(own: str | None, base_sha256: str | None, sent: object, state: Path) -> Path | None:
+    """The base file this node fine-tunes: its own copy ``own`` (node config ``base``) when it names one, else the
     server's ``sent`` bytes checked against the run's ``base_sha256`` and kept as ``state/base-<sha256>.*``;
     None when the run fine-tunes no base or neither copy exists (the fit then refuses in one line)."""
     if not base_sha256:
         return None
-    if node_config.get("base"):
-        return Path(str(node_config["base"]))
+    if own:
+        return Path(own)
     if sent is None:
         return None
     if not isinstance(sent, bytes):

@@ -11,7 +11,7 @@ from typing import Any
 
 from posterior_fusion import ranges
 from posterior_fusion.choices import BATCHNORM_STATISTICS
-from posterior_fusion.local.refresh_settings import REFRESH_DAMPING
+from posterior_fusion.local.refresh_settings import REFRESH_DAMPING, TRUST_RADIUS
 from posterior_fusion.settings import from_run_config as settings_from_run_config
 from posterior_fusion.settings import setting
 
@@ -47,9 +47,35 @@ class RoundSettings:
     allow_mixed_privacy: bool = setting(False, "Fuse differentially private clients with non-private ones.")
     batchnorm_statistics: str = setting("fold", "The fused model's BatchNorm statistics: fold, or reset (estimated "
                                                 "on val's inputs).", choices=BATCHNORM_STATISTICS)
+    silo_dir: str | None = setting(None, "A simulation's silo folder: the node of partition-id k trains on its "
+                                         "client_k.h5 (a deployment's node names its own silo).")
 
     @classmethod
     def from_run_config(cls, cfg: dict[str, Any]) -> RoundSettings:
         """The round's settings from a flat run config (other keys — fit settings, ``set.*`` — are left to their
         readers); each value converted to its declared type and checked, one :class:`ConfigError` line otherwise."""
         return settings_from_run_config(cls, cfg)
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """One node's own settings (its node config, ``flower-supernode --node-config``: the field names with ``-``
+    for ``_``); the local model's keys are fit settings (``local-model``, …) and the private refresh round's
+    ``refresh-dp-*``, each read by its own record."""
+
+    silo: str | None = setting(None, "The node's silo file (else the run's silo-dir with partition-id).")
+    partition_id: int | None = setting(None, "The node's partition in a simulation (its silo-dir's client_<id>.h5).",
+                                       bounds=(0, 10**9))
+    state_dir: str | None = setting(None, "Where the node keeps its artifacts between rounds [default: the "
+                                          "user's data folder, posterior-fusion/node/<hash of the silo's path>].")
+    base: str | None = setting(None, "The node's copy of the pretrained base the run fine-tunes (else the one "
+                                     "the train message carries).")
+    refresh_trust_radius: float = setting(TRUST_RADIUS, "The refresh round's bound on a member's per-parameter "
+                                                        "squared distance from the node's own posterior (refresh "
+                                                        "--trust-radius).", bounds=ranges.TRUST_RADIUS)
+
+    @classmethod
+    def from_node_config(cls, cfg: dict[str, Any]) -> NodeSettings:
+        """The node's settings from its node config (other keys left to their readers); one :class:`ConfigError`
+        line naming a bad key."""
+        return settings_from_run_config(cls, cfg, where="node config")
