@@ -61,7 +61,7 @@ PER_BATCH = """
 import json, sys, time
 import posterior_fusion as pf
 from posterior_fusion import predictive as P
-from posterior_fusion.posterior import model_inputs
+from posterior_fusion.models.members import model_inputs
 from posterior_fusion.data.silo import read_silo
 work, path, b = sys.argv[1], sys.argv[2], int(sys.argv[3])
 status = lambda key: next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))

@@ -32,7 +32,7 @@ def export_cmd(file, member, out, as_json, max_memory):
 
     from posterior_fusion.artifact import load_global
     from posterior_fusion.files import output_lock, write_atomically, write_text_atomically
-    from posterior_fusion.posterior import exported_state
+    from posterior_fusion.models.members import exported_state
 
     with output_lock(out, inputs=[file]):
         g = load_global(file, max_memory)

@@ -13,8 +13,8 @@ from posterior_fusion.data.transform import check_transform
 from posterior_fusion.files import write_atomically
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
+from posterior_fusion.models.members import non_finite_predictive
 from posterior_fusion.pooling import AVERAGE, Pooling
-from posterior_fusion.posterior import non_finite_predictive
 from posterior_fusion.predictive import LOGIT_MOMENTS, probit
 
 

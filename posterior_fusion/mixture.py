@@ -42,6 +42,16 @@ class GaussianMixture:
     @classmethod
     def of(cls, means: Sequence[torch.Tensor], precisions: Sequence[Precision],
            weights: torch.Tensor | None = None) -> GaussianMixture:
+        """A mixture from its components.
+
+        Args:
+            means: K means ``(d,)``.
+            precisions: K precisions over ``d`` parameters.
+            weights: ``(K,)`` mixture weights [default: equal].
+
+        Returns:
+            The :class:`GaussianMixture`.
+        """
         k = len(means)
         w = torch.full((k,), 1.0 / k, dtype=torch.float64) if weights is None else torch.as_tensor(weights).double()
         return cls(tuple(means), tuple(precisions), w)
@@ -51,16 +61,38 @@ class GaussianMixture:
         return int(self.means[0].shape[0])
 
     def component_log_probs(self, w: torch.Tensor) -> torch.Tensor:
-        """``log N(w; μ_k, Λ_k⁻¹)`` ``(..., K)``, in the precisions' dtype."""
+        """Each component's ``log N(w; μ_k, Λ_k⁻¹)``.
+
+        Args:
+            w: weights ``(..., d)``.
+
+        Returns:
+            ``(..., K)`` log densities, in the precisions' dtype.
+        """
         return torch.stack([gaussian_log_prob(w, m, p) for m, p in zip(self.means, self.precisions)], -1)
 
     def log_prob(self, w: torch.Tensor) -> torch.Tensor:
-        """``log Σ_k π_k N(w; μ_k, Λ_k⁻¹)`` ``(...)`` for ``w`` ``(..., d)``, in the precisions' dtype."""
+        """``log Σ_k π_k N(w; μ_k, Λ_k⁻¹)``.
+
+        Args:
+            w: weights ``(..., d)``.
+
+        Returns:
+            ``(...)`` log densities, in the precisions' dtype.
+        """
         comps = self.component_log_probs(w)
         return torch.logsumexp(comps + self.weights.log().to(comps.dtype), dim=-1)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``n`` draws ``(n, d)`` (float64): a component by its weight, then a draw around its mean."""
+        """Draws: a component by its weight, then a draw around its mean.
+
+        Args:
+            n: how many.
+            generator: the random generator [default: torch's global one].
+
+        Returns:
+            ``(n, d)`` weights (float64).
+        """
         idx = torch.multinomial(self.weights, n, replacement=True, generator=generator)
         out = torch.empty(n, self.dim, dtype=torch.float64)
         for k, (m, p) in enumerate(zip(self.means, self.precisions)):
@@ -71,6 +103,20 @@ class GaussianMixture:
 
     def predict(self, spec, x: torch.Tensor, predictive: str = "map", samples: int = 30, scale: float = 1.0,
                 link: str = "probit", seed: int = 0, max_memory: int | str | None = None) -> torch.Tensor:
-        """Class probabilities ``(n, classes)`` of the mixture's predictive (:mod:`posterior_fusion.predictive`)."""
+        """Class probabilities of the mixture's predictive (:mod:`posterior_fusion.predictive`).
+
+        Args:
+            spec: the model (:class:`ModelSpec`).
+            x: the model's inputs ``(n, …)`` (transformed).
+            predictive: ``map``, ``mc`` or ``glm``, as :meth:`GlobalEnsemble.predict` takes it.
+            samples: draws per component for ``mc`` and ``glm``.
+            scale: multiplies the posterior covariance.
+            link: ``glm``'s link, ``probit`` or ``mc``.
+            seed: the draws' seed.
+            max_memory: the GLM predictive's working-set limit.
+
+        Returns:
+            ``(n, classes)`` probabilities.
+        """
         return predict(spec, list(self.means), x, predictive, list(self.precisions), self.weights, samples, scale,
                        link, seed, max_memory)

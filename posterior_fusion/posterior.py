@@ -13,14 +13,20 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.utils import vector_to_parameters
 
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.transform import InputTransform
-from posterior_fusion.errors import ConfigError, NonFiniteOutputError, shown
+from posterior_fusion.errors import ConfigError
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.mixture import GaussianMixture, gaussian_log_prob
 from posterior_fusion.models import ModelSpec
+from posterior_fusion.models.members import (
+    InputTransformModule,
+    build_model,
+    checked_probabilities,
+    exported_module,
+    model_inputs,
+)
 from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.predictive import predict
 
@@ -48,49 +54,6 @@ class SwagMoments:
         return self.mean + math.sqrt(scale) * out
 
 
-def exported_state(spec: ModelSpec, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The ``state_dict`` of :meth:`ModelSpec.architecture` for a member's flat ``weights`` ``(d,)``: trained and
-    frozen weights, LoRA merged, a BatchNorm's statistics (its batch counter the architecture's own)."""
-    from posterior_fusion.models.finetune import merged_state
-
-    state = merged_state(build_model(spec, weights))
-    with torch.device("meta"):
-        wanted = spec.architecture().state_dict()
-    missing = [k for k in wanted if k not in state and not k.endswith("num_batches_tracked")]
-    if missing:
-        raise ConfigError(f"model {spec.name!r}: no exported value for {', '.join(missing[:3])}")
-    return {k: (state[k].detach().clone().contiguous() if k in state else torch.zeros((), dtype=torch.long))
-            for k in wanted}
-
-
-def exported_module(spec: ModelSpec, weights: torch.Tensor) -> nn.Module:
-    """A fresh :meth:`ModelSpec.architecture` module holding :func:`exported_state`, in evaluation mode."""
-    model = spec.architecture()
-    model.load_state_dict(exported_state(spec, weights), strict=True)
-    return model.eval()
-
-
-class InputTransformModule(nn.Module):
-    """An artifact's input transform as a module (raw data in, the model's inputs out; None: the identity)."""
-
-    def __init__(self, transform: InputTransform | None) -> None:
-        super().__init__()
-        self.transform = transform
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.transform is None:
-            return x.float()
-        return self.transform.apply(x.detach().cpu().numpy(), "inputs").to(x.device)
-
-
-def build_model(spec: ModelSpec, weights: torch.Tensor) -> nn.Module:
-    """A fresh model of ``spec`` with the flat ``weights`` ``(d,)`` copied in (independent storage)."""
-    model = spec.build()
-    vector_to_parameters(weights.detach().clone().to(torch.float32), model.parameters())
-    model.eval()
-    return model
-
-
 @dataclass(frozen=True)
 class Component:
     """One mixture component of a client posterior: MAP ``(d,)`` and raw curvature ``G`` (None where it was
@@ -107,7 +70,15 @@ class Component:
     statistics: torch.Tensor | None = None  # (2 S,): BatchNorm statistics folded into the MAP (models/batchnorm.py)
 
     def precision(self, temperature: float | None = None, prior_precision: float | None = None) -> BlockDiag:
-        """``Λ = G / T + λ0 I`` (defaults: the client's T and λ0)."""
+        """The component's precision ``Λ = G / T + λ0 I``.
+
+        Args:
+            temperature: T [default: the client's].
+            prior_precision: λ0 [default: the client's].
+
+        Returns:
+            A :class:`BlockDiag` over the ``d`` parameters.
+        """
         if self.curvature is None:
             raise RuntimeError("this component was loaded without its curvature (keep_curvature=False)")
         t = self.temperature if temperature is None else temperature
@@ -116,12 +87,31 @@ class Component:
 
     def sample(self, n: int, generator: torch.Generator | None = None, temperature: float | None = None,
                prior_precision: float | None = None) -> torch.Tensor:
-        """``n`` draws ``(n, d)`` from ``N(map, Λ⁻¹)`` (``Precision.sample`` itself is zero-mean)."""
+        """Draws from ``N(map, Λ⁻¹)`` (``Precision.sample`` itself is zero-mean).
+
+        Args:
+            n: how many.
+            generator: the random generator [default: torch's global one].
+            temperature: T [default: the client's].
+            prior_precision: λ0 [default: the client's].
+
+        Returns:
+            ``(n, d)`` weights.
+        """
         return self.map + self.precision(temperature, prior_precision).sample(n, generator)
 
     def log_prob(self, w: torch.Tensor, temperature: float | None = None,
                  prior_precision: float | None = None) -> torch.Tensor:
-        """``log N(w; map, Λ⁻¹)`` for ``w`` ``(..., d)``, normalised (includes ``½ log|Λ|``)."""
+        """``log N(w; map, Λ⁻¹)``, normalised (``½ log|Λ|`` included).
+
+        Args:
+            w: weights ``(..., d)``.
+            temperature: T [default: the client's].
+            prior_precision: λ0 [default: the client's].
+
+        Returns:
+            ``(...)`` log densities.
+        """
         return gaussian_log_prob(w.to(self.map.dtype), self.map, self.precision(temperature, prior_precision))
 
 
@@ -168,25 +158,55 @@ class ClientPosterior:
         return torch.full((self.num_components,), 1.0 / self.num_components, dtype=torch.float64)
 
     def mixture(self, temperature: float | None = None, prior_precision: float | None = None) -> GaussianMixture:
-        """``q_c`` as a :class:`GaussianMixture` (optionally re-tempered or with another prior)."""
+        """The client's posterior ``q_c`` as a :class:`GaussianMixture`.
+
+        Args:
+            temperature: re-temper it [default: the client's T].
+            prior_precision: another prior precision λ0 [default: the client's].
+
+        Returns:
+            The mixture of its M components, equally weighted.
+        """
         return GaussianMixture.of([c.map for c in self.components],
                                   [c.precision(temperature, prior_precision) for c in self.components], self.weights)
 
     def log_prob(self, w: torch.Tensor, temperature: float | None = None,
                  prior_precision: float | None = None) -> torch.Tensor:
-        """``log q_c(w)`` of the mixture for ``w`` ``(..., d)``."""
+        """``log q_c(w)`` of the client's mixture.
+
+        Args:
+            w: weights ``(..., d)``.
+            temperature: re-temper it [default: the client's T].
+            prior_precision: another λ0 [default: the client's].
+
+        Returns:
+            ``(...)`` log densities.
+        """
         return self.mixture(temperature, prior_precision).log_prob(w)
 
     def predict(self, x: torch.Tensor | np.ndarray, raw: bool = False) -> torch.Tensor:
-        """The client's own ensemble: class probabilities ``(n, classes)`` averaged over its
-        components' MAPs; ``x`` as :meth:`GlobalEnsemble.predict` takes it (the client's input
-        transform applied unless ``raw``)."""
+        """The client's own ensemble: class probabilities averaged over its components' MAPs.
+
+        Args:
+            x: inputs as :meth:`GlobalEnsemble.predict` takes them ``(n, …)``.
+            raw: ``x`` is already the model's input (the client's input transform is not applied).
+
+        Returns:
+            ``(n, classes)`` probabilities.
+        """
         x = model_inputs(self.model_spec, self.metadata.get("input_transform"), x, raw, self.path)
         return checked_probabilities(predict(self.model_spec, [c.map for c in self.components], x, "map", None,
                                              self.weights), self.path)
 
     def model(self, component: int = 0) -> nn.Module:
-        """The model with component ``component``'s MAP weights."""
+        """The model with one component's MAP weights.
+
+        Args:
+            component: the component's index.
+
+        Returns:
+            An ``nn.Module`` of the client's architecture.
+        """
         if not 0 <= component < self.num_components:
             raise ConfigError(f"component {component} out of range [0, {self.num_components})")
         return build_model(self.model_spec, self.components[component].map)
@@ -237,34 +257,71 @@ class GlobalEnsemble:
         return Pooling.from_metadata(raw, len(self.members), self.model_spec.num_classes)
 
     def precision(self, k: int) -> BlockDiag:
-        """``Λ*_k``, the Laplace precision at member ``k``."""
+        """``Λ*_k``, the Laplace precision at member ``k``.
+
+        Args:
+            k: the member's index.
+
+        Returns:
+            A :class:`BlockDiag` over the ``d`` parameters.
+        """
         if self.curvatures is None:
             raise ConfigError(f"{self.path}: has no posterior curvature (only fedbens stores one)")
         delta = self.metadata["laplace"]["prior_precision"]  # one number, or one per block
         return self.curvatures[k].precision(1.0, [float(v) for v in delta] if isinstance(delta, list) else float(delta))
 
     def posterior(self) -> GaussianMixture:
-        """The global posterior ``Σ_k π_k N(w*_k, Λ*_k⁻¹)`` as a :class:`GaussianMixture`."""
+        """The global posterior ``Σ_k π_k N(w*_k, Λ*_k⁻¹)``.
+
+        Returns:
+            A :class:`GaussianMixture` of the members with their Laplace precisions.
+        """
         return GaussianMixture.of(list(self.members), [self.precision(k) for k in range(len(self.members))],
                                   self.mode_weights)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``n`` draws ``(n, d)`` from the mixture ``Σ_k π_k N(w*_k, Λ*_k⁻¹)``."""
+        """Draws from the mixture ``Σ_k π_k N(w*_k, Λ*_k⁻¹)``.
+
+        Args:
+            n: how many.
+            generator: the random generator [default: torch's global one].
+
+        Returns:
+            ``(n, d)`` weights.
+        """
         return self.posterior().sample(n, generator)
 
     def log_prob(self, w: torch.Tensor) -> torch.Tensor:
-        """``log Σ_k π_k N(w; w*_k, Λ*_k⁻¹)`` for ``w`` ``(..., d)`` (float64)."""
+        """``log Σ_k π_k N(w; w*_k, Λ*_k⁻¹)``.
+
+        Args:
+            w: weights ``(..., d)``.
+
+        Returns:
+            ``(...)`` log densities (float64).
+        """
         return self.posterior().log_prob(w).double()
 
     def predict(self, x: torch.Tensor | np.ndarray, predictive: str = "map", samples: int = 30, scale: float = 1.0,
                 link: str = "probit", seed: int = 0, max_memory: int | str | None = None,
                 raw: bool = False) -> torch.Tensor:
-        """Class probabilities ``(n, classes)`` for inputs ``x`` (see :mod:`posterior_fusion.predictive`).
+        """Class probabilities for inputs ``x`` (:mod:`posterior_fusion.predictive`).
 
-        ``x``: inputs as a data file stores them (uint8 pixels ``(n, H, W)``/``(n, C, H, W)`` or
-        features ``(n, F)``; numpy or torch, any real dtype): the input transform the clients were
-        trained with is applied. ``raw=True``: ``x`` is already the model's input (transformed).
-        The GLM predictive's working set stays within ``max_memory``."""
+        Args:
+            x: inputs as a data file stores them (uint8 pixels ``(n, H, W)`` / ``(n, C, H, W)`` or features ``(n, F)``;
+                numpy or torch, any real dtype): the clients' input transform is applied.
+            predictive: ``map`` (the members), ``mc`` (samples of the Laplace posterior) or ``glm`` (the linearised
+                predictive).
+            samples: draws per member for ``mc`` and ``glm``.
+            scale: multiplies the posterior covariance.
+            link: ``glm``'s link, ``probit`` or ``mc``.
+            seed: the draws' seed.
+            max_memory: the GLM predictive's working-set limit, bytes or a size.
+            raw: ``x`` is already the model's input (transformed).
+
+        Returns:
+            ``(n, classes)`` probabilities.
+        """
         x = model_inputs(self.model_spec, self.metadata.get("input_transform"), x, raw, self.path)
         if self.curvatures is None:  # point estimates only: the map predictive (others refuse in one line)
             probs = predict(self.model_spec, list(self.members), x, predictive, None, self.mode_weights,
@@ -274,70 +331,29 @@ class GlobalEnsemble:
         return checked_probabilities(probs, self.path, self.metadata)
 
     def models(self) -> list[nn.Module]:
-        """One fresh ``nn.Module`` per member (no storage shared between them), in evaluation mode, of the plain
-        architecture (:meth:`ModelSpec.architecture`): its ``state_dict`` is complete — a fine-tuned model's frozen
-        weights put back, LoRA merged (``W + B A``), a BatchNorm's statistics as buffers — and loads with
-        ``strict=True`` into a fresh module of the spec's architecture. They take the **model's inputs** — data
-        after the artifact's input transform (``predict(x, raw=True)``'s inputs); :meth:`models_for_raw_inputs`
-        takes raw data, as ``predict(x)`` does."""
+        """One fresh network per member, in evaluation mode, of the plain architecture (:meth:`ModelSpec.architecture`; no
+        storage shared between them).
+
+        Its ``state_dict`` is complete — a fine-tuned model's frozen weights put back, LoRA merged (``W + B A``), a
+        BatchNorm's statistics as buffers — and loads with ``strict=True`` into a fresh module of the spec's
+        architecture. They take the model's inputs: data after the artifact's input transform (``predict(x, raw=True)``'s
+        inputs); :meth:`models_for_raw_inputs` takes raw data.
+
+        Returns:
+            One ``nn.Module`` per member.
+        """
         return [exported_module(self.model_spec, w) for w in self.members]
 
     def models_for_raw_inputs(self) -> list[nn.Module]:
-        """:meth:`models`, each behind the artifact's input transform (``nn.Sequential(transform, model)``): raw
-        pixels or features in, logits out, as ``predict(x)`` takes them."""
+        """:meth:`models`, each behind the artifact's input transform: raw pixels or features in, logits out, as
+        ``predict(x)`` takes them.
+
+        Returns:
+            One ``nn.Sequential(transform, model)`` per member.
+        """
         transform = self.metadata.get("input_transform")
         step = InputTransformModule(InputTransform.from_dict(dict(transform), self.path) if transform else None)
         return [nn.Sequential(step, m).eval() for m in self.models()]
-
-
-def model_inputs(spec: ModelSpec, transform: Mapping[str, Any] | None, x: torch.Tensor | np.ndarray, raw: bool,
-                 where: str) -> torch.Tensor:
-    """float32 model inputs from ``x`` (numpy or torch, any real dtype): the recorded input
-    transform applied unless ``raw``; a shape the model cannot take is refused in one line."""
-    if isinstance(x, torch.Tensor) and x.is_meta:
-        raise ConfigError(f"{where}: inputs are a meta tensor (a shape without values)")
-    try:
-        arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"{where}: inputs must be a real array (n, ...): {shown(str(exc), 80)}") from None
-    if arr.dtype.kind not in "fiub" or arr.ndim < 2:
-        raise ConfigError(f"{where}: inputs must be a real array (n, ...), got {arr.dtype} of shape {arr.shape}")
-    if arr.shape[0] == 0:
-        raise ConfigError(f"{where}: inputs hold no rows (shape {arr.shape})")
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        row = int(np.argwhere(~np.isfinite(arr.reshape(arr.shape[0], -1)))[0][0])
-        raise ConfigError(f"{where}: inputs hold NaN or Inf (first in row {row})")
-    with np.errstate(over="ignore", invalid="ignore"):  # values beyond float32 become Inf: refused just below
-        if raw or transform is None:
-            out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-        else:
-            out = InputTransform.from_dict(dict(transform), where).apply(arr, "inputs")
-    if not torch.isfinite(out).all():
-        row = int(torch.nonzero(~torch.isfinite(out.reshape(out.shape[0], -1)))[0, 0])
-        raise ConfigError(f"{where}: inputs beyond float32's range (first in row {row}, after the input transform)")
-    spec.check_input(tuple(out.shape[1:]), f"{where}: inputs")
-    spec.check_token_ids(out, f"{where}: inputs")
-    return out
-
-
-def checked_probabilities(probs: torch.Tensor, where: str, metadata: Mapping[str, Any] | None = None) -> torch.Tensor:
-    """``probs`` ``(n, classes)`` as they are if every row is finite; else :func:`non_finite_predictive`'s error
-    (``metadata``: the global's, which may record a diverged fusion): the API never returns NaN probabilities."""
-    bad = ~torch.isfinite(probs).all(dim=-1)
-    if bad.any():
-        raise non_finite_predictive(where, int(bad.sum()), probs.shape[0], metadata)
-    return probs
-
-
-def non_finite_predictive(where: str, count: int, n: int,
-                          metadata: Mapping[str, Any] | None = None) -> NonFiniteOutputError:
-    """The one error for a predictive that is not finite on ``count`` of ``n`` input rows: a global whose fusion
-    warned that its members lie far from every client MAP (metadata ``far_members``) is a diverged fusion;
-    otherwise the inputs are far outside what the models were trained on (their logits overflow)."""
-    why = ("a diverged fusion: its members lie far from every client MAP (metadata far_members)"
-           if (metadata or {}).get("far_members") else
-           "the inputs are far outside what the models were trained on (the logits overflow float32)")
-    return NonFiniteOutputError(f"{where}: the predictive is not finite for {count} of {n} input rows: {why}")
 
 
 def frozen_mapping(obj: dict) -> Mapping[str, Any]:

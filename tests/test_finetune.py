@@ -341,7 +341,7 @@ def test_fused_networks_export_like_any_pytorch_model(tmp_path, small_silo, fine
     fresh = SPEC.build() if finetune == "all" else ModelSpec("mlp", KW).architecture()
     fresh.load_state_dict(state, strict=True)
     assert set(state) == {n for n, _ in nn.Sequential(*SPEC.build().children()).named_parameters()}
-    inputs = posterior_fusion.posterior.model_inputs(g.model_spec, g.metadata.get("input_transform"), x_raw, False, "x")
+    inputs = posterior_fusion.models.members.model_inputs(g.model_spec, g.metadata.get("input_transform"), x_raw, False, "x")
     with torch.no_grad():
         torch.testing.assert_close(torch.softmax(fresh.eval()(inputs), -1), want, rtol=1e-5, atol=1e-6)
         raw_model = g.models_for_raw_inputs()[0]

@@ -256,7 +256,7 @@ def test_a_parameter_outside_every_layer_rule_gets_its_exact_ggn_diagonal(tmp_pa
     art = posterior_fusion.load(tmp_path / "c.h5")
     assert art.metadata["curvature_blocks"]["pos.weight"] == "residual"
     torch.manual_seed(0)
-    model = posterior_fusion.posterior.build_model(art.model_spec, art.components[0].map).double().eval()
+    model = posterior_fusion.models.members.build_model(art.model_spec, art.components[0].map).double().eval()
     x = torch.randn(12, 7, 7, dtype=torch.float64)
     y = torch.randint(0, 10, (12,))
     curv, _ = capture("kron", model, x, y, 5)
@@ -356,7 +356,7 @@ def test_batchnorm_fine_tuned_from_a_base_keeps_its_statistics_frozen(tmp_path, 
         g = posterior_fusion.load(tmp_path / f"g_{method}.h5")
         buffers = dict(g.models()[0].named_buffers())  # the exported architecture's statistics: the base's
         assert all(torch.equal(buffers[n], t) for n, t in stats.items())
-        model = posterior_fusion.posterior.build_model(g.model_spec, g.members[0])
+        model = posterior_fusion.models.members.build_model(g.model_spec, g.members[0])
         model.train()  # the spec's own model keeps them frozen: evaluation mode whatever is asked
         assert not any(m.training for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
     for predictive in ("map", "glm"):
@@ -479,7 +479,7 @@ def test_a_dropout_model_predicts_evaluates_and_selects_deterministically(tmp_pa
     import torch
 
     import posterior_fusion
-    from posterior_fusion.posterior import build_model
+    from posterior_fusion.models.members import build_model
 
     install_fake_plugin(tmp_path, monkeypatch, "dropplug", "0.1", "dropnet", DROPOUT)
     for c in range(2):

@@ -297,7 +297,8 @@ def test_refresh_with_auto_damping_records_its_choice(tmp_path, small_silo):
     The CLI refuses a damping that is neither a number >= 0 nor auto in one line, exit 2."""
     from posterior_fusion.curvature.dense import Dense
     from posterior_fusion.local.refresh import AUTO_DAMPINGS, RATIO_FLOOR, newton_centre, step_ratio
-    from posterior_fusion.posterior import GlobalEnsemble, build_model
+    from posterior_fusion.models.members import build_model
+    from posterior_fusion.posterior import GlobalEnsemble
 
     # the images at 7 × 7 (every fourth pixel): d = 250, so the dense float64 GGN and Newton steps are small
     silo = SiloData(small_silo.x[:120, ::4, ::4].copy(), small_silo.y[:120], "fmnist", 10)

@@ -30,7 +30,7 @@ from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.batchnorm import batch_norms, fold_statistics, thaw
-from posterior_fusion.posterior import build_model
+from posterior_fusion.models.members import build_model
 
 # (row label, method, settings): every fusion of one cell (kron curvature)
 FUSIONS = [

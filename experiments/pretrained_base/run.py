@@ -46,7 +46,7 @@ from posterior_fusion.local.refresh_settings import RefreshPrivacy
 from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import check_data, ensemble_probabilities, member_metrics
 from posterior_fusion.models import ModelSpec, resolve_model
-from posterior_fusion.posterior import build_model
+from posterior_fusion.models.members import build_model
 
 PUBLIC_CLASSES = (0, 1, 2, 3, 4)
 PUBLIC_SEED = 12345

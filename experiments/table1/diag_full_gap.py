@@ -42,7 +42,7 @@ from posterior_fusion.fusion.methods.fedbens import GlobalLogPosterior, median_s
 from posterior_fusion.fusion.optimise import accuracy_of
 from posterior_fusion.local.capture import capture
 from posterior_fusion.metrics import evaluate_members
-from posterior_fusion.posterior import build_model
+from posterior_fusion.models.members import build_model
 
 PAPER = {"diag+full": 70.04, "kron": 75.91}  # FedBEns Table 1, FMNIST α = 0.1, M = 5
 MAX_PRECISION = 1e6  # their clamp(1/prec, 1e-6, 1e6) on the diagonal variances

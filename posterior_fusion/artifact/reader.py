@@ -61,13 +61,7 @@ from posterior_fusion.hdf5_safety import read_native
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.finetune import STATISTICS
-from posterior_fusion.posterior import (
-    ClientPosterior,
-    Component,
-    GlobalEnsemble,
-    SwagMoments,
-    frozen_mapping,
-)
+from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, SwagMoments, frozen_mapping
 
 
 def _header(chk: _Checker, f: h5py.File) -> tuple[str, ModelSpec, ParameterLayout, dict]:
@@ -303,11 +297,6 @@ def _dataset_bytes(chk: _Checker, f: h5py.File, kind: str) -> dict[str, int]:
             for p in chk.walk(f, pattern) if isinstance(f[p], h5py.Dataset)}
 
 
-def _data_bytes(chk: _Checker, f: h5py.File, kind: str) -> int:
-    """Bytes of every dataset once loaded."""
-    return sum(_dataset_bytes(chk, f, kind).values())
-
-
 def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
     """Validate an artifact's header (phase 1 only) and report its size without reading data.
 
@@ -342,16 +331,23 @@ def declared_bytes(path: str | os.PathLike) -> dict[str, Any]:
 
 def load(path: str | os.PathLike, max_memory: int | str | None = None,
          keep_curvature: bool = True) -> ClientPosterior | GlobalEnsemble:
-    """Validate and load an artifact; returns :class:`ClientPosterior` or :class:`GlobalEnsemble`.
+    """Validate and load an artifact (the header first, then every value; nothing is read before the header passed).
 
-    ``keep_curvature`` False (a client artifact): every curvature block is read and checked as always, then
-    dropped — the components' ``curvature`` is None (what a fusion that reads no curvature loads: one block
-    in memory at a time instead of the whole artifact's).
+    The bytes the load would allocate are checked against the memory budget before any data is read.
 
-    The header is validated and the bytes the load would allocate are checked against the
-    memory budget (``max_memory``, default 80% of available memory; see
-    :mod:`posterior_fusion.budget`) before any data is read. Raises a subclass of
-    :class:`~posterior_fusion.errors.ArtifactError` (or ``ResourceLimitError``) on any problem.
+    Args:
+        path: a client artifact (from ``fit-local``) or a global one (from ``fuse``).
+        max_memory: the memory limit, bytes or a size such as ``"8G"`` [default: 80% of available memory, or
+            ``$PFUSE_MAX_MEMORY``; :mod:`posterior_fusion.budget`].
+        keep_curvature: False (a client artifact): every curvature block is read and checked as always, then
+            dropped, and the components' ``curvature`` is None — one block in memory at a time instead of the whole
+            artifact's (what a fusion that reads no curvature loads).
+
+    Returns:
+        :class:`ClientPosterior` or :class:`GlobalEnsemble`, tensors of ``d`` parameters each.
+
+    Raises:
+        ArtifactError: a subclass naming the file and HDF5 path (or ``ResourceLimitError`` over the budget).
     """
     path = Path(path)
     with _open(path) as (chk, f):
@@ -366,7 +362,7 @@ def load(path: str | os.PathLike, max_memory: int | str | None = None,
                 raise chk.bad_value("/", f"metadata field 'dp': {problem}")
         if kind != schema.KIND_CLIENT:
             _global_plan(chk, f, layout, meta, spec.num_classes)
-        budget.require(2 * _data_bytes(chk, f, kind), f"loading {path}", max_memory)
+        budget.require(2 * sum(_dataset_bytes(chk, f, kind).values()), f"loading {path}", max_memory)
         if plan is not None:
             comps = _client(chk, f, *plan, spec, keep_curvature)
             prior_mean = _read(chk, f["/prior_mean"], "/prior_mean", WEIGHT_MAX) if "/prior_mean" in f else None

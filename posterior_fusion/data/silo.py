@@ -289,9 +289,16 @@ def read_silo(path: str | os.PathLike, num_classes: int | None = None,
 
 
 def read_data(path: str | os.PathLike, max_memory: int | str | None = None) -> SiloData:
-    """A data file for a notebook: ``.x`` the stored inputs, ``.y`` the labels (``None`` in a
-    prediction-only file), ``.input_transform`` the shared transform and ``.inputs()`` the
-    transformed float32 model inputs (validated like every data file)."""
+    """A data file (from ``import-data`` or ``partition``) for a notebook, validated like every data file.
+
+    Args:
+        path: the data file.
+        max_memory: the memory limit, bytes or a size such as ``"8G"`` [default: 80% of available memory].
+
+    Returns:
+        A ``SiloData``: ``.x`` the stored inputs ``(n, …)``, ``.y`` the labels ``(n,)`` (None in a prediction-only
+        file), ``.input_transform`` the shared transform and ``.inputs()`` the transformed float32 model inputs.
+    """
     return read_silo(path, max_memory=max_memory, labels=False)
 
 

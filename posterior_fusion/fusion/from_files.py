@@ -31,12 +31,25 @@ def plan_fusion(client_paths: list[str | os.PathLike], method: str | None,
                 unlabeled_path: str | os.PathLike | None = None, max_memory: int | str | None = None,
                 robust: bool = False, tune: tuple[str, ...] = (),
                 distill: DistillConfig | TeachingConfig | None = None) -> dict:
-    """What :func:`fuse` will hold, from the headers alone (each client's header validated, no value read):
-    ``{method, clients, artifact_bytes (on disk), data_bytes (the clients' datasets once loaded),
-    curvature_kept (whether the clients' curvature stays in memory: :func:`keeps_curvature`),
-    memory_estimate_bytes (the whole fusion's working set, server data included), memory_limit_bytes}``; refused
-    where the estimate exceeds ``max_memory``. The arguments as :func:`fuse` takes them. ``fuse --dry-run``
-    prints it."""
+    """What :func:`fuse` will hold, from the headers alone (each client's header validated, no value read); refused in
+    one line where the estimate exceeds ``max_memory``. ``fuse --dry-run`` prints it.
+
+    Args:
+        client_paths: the clients' artifacts.
+        method: as :func:`fuse` takes it (None: the default).
+        settings: as :func:`fuse` takes them.
+        val_path: labelled server data, as :func:`fuse` takes it.
+        unlabeled_path: unlabeled server inputs, as :func:`fuse` takes them.
+        max_memory: the memory limit, bytes or a size [default: 80% of available memory].
+        robust: as :func:`fuse` takes it (it keeps the curvature).
+        tune: as :func:`fuse` takes it (it keeps the curvature).
+        distill: as :func:`fuse` takes it (data-free teaching keeps the curvature).
+
+    Returns:
+        ``{method, clients, artifact_bytes (on disk), data_bytes (the clients' datasets once loaded),
+        curvature_kept (:func:`keeps_curvature`), memory_estimate_bytes (the whole fusion's working set, server data
+        included), memory_limit_bytes}``.
+    """
     if method is None:
         method, settings = resolve_default(None, None if isinstance(settings, MethodSettings) else settings)
     chosen = method_settings(method, settings)
@@ -80,21 +93,38 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
          distill: DistillConfig | TeachingConfig | None = None,
          distill_checkpoint: str | os.PathLike | None = None,
          ) -> tuple[FusionInputs, FusionResult, dict]:
-    """Validate every client artifact, run ``method`` and return ``(inputs, result, metadata)``.
+    """Validate every client artifact, run ``method`` and return what it fused.
 
-    ``method`` None: the registry's default (:data:`~posterior_fusion.fusion.registry.DEFAULT_METHOD` with
-    its :data:`~posterior_fusion.fusion.registry.DEFAULT_SETTINGS`). ``settings``: the method's settings
-    record, or ``key -> value`` overrides of its defaults.
-    Headers are checked and the memory need estimated first (refused above ``max_memory``
-    bytes, default 80% of available memory); then the artifacts are loaded and, with
-    ``robust``, outlying clients are screened out (:mod:`posterior_fusion.fusion.robust`).
-    ``tune`` ("T" and/or "prior") selects T / σ0² on the validation data over a grid
-    (:mod:`posterior_fusion.fusion.tuning`). ``distill``: distil the fused ensemble into one
-    model — :class:`DistillConfig`, FedBE's recipe on the unlabeled data (:mod:`posterior_fusion.fusion.distill`;
-    fedbe distils by itself), or :class:`TeachingConfig`, consistent teaching on the unlabeled data or, without
-    any, on inputs synthesised from the artifacts (:mod:`posterior_fusion.fusion.teaching`);
-    ``distill_checkpoint``: where that teaching keeps its state, and from which an interrupted one resumes
-    (:mod:`posterior_fusion.fusion.teaching_checkpoint`).
+    Headers are checked and the memory need estimated first (refused above ``max_memory``); then the artifacts are
+    loaded (without their curvature where nothing reads it: :func:`keeps_curvature`) and fused.
+
+    Args:
+        client_paths: the clients' artifacts (from ``fit-local``).
+        method: a registry name (:data:`~posterior_fusion.fusion.registry.METHODS`), or None for the default
+            (:data:`~posterior_fusion.fusion.registry.DEFAULT_METHOD` with its
+            :data:`~posterior_fusion.fusion.registry.DEFAULT_SETTINGS`).
+        options: the settings every method shares (T, σ0², device, kernel, …) [default: their defaults].
+        settings: the method's settings record, or ``name -> value`` overrides of its defaults.
+        val_path: labelled server validation data (selection, calibration check).
+        unlabeled_path: unlabeled server inputs (FedBE, FedPPD's distillation, ``distill``).
+        log: called with each progress line.
+        robust: screen out outlying clients first (:mod:`posterior_fusion.fusion.robust`).
+        max_memory: the memory limit, bytes or a size [default: 80% of available memory].
+        tune: ``"T"`` and/or ``"prior"``: choose T / σ0² on the validation data over a grid
+            (:mod:`posterior_fusion.fusion.tuning`), over ``tune_temperatures`` / ``tune_prior_vars``.
+        tune_temperatures: the grid of T for ``tune``.
+        tune_prior_vars: the grid of σ0² for ``tune``.
+        distill: distil the fused members into one network — :class:`DistillConfig`, FedBE's recipe on the unlabeled
+            data (:mod:`posterior_fusion.fusion.distill`), or :class:`TeachingConfig`, consistent teaching on the
+            unlabeled data or, without any, on inputs synthesised from the artifacts
+            (:mod:`posterior_fusion.fusion.teaching`).
+        distill_checkpoint: where teaching keeps its state, and from which an interrupted one resumes
+            (:mod:`posterior_fusion.fusion.teaching_checkpoint`).
+
+    Returns:
+        ``(inputs, result, metadata)``: the validated clients (:class:`FusionInputs`), the members ``(d,)`` each with
+        their weights and curvature where the method made them (:class:`FusionResult`), and the global artifact's
+        metadata.
     """
     options = options or FusionOptions()
     options.validate()

@@ -26,7 +26,7 @@ from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import DataError
 from posterior_fusion.metrics import auroc, ensemble_probabilities
 from posterior_fusion.models.layers import SUPPORTED_LAYERS, input_columns
-from posterior_fusion.posterior import build_model
+from posterior_fusion.models.members import build_model
 
 TOP_DIRECTIONS = 5  # k: the leading input directions compared
 

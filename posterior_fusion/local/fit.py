@@ -292,10 +292,23 @@ def init_file_seed(meta: dict, init_path: str | os.PathLike) -> int:
 def fit_local(spec: ModelSpec | None, silo_path: str | os.PathLike, start: Start, cfg: FitConfig,
               out: str | os.PathLike, log: Callable[[str], None] = print, resume: bool = False,
               max_memory: int | str | None = None) -> tuple[dict, list]:
-    """What ``pfuse fit-local`` does, for the CLI, the Flower node and the experiment grid alike: read the silo,
-    start its components where ``start`` says, fit them and write the artifact to ``out``. ``spec``: the model
-    (``None`` with an init file: the file's; a spec that differs from the file's is refused). Returns the
-    artifact's metadata and its components."""
+    """What ``pfuse fit-local`` does, for the CLI, the Flower node and the experiment grid alike: read the silo, start its
+    components where ``start`` says, fit them and write the artifact to ``out``.
+
+    Args:
+        spec: the model (None with an init file: the file's; a spec that differs from the file's is refused).
+        silo_path: the silo's data file.
+        start: where the components start (:class:`Start`: seeds, an init file or a base).
+        cfg: the fit settings (:class:`~posterior_fusion.local.fit_config.FitConfig`).
+        out: the artifact to write (atomically; a partial file beside it while it runs).
+        log: called with each progress line.
+        resume: continue an interrupted run from its partial file.
+        max_memory: the memory limit, bytes or a size [default: 80% of available memory].
+
+    Returns:
+        ``(metadata, components)``: the artifact's metadata and its M fitted components (MAP ``(d,)`` and curvature
+        each).
+    """
     from posterior_fusion.artifact.reader import load_global
     from posterior_fusion.data.transform import check_transform
 

@@ -97,10 +97,17 @@ def _checked_statistics(path: Path, spec: ModelSpec, wanted: dict[str, tuple[int
 
 
 def write_base(model: torch.nn.Module, path: str | os.PathLike) -> str:
-    """Write ``model``'s parameters, by name (``named_parameters()``), as a ``.safetensors`` base for
-    ``pfuse init --base`` (atomically; tensors only, nothing executed on load); returns the file's SHA-256, the base's name everywhere
-    downstream. A stock ``nn.MultiheadAttention``'s packed projections are written as they are (the reader
-    splits them)."""
+    """Write a model's parameters, by name, as a ``.safetensors`` base for ``pfuse init --base`` (atomically; tensors
+    only, nothing executed on load). A stock ``nn.MultiheadAttention``'s packed projections are written as they are
+    (the reader splits them).
+
+    Args:
+        model: the pretrained network (``named_parameters()`` are written).
+        path: the ``.safetensors`` file to write.
+
+    Returns:
+        The file's SHA-256 (hex), the base's name everywhere downstream.
+    """
     from safetensors.torch import save_file
 
     from posterior_fusion.files import check_output, write_atomically

@@ -35,7 +35,8 @@ from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.fit_checks import library_versions
 from posterior_fusion.models import ModelSpec
-from posterior_fusion.posterior import ClientPosterior, Component, build_model, frozen_mapping
+from posterior_fusion.models.members import build_model
+from posterior_fusion.posterior import ClientPosterior, Component, frozen_mapping
 from posterior_fusion.runtime import resolve_device
 
 

@@ -92,7 +92,8 @@ from posterior_fusion.local.refresh_settings import (
     RefreshPrivacy,
     check_damping,
 )
-from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, build_model, frozen_mapping
+from posterior_fusion.models.members import build_model
+from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, frozen_mapping
 
 
 def own_posterior(source: ClientPosterior) -> list[tuple[torch.Tensor, object]]:
