@@ -31,6 +31,7 @@ from posterior_fusion.models import ModelSpec
 METHODS = {  # row name -> fuse arguments (besides the files and --out)
     "pool (default)": [],
     "pool distilled": ["--distill", "--unlabeled", "{unlabeled}", "--distill-steps", "{steps}"],
+    "pool distilled (swa)": ["--distill", "--distill-recipe", "swa", "--unlabeled", "{unlabeled}"],
     "fedavg": ["--method", "fedavg"],
     "fisher-merge": ["--method", "fisher-merge"],
     "fedbens": ["--method", "fedbens", "--val", "{val}"],
