@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs one worker per core: one thread each (and in the
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # commands the tests start), not two workers × all cores
@@ -149,3 +152,42 @@ def stop_process_groups(procs) -> None:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
+
+
+# The published JSON Schema of the artifact header and a small validator for the keywords it uses
+SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "docs" / "artifact-header.schema.json").read_text())
+
+
+def check(value, schema, path="$"):
+    """Validate ``value`` against a JSON Schema using: type, const, enum, required, properties,
+    additionalProperties (false), items, min/maxItems, minimum, maximum, maxLength, pattern."""
+    t = schema.get("type")
+    types = {"object": dict, "array": list, "string": str, "integer": int, "number": (int, float)}
+    if t and (not isinstance(value, types[t]) or isinstance(value, bool)):
+        raise AssertionError(f"{path}: expected {t}, got {type(value).__name__}")
+    if "const" in schema and value != schema["const"]:
+        raise AssertionError(f"{path}: expected {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise AssertionError(f"{path}: {value!r} not in {schema['enum']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                raise AssertionError(f"{path}: missing {key!r}")
+        props = schema.get("properties", {})
+        for key, v in value.items():
+            if key in props:
+                check(v, props[key], f"{path}.{key}")
+            elif schema.get("additionalProperties") is False:
+                raise AssertionError(f"{path}: unexpected {key!r}")
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", 10**9):
+            raise AssertionError(f"{path}: {len(value)} items out of range")
+        for i, v in enumerate(value):
+            if "items" in schema:
+                check(v, schema["items"], f"{path}[{i}]")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < schema.get("minimum", -float("inf")) or value > schema.get("maximum", float("inf")):
+            raise AssertionError(f"{path}: {value} out of range")
+    if isinstance(value, str):
+        if len(value) > schema.get("maxLength", 10**9) or ("pattern" in schema and not re.match(schema["pattern"], value)):
+            raise AssertionError(f"{path}: {value!r} does not match")

@@ -183,7 +183,7 @@ def test_half_artifacts_round_trip_shrink_and_fuse(tmp_path):
         assert f["components/0/curvature/0/lowrank_A_half_vectors"].dtype == np.float16
         assert f["components/0/curvature/0/lowrank_A_vectors"].dtype == np.float32
         assert json.loads(f.attrs["metadata"])["compress_vectors"] == "float16"
-    from test_schema import SCHEMA, check
+    from conftest import SCHEMA, check
 
     with h5py.File(paths["float16"]) as f:  # the header as the published schema describes it
         check(json.loads(f["components/0/curvature"].attrs["blocks"]), SCHEMA["properties"]["blocks"])

@@ -813,3 +813,30 @@ def test_the_user_facing_api_documents_its_arguments_and_what_it_returns():
             missing.append(f"{fn.__qualname__}: no Returns")
     assert not missing, missing
     assert len(targets) >= 25  # the scan sees the API
+
+
+# The flat test files that test no one module: suites across a trust boundary, a user's path or a reference, each
+# with what it covers. A new flat file names a top-level module or package of the library, or is added here.
+CROSS_CUTTING = {
+    "test_design.py": "the architecture itself", "test_packaging.py": "the wheel and a fresh install",
+    "test_cli_end_to_end.py": "the command line, command by command", "test_hardening.py": "hostile files, every reader",
+    "test_untrusted.py": "hostile artifacts and data files", "test_untrusted_third.py": "hostile model plugins and refresh",
+    "test_untrusted_fourth.py": "hostile compressed, fine-tuned and Flower inputs",
+    "test_own_data.py": "a newcomer's own data through importers and plugins",
+    "test_models_people_have.py": "stock torchvision / transformers models end to end",
+    "test_real_models.py": "ResNet-size models end to end", "test_laplace_reference.py": "laplace-torch as the oracle",
+    "test_base_prior.py": "the prior centred at a base, fit to fusion", "test_capture_dtype.py": "capture precision",
+    "test_capture_inplace.py": "in-place activations under capture", "test_embedding_capture.py": "embeddings' curvature",
+    "test_compress_half.py": "float16 compressed factors, writer to reader", "test_dp.py": "differential privacy, fit to fuse",
+    "test_pretrained_base.py": "fine-tuning from a base, init to fuse", "test_flower_deployment.py": "a real deployment",
+    "test_flower_stop.py": "a deployment's nodes stopped mid-round",
+}
+
+
+def test_a_flat_test_file_names_a_module_or_package_or_says_what_it_crosses():
+    flat = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    unnamed = [n for n in flat if n not in CROSS_CUTTING
+               and not (ROOT / "posterior_fusion" / (n.removeprefix("test_").removesuffix(".py") + ".py")).is_file()
+               and not (ROOT / "posterior_fusion" / n.removeprefix("test_").removesuffix(".py")).is_dir()]
+    assert not unnamed, unnamed
+    assert not set(CROSS_CUTTING) - set(flat), set(CROSS_CUTTING) - set(flat)  # no stale entry

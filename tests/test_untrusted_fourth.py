@@ -1,5 +1,5 @@
 """Fourth security pass (docs/security.md): the silo's trust boundary in the refresh round (in
-``test_recapture.py`` and ``test_flower.py``), writers whose output their own reader accepts, caps
+``tests/local/test_recapture.py`` and ``test_flower.py``), writers whose output their own reader accepts, caps
 enforced where the work starts, compressed blocks at the float32 edge, the Python API's inputs."""
 
 from __future__ import annotations
