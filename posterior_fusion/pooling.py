@@ -17,10 +17,9 @@
       π_c(y) = n_c(y) / n_c,   π(y) = Σ_c n_c(y) / Σ_c n_c,   w_c(y) ∝ n_c(y) + s where n_c(y) > 0, else 0,
 
   from the class counts ``n_c(y)`` every client artifact records. The label priors are the clients'
-  own, unsmoothed: when every client's predictive is its exact Bayes posterior under its own count
-  prior, the pooled-data posterior is the fixed point whatever the weights (each client that saw ``y``
-  estimates the same ``ρ``). A client that never saw a class (``n_c(y) = 0``)
-  has no say on it at any ``s``; a class no client saw has ``π(y) = 0`` and probability 0. ``s``
+  own, unsmoothed: when every client's predictive is its exact Bayes posterior under its own count prior, the
+  pooled-data posterior is the fixed point whatever the weights (each client that saw ``y`` estimates the same ``ρ``).
+  A client that never saw a class has no say on it at any ``s``; a class no client saw has probability 0. ``s``
   (``smoothing``) only evens the per-class weights of tiny counts. The fixed point is solved: the start is the
   maximiser of a concave likelihood (:func:`likelihood_start`, exact where the clients are), then Newton's method
   on the fixed point in ``log a_c`` (:func:`solve_fixed_point`) until no step moves a ``log a_c`` by more than
@@ -33,17 +32,15 @@
   the pool, and honest clients are left exactly as they are. A count claim is checked against the client's
   curvature: ``fuse --robust`` leaves out a client whose curvature per claimed example is off the median by more than
   5x (:mod:`posterior_fusion.fusion.robust`), and :func:`robust_label_shift_pool` given ``count_evidence`` scales a
-  claim beyond :data:`EVIDENCE_RATIO` × its evidence down to it. On the inputs being predicted (no labels; at
-  least :data:`SCREEN_ROWS`), each pair of clients with two or more classes that make up at least :data:`SCREEN_SUPPORT` of both clients' data is compared there (their
-  predictives moved to one label prior, mean total-variation distance: 0 for exact clients whatever their priors),
-  and a client's score is the median over its partners (:func:`disagreement`); a client (among those with a partner) above both
-  :data:`SCREEN_FLOOR` and :data:`SCREEN_MADS` median absolute deviations above the median is left out of the pool,
-  named in a warning. Measured in ``experiments/pool_robustness/`` (one of five LeNet clients lying ×1,000 about its
-  counts, or trained on shifted labels) and on conjugate federations in ``tests/test_pooling.py``.
+  claim beyond :data:`EVIDENCE_RATIO` × its evidence down to it. On the inputs being predicted (no labels; at least
+  :data:`SCREEN_ROWS`), each pair of clients with two or more classes making up :data:`SCREEN_SUPPORT` of both
+  clients' data is compared (their predictives moved to one label prior, mean total-variation distance: 0 for exact
+  clients whatever their priors); a client's score is the median over its partners (:func:`disagreement`); one
+  above :data:`SCREEN_FLOOR` and :data:`SCREEN_MADS` median absolute deviations above the median is left out, named
+  in a warning. Measured in ``experiments/pool_robustness/`` and on conjugate federations in ``tests/test_pooling.py``.
 
-  ``target_prior``: the pool answers under the pooled clients' label prior ``π``; where the data to be
-  predicted follows another prior ``π_t`` (e.g. uniform test sets), ``q_t(y|x) ∝ q(y|x) π_t(y) / π(y)``.
-
+  ``target_prior``: the pool answers under the pooled clients' label prior ``π``; data that follows another prior
+  ``π_t`` (e.g. uniform test sets) is predicted by ``q_t(y|x) ∝ q(y|x) π_t(y) / π(y)``.
 Shapes: member probabilities ``(K, n, classes)``; the result ``(n, classes)`` (float64).
 """
 
@@ -63,6 +60,7 @@ from posterior_fusion.errors import ConfigError
 POOLINGS = ("average", "label-shift")
 TOLERANCE = 1e-11        # a row stops once its Newton step moves no log a_c by more than this
 ITERATIONS = 200         # ... or after this many Newton steps (the default; each row stops on its own)
+FIXED_POINT_BYTES = 64 * 2**20  # the Newton step's Jacobians of one chunk of rows, at most (many clients)
 LIKELIHOOD_ROUNDS = 100  # Newton steps at most of the likelihood start
 WARN_RESIDUAL = 1e-10    # a residual above this at the end warns (module doc)
 EVIDENCE_RATIO = 5.0  # robust: a count claim beyond this x what the client's curvature supports is scaled down to it
@@ -280,10 +278,14 @@ def solve_fixed_point(base: torch.Tensor, w: torch.Tensor, ratio: torch.Tensor, 
     ``(T − 1 qᵀ) Wᵀ``, ``T_c(y) = ratio_c(y) q(y) / a_c``), each step halved until the residual ``|G(v) − v|`` falls
     (a plain round where no halving does), at most ``rounds`` steps. A row stops once its Newton step moves no
     ``log a_c`` by more than :data:`TOLERANCE`. The residual returned is the largest change of a probability the
-    next Newton step would make (0 where every row has stopped). Returns ``(q (n, P), residual)``, float64."""
+    next Newton step would make (0 where every row has stopped). Returns ``(q (n, P), residual)``, float64. Rows are
+    solved in chunks whose ``(m, C, C)`` Jacobians fit :data:`FIXED_POINT_BYTES` (hundreds of clients)."""
     n, C = log_a.shape
-    v = log_a.clone()
-    eye = torch.eye(C, dtype=torch.float64)
+    rows = max(1, FIXED_POINT_BYTES // (24 * C * C))  # the Jacobian, eye − J and lstsq's copy, float64
+    if n > rows:
+        parts = [solve_fixed_point(base[i : i + rows], w, ratio, log_a[i : i + rows], rounds) for i in range(0, n, rows)]
+        return torch.cat([q for q, _ in parts]), max(r for _, r in parts)
+    v, eye = log_a.clone(), torch.eye(C, dtype=torch.float64)
 
     def image(b: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.softmax(b + v @ w, -1)

@@ -137,6 +137,30 @@ def test_random_federations_are_solved_or_say_so(dim, hoarder):
     assert solved >= 17, solved
 
 
+def test_a_fixed_point_solved_in_chunks_of_rows_is_the_one_solved_at_once(monkeypatch):
+    """Hundreds of clients make the Newton step's ``(rows, C, C)`` Jacobians large, so the rows are solved in chunks
+    (:data:`~posterior_fusion.pooling.FIXED_POINT_BYTES`): each row's fixed point is its own, so the chunked pool
+    equals the pool solved at once, and each chunk's Jacobians fit the bound."""
+    import posterior_fusion.pooling as pooling_module
+
+    torch.manual_seed(3)
+    clients, counts, truth = dirichlet_world(3, 5)
+    at_once = label_shift_pool(clients, counts)
+    seen = []
+    solve = pooling_module.solve_fixed_point
+
+    def spy(base, w, ratio, log_a, rounds=pooling_module.ITERATIONS):
+        seen.append(log_a.shape[0])
+        return solve(base, w, ratio, log_a, rounds)
+
+    C = counts.shape[0]
+    monkeypatch.setattr(pooling_module, "FIXED_POINT_BYTES", 24 * C * C * 7)  # seven rows a chunk
+    monkeypatch.setattr(pooling_module, "solve_fixed_point", spy)
+    chunked = label_shift_pool(clients, counts)
+    assert torch.allclose(chunked, at_once, rtol=0, atol=1e-12)
+    assert max(seen[1:]) <= 7 and seen[0] > 7  # the first call split its rows, the chunks held seven at most
+
+
 def test_the_target_prior_is_a_setting_recorded_and_used_by_the_artifact(skewed, tmp_path):
     """``--set target_prior=uniform``: recorded in the global artifact's pooling record and applied by its
     predictions (the clients' prior otherwise); a malformed value is one clear error."""
