@@ -22,26 +22,27 @@ from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.progress import progress
+from posterior_fusion.settings import check_declared, setting
 
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """FedBE's distillation schedule (the defaults)."""
+    """FedBE's distillation schedule (``fuse --distill-recipe swa``; the defaults are the paper's)."""
 
-    epochs: int = 20
-    batch_size: int = 128
-    lr_max: float = 1e-3
-    lr_min: float = 4e-4
-    cycle: int = 25
-    swa_start: int = 250
-    momentum: float = 0.9
-    sharpen: float = 2.0  # power of the pseudo-label sharpening (1: none)
+    epochs: int = setting(20, "Epochs over the unlabeled inputs.", bounds=(0, 10_000))
+    batch_size: int = setting(128, "Inputs per step.", bounds=(1, 2**20))
+    lr_max: float = setting(1e-3, "The cyclic step size's top.", bounds=(1e-12, 10.0))
+    lr_min: float = setting(4e-4, "The cyclic step size's bottom (at most lr_max).", bounds=(1e-12, 10.0))
+    cycle: int = setting(25, "Steps per cycle of the step size; SWA collects the student at each cycle's end.",
+                         bounds=(1, 10**6))
+    swa_start: int = setting(250, "Steps before SWA starts collecting.", bounds=(0, 10**9))
+    momentum: float = setting(0.9, "SGD momentum.", bounds=(0.0, 0.999999))
+    sharpen: float = setting(2.0, "Power of the pseudo-labels' sharpening (1: none).", bounds=(1e-6, 100.0))
 
     def validate(self) -> None:
-        if (self.epochs < 0 or self.batch_size < 1 or not 0 < self.lr_min <= self.lr_max or self.cycle < 1
-                or self.swa_start < 0 or not 0 <= self.momentum < 1 or not self.sharpen > 0):
-            raise ConfigError("distillation needs epochs >= 0, batch_size >= 1, 0 < lr_min <= lr_max, cycle >= 1, "
-                              "swa_start >= 0, momentum in [0, 1) and sharpen > 0")
+        check_declared(self, "distillation")
+        if self.lr_min > self.lr_max:
+            raise ConfigError(f"distillation setting lr_min ({self.lr_min:g}) must be at most lr_max ({self.lr_max:g})")
 
     def to_json(self) -> dict:
         return asdict(self)

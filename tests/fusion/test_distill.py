@@ -4,6 +4,8 @@ FedBE's Dirichlet samples are convex combinations of the client models."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import h5py
 import pytest
 import torch
@@ -149,3 +151,16 @@ def test_agreement_prefers_a_member_to_a_near_uniform_mean(clients):
     agree, ce = fit_to_soft_labels(spec, torch.stack([uniform, w]), x, targets)
     assert agree[1] == 1.0 and agree[0] < 1.0
     assert ce[0] == pytest.approx(float(torch.log(torch.tensor(10.0))), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad, name", [({"epochs": -1}, "epochs"), ({"batch_size": 0}, "batch_size"),
+                                       ({"lr_min": 1e-2}, "lr_min"), ({"momentum": 1.0}, "momentum"),
+                                       ({"sharpen": 0.0}, "sharpen"), ({"cycle": 0}, "cycle")])
+def test_fedbe_s_schedule_refuses_a_bad_value_in_one_line_naming_it(bad, name):
+    from posterior_fusion.errors import ConfigError
+    from posterior_fusion.settings import describe
+
+    with pytest.raises(ConfigError, match=name) as err:
+        DistillConfig(**bad).validate()
+    assert "\n" not in str(err.value)
+    assert {d["name"] for d in describe(DistillConfig)} == {f.name for f in dataclasses.fields(DistillConfig)}
