@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import BATCHNORM_STATISTICS, LINKS, PREDICTIVES, STRUCTURES
+from posterior_fusion.choices import LINKS, PREDICTIVES, STRUCTURES
 from posterior_fusion.cli.common import (
     bounded,
     echo_json,
@@ -29,6 +29,7 @@ from posterior_fusion.demo import DEFAULT_ROW, DEMO_DATASETS, DEMO_METHODS, lege
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output, output_lock
 from posterior_fusion.fusion.distill_settings import RECIPES, TeachingConfig
+from posterior_fusion.fusion.options import FusionOptions
 from posterior_fusion.fusion.registry import (
     DEFAULT_METHOD,
     DEFAULT_SETTINGS,
@@ -38,7 +39,7 @@ from posterior_fusion.fusion.registry import (
     resolve_default,
 )
 from posterior_fusion.fusion.settings_parsing import parse_pairs
-from posterior_fusion.settings import describe
+from posterior_fusion.settings import base_type, describe
 
 
 def legacy_settings(fn: Callable) -> Callable:
@@ -111,6 +112,25 @@ def distill_options(fn):
     return fn
 
 
+def fusion_options(fn):
+    """One option per :class:`~posterior_fusion.fusion.options.FusionOptions` field (declared once: its default,
+    help, bounds and choices) but ``progress`` (``pfuse -q``): ``--temperature``, ``--device``, …"""
+    hints = typing.get_type_hints(FusionOptions)
+    for row in reversed(describe(FusionOptions)):
+        if row["name"] == "progress":
+            continue
+        flag, kind = "--" + row["name"].replace("_", "-"), base_type(hints[row["name"]])
+        if kind is bool:
+            fn = click.option(flag, is_flag=True, help=f"{row['help']} [default: off]")(fn)
+            continue
+        click_type = (click.Choice(row["choices"]) if row["choices"] else
+                      bounded(row["bounds"], kind) if row["bounds"] else None)
+        shown = "none" if row["default"] is None else row["default"]
+        fn = click.option(flag, default=row["default"], type=click_type, show_default=False,
+                          help=f"{row['help']} [default: {shown}]")(fn)
+    return fn
+
+
 @click.command("fuse", epilog=SETTINGS_EPILOG)
 @click.argument("clients", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--method", default=None, type=click.Choice(list(METHODS)),
@@ -141,23 +161,7 @@ def distill_options(fn):
 @click.option("--distill-epochs", default=None, type=bounded(ranges.EPOCHS),
               help="Epochs of the swa recipe and of method fedbe (its setting distill_epochs) [default: 20, FedBE's].")
 @distill_options
-@click.option("--temperature", default=None, type=bounded(ranges.TEMPERATURE, float), help="Re-temper every client with this T [default: each client's T].")
-@click.option("--prior-var", default=None, type=bounded(ranges.PRIOR_VAR, float), help="Prior variance σ0² for every client and the global prior [default: clients'].")
-@click.option("--component", default=0, show_default=True, type=bounded((0, ranges.COMPONENTS[1] - 1)), help="Client component used by unimodal methods.")
-@click.option("--sampling-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the server's random draws (fedbe, swag).")
-@click.option("--kernel", default=None, type=click.Choice(["torch", "triton"]),
-              help="Kronecker kernel: torch (batched products; fastest on CPU and GPU) or triton (fused GPU "
-                   "kernels, a tenth of the GPU memory, slower) [default: torch].")
-@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
-              help="Device for fedbens/fedfisher optimisation.")
-@click.option("--batchnorm-statistics", default="fold", show_default=True, type=click.Choice(BATCHNORM_STATISTICS),
-              help="The fused model's BatchNorm when the clients trained it from random starting points (fit-local "
-                   "--batchnorm fold): fold (the fused affine maps as they are; no data) or reset (the statistics "
-                   "estimated again on the server's --unlabeled, else --val, inputs: RESET).")
-@click.option("--allow-mixed-privacy", is_flag=True,
-              help="Fuse differentially private clients (fit-local --dp) with non-private ones [default: refused]; the "
-                   "global's metadata mixed_privacy lists both: it carries no guarantee for the non-private clients' "
-                   "data.")
+@fusion_options
 @click.option("--tune", default=None,
               help="Choose T and/or prior variance on --val over a grid: 'T', 'prior' or 'T,prior' [default: no tuning].")
 @click.option("--tune-temperatures", default="0.01,0.03,0.1,0.3,1.0", show_default=True, help="Grid of T for --tune.")

@@ -840,3 +840,29 @@ def test_a_flat_test_file_names_a_module_or_package_or_says_what_it_crosses():
                and not (ROOT / "posterior_fusion" / n.removeprefix("test_").removesuffix(".py")).is_dir()]
     assert not unnamed, unnamed
     assert not set(CROSS_CUTTING) - set(flat), set(CROSS_CUTTING) - set(flat)  # no stale entry
+
+
+def test_fuse_s_shared_options_are_generated_from_their_declaration():
+    """Every :class:`FusionOptions` field (but ``progress``, which is ``pfuse -q``) is a ``fuse`` option whose help,
+    default, range and choices are the declaration's — none written by hand — and the consistent recipe's
+    ``--distill-*`` options are :class:`TeachingConfig`'s."""
+    import click
+
+    from posterior_fusion.cli.server_commands import fuse_cmd
+    from posterior_fusion.fusion.distill_settings import TeachingConfig
+    from posterior_fusion.fusion.options import FusionOptions
+    from posterior_fusion.settings import describe
+
+    params = {p.name: p for p in fuse_cmd.params}
+    for record, prefix in ((FusionOptions, ""), (TeachingConfig, "distill_")):
+        for row in describe(record):
+            if row["name"] == "progress":
+                continue
+            p = params[prefix + row["name"]]
+            assert p.help.startswith(row["help"]) or p.help.startswith(f"consistent recipe: {row['help']}"), p.name
+            if record is FusionOptions and not p.is_flag:
+                assert p.default == row["default"], p.name
+                if row["choices"]:
+                    assert isinstance(p.type, click.Choice) and tuple(p.type.choices) == tuple(row["choices"])
+                elif row["bounds"]:
+                    assert (p.type.min, p.type.max) == tuple(type(p.type.min)(b) for b in row["bounds"]), p.name

@@ -9,48 +9,14 @@ from typing import Any
 
 import torch
 
-from posterior_fusion import ranges
 from posterior_fusion.artifact import ClientPosterior
-from posterior_fusion.choices import BATCHNORM_STATISTICS
 from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError, IncompatibleArtifactsError, MethodNotApplicableError
+from posterior_fusion.fusion.options import DEVICES, KERNELS, FusionOptions  # noqa: F401 (the shared options, here too)
 from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.pooling import AVERAGE, Pooling
-from posterior_fusion.settings import check_declared, setting
-
-KERNELS = ("torch", "triton")
-DEVICES = ("cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class FusionOptions:
-    """Settings shared by every method (each method's own are in its settings record), declared with
-    :func:`~posterior_fusion.settings.setting` like every other setting: one default and one line of help each."""
-
-    temperature: float | None = setting(None, "Re-temper every client: T on the server (None: each client's own T).",
-                                        bounds=ranges.TEMPERATURE)
-    prior_var: float | None = setting(None, "Re-set every client's prior variance σ0² (None: each client's own).",
-                                      bounds=ranges.PRIOR_VAR)
-    component: int = setting(0, "The client component the unimodal methods use.", bounds=(0, ranges.COMPONENTS[1] - 1))
-    sampling_seed: int = setting(0, "Seed of the server's random draws.", bounds=ranges.SEED)
-    kernel: str | None = setting(None, "Kronecker kernel of the optimising methods: torch or triton (None: "
-                                       "$PFUSE_KERNEL, else torch).", choices=KERNELS)
-    device: str = setting("cpu", "Where the optimising methods compute: cpu or cuda (torch kernels on either unless "
-                                 "`kernel` says triton).", choices=DEVICES)
-    progress: bool = setting(True, "Show progress lines.")
-    batchnorm_statistics: str = setting("fold", "The fused model's BatchNorm statistics where the clients folded "
-                                                "theirs: fold (as fused) or reset (estimated again on server inputs; "
-                                                "fusion/batchnorm_statistics.py).", choices=BATCHNORM_STATISTICS)
-    allow_mixed_privacy: bool = setting(False, "Fuse differentially private clients with non-private ones (the "
-                                               "global then carries no guarantee for the non-private clients' data, "
-                                               "and its metadata says so).")
-
-    def validate(self) -> None:
-        check_declared(self)
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("`device` cuda is not available here (no GPU)")
 
 
 def prior_precision_of(prior_var: float) -> float:
