@@ -318,6 +318,17 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
     return chosen, table
 
 
+def check_global_headers(paths) -> None:
+    """Each global artifact's header and structure, read without torch (:func:`~posterior_fusion.artifact.preview.
+    preview`): a forged or mistaken file is refused in one line before torch is imported."""
+    from posterior_fusion.artifact.preview import preview
+    from posterior_fusion.errors import SchemaError
+
+    for path in paths:
+        if preview(path)["kind"] != "global":
+            raise SchemaError(str(path), "expected a global artifact (from fuse), got a client one", "/")
+
+
 @click.command("evaluate")
 @click.argument("global_artifacts", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False), help="Labelled data file (e.g. test.h5).")
@@ -333,6 +344,7 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
 def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, scale_from, ood, bins, plot, as_json,
                  max_memory):
     """Accuracy, NLL, ECE/MCE, Brier, entropy, AUROC(correct), selective accuracy (and OOD AUROC) of global artifacts."""
+    check_global_headers(global_artifacts)
     from posterior_fusion.artifact import load_global
     from posterior_fusion.metrics import evaluate_posterior, reliability_plot
 
@@ -375,6 +387,7 @@ def evaluate_cmd(global_artifacts, data_path, predictive, samples, link, scale, 
 @handle_errors
 def predict_cmd(global_artifact, data_path, out, predictive, samples, link, scale, scale_from, max_memory):
     """Write the predictive class probabilities (map ensemble, mc or glm)."""
+    check_global_headers([global_artifact])
     from posterior_fusion.artifact import load_global
     from posterior_fusion.artifact.writer import write_predictions
     from posterior_fusion.metrics import check_data

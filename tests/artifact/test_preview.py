@@ -19,14 +19,14 @@ from posterior_fusion.cli.main import pfuse
 from posterior_fusion.errors import SchemaError
 from posterior_fusion.summary import summarize
 
-INSPECT = ("import sys, json; from posterior_fusion.cli.main import main; sys.argv = ['pfuse', *sys.argv[1:]]\n"
+CLI = ("import sys, json; from posterior_fusion.cli.main import main; sys.argv = ['pfuse', *sys.argv[1:]]\n"
            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
            "print(json.dumps({'torch': 'torch' in sys.modules, 'code': code}), file=sys.stderr)")
 
 
 def inspect_in_a_child(*args) -> tuple[dict, str]:
     """``pfuse inspect ARGS`` in a fresh interpreter: (``{torch imported?, exit code}``, its stdout)."""
-    proc = subprocess.run([sys.executable, "-c", INSPECT, "inspect", *map(str, args)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", CLI, "inspect", *map(str, args)], capture_output=True, text=True,
                           timeout=120)
     return json.loads(proc.stderr.strip().splitlines()[-1]), proc.stdout
 
@@ -102,3 +102,17 @@ def test_values_are_checked_only_by_validate(kron_artifact, tmp_path):
     assert ok.exit_code == 0 and "--validate checks every value" in ok.stdout
     r = CliRunner().invoke(pfuse, ["inspect", str(bad), "--validate"])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "/components/0/map" in r.stderr, r.stderr
+
+
+def test_evaluate_and_predict_refuse_a_forged_header_before_importing_torch(kron_artifact, global_artifact, tmp_path):
+    """The header checks of ``evaluate`` and ``predict`` are the torch-free header read: a file of the wrong
+    structure, or a client artifact where a global one is due, is one line and exit 2 with torch never imported."""
+    bad = _hostile(global_artifact, tmp_path / "bad.h5", STRUCTURE["soft_link"])
+    for args in (["evaluate", bad, "--data", tmp_path / "unread.h5"], ["predict", bad, "--data", tmp_path / "x.h5",
+                                                                       "--out", tmp_path / "p.h5"],
+                 ["evaluate", kron_artifact, "--data", tmp_path / "unread.h5"]):
+        proc = subprocess.run([sys.executable, "-c", CLI, *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert json.loads(lines[-1]) == {"torch": False, "code": 2}, proc.stderr
+        assert len(lines) == 2 and str(args[1]) in lines[0], proc.stderr
