@@ -320,12 +320,12 @@ def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple
 
 def check_global_headers(paths) -> None:
     """Each global artifact's header and structure, read without torch (:func:`~posterior_fusion.artifact.preview.
-    preview`): a forged or mistaken file is refused in one line before torch is imported."""
-    from posterior_fusion.artifact.preview import preview
+    artifact_kind`): a forged or mistaken file is refused in one line before torch is imported."""
+    from posterior_fusion.artifact.preview import artifact_kind
     from posterior_fusion.errors import SchemaError
 
     for path in paths:
-        if preview(path)["kind"] != "global":
+        if artifact_kind(path) != "global":
             raise SchemaError(str(path), "expected a global artifact (from fuse), got a client one", "/")
 
 

@@ -41,6 +41,9 @@ BATCHNORM_POLICIES = ("fold", "refuse")
 """A BatchNorm model trained from random starting points: fold (train with batch statistics, then fold the silo's
 statistics into the affine parameters) or refuse (one error line before training)."""
 
+KERNELS = ("torch", "triton")
+"""The batched Kronecker kernels' backend: torch (batched products, the default) or triton (fused GPU kernels)."""
+
 BATCHNORM_STATISTICS = ("fold", "reset")
 """The fused model's BatchNorm: fold (the fused affine maps as they are) or reset (statistics estimated again on the
 server's inputs, RESET)."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from posterior_fusion.choices import KERNELS
 from posterior_fusion.settings import check_declared, convert, setting
 
 
@@ -22,23 +23,29 @@ class Environment:
     PFUSE_MAX_MEMORY: str | None = setting(None, "The memory limit of every reader and command, e.g. 8G (as "
                                                  "--max-memory); unset: 80% of MemAvailable.")
     PFUSE_KERNEL: str | None = setting(None, "Force the batched Kronecker kernels' backend: torch or triton; "
-                                             "unset: torch, or what the caller names.", choices=("torch", "triton"))
+                                             "unset: torch, or what the caller names.", choices=KERNELS)
     PFUSE_MALLOC: str = setting("keep", "keep: glibc keeps freed buffers of up to 1 GiB for reuse (training and "
                                         "fusion loops then do not fault them in again); default: glibc's own "
                                         "behaviour.", choices=("keep", "default"))
 
 
+def _declared(name: str) -> dataclasses.Field:
+    """The declaration of the variable ``name``; KeyError for a name nobody declared (a programming error)."""
+    for f in dataclasses.fields(Environment):
+        if f.name == name:
+            return f
+    raise KeyError(f"{name} is not a declared environment variable (posterior_fusion.environment)")
+
+
 def environment(name: str) -> Any:
     """The value of the declared variable ``name``: its default where unset or empty, else the text converted to
     its declared type and checked against its choices."""
-    fields = {f.name: f for f in dataclasses.fields(Environment)}
-    if name not in fields:
-        raise KeyError(f"{name} is not a declared environment variable (posterior_fusion.environment)")
+    declared = _declared(name)
     text = os.environ.get(name, "").strip()
     if not text:
-        return fields[name].default
+        return declared.default
     value = convert(text, typing.get_type_hints(Environment)[name], name, "environment")
-    if isinstance(value, str) and fields[name].metadata.get("choices"):
+    if isinstance(value, str) and declared.metadata.get("choices"):
         value = value.lower()
     check_declared(dataclasses.replace(Environment(), **{name: value}), "environment")
     return value
@@ -47,8 +54,7 @@ def environment(name: str) -> Any:
 def override(name: str, text: str) -> Callable[[], None]:
     """Set the declared variable ``name`` to ``text`` for now; returns the function that puts back what was there
     (``pfuse -q`` silences progress for its own invocation only, in a process that calls it in process too)."""
-    if name not in {f.name for f in dataclasses.fields(Environment)}:
-        raise KeyError(f"{name} is not a declared environment variable (posterior_fusion.environment)")
+    _declared(name)
     before = os.environ.get(name)
     os.environ[name] = text
 

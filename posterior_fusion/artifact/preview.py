@@ -16,13 +16,41 @@ from typing import Any
 import h5py
 
 from posterior_fusion.artifact import schema
-from posterior_fusion.artifact.h5check import file_sha256, open_artifact
+from posterior_fusion.artifact.h5check import Checker, file_sha256, open_artifact
 from posterior_fusion.artifact.privacy import check_privacy_records
 from posterior_fusion.errors import NotAnArtifactError, UnsupportedVersionError
 
 
 def _nbytes(obj: Any) -> int:
     return int(obj.size * obj.dtype.itemsize) if isinstance(obj, h5py.Dataset) else 0
+
+
+def _structure(chk: Checker, f: h5py.File) -> tuple[int, str]:
+    """The root attributes and every object checked as the reader checks them (module doc); ``(version, kind)``."""
+    for name in ("format", "format_version", "artifact_kind"):
+        if name not in f.attrs:
+            raise NotAnArtifactError(chk.file, f"missing root attribute {name!r}: not a posterior-fusion artifact", "/")
+    if chk.attr(f, "format", "/", "text") != schema.FORMAT_NAME:
+        raise NotAnArtifactError(chk.file, f"format is not {schema.FORMAT_NAME!r}", "/")
+    version = chk.attr(f, "format_version", "/", "int")
+    if version not in schema.READABLE_VERSIONS:
+        raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported", "/")
+    kind = chk.attr(f, "artifact_kind", "/", "text")
+    if kind not in (schema.KIND_CLIENT, schema.KIND_GLOBAL):
+        raise chk.bad_schema("/", f"artifact_kind {kind[:100]!r} must be 'client' or 'global'")
+    chk.root_attributes(f)
+    pattern = schema.client_path_re if kind == schema.KIND_CLIENT else schema.global_path_re
+    chk.walk(f, pattern(schema.ANY_DATASET_NAME))
+    return version, kind
+
+
+def artifact_kind(path: str | os.PathLike) -> str:
+    """``client`` or ``global``, once the file's structure is checked as :func:`preview` checks it (torch-free, no
+    data read and no hash: what ``evaluate`` and ``predict`` check before torch is imported)."""
+    from pathlib import Path
+
+    with open_artifact(Path(path)) as (chk, f):
+        return _structure(chk, f)[1]
 
 
 def preview(path: str | os.PathLike) -> dict[str, Any]:
@@ -32,20 +60,7 @@ def preview(path: str | os.PathLike) -> dict[str, Any]:
 
     path = Path(path)
     with open_artifact(path) as (chk, f):
-        for name in ("format", "format_version", "artifact_kind"):
-            if name not in f.attrs:
-                raise NotAnArtifactError(chk.file, f"missing root attribute {name!r}: not a posterior-fusion artifact", "/")
-        if chk.attr(f, "format", "/", "text") != schema.FORMAT_NAME:
-            raise NotAnArtifactError(chk.file, f"format is not {schema.FORMAT_NAME!r}", "/")
-        version = chk.attr(f, "format_version", "/", "int")
-        if version not in schema.READABLE_VERSIONS:
-            raise UnsupportedVersionError(chk.file, f"format_version {version} is not supported", "/")
-        kind = chk.attr(f, "artifact_kind", "/", "text")
-        if kind not in (schema.KIND_CLIENT, schema.KIND_GLOBAL):
-            raise chk.bad_schema("/", f"artifact_kind {kind[:100]!r} must be 'client' or 'global'")
-        chk.root_attributes(f)
-        pattern = schema.client_path_re if kind == schema.KIND_CLIENT else schema.global_path_re
-        chk.walk(f, pattern(schema.ANY_DATASET_NAME))
+        version, kind = _structure(chk, f)
         model = chk.json_attr(f, "model_spec", "/")
         layout = chk.json_attr(f, "layout", "/")
         meta = chk.json_attr(f, "metadata", "/")

@@ -69,8 +69,13 @@ def node_local_model(context: Context) -> LocalModelConfig | None:
     return local
 
 
+def node_settings(context: Context) -> NodeSettings:
+    """The node's own settings from its node config (:class:`~posterior_fusion.flower.round_settings.NodeSettings`)."""
+    return NodeSettings.from_node_config(dict(context.node_config))
+
+
 def node_silo(context: Context, silo_dir: str | os.PathLike | None = None) -> Path:
-    node = NodeSettings.from_node_config(dict(context.node_config))
+    node = node_settings(context)
     if node.silo is not None:
         return Path(node.silo)
     folder = silo_dir if silo_dir is not None else RoundSettings.from_run_config(dict(context.run_config)).silo_dir
@@ -83,7 +88,7 @@ def node_state_dir(context: Context, silo: Path) -> Path:
     """Where the node keeps its own artifacts between rounds, a folder of this user's only (0700, never through
     a link: :func:`~posterior_fusion.files.own_private_folder`): node config ``state-dir``, else
     ``<the user's data folder>/posterior-fusion/node/<hash of the silo's path>``."""
-    state_dir = NodeSettings.from_node_config(dict(context.node_config)).state_dir
+    state_dir = node_settings(context).state_dir
     if state_dir is not None:
         return own_private_folder(Path(state_dir), "node config state-dir")
     key = hashlib.sha256(str(silo.resolve()).encode()).hexdigest()[:16]
@@ -104,7 +109,7 @@ def client_train(msg: Message, context: Context, silo_dir: str | os.PathLike | N
         sent = config.get("base") if secure else received_file(msg.content, config, "base")
     except TransferError as exc:
         raise FederationError(f"the train message: {exc}") from None
-    base = node_base(NodeSettings.from_node_config(dict(context.node_config)).base, settings.base_sha256, sent, state)
+    base = node_base(node_settings(context).base, settings.base_sha256, sent, state)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "client.h5"
         fit_to_artifact(settings, silo, out, local_model=node_local_model(context), base=base)
@@ -126,7 +131,7 @@ def artifact_reply(msg: Message, context: Context, silo: Path, blob: bytes) -> M
     """The reply carrying an artifact: its bytes as the file ``artifact`` (:mod:`~posterior_fusion.flower.transfer`:
     chunked by Flower, whatever its size), the silo's path and the node's partition id in the ``artifact`` record."""
     reply: dict = {"silo": str(silo)}
-    partition = NodeSettings.from_node_config(dict(context.node_config)).partition_id
+    partition = node_settings(context).partition_id
     if partition is not None:
         reply["partition-id"] = partition
     return Message(message_content("artifact", reply, {"artifact": blob}), reply_to=msg)
@@ -152,7 +157,7 @@ def client_refresh(msg: Message, context: Context, silo_dir: str | os.PathLike |
     if damping != "auto" and (isinstance(damping, bool) or not isinstance(damping, (int, float))):
         raise FederationError(f"a refresh message's 'damping' must be 'auto' or a number, got {type(damping).__name__}")
     damping = check_damping(damping, "the refresh message's damping")
-    radius = NodeSettings.from_node_config(dict(context.node_config)).refresh_trust_radius
+    radius = node_settings(context).refresh_trust_radius
     privacy = refresh_privacy_from({k.replace("-", "_"): v for k, v in context.node_config.items()
                                     if k.startswith("refresh-dp-")}, "node config: ")
     silo = node_silo(context, silo_dir)

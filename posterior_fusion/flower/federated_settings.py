@@ -76,11 +76,11 @@ class FederatedSettings:
         """Settings from a Flower run config (keys as in examples/flower/pyproject.toml: the fit
         settings' names with ``-``)."""
         cfg = rename_keys(cfg, RENAMED_RUN_CONFIG_KEYS, "run config", print)
-        given = {"model-kwargs": convert(cfg["model-kwargs"], dict, "model-kwargs", "run config")} \
-            if "model-kwargs" in cfg else {}
+        if "model-kwargs" in cfg:
+            cfg = {**cfg, "model-kwargs": convert(cfg["model-kwargs"], dict, "model-kwargs", "run config")}
         keys = {"model": "model", "model-kwargs": "model_kwargs", "components": "components", "init-seed": "init_seed",
                 "base-sha256": "base_sha256", **{s.run_config_key: name for name, s in _server_fit_settings().items()}}
-        return cls(**{name: given.get(key, cfg[key]) for key, name in keys.items() if key in cfg})
+        return cls(**{name: cfg[key] for key, name in keys.items() if key in cfg})
 
     def spec(self) -> ModelSpec:
         return ModelSpec(self.model, dict(self.model_kwargs))

@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import BATCHNORM_STATISTICS
+from posterior_fusion.choices import BATCHNORM_STATISTICS, KERNELS
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.settings import check_declared, setting
 
-KERNELS = ("torch", "triton")
 DEVICES = ("cpu", "cuda")
 
 

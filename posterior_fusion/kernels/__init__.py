@@ -27,11 +27,12 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
+from posterior_fusion.choices import KERNELS
 from posterior_fusion.environment import environment
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.kernels import reference
 
-BACKENDS = ("torch", "triton")
+BACKENDS = KERNELS
 
 
 def triton_available() -> bool:
