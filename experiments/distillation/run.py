@@ -4,11 +4,12 @@ clients (``experiments/label_shift_pool/``, its grid's cache), each cell through
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python experiments/distillation/run.py runs/label_shift_pool \\
         --alphas 0.1 --seeds 0 --rows consistent-5000 consistent-500 data-free --out docs/results/distillation
 
-Rows: ``pool`` (the teacher: the clients' 25 networks pooled under label shift), ``consistent-5000`` and
+Rows: ``pool`` (the teacher: the clients' 25 networks pooled under label shift), ``ensemble`` (the plain client
+ensemble), ``swa`` (FedBE's recipe on the 5,000 images, for clients no grid trained), ``consistent-5000`` and
 ``consistent-500`` (the consistent recipe on 5,000 or the first 500 of the grid's unlabeled server images),
 ``data-free`` (no server inputs: synthesised from the teachers and the clients' first-layer input factors),
 ``plain-teacher`` (the consistent recipe on the 5,000 images, taught by the plain client ensemble instead).
-FedBE's recipe is the grid's own ``ensemble-label-shift+distill`` row. Each cell writes
+FedBE's recipe is also the grid's own ``ensemble-label-shift+distill`` row. Each cell writes
 ``OUT/<alpha>_<seed>_<row>.json`` (accuracy, NLL, ECE, agreement, server seconds) and is skipped when present.
 """
 
@@ -25,7 +26,7 @@ import posterior_fusion
 from posterior_fusion.data.silo import SiloData, write_silo
 
 PFUSE = str(Path(sys.executable).parent / "pfuse")
-ROWS = ("pool", "consistent-5000", "consistent-500", "data-free", "plain-teacher")
+ROWS = ("pool", "ensemble", "swa", "consistent-5000", "consistent-500", "data-free", "plain-teacher")
 
 
 def cells(work: Path) -> dict[tuple[float, int], tuple[list[Path], Path]]:
@@ -88,6 +89,13 @@ def main() -> None:
                 t0 = time.time()
                 if row == "pool":
                     target = teacher
+                elif row == "ensemble":
+                    target = scratch / f"ensemble_{alpha}_{seed}.h5"
+                    run("fuse", *posts, "--method", "ensemble", "--out", target)
+                elif row == "swa":
+                    target = scratch / f"swa_{alpha}_{seed}.h5"
+                    run("fuse", *posts, "--method", "ensemble", "--set", "pooling=label-shift", "--distill",
+                        "--distill-recipe", "swa", "--unlabeled", part / "server_unlabeled.h5", "--out", target)
                 else:
                     target = scratch / f"{tag}_{alpha}_{seed}.h5"
                     data = {"consistent-5000": ["--unlabeled", part / "server_unlabeled.h5"],

@@ -406,6 +406,9 @@ def main() -> None:
     ap.add_argument("--json-dir", default="docs/results/pretrained_base")
     ap.add_argument("--report", default=None, help="print the table of the JSON files in this folder and exit")
     ap.add_argument("--summary", default=None, help="print the one-line-per-start summary of this folder and exit")
+    ap.add_argument("--base-only", action="store_true",
+                    help="write the public pretraining file, the silos' pool, the test file and the base under --work, "
+                         "then exit (the distillation study's pretrained-base setting starts from them)")
     ap.add_argument("--sizes", default=None, metavar="FINETUNES",
                     help="comma-separated fit-local --finetune values: print the bytes of one component's artifact for "
                          "each, K-FAC and diag, plain and with --compress 0.05 (one epoch on 512 images) and exit")
@@ -419,6 +422,9 @@ def main() -> None:
     spec = ModelSpec(args.model, json.loads(args.model_kwargs))
     prepare(Path(args.work), args.setting)
     base_path = pretrain(Path(args.work), spec, args.pretrain_epochs)
+    if args.base_only:
+        log(f"base: {base_path}")
+        return
     if args.sizes:
         sizes(args, spec, base_path, args.sizes.split(","))
         return
