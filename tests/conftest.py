@@ -18,8 +18,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # on a machine with a GPU they run for real.
 os.environ.setdefault("TRITON_INTERPRET", "0" if _torch.cuda.is_available() else "1")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+import posterior_fusion  # noqa: E402
+from posterior_fusion.artifact import write_client_artifact  # noqa: E402
+from posterior_fusion.cli.main import pfuse  # noqa: E402
+from posterior_fusion.curvature import BlockDiag, Dense, Diag, Kron  # noqa: E402
+from posterior_fusion.layout import ParameterLayout  # noqa: E402
+from posterior_fusion.models import ModelSpec  # noqa: E402
+from posterior_fusion.posterior import Component, frozen_mapping  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +41,7 @@ def _own_data_folder(tmp_path_factory, monkeypatch):
 import torch  # noqa: E402
 
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, load_fmnist  # noqa: E402
-from posterior_fusion.data.silo import SiloData  # noqa: E402
+from posterior_fusion.data.silo import SiloData, write_silo  # noqa: E402
 
 
 def random_psd(n: int, gen: torch.Generator, rank: int | None = None) -> torch.Tensor:
@@ -191,3 +203,80 @@ def check(value, schema, path="$"):
     if isinstance(value, str):
         if len(value) > schema.get("maxLength", 10**9) or ("pattern" in schema and not re.match(schema["pattern"], value)):
             raise AssertionError(f"{path}: {value!r} does not match")
+
+
+
+RSS_WRAPPER = ("import sys, atexit; atexit.register(lambda: sys.stderr.write('MAXRSS %s\\n' % next("
+               "l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
+               "from posterior_fusion.cli.main import main; main()")
+
+
+@pytest.fixture()
+def silo_file(tmp_path, small_silo) -> Path:
+    path = tmp_path / "silo.h5"
+    write_silo(path, SiloData(small_silo.x[:60], small_silo.y[:60], "fmnist", 10))
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_clients(tmp_path_factory, small_silo) -> list[Path]:
+    folder = tmp_path_factory.mktemp("clients3")
+    return [Path(p) for p in fit_split(folder, small_silo, 2, 80, "kron", name="c")]
+
+
+def cli(*args):
+    return CliRunner().invoke(pfuse, [str(a) for a in args])
+
+
+def one_error_line(r) -> str:
+    """The result of a refused command: exit 2, one ``error:`` line, no traceback."""
+    err = r.stderr if isinstance(r.stderr, str) else r.stderr.decode()
+    lines = [ln for ln in err.splitlines() if not ln.startswith("MAXRSS ")]
+    code = r.exit_code if hasattr(r, "exit_code") else r.returncode
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def child(*args, timeout: int = 120) -> tuple[subprocess.CompletedProcess, int]:
+    """The CLI in a child process (a hang fails the test); returns it and its peak RSS in MiB."""
+    proc = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    rss = [int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("MAXRSS ")]
+    return proc, (rss[-1] // 1024 if rss else -1)
+
+
+TINY_SPEC = ModelSpec("mlp", {"in_features": 6, "num_classes": 3, "hidden_sizes": [], "bias": True})
+
+
+TINY_META = {"n_data": 30, "class_counts": [10, 10, 10], "temperature": 1.0, "prior_precision": 1.0, "structure": "kron"}
+
+
+def kron_component(B: torch.Tensor, A: torch.Tensor) -> Component:
+    layout = ParameterLayout.from_model(TINY_SPEC.build())
+    return Component(0, torch.zeros(layout.dim), BlockDiag([Kron(B, A), Diag(torch.ones(3))]),
+                     frozen_mapping({"seed": 0}), 1.0, 1.0)
+
+
+def poisoned_copy(src, dst, curvature_scale=1.0, map_noise=0.0):
+    art = posterior_fusion.load(src)
+    gen = torch.Generator().manual_seed(0)
+    comps = []
+    for c in art.components:
+        blocks = []
+        for b in c.curvature.blocks:
+            if isinstance(b, Kron):
+                blocks.append(Kron(b.B * curvature_scale, b.A))
+            elif isinstance(b, Dense):
+                blocks.append(Dense(b.G * curvature_scale))
+            else:
+                blocks.append(Diag(b.g * curvature_scale))
+        w = c.map + map_noise * torch.randn(c.map.shape, generator=gen)
+        comps.append(Component(c.index, w, BlockDiag(blocks), dict(c.training), c.temperature, c.prior_precision))
+    write_client_artifact(dst, art.model_spec, art.layout, dict(art.metadata, poisoned=True), comps)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory, small_silo):
+    folder = tmp_path_factory.mktemp("honest")
+    return folder, fit_split(folder, small_silo, 4, 75, "kron", mixtures=2, epochs=2)

@@ -12,6 +12,7 @@ from conftest import fit_split
 
 import posterior_fusion
 from posterior_fusion.cli.main import pfuse
+from posterior_fusion.data.silo import SiloData, write_silo
 
 
 def test_a_dry_run_reports_what_the_fusion_holds_and_writes_nothing(tmp_path, small_silo):
@@ -81,3 +82,29 @@ def test_the_pool_and_fedavg_hold_no_client_curvature_at_a_hundred_clients(tmp_p
     kept = peak(["--method", "ensemble", "--set", "pooling=label-shift", "--set", "robust=true"], paths) \
         - peak(["--method", "ensemble", "--set", "pooling=label-shift", "--set", "robust=true"], paths[:2])
     assert kept > 0.8 * curvature, kept / 2**20
+
+
+def test_a_miscalibrated_fusion_warns_with_what_helps(tmp_path, small_silo):  # 300 samples
+    """``fuse --val``: a fused model whose validation ECE is at least 0.15 gets one warning saying which way
+    it errs and what helps (for fedbens, whose fit T changes: `--tune T`); a calibrated one gets none."""
+    from conftest import fit_split
+
+    from posterior_fusion.fusion.from_files import MISCALIBRATED_ECE
+
+    paths = fit_split(tmp_path, small_silo, 2, 100, "diag", mixtures=1, epochs=1)
+    write_silo(tmp_path / "val.h5", SiloData(small_silo.x[200:], small_silo.y[200:], "fmnist", 10))
+    seen = {}
+    for method, extra in (("fedavg", []), ("fedbens", ["--set", "steps=3"])):
+        r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", method, *extra, "--val",
+                                       str(tmp_path / "val.h5"), "--out", str(tmp_path / f"{method}.h5")])
+        assert r.exit_code == 0, r.output
+        warned = [line for line in r.stderr.splitlines() if "confident on the validation data" in line]
+        ece = posterior_fusion.load(tmp_path / f"{method}.h5")
+        from posterior_fusion.data.silo import read_silo
+        from posterior_fusion.metrics import evaluate_members
+        m = evaluate_members(ece.model_spec, list(ece.members), read_silo(tmp_path / "val.h5"), weights=ece.mode_weights)
+        assert len(warned) == (1 if m["ece"] >= MISCALIBRATED_ECE else 0), (method, m["ece"], r.stderr)
+        seen[method] = (m["ece"], warned)
+        if warned and method == "fedbens":
+            assert "--tune T" in warned[0]
+    assert any(w for _, w in seen.values()), seen  # the construction miscalibrates at least one

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import fit_artifact
+from conftest import cli, fit_artifact, fit_split, one_error_line
 
-from posterior_fusion.artifact import load_client
+from posterior_fusion.artifact import load_client, write_client_artifact, write_global_artifact
+from posterior_fusion.artifact.writer import text_attr
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.local.recapture import recapture
@@ -192,7 +195,6 @@ def test_refresh_at_a_global_mode_reproduces_the_dense_ggn_there(tmp_path, small
 def test_cli_refresh_round_end_to_end(tmp_path, small_silo):
     """fuse → refresh --at (structure defaults to the source's) → fuse again; a global artifact of
     another model and a client artifact as --at are refused with one line naming the file."""
-    from conftest import fit_split
 
     paths = fit_split(tmp_path, small_silo, 2, 150, "kron", mixtures=1)
     write_silo(tmp_path / "silo0.h5", SiloData(small_silo.x[:150], small_silo.y[:150], "fmnist", 10))
@@ -346,7 +348,6 @@ def test_a_step_no_damping_confirms_is_said_and_recorded(tmp_path, small_silo, m
     keeps the largest damping, records ``gain_test = "failed"`` (accepted by the reader), and the log says
     so once per mode in one line."""
     import posterior_fusion.local.refresh as rc
-    from posterior_fusion.artifact import write_client_artifact
     from posterior_fusion.posterior import GlobalEnsemble
 
     silo = SiloData(small_silo.x[:120, ::4, ::4].copy(), small_silo.y[:120], "fmnist", 10)
@@ -373,7 +374,6 @@ def test_recapture_at_refuses_what_the_server_should_not_choose_before_any_captu
     the silo's own posterior, or a damping out of range is refused in one line, exit 2, before any capture
     (the capture is replaced by one that fails the test), nothing written."""
     import posterior_fusion.local.refresh as rc
-    from posterior_fusion.artifact import write_global_artifact
     from posterior_fusion.artifact.schema import MAX_COMPONENTS
 
     silo = SiloData(small_silo.x[:120, ::4, ::4].copy(), small_silo.y[:120], "fmnist", 10)
@@ -412,3 +412,17 @@ def test_recapture_at_refuses_what_the_server_should_not_choose_before_any_captu
                               "--at", str(g), "--trust-radius", "inf", "--out", str(tmp_path / "x.h5")])
     assert r.exit_code == 2 and "--trust-radius" in r.stderr, r.output
     assert not (tmp_path / "x.h5").exists()
+
+
+@pytest.mark.parametrize("value", ['"abc"', "true", "1e3", "0", "-5"])
+def test_a_recapture_source_with_an_ill_typed_batch_size_ends_in_one_line(tmp_path, kron_artifact, small_silo, value):
+    bad = tmp_path / "src.h5"
+    bad.write_bytes(kron_artifact.read_bytes())
+    with h5py.File(bad, "r+") as f:
+        meta = json.loads(bytes(f.attrs["metadata"]).decode())
+        meta["curvature_batch_size"] = json.loads(value)
+        f.attrs["metadata"] = text_attr(json.dumps(meta))
+    silo = tmp_path / "s.h5"
+    write_silo(silo, small_silo)
+    line = one_error_line(cli("recapture", "--artifact", bad, "--data", silo, "--structure", "diag", "--out", tmp_path / "o.h5"))
+    assert "curvature_batch_size" in line or "curvature-batch-size" in line

@@ -1,0 +1,83 @@
+"""The Flower server app facing its nodes' replies: typed, checked, over-budget replies skipped, each named by its node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from posterior_fusion.errors import (
+    FederationError,
+)
+from posterior_fusion.flower.server_app import Reply, collect_replies, reply_from_message
+
+
+class FakeMessage:
+    def __init__(self, node, content=None, error=None):
+        from flwr.app import RecordDict
+
+        self.metadata = type("Meta", (), {"src_node_id": node})()
+        self.content = content if content is not None else RecordDict({})
+        self.error = type("Err", (), {"reason": error})() if error else None
+
+    def has_error(self):
+        return self.error is not None
+
+
+def test_flower_replies_are_typed_checked_and_named_by_the_server(tmp_path, kron_artifact):
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from posterior_fusion.flower.transfer import file_fields, message_content
+
+    good = kron_artifact.read_bytes()
+
+    def reply(fields: dict, files: dict | None = None, array=None) -> RecordDict:
+        content = message_content("artifact", fields, {"artifact": good} if files is None else files)
+        if array is not None:  # the file's bytes replaced by another array, its announced SHA-256 and length kept
+            content.array_records["files"] = ArrayRecord({"artifact": Array(array)})
+        return content
+
+    changed = bytearray(good)
+    changed[len(good) // 2] ^= 1
+    msgs = [FakeMessage(11, reply({"partition-id": 0})),
+            FakeMessage(12, reply({"partition-id": 0})),          # colliding id: still its own file
+            FakeMessage(13, reply({"partition-id": "x"}, array=np.frombuffer(good, np.uint8).astype(np.float32))),
+            FakeMessage(14, reply({"partition-id": 1e300})),
+            FakeMessage(15, None),
+            FakeMessage(16, error="boom"),
+            FakeMessage(17, reply({}, array=np.frombuffer(bytes(changed), np.uint8))),  # a chunk changed
+            FakeMessage(18, RecordDict({"artifact": ConfigRecord(file_fields("artifact", good))})),  # bytes lost
+            FakeMessage(19, reply({}, files={}))]
+    replies = [reply_from_message(k, m) for k, m in enumerate(msgs)]
+    assert [r.reported_partition_id for r in replies[:4]] == [0, 0, None, None]
+    logs = []
+    paths = collect_replies(replies, tmp_path / "out", "skip", logs.append)
+    assert [p.name for p in paths] == ["client_0.h5", "client_1.h5", "client_3.h5"]
+    assert (tmp_path / "out" / "client_0.h5").read_bytes() == good
+    assert any("client 2: reply rejected (file 'artifact' must be" in m and "as a uint8 array" in m for m in logs)
+    assert any("client 4: reply rejected (reply has no valid 'artifact' record" in m for m in logs)
+    assert any("client 6: reply rejected (file 'artifact' is not the bytes its SHA-256 names" in m for m in logs)
+    assert any("client 7: reply rejected (file 'artifact' is announced" in m and "missing" in m for m in logs)
+    assert any("client 8: reply rejected (reply carries no file 'artifact')" in m for m in logs)
+    small = reply_from_message(0, msgs[0], max_memory=3 * len(good) - 3)
+    assert small.blob is None and "more than the" in small.error
+    with pytest.raises(FederationError, match="distinct"):
+        collect_replies([Reply(0, good), Reply(0, good)], tmp_path / "dup", "skip", logs.append)
+    # second names after the reported partition: only an id claimed by exactly one accepted node
+    from posterior_fusion.flower.server_app import name_by_silo
+
+    out = tmp_path / "out"
+    (out / "silo_7.h5").symlink_to(tmp_path / "elsewhere.h5")  # an earlier round's name: replaced, not followed
+    replies[3].reported_partition_id = 7
+    named = name_by_silo(replies, paths, out, logs.append)
+    assert named == {"client_3.h5": "silo_7.h5"} and not (out / "silo_0.h5").exists()
+    assert any("all report partition id 0: no silo_0.h5" in m for m in logs)
+    assert not (out / "silo_7.h5").is_symlink() and (out / "silo_7.h5").samefile(out / "client_3.h5")
+    assert not (tmp_path / "elsewhere.h5").exists()
+
+
+def test_flower_reply_over_the_memory_budget_is_skipped(tmp_path, kron_artifact):
+    good = kron_artifact.read_bytes()
+    logs = []
+    with pytest.raises(FederationError, match="no valid"):
+        collect_replies([Reply(0, good)], tmp_path / "cap", "skip", logs.append, max_memory=1000)
+    assert any("over the limit" in m for m in logs)
