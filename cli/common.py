@@ -121,3 +121,43 @@ class FiniteFloatRange(click.FloatRange):
         if rv != rv:
             self.fail(f"{value!r} is not a number in the range {self._describe_range()}.", param, ctx)
         return rv
+
+
+def setting_options(record: type, *, prefix: str = "", text: bool = False, help_prefix: str = "",
+                    skip: tuple[str, ...] = (), metavar: str | None = None) -> Callable:
+    """A decorator adding one option per declared field of ``record`` (:func:`posterior_fusion.settings.setting`:
+    its default, help, bounds and choices), so that no option of a setting is written by hand: ``--<prefix>-<name>``
+    with the destination ``<prefix>_<name>``. Typed (a number in its bounds, a choice, a flag for a boolean) unless
+    ``text``: then read as given (default ``None``: the declaration's) by the settings converter, which also reads
+    ``none``. ``skip``: fields that are not options."""
+    import typing
+
+    from posterior_fusion.settings import base_type, describe
+
+    hints = typing.get_type_hints(record)
+
+    def decorate(fn: Callable) -> Callable:
+        for row in reversed(describe(record)):
+            if row["name"] in skip:
+                continue
+            name = (prefix + "_" if prefix else "") + row["name"]
+            flag, kind = "--" + name.replace("_", "-"), base_type(hints[row["name"]])
+            shown = "none" if row["default"] is None else row["default"]
+            help_text = help_prefix + row["help"]
+            if kind is bool:
+                fn = click.option(flag, name, is_flag=True, default=bool(row["default"]),
+                                  help=f"{help_text} [default: {'on' if row['default'] else 'off'}]")(fn)
+                continue
+            if "[default" not in help_text:
+                help_text += f" [default: {shown}]"
+            choice = click.Choice(row["choices"]) if row["choices"] else None
+            if text:
+                fn = click.option(flag, name, default=None, type=choice, metavar=None if choice else metavar,
+                                  help=help_text)(fn)
+            else:
+                number = bounded(row["bounds"], kind) if row["bounds"] and kind in (int, float) else None
+                fn = click.option(flag, name, default=row["default"], type=choice or number or kind,
+                                  show_default=False, help=help_text)(fn)
+        return fn
+
+    return decorate

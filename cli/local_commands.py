@@ -11,7 +11,6 @@ from pathlib import Path
 import click
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
 from posterior_fusion.cli.common import (
     bounded,
     echo_json,
@@ -20,23 +19,20 @@ from posterior_fusion.cli.common import (
     max_memory_option,
     old_spellings,
     say,
+    setting_options,
 )
 from posterior_fusion.data.silo import read_silo, silo_header
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output
 from posterior_fusion.local.fit_config import FitConfig, fit_config_from, fit_settings
+from posterior_fusion.local.recapture_settings import CaptureChoice
 from posterior_fusion.local.refresh_settings import (
-    AUTO_DAMPINGS,
-    PRIVATE_REFRESH_DAMPING,
-    RATIO_FLOOR,
-    REFRESH_DAMPING,
-    TRUST_RADIUS,
     RefreshPrivacy,
-    check_damping,
+    RefreshStep,
     refresh_privacy_from,
 )
 from posterior_fusion.runtime import resolve_device
-from posterior_fusion.settings import describe
+from posterior_fusion.settings import record_from
 
 if typing.TYPE_CHECKING:
     from posterior_fusion.models import ModelSpec
@@ -180,58 +176,25 @@ def fit_local_cmd(data_path, init_path, init_seed, model, model_kwargs, componen
         say(f"wrote {out}: {len(comps)} components, structure {cfg.structure}, n={meta['n_data']}")
 
 
-def refresh_privacy_options(fn):
-    """One click option per :class:`~posterior_fusion.local.fit_config.RefreshPrivacy` setting (text, read by the
-    settings converter: ``none`` switches the mechanism off)."""
-    for row in reversed(describe(RefreshPrivacy)):
-        fn = click.option("--" + row["name"].replace("_", "-"), row["name"], default=None, metavar="NUMBER",
-                          help=row["help"]
-                               + (f" [default: {row['default']}]" if row["default"] is not None and "[default" not in row["help"] else ""))(fn)
-    return fn
-
-
 def refresh_options(fn):
-    """The options of a refresh round (``pfuse refresh``)."""
-    fn = refresh_privacy_options(fn)
-    fn = click.option("--trust-radius", default=TRUST_RADIUS, show_default=True, type=bounded(ranges.TRUST_RADIUS, float),
-                      help="Refuse a global whose member lies farther than this from the silo's own posterior (squared "
-                           "distance per parameter in its own precision, min over its components; a draw from it "
-                           "averages 1): a server-chosen point far from it can make the reply reveal training data. "
-                           f"In [{ranges.TRUST_RADIUS[0]:g}, {ranges.TRUST_RADIUS[1]:g}].")(fn)
-    return click.option(
-        "--damping", default=None, type=str,
-        help="Per-sample damping d of the step from each member to the component's centre (Levenberg-Marquardt; "
-             "Kronecker blocks (B + n d I) x (A + d I)); 0: the plain Gauss-Newton centre, which overshoots; auto: per "
-             f"member, the smallest d of {', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss "
-             f"confirms (gain ratio >= {RATIO_FLOOR}; one forward pass per d tried; a private round, which cannot "
-             f"consult the loss, takes {PRIVATE_REFRESH_DAMPING:g}) [default: {REFRESH_DAMPING}].")(fn)
+    """The options of a refresh round (``pfuse refresh``): its step and its privacy."""
+    fn = setting_options(RefreshPrivacy, text=True, metavar="NUMBER")(fn)
+    return setting_options(RefreshStep)(fn)
 
 
 def capture_options(fn):
-    """The capture options recapture and refresh share."""
-    fn = click.option("--kfac", default=None, type=click.Choice(KFAC_TYPES),
-                      help="K-FAC for weight-shared layers (structure kron): expand or reduce [default: the source "
-                           "artifact's, expand where it records none].")(fn)
+    """The capture options recapture and refresh share, and their output."""
     fn = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")(fn)
     fn = click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")(fn)
-    fn = click.option("--curvature-batch-size", default=None, type=bounded(ranges.BATCH_SIZE),
-                      help="Batch size of the curvature pass [default: the source's].")(fn)
-    fn = click.option("--capture", default=FIT.capture, show_default=True, type=click.Choice(CAPTURE_METHODS),
-                      help="fast (this package's capture where the model allows) or laplace (laplace-torch).")(fn)
-    fn = click.option("--ggn", default=None, type=click.Choice(GGN_TYPES),
-                      help="exact or mc GGN [default: the source artifact's].")(fn)
-    fn = click.option("--structure", default=None, type=click.Choice(STRUCTURES),
-                      help="Curvature structure to capture [default: the source artifact's].")(fn)
-    return fn
+    return setting_options(CaptureChoice)(fn)
 
 
 def refresh_settings(damping, trust_radius, refresh_dp_epsilon, refresh_dp_delta, refresh_dp_clip):
-    """(damping, trust radius, privacy) of a refresh round from the CLI's text."""
-    damping = REFRESH_DAMPING if damping is None else check_damping(damping, "--damping")
-    ranges.check("--trust-radius", trust_radius, ranges.TRUST_RADIUS)
+    """(damping, trust radius, privacy) of a refresh round from the CLI's values."""
+    step = record_from(RefreshStep, {"damping": damping, "trust_radius": trust_radius})
     given = {k: v for k, v in (("refresh_dp_epsilon", refresh_dp_epsilon), ("refresh_dp_delta", refresh_dp_delta),
                                ("refresh_dp_clip", refresh_dp_clip)) if v is not None}
-    return damping, trust_radius, refresh_privacy_from(given)
+    return step.damping_value, step.trust_radius, refresh_privacy_from(given)
 
 
 @click.command("recapture")

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import LINKS, PREDICTIVES, STRUCTURES
+from posterior_fusion.choices import STRUCTURES
 from posterior_fusion.cli.common import (
     bounded,
     echo_json,
@@ -22,14 +22,15 @@ from posterior_fusion.cli.common import (
     max_memory_option,
     old_spellings,
     say,
+    setting_options,
 )
 from posterior_fusion.compat import FUSE_FLAGS_TO_SETTINGS
 from posterior_fusion.data.silo import read_silo
 from posterior_fusion.demo import DEFAULT_ROW, DEMO_DATASETS, DEMO_METHODS, legend
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.files import check_output, output_lock
-from posterior_fusion.fusion.distill_settings import RECIPES, TeachingConfig
-from posterior_fusion.fusion.options import FusionOptions
+from posterior_fusion.fusion.distill_settings import RecipeChoice, TeachingConfig
+from posterior_fusion.fusion.options import FusionOptions, ServerSteps
 from posterior_fusion.fusion.registry import (
     DEFAULT_METHOD,
     DEFAULT_SETTINGS,
@@ -39,7 +40,7 @@ from posterior_fusion.fusion.registry import (
     resolve_default,
 )
 from posterior_fusion.fusion.settings_parsing import parse_pairs
-from posterior_fusion.settings import base_type, describe
+from posterior_fusion.predictive_settings import CalibrationSettings, PredictiveSettings
 
 
 def legacy_settings(fn: Callable) -> Callable:
@@ -101,34 +102,8 @@ def show_method_help(ctx: click.Context, param: click.Parameter, value: str | No
     ctx.exit(0)
 
 
-def distill_options(fn):
-    """One ``--distill-<setting>`` option per :class:`~posterior_fusion.fusion.distill_settings.TeachingConfig`
-    field (declared once; text read by the settings converter)."""
-    for row in reversed(describe(TeachingConfig)):
-        flag = "--distill-" + row["name"].replace("_", "-")
-        kind = click.Choice(row["choices"]) if row["choices"] else None
-        fn = click.option(flag, "distill_" + row["name"], default=None, type=kind,
-                          help=f"consistent recipe: {row['help']} [default: {row['default']}]")(fn)
-    return fn
-
-
-def fusion_options(fn):
-    """One option per :class:`~posterior_fusion.fusion.options.FusionOptions` field (declared once: its default,
-    help, bounds and choices) but ``progress`` (``pfuse -q``): ``--temperature``, ``--device``, …"""
-    hints = typing.get_type_hints(FusionOptions)
-    for row in reversed(describe(FusionOptions)):
-        if row["name"] == "progress":
-            continue
-        flag, kind = "--" + row["name"].replace("_", "-"), base_type(hints[row["name"]])
-        if kind is bool:
-            fn = click.option(flag, is_flag=True, help=f"{row['help']} [default: off]")(fn)
-            continue
-        click_type = (click.Choice(row["choices"]) if row["choices"] else
-                      bounded(row["bounds"], kind) if row["bounds"] else None)
-        shown = "none" if row["default"] is None else row["default"]
-        fn = click.option(flag, default=row["default"], type=click_type, show_default=False,
-                          help=f"{row['help']} [default: {shown}]")(fn)
-    return fn
+distill_options = setting_options(TeachingConfig, prefix="distill", text=True, help_prefix="consistent recipe: ")
+fusion_options = setting_options(FusionOptions, skip=("progress",))
 
 
 @click.command("fuse", epilog=SETTINGS_EPILOG)
@@ -153,21 +128,10 @@ def fusion_options(fn):
               help="Serve one network: teach it what the fused predictive knows (--distill-recipe), on --unlabeled, "
                    "or without server inputs on inputs synthesised from the artifacts; an interrupted run resumes "
                    "from OUT.distill-partial when run again with the same settings [default: no distillation].")
-@click.option("--distill-recipe", default="consistent", show_default=True, type=click.Choice(RECIPES),
-              help="consistent: the teacher on the student's own augmented view at every step, KL at a temperature, "
-                   "Adam with a cosine schedule, a moving average (docs/methods.md, \"Distillation\"); without "
-                   "--unlabeled it synthesises its inputs (data-free). swa: FedBE's schedule (SWA, cyclic step "
-                   "size 1e-3 -> 4e-4, sharpened pseudo-labels, --distill-epochs), on --unlabeled.")
-@click.option("--distill-epochs", default=None, type=bounded(ranges.EPOCHS),
-              help="Epochs of the swa recipe and of method fedbe (its setting distill_epochs) [default: 20, FedBE's].")
+@setting_options(RecipeChoice, prefix="distill")
 @distill_options
 @fusion_options
-@click.option("--tune", default=None,
-              help="Choose T and/or prior variance on --val over a grid: 'T', 'prior' or 'T,prior' [default: no tuning].")
-@click.option("--tune-temperatures", default="0.01,0.03,0.1,0.3,1.0", show_default=True, help="Grid of T for --tune.")
-@click.option("--tune-prior-vars", default="0.01,0.1,1.0", show_default=True, help="Grid of σ0² for --tune.")
-@click.option("--robust", is_flag=True,
-              help="Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from the others' median.")
+@setting_options(ServerSteps)
 @click.option("--dry-run", is_flag=True,
               help="Validate the clients' headers and say what the fusion will hold (artifacts on disk, their data "
                    "once loaded, the working-set estimate against the memory limit), then stop: nothing is fused or "
@@ -286,24 +250,13 @@ def _fuse_to_file(clients, method, overrides, out, val_path, unlabeled, temperat
         say(f"  {'start' if merged else 'mode'} {k}: best step {best['step']} objective {best['objective']:.6g}{extra}")
 
 
-predictive_options = [
-    click.option("--predictive", default="map", show_default=True, type=click.Choice(PREDICTIVES),
-                 help="map: average the members' softmax; mc: Monte-Carlo over weight samples around each mode; "
-                      "glm: linearised predictive (needs a fedbens artifact with its Laplace posterior); glm-last-layer: the same with only the last Linear layer uncertain (faster; docs/benchmarks.md)."),
-    click.option("--samples", default=30, show_default=True, type=bounded(ranges.SAMPLES), help="Samples per mode for mc (and --link mc)."),
-    click.option("--link", default="probit", show_default=True, type=click.Choice(LINKS),
-                 help="glm: probit approximation or Monte-Carlo over the Gaussian logits."),
-    click.option("--scale", default=1.0, show_default=True, type=bounded(ranges.PREDICTIVE_SCALE, float),
-                 help="Multiply the posterior covariance (predictive tempering; 1 = the posterior)."),
-    click.option("--scale-from", "scale_from", default=None, type=click.Path(dir_okay=False),
-                 help="Choose --scale on this labelled validation file (lowest NLL over 1e-4..1) [default: use --scale]."),
-]
-
-
 def with_predictive_options(fn):
-    for option in reversed(predictive_options):
-        fn = option(fn)
-    return fn
+    """The options of the predictive a global serves (:class:`~posterior_fusion.predictive_settings.PredictiveSettings`)
+    and the validation file that may choose its scale."""
+    fn = click.option("--scale-from", "scale_from", default=None, type=click.Path(dir_okay=False),
+                      help="Choose --scale on this labelled validation file (lowest NLL over 1e-4..1) [default: use "
+                           "--scale].")(fn)
+    return setting_options(PredictiveSettings)(fn)
 
 
 def _scale(g, predictive, samples, link, scale, scale_from, max_memory) -> tuple[float, list[dict]]:
@@ -335,7 +288,7 @@ def check_global_headers(paths) -> None:
 @with_predictive_options
 @click.option("--ood", default=None, type=click.Path(dir_okay=False),
               help="Out-of-distribution data file: adds the OOD AUROC from predictive entropy [default: none].")
-@click.option("--bins", default=15, show_default=True, type=bounded(ranges.BINS), help="ECE/MCE bins.")
+@setting_options(CalibrationSettings)
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Reliability + accuracy–coverage figure of every artifact (.png, .pdf or .svg) [default: none].")
 @click.option("--json", "as_json", is_flag=True, help="Print metrics as JSON.")

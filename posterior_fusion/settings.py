@@ -139,3 +139,23 @@ def from_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "", where: 
     out = cls(**values)
     check_declared(out, where, prefix=prefix.replace("-", "_"), dashed=True)
     return out
+
+
+def declared_help(cls: type, name: str) -> str:
+    """The one line of help ``cls`` declares for its field ``name``: a record that reuses another's setting
+    (a recapture's structure is a fit's) says it the same way."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def record_from(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
+    """A validated ``cls`` from the values of its fields that are given (``None``: at its declared default,
+    for the options a command generates from ``cls``): each converted to its declared type, then its bounds
+    and choices checked (and the record's own ``validate`` where it has one)."""
+    hints = typing.get_type_hints(cls)
+    given = {f.name: convert(values[f.name], hints[f.name], f.name, where) for f in dataclasses.fields(cls)
+             if values.get(f.name) is not None}
+    out = cls(**given)
+    check_declared(out, where)
+    if hasattr(out, "validate"):
+        out.validate()
+    return out

@@ -494,7 +494,7 @@ def test_a_fit_setting_declared_once_appears_in_the_cli_flower_and_toml(monkeypa
 # and the layers below it, never one above. The small shared modules sit at the bottom.
 LAYERS = [
     {"errors", "files", "ranges", "budget", "progress", "layout", "runtime", "compat", "hdf5_safety", "settings", "choices",
-     "environment", "__init__"},
+     "environment", "predictive_settings", "__init__"},
     {"curvature", "kernels", "data", "pooling"},
     {"models"},
     {"predictive"},
@@ -839,27 +839,60 @@ def test_a_flat_test_file_names_a_module_or_package_or_says_what_it_crosses():
     assert not set(CROSS_CUTTING) - set(flat), set(CROSS_CUTTING) - set(flat)  # no stale entry
 
 
-def test_fuse_s_shared_options_are_generated_from_their_declaration():
-    """Every :class:`FusionOptions` field (but ``progress``, which is ``pfuse -q``) is a ``fuse`` option whose help,
-    default, range and choices are the declaration's — none written by hand — and the consistent recipe's
-    ``--distill-*`` options are :class:`TeachingConfig`'s."""
+def test_the_settings_options_of_the_server_and_recapture_commands_are_generated_from_their_declarations():
+    """Every option of ``fuse``, ``refresh``, ``recapture``, ``evaluate`` and ``predict`` is either a field of one
+    of the command's declared records — its help, default, range and choices the declaration's, none written by
+    hand — or one of the files and actions it names here; a setting option added by hand fails this test."""
     import click
 
-    from posterior_fusion.cli.server_commands import fuse_cmd
-    from posterior_fusion.fusion.distill_settings import TeachingConfig
-    from posterior_fusion.fusion.options import FusionOptions
+    from posterior_fusion.cli.local_commands import recapture_cmd, refresh_cmd
+    from posterior_fusion.cli.server_commands import evaluate_cmd, fuse_cmd, predict_cmd
+    from posterior_fusion.fusion.distill_settings import RecipeChoice, TeachingConfig
+    from posterior_fusion.fusion.options import FusionOptions, ServerSteps
+    from posterior_fusion.local.fit_config import fit_settings
+    from posterior_fusion.local.recapture_settings import CaptureChoice
+    from posterior_fusion.local.refresh_settings import RefreshPrivacy, RefreshStep
+    from posterior_fusion.predictive_settings import CalibrationSettings, PredictiveSettings
     from posterior_fusion.settings import describe
 
-    params = {p.name: p for p in fuse_cmd.params}
-    for record, prefix in ((FusionOptions, ""), (TeachingConfig, "distill_")):
-        for row in describe(record):
-            if row["name"] == "progress":
-                continue
-            p = params[prefix + row["name"]]
-            assert p.help.startswith(row["help"]) or p.help.startswith(f"consistent recipe: {row['help']}"), p.name
-            if record is FusionOptions and not p.is_flag:
-                assert p.default == row["default"], p.name
+    fit = {s.name: s for s in fit_settings()}
+    capture_fit = ("capture_dtype", "device", "compress", "compress_metric", "compress_vectors")
+    commands = {  # command: (records as (record, prefix, text, help prefix), fit settings, files and actions)
+        fuse_cmd: ([(FusionOptions, "", False, ""), (TeachingConfig, "distill_", True, "consistent recipe: "),
+                    (RecipeChoice, "distill_", False, ""), (ServerSteps, "", False, "")], (),
+                   {"clients", "method", "set_values", "help_method", "out", "val_path", "unlabeled", "distill",
+                    "dry_run", "max_memory", "as_json"}),
+        refresh_cmd: ([(CaptureChoice, "", False, ""), (RefreshStep, "", False, ""), (RefreshPrivacy, "", True, "")],
+                      capture_fit, {"source_path", "data_path", "at_path", "out", "as_json", "max_memory"}),
+        recapture_cmd: ([(CaptureChoice, "", False, "")], capture_fit,
+                        {"source_path", "data_path", "out", "as_json", "merge", "max_memory"}),
+        evaluate_cmd: ([(PredictiveSettings, "", False, ""), (CalibrationSettings, "", False, "")], (),
+                       {"global_artifacts", "data_path", "scale_from", "ood", "plot", "as_json", "max_memory"}),
+        predict_cmd: ([(PredictiveSettings, "", False, "")], (),
+                      {"global_artifact", "data_path", "out", "scale_from", "max_memory"}),
+    }
+    for cmd, (records, fits, files) in commands.items():
+        params = {p.name: p for p in cmd.params if not getattr(p, "hidden", False)}
+        declared = set(fits)
+        for record, prefix, text, lead in records:
+            for row in describe(record):
+                if record is FusionOptions and row["name"] == "progress":  # pfuse -q
+                    continue
+                name = prefix + row["name"]
+                declared.add(name)
+                p = params[name]
+                assert p.help.startswith(lead + row["help"]), (cmd.name, name)
+                if text:
+                    assert p.default is None, (cmd.name, name)
+                    continue
+                if not p.is_flag:
+                    assert p.default == row["default"], (cmd.name, name)
                 if row["choices"]:
                     assert isinstance(p.type, click.Choice) and tuple(p.type.choices) == tuple(row["choices"])
                 elif row["bounds"]:
-                    assert (p.type.min, p.type.max) == tuple(type(p.type.min)(b) for b in row["bounds"]), p.name
+                    assert (p.type.min, p.type.max) == tuple(type(p.type.min)(b) for b in row["bounds"]), name
+        for name in fits:
+            assert params[name].help == fit[name].help, (cmd.name, name)
+        by_hand = set(params) - declared - files
+        assert not by_hand, (cmd.name, by_hand)
+        assert not files - set(params), (cmd.name, files - set(params))  # no stale entry

@@ -8,10 +8,25 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.settings import check_declared, setting
 
 RECIPES = ("consistent", "swa")  # the distillation recipes; consistent without server inputs is data-free
+
+
+@dataclass(frozen=True)
+class RecipeChoice:
+    """Which distillation recipe ``fuse --distill`` runs, and FedBE's schedule length."""
+
+    recipe: str = setting("consistent", "consistent: the teacher on the student's own augmented view at every step, KL "
+                                        "at a temperature, Adam with a cosine schedule, a moving average (docs/methods.md, "
+                                        "\"Distillation\"); without unlabeled server data it synthesises its inputs "
+                                        "(data-free). swa: FedBE's schedule (SWA, cyclic step size 1e-3 -> 4e-4, "
+                                        "sharpened pseudo-labels, distill_epochs), on unlabeled server data.",
+                          choices=RECIPES)
+    epochs: int | None = setting(None, "Epochs of the swa recipe and of method fedbe (its setting distill_epochs) "
+                                       "[default: 20, FedBE's].", bounds=ranges.EPOCHS)
 
 
 @dataclass(frozen=True)

@@ -44,3 +44,16 @@ class FusionOptions:
 
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("`device` cuda is not available here (no GPU)")
+
+
+@dataclass(frozen=True)
+class ServerSteps:
+    """What ``fuse`` does around the method itself: screening the clients, and choosing T and σ0² on the server's
+    validation data over a grid (:mod:`posterior_fusion.fusion.tuning`)."""
+
+    robust: bool = setting(False, "Screen out clients whose curvature scale (>100x) or MAP distance (>3x) is far from "
+                                  "the others' median.")
+    tune: str | None = setting(None, "Choose T and/or prior variance on the validation data over a grid: 'T', 'prior' "
+                                     "or 'T,prior' [default: no tuning].")
+    tune_temperatures: str = setting("0.01,0.03,0.1,0.3,1.0", "Grid of T for tune.")
+    tune_prior_vars: str = setting("0.01,0.1,1.0", "Grid of σ0² for tune.")

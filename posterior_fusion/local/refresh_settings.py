@@ -13,16 +13,15 @@ from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError, shown
 from posterior_fusion.settings import check_declared, convert, setting
 
-if typing.TYPE_CHECKING:
-    pass
-
-
 # the refresh round's centre step: its damping chosen per mode by the silo's gain ratio (recapture's docstring;
 # measured against fixed dampings by experiments/without_validation/refresh_round.py)
 REFRESH_DAMPING: float | str = "auto"
 AUTO_DAMPINGS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # ``damping="auto"`` tries these, smallest first
 TRUST_RADIUS = 4.0  # a member's per-parameter squared distance from the silo's own posterior, at most (:mod:`posterior_fusion.local.refresh`'s docstring)
 RATIO_FLOOR = 0.25  # ... and keeps the first whose step the silo's loss confirms this well (:mod:`posterior_fusion.local.refresh`'s docstring)
+PRIVATE_REFRESH_DAMPING = 1.0
+"""The damping of a private refresh round when ``damping`` is auto: auto would choose it on the silo's own loss
+at each candidate centre, a release the accountant does not count; a fixed number needs no data."""
 
 
 def check_damping(value: object, name: str = "damping") -> float | str:
@@ -39,6 +38,35 @@ def check_damping(value: object, name: str = "damping") -> float | str:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and lo <= value <= hi):
         raise ConfigError(f"{name} must be 'auto' or a finite number in [{lo:g}, {hi:g}], got {shown(value, 40)}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class RefreshStep:
+    """How a refresh round moves each component to a global member (:mod:`posterior_fusion.local.refresh`): the
+    damping of the Gauss-Newton step and the trust radius that refuses a global too far from the silo's own
+    posterior."""
+
+    damping: str = setting(
+        REFRESH_DAMPING,
+        "Per-sample damping d of the step from each member to the component's centre (Levenberg-Marquardt; "
+        "Kronecker blocks (B + n d I) x (A + d I)); 0: the plain Gauss-Newton centre, which overshoots; auto: per "
+        f"member, the smallest d of {', '.join(f'{d:g}' for d in AUTO_DAMPINGS)} whose step the silo's own loss "
+        f"confirms (gain ratio >= {RATIO_FLOOR}; one forward pass per d tried; a private round, which cannot "
+        f"consult the loss, takes {PRIVATE_REFRESH_DAMPING:g}).")
+    trust_radius: float = setting(
+        TRUST_RADIUS,
+        "Refuse a global whose member lies farther than this from the silo's own posterior (squared distance per "
+        "parameter in its own precision, min over its components; a draw from it averages 1): a server-chosen "
+        "point far from it can make the reply reveal training data.", bounds=ranges.TRUST_RADIUS)
+
+    def validate(self) -> None:
+        check_declared(self)
+        check_damping(self.damping, "`damping`")
+
+    @property
+    def damping_value(self) -> float | str:
+        """``"auto"`` or the damping as a number."""
+        return check_damping(self.damping)
 
 
 @dataclass(frozen=True)
@@ -82,7 +110,4 @@ def refresh_privacy_from(values: Mapping[str, Any], where: str = "") -> RefreshP
     return out
 
 
-PRIVATE_REFRESH_DAMPING = 1.0
-"""The damping of a private refresh round when ``damping`` is auto: auto would choose it on the silo's own loss
-at each candidate centre, a release the accountant does not count; a fixed number needs no data."""
 PRIVATE_REFRESH = RefreshPrivacy()  # the refresh round's default: private
