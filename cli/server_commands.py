@@ -5,7 +5,6 @@ pipeline are imported when a command runs, so ``--help`` starts without torch.""
 from __future__ import annotations
 
 import functools
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -183,27 +182,17 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
 
 
 def distill_config(distill: bool, recipe: str, epochs: int | None, given: dict, unlabeled):
-    """The distillation record of ``fuse --distill`` from its options; a recipe's option given without it (or
-    without --distill) is refused in one line."""
-    from posterior_fusion.fusion.distill import DistillConfig
-    from posterior_fusion.settings import convert
+    """The distillation record of ``fuse --distill`` from its options
+    (:func:`~posterior_fusion.fusion.distill.distill_config`); a recipe's option given without --distill is
+    refused in one line."""
+    from posterior_fusion.fusion.distill import distill_config as from_settings
 
     chosen = {k.removeprefix("distill_"): v for k, v in given.items() if v is not None}
     if not distill:
         if chosen:
             raise ConfigError(f"--distill-{next(iter(chosen)).replace('_', '-')} applies with --distill only")
         return None
-    if recipe == "swa":
-        if chosen:
-            raise ConfigError(f"--distill-{next(iter(chosen)).replace('_', '-')} is a setting of the consistent recipe, "
-                              "not of swa")
-        if not unlabeled:
-            raise ConfigError("--distill-recipe swa needs unlabeled server data (--unlabeled FILE)")
-        return DistillConfig(epochs=20 if epochs is None else epochs)
-    hints = typing.get_type_hints(TeachingConfig)
-    cfg = TeachingConfig(**{k: convert(v, hints[k], f"--distill-{k.replace('_', '-')}") for k, v in chosen.items()})
-    cfg.validate()
-    return cfg
+    return from_settings(RecipeChoice(recipe, epochs), chosen, bool(unlabeled))
 
 
 def distill_checkpoint(out) -> Path:

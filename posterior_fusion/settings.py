@@ -131,14 +131,18 @@ def from_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "", where: 
     the rest at their defaults, then bounds and choices checked (one :class:`ConfigError` line naming the key).
     Other keys are left to their own readers; ``where``: what the messages call ``cfg`` (a node config)."""
     hints = typing.get_type_hints(cls)
-    values = {}
-    for f in dataclasses.fields(cls):
-        key = prefix + f.name.replace("_", "-")
-        if key in cfg:
-            values[f.name] = convert(cfg[key], hints[f.name], key, where)
+    values = {name: convert(v, hints[name], prefix + name.replace("_", "-"), where)
+              for name, v in given_in_run_config(cls, cfg, prefix).items()}
     out = cls(**values)
     check_declared(out, where, prefix=prefix.replace("-", "_"), dashed=True)
     return out
+
+
+def given_in_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``field -> value as given`` for the fields of ``cls`` that the flat run config ``cfg`` holds (spelt
+    ``prefix`` + the name with ``-`` for ``_``), unconverted: for a record whose given settings matter apart
+    from its defaults (the distillation recipe's)."""
+    return {f.name: cfg[key] for f in dataclasses.fields(cls) if (key := prefix + f.name.replace("_", "-")) in cfg}
 
 
 def declared_help(cls: type, name: str) -> str:

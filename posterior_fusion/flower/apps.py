@@ -8,7 +8,10 @@ Run config keys (names as on the CLI):
 - the round (declared in :mod:`posterior_fusion.flower.round_settings`): out-dir, val, on-bad-reply, min-nodes,
   round-timeout, max-memory, and silo-dir (read by the nodes);
 - the refresh round (``pfuse refresh`` on every node, then fuse again): refresh (bool),
-  refresh-damping (``recapture --damping``);
+  refresh-damping (``refresh --damping``);
+- one network (``fuse --distill`` after the collection): distill (bool), unlabeled (the server's unlabeled inputs;
+  without them the consistent recipe synthesises its inputs), distill-recipe, distill-epochs and the consistent
+  recipe's distill-<setting> (distill-steps, distill-lr, …: the same names and defaults as fuse's options);
 - secure aggregation (Flower's SecAgg+: the server gets sums over the nodes only; fedavg, fisher-merge, product
   with diag): secure-aggregation (bool), secure-aggregation-clipping-range, secure-aggregation-max-weight,
   secure-aggregation-reconstruction-threshold, and base (the server's copy of the base, which a secure round
@@ -33,7 +36,11 @@ from posterior_fusion.flower.round_settings import SECURE_MIN_NODES, RoundSettin
 from posterior_fusion.flower.secure import SecureAggregation, run_secure_round
 from posterior_fusion.flower.server_app import run_round
 from posterior_fusion.fusion import FusionOptions, applicable_settings
+from posterior_fusion.fusion.distill import DistillConfig, distill_config
+from posterior_fusion.fusion.distill_settings import RecipeChoice, TeachingConfig
 from posterior_fusion.fusion.registry import resolve_default
+from posterior_fusion.settings import from_run_config as settings_from_run_config
+from posterior_fusion.settings import given_in_run_config
 
 clientapp = make_client_app()
 serverapp = ServerApp()
@@ -43,10 +50,26 @@ def check_secure_run_config(round_settings: RoundSettings) -> None:
     """What a secure round cannot do, refused before any message: the refresh round, screening and server data
     (each reads one client's artifact)."""
     for key, wanted in (("refresh", round_settings.refresh), ("robust", round_settings.robust),
-                        ("val", bool(round_settings.val)), ("batchnorm-statistics", round_settings.batchnorm_statistics != "fold")):
+                        ("val", bool(round_settings.val)), ("unlabeled", bool(round_settings.unlabeled)),
+                        ("distill", round_settings.distill),
+                        ("batchnorm-statistics", round_settings.batchnorm_statistics != "fold")):
         if wanted:
             raise ConfigError(f"run config `{key}` needs each client's artifact on the server; secure aggregation "
                               "gives it only sums over the clients: unset one of them")
+
+
+def distill_from_run_config(cfg: dict[str, Any], round_settings: RoundSettings) -> DistillConfig | TeachingConfig | None:
+    """The distillation record of a round (run config ``distill`` and ``distill-*``: the same settings as
+    ``fuse --distill``'s, :func:`~posterior_fusion.fusion.distill.distill_config`); a recipe's key without
+    ``distill = true`` is refused in one line."""
+    recipe = settings_from_run_config(RecipeChoice, cfg, prefix="distill-")
+    teaching = given_in_run_config(TeachingConfig, cfg, prefix="distill-")
+    given = [*given_in_run_config(RecipeChoice, cfg, prefix="distill-"), *teaching]
+    if not round_settings.distill:
+        if given:
+            raise ConfigError(f"run config `distill-{given[0].replace('_', '-')}` applies with `distill` = true only")
+        return None
+    return distill_config(recipe, teaching, bool(round_settings.unlabeled), where="run config: ")
 
 
 def fusion_from_run_config(cfg: dict[str, Any]) -> tuple[str, FusionOptions, dict[str, Any], bool]:
@@ -88,4 +111,4 @@ def serve(grid: Grid, context: Context) -> None:
     run_round(grid, FederatedSettings.from_run_config(cfg), r.out_dir, method=method, options=options, val_path=r.val,
               on_bad_reply=r.on_bad_reply, min_nodes=r.min_nodes, method_settings=settings, max_memory=r.max_memory,
               robust=robust, round_timeout=r.round_timeout, refresh=r.refresh, refresh_damping=r.refresh_damping,
-              base=r.base)
+              base=r.base, unlabeled_path=r.unlabeled, distill=distill_from_run_config(cfg, r))

@@ -25,6 +25,11 @@ class RoundSettings:
 
     out_dir: str = setting("flower-run", "Where the server writes the clients' artifacts and the global.")
     val: str | None = setting(None, "The server's validation data file (fuse --val).")
+    unlabeled: str | None = setting(None, "The server's unlabeled inputs (fuse --unlabeled): fedbe's and distill's "
+                                          "data.")
+    distill: bool = setting(False, "Serve one network: after the collection, teach one student what the fused "
+                                   "predictive knows (fuse --distill; its recipe's keys are distill-recipe, "
+                                   "distill-epochs and the consistent recipe's distill-<setting>).")
     on_bad_reply: str = setting("skip", "A reply that is no valid artifact: skip it (named in the log) or fail the "
                                         "round.", choices=ON_BAD_REPLY)
     min_nodes: int = setting(1, f"Fuse once at least this many replies arrived (a secure round needs at least "

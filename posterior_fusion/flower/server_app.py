@@ -31,6 +31,8 @@ from posterior_fusion.flower.federated_settings import BAD_REPLY_POLICIES, Feder
 from posterior_fusion.flower.pretrained_base import base_to_send
 from posterior_fusion.flower.transfer import TransferError, message_content, received_file
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
+from posterior_fusion.fusion.distill import DistillConfig
+from posterior_fusion.fusion.distill_settings import TeachingConfig
 from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.local.refresh_settings import REFRESH_DAMPING, check_damping
 
@@ -200,7 +202,8 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
               method_settings: MethodSettings | Mapping[str, Any] | None = None,
               max_memory: int | str | None = None, robust: bool = False, round_timeout: float = 0.0,
               refresh: bool = False, refresh_damping: float | str = REFRESH_DAMPING,
-              base: str | os.PathLike | None = None) -> dict:
+              base: str | os.PathLike | None = None, unlabeled_path: str | os.PathLike | None = None,
+              distill: DistillConfig | TeachingConfig | None = None) -> dict:
     """Server side of the round: send settings, collect artifacts, fuse, write ``global.h5``.
 
     Client files are named by the server (``client_<k>.h5``, k = the node's index in sorted
@@ -211,7 +214,10 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     training-free exchange (module docstring) and ``global_refreshed.h5``; its metadata
     ``federation.refresh`` records the nodes, bytes moved and who was left out. ``base``: the server's copy of
     the base the run fine-tunes, checked and sent once in every train message
-    (:func:`~posterior_fusion.flower.pretrained_base.base_to_send`; a node with its own copy uses that)."""
+    (:func:`~posterior_fusion.flower.pretrained_base.base_to_send`; a node with its own copy uses that).
+    ``distill``: after the collection the fused predictive teaches one network on ``unlabeled_path`` (or on inputs
+    synthesised from the artifacts), as ``fuse --distill`` does on files, and ``global.h5`` serves it; an
+    interrupted teaching resumes from ``global.h5.distill-partial`` when the round is run again."""
     if on_bad_reply not in BAD_REPLY_POLICIES:
         raise ConfigError(f"on-bad-reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
@@ -243,7 +249,8 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     paths = collect_replies(replies, out, on_bad_reply, log, max_memory, settings.base_sha256)
     silo_files = name_by_silo(replies, paths, out, log)
     inputs, result, meta = fuse(paths, method, options or FusionOptions(progress=False), method_settings,
-                                val_path, log=log, max_memory=max_memory, robust=robust)
+                                val_path, unlabeled_path, log=log, max_memory=max_memory, robust=robust, distill=distill,
+                                distill_checkpoint=out / "global.h5.distill-partial" if distill is not None else None)
     by_name = {f"client_{r.key}.h5": r for r in replies}
     left_out = nodes_left_out(ids, missing, replies, paths)
     meta["federation"] = {"engine": "flower", "nodes": len(ids), "accepted": [p.name for p in paths],

@@ -11,18 +11,22 @@ cycle after step ``swa_start`` and averaged (FedBE: 1e-3 → 4e-4, 25 steps, aft
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.distill_settings import RecipeChoice, TeachingConfig
 from posterior_fusion.fusion.optimise import MomentumSGD
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.progress import progress
-from posterior_fusion.settings import check_declared, setting
+from posterior_fusion.settings import check_declared, convert, setting
 
 
 @dataclass(frozen=True)
@@ -146,3 +150,32 @@ def distill_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tenso
                         targets)
     record.update(start="mean" if best == 0 else f"member {best - 1}", start_agreement=float(agree[best]))
     return w, record
+
+
+def distill_config(recipe: RecipeChoice, teaching: Mapping[str, Any], unlabeled: bool,
+                   where: str = "") -> DistillConfig | TeachingConfig:
+    """The distillation record of one run, from the same settings wherever they are given (``fuse --distill``, a
+    Flower round's ``distill-*`` keys, the library).
+
+    Args:
+        recipe: the recipe and FedBE's schedule length (:class:`RecipeChoice`).
+        teaching: the consistent recipe's settings that were given (name -> value or text); the rest keep their
+            declared defaults. Refused with ``swa``, whose schedule is FedBE's own.
+        unlabeled: whether the server has unlabeled inputs (``swa`` needs them; ``consistent`` without them is
+            data-free).
+        where: what the messages call the settings' source.
+
+    Returns:
+        :class:`DistillConfig` for ``swa``, :class:`TeachingConfig` for ``consistent``; ConfigError otherwise.
+    """
+    if recipe.recipe == "swa":
+        if teaching:
+            raise ConfigError(f"{where}`distill_{next(iter(teaching))}` is a setting of the consistent recipe, "
+                              "not of swa")
+        if not unlabeled:
+            raise ConfigError(f"{where}`distill_recipe` swa needs unlabeled server data (`unlabeled`)")
+        return DistillConfig(epochs=20 if recipe.epochs is None else recipe.epochs)
+    hints = typing.get_type_hints(TeachingConfig)
+    cfg = TeachingConfig(**{k: convert(v, hints[k], f"distill_{k}", where.rstrip(": ")) for k, v in teaching.items()})
+    cfg.validate()
+    return cfg
