@@ -18,10 +18,10 @@ from posterior_fusion.artifact import Component, write_client_artifact
 from posterior_fusion.curvature import BlockDiag, Dense, Diag
 from posterior_fusion.errors import ArtifactError, IncompatibleArtifactsError
 from posterior_fusion.fusion import METHODS, FusionInputs, FusionOptions
+from posterior_fusion.fusion.compatibility import check_compatible
 from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings
 from posterior_fusion.fusion.methods.hbfl import HBFLSettings
 from posterior_fusion.fusion.methods.swag_product import SwagProductSettings
-from posterior_fusion.fusion.types import check_compatible
 from posterior_fusion.local.fit_config import TrainConfig
 from posterior_fusion.local.refresh import newton_centre, step_ratio
 from posterior_fusion.local.train import train_map

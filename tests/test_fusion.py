@@ -619,7 +619,7 @@ def test_fuse_on_the_gpu_is_refused_when_its_working_set_exceeds_the_free_gpu_me
     need = estimate_device_bytes(headers, "fedbens", settings)
     d, K = headers[0]["num_params"], headers[0]["num_components"]
     assert need == 2 * sum(h["data_bytes"] for h in headers) + get_method("fedbens").work_bytes(
-        settings, posterior_fusion.fusion.types.FuseSize(d, len(headers), K)) + K * d * 4
+        settings, posterior_fusion.fusion.method_type.FuseSize(d, len(headers), K)) + K * d * 4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (need, 80 * 2**30))  # 90 % of it is too little
     loaded = []

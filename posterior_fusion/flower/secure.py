@@ -1,6 +1,6 @@
 """Secure aggregation: the round where the server sees only sums over the silos (Flower's SecAgg+).
 
-For a method whose server step reads the clients through sums alone (:class:`~posterior_fusion.fusion.types.ClientSums`:
+For a method whose server step reads the clients through sums alone (:class:`~posterior_fusion.fusion.client_sums.ClientSums`:
 FedAvg, Fisher merge, the product of Gaussians with diagonal curvature), each node fits its silo as in the plain
 round, keeps its artifact, computes the method's statistics ``s_c`` from it and sends them through Flower's
 SecAgg+ protocol (:class:`flwr.server.workflow.SecAggPlusWorkflow` on the server, ``secaggplus_mod`` on the node):
@@ -46,9 +46,10 @@ from posterior_fusion.artifact import load_client, write_global_artifact
 from posterior_fusion.errors import ConfigError, FederationError
 from posterior_fusion.files import check_output
 from posterior_fusion.flower.pretrained_base import base_to_send
+from posterior_fusion.fusion.client_sums import SumsContext
 from posterior_fusion.fusion.from_posteriors import method_settings as chosen_settings
 from posterior_fusion.fusion.registry import METHODS, get_method
-from posterior_fusion.fusion.types import FusionInputs, FusionOptions, SumsContext, prior_precision_of
+from posterior_fusion.fusion.types import FusionInputs, FusionOptions, prior_precision_of
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.init import finetune_start
 from posterior_fusion.settings import check_declared, setting

@@ -5,7 +5,7 @@ posteriors. Shared options are :class:`FusionOptions`; each method's own hyper-p
 are its settings record (``METHODS[name].settings``).
 
 The public names load on first use (PEP 562): the registry's names and the settings parser
-(:mod:`.settings`) are read without importing torch.
+(:mod:`.settings_parsing`) are read without importing torch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 _WHERE = {
     "fuse": "from_files", "applicable_settings": "from_posteriors", "fuse_clients": "from_posteriors",
     "method_settings": "from_posteriors", "write_fused": "from_posteriors", "METHODS": "registry",
-    "get_method": "registry", "FusionInputs": "types", "FusionMethod": "types", "FusionOptions": "types",
+    "get_method": "registry", "FusionInputs": "types", "FusionMethod": "method_type", "FusionOptions": "options",
     "FusionResult": "types",
 }
 

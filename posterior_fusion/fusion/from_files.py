@@ -61,7 +61,7 @@ def keeps_curvature(method: str, chosen: MethodSettings, robust: bool = False, t
                     distill: DistillConfig | TeachingConfig | None = None,
                     unlabeled_path: str | os.PathLike | None = None) -> bool:
     """Whether a fusion holds the clients' curvature: the method reads it with these settings
-    (:attr:`~posterior_fusion.fusion.types.FusionMethod.uses_curvature`), or ``robust`` screening, ``tune`` or
+    (:attr:`~posterior_fusion.fusion.method_type.FusionMethod.uses_curvature`), or ``robust`` screening, ``tune`` or
     data-free teaching (the first layer's recorded input factor) does. Where not, each curvature block is read
     and checked, then dropped."""
     data_free = isinstance(distill, TeachingConfig) and not unlabeled_path

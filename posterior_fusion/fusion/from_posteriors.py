@@ -14,10 +14,11 @@ import torch
 
 from posterior_fusion.artifact import ClientPosterior, write_global_artifact
 from posterior_fusion.data.silo import SiloData
+from posterior_fusion.fusion.compatibility import check_compatible
 from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult, check_compatible
+from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
 
 FAR_FACTOR = 100.0  # a fused member this many times farther from the prior centre than every client MAP warns
 

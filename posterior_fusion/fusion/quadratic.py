@@ -24,9 +24,10 @@ import torch
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.fusion.layer_solve import solve_precision_sum
+from posterior_fusion.fusion.method_type import FuseSize, optimiser_bytes
 from posterior_fusion.fusion.optimise import OptimiserSettings, accuracy_of, optimise_modes
 from posterior_fusion.fusion.settings_parsing import setting
-from posterior_fusion.fusion.types import FuseSize, FusionInputs, FusionResult, optimiser_bytes
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 from posterior_fusion.progress import progress
 
 SOLVERS = ("adam", "exact")

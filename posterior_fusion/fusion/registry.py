@@ -1,4 +1,4 @@
-"""The explicit registry of fusion methods: name -> :class:`~posterior_fusion.fusion.types.FusionMethod`
+"""The explicit registry of fusion methods: name -> :class:`~posterior_fusion.fusion.method_type.FusionMethod`
 (function + settings record), each name declared here beside the module that defines it.
 
 A method's module is imported when its entry is first read, so listing the names (``pfuse fuse
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from posterior_fusion.errors import ConfigError
 
 if TYPE_CHECKING:
-    from posterior_fusion.fusion.types import FusionMethod
+    from posterior_fusion.fusion.method_type import FusionMethod
 
 MODULES: Mapping[str, str] = MappingProxyType({  # name -> its module under posterior_fusion.fusion.methods
     "fedbens": "fedbens",
@@ -47,7 +47,7 @@ class Registry(MutableMapping):
     def __getitem__(self, name: str) -> FusionMethod:
         entry = self._entries[name]
         if isinstance(entry, str):
-            from posterior_fusion.fusion.types import FusionMethod
+            from posterior_fusion.fusion.method_type import FusionMethod
 
             module = importlib.import_module(f"posterior_fusion.fusion.methods.{entry}")
             found = [m for m in vars(module).values() if isinstance(m, FusionMethod) and m.name == name]

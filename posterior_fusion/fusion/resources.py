@@ -1,12 +1,12 @@
 """Memory estimate for ``fuse``, computed from artifact and data headers before any data is loaded.
-Each method declares its own part (:class:`~posterior_fusion.fusion.types.FusionMethod`'s
+Each method declares its own part (:class:`~posterior_fusion.fusion.method_type.FusionMethod`'s
 ``members`` and ``work_bytes``); this module adds what every fusion holds."""
 
 from __future__ import annotations
 
+from posterior_fusion.fusion.method_type import FuseSize
 from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.types import FuseSize
 
 READ_OVERHEAD = 32 * 2**20  # what reading and validating the files costs beyond their tensors (HDF5 buffers, copies)
 

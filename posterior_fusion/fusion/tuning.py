@@ -17,8 +17,8 @@ from posterior_fusion.artifact import ClientPosterior
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.from_posteriors import fuse_clients
+from posterior_fusion.fusion.options import FusionOptions
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.types import FusionOptions
 from posterior_fusion.metrics import evaluate_members
 
 TUNE_TEMPERATURES = (0.01, 0.03, 0.1, 0.3, 1.0)

@@ -16,8 +16,9 @@ from posterior_fusion.data.silo import SiloData, write_silo
 from posterior_fusion.errors import ConfigError, FederationError
 from posterior_fusion.files import user_data_folder
 from posterior_fusion.fusion import FusionOptions, fuse
+from posterior_fusion.fusion.client_sums import sum_over_clients, sums_context
 from posterior_fusion.fusion.registry import METHODS
-from posterior_fusion.fusion.types import FusionInputs, sum_over_clients, sums_context
+from posterior_fusion.fusion.types import FusionInputs
 
 flwr = pytest.importorskip("flwr", reason="Flower is an optional extra: pip install 'posterior-fusion[flower]'")
 

@@ -94,7 +94,7 @@ class NodesInProcess:
         return sorted(self.silos)
 
     def push_messages(self, messages):
-        for i, m in enumerate(messages):
+        for m in messages:
             m.metadata.__dict__["_message_id"] = f"id-{len(self.pushed)}"
             self.pushed.append(m)
         return [m.metadata.message_id for m in messages]

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 from posterior_fusion.pooling import ITERATIONS, POOLINGS, Pooling, client_groups
 
 

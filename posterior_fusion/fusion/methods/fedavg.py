@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from posterior_fusion.fusion.client_sums import ClientSums, SumsContext
+from posterior_fusion.fusion.method_type import FusionMethod, never
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext, never
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 
 def fedavg_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:

@@ -12,8 +12,9 @@ import torch
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.distill import DistillConfig, distill
+from posterior_fusion.fusion.method_type import FusionMethod, never
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, never
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ the minimiser (Σ G_c + ε I)⁻¹ (Σ G_c ŵ_c + ε w_FedAvg) itself, layer by 
 
 from __future__ import annotations
 
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 
 def fedfisher(inputs: FusionInputs, settings: QuadraticSettings) -> FusionResult:

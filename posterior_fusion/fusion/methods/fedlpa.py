@@ -53,9 +53,11 @@ from dataclasses import dataclass
 import torch
 
 from posterior_fusion.curvature import Dense, Kron
+from posterior_fusion.fusion.compatibility import require_structures
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_structures
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 ESTIMATES = ("newton", "expectation", "authors-gd", "validation")
 

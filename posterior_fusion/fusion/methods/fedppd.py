@@ -22,8 +22,9 @@ import torch
 from posterior_fusion import ranges
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
 from posterior_fusion.fusion.distill import DistillConfig, distill
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 
 def _students(inputs: FusionInputs, method: str, components: list[int]) -> list[list[torch.Tensor]]:

@@ -41,9 +41,10 @@ import torch
 from posterior_fusion.curvature import BlockDiag, Kron
 from posterior_fusion.curvature.base import eigh_psd
 from posterior_fusion.errors import MethodNotApplicableError
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadratic, quadratic_bytes
 from posterior_fusion.fusion.settings_parsing import setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 MEANS = ("paper", "map")
 NULL_RESOLUTION = 1e-7  # eigenvalues below this × the block's largest are float32 rounding, not curvature

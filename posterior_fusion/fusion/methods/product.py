@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 
 from posterior_fusion.errors import MethodNotApplicableError
+from posterior_fusion.fusion.client_sums import ClientSums, SumsContext
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.types import ClientSums, FusionInputs, FusionMethod, FusionResult, SumsContext
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 
 def product_local(inputs: FusionInputs, settings: MethodSettings) -> list[torch.Tensor]:

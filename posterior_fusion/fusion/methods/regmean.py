@@ -22,9 +22,11 @@ import torch
 
 from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
+from posterior_fusion.fusion.compatibility import require_structures
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_structures
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 PROTOCOLS = ("reference", "kfac")
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from posterior_fusion.errors import ConfigError, MethodNotApplicableError
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 from posterior_fusion.posterior import SwagMoments
 
 

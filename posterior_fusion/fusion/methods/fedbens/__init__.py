@@ -31,6 +31,8 @@ import torch
 
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.block_stacks import CHUNK_BYTES
+from posterior_fusion.fusion.compatibility import require_equal_components
+from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.methods.fedbens.evidence import (
     RESOLUTION,
     EvidenceSearch,
@@ -55,7 +57,7 @@ from posterior_fusion.fusion.mode_laplace import (
     mode_precisions,
     negative_log_posterior,
 )
-from posterior_fusion.fusion.types import FusionInputs, FusionMethod, FusionResult, require_equal_components
+from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
 __all__ = ["MERGE_TOLERANCE", "METHOD", "RESOLUTION", "EvidenceSearch", "FedBEnsSettings", "GlobalLogPosterior",
            "client_centres", "coinciding_rows", "curvature_scales", "evidence_server_prior", "fedbens", "median_starts",
