@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from posterior_fusion import ranges
@@ -9,7 +11,21 @@ from posterior_fusion.cli.common import bounded, handle_errors, log_to_stderr, o
 from posterior_fusion.errors import ConfigError
 
 
-@click.command("experiment")
+class ExperimentCommand(click.Command):
+    """``pfuse experiment``, whose ``--help`` ends with the config's keys as
+    :class:`~posterior_fusion.experiment.grid_config.ExperimentConfig` declares them (help and default each)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from posterior_fusion.experiment.grid_config import ExperimentConfig
+        from posterior_fusion.settings import describe
+
+        rows = [(r["name"], f"{r['help']} [default: {json.dumps(r['default'])}]")
+                for r in describe(ExperimentConfig)]
+        with formatter.section("Config keys (TOML)"):
+            formatter.write_dl(rows)
+
+
+@click.command("experiment", cls=ExperimentCommand)
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--out-dir", default=None, type=click.Path(file_okay=False),
               help="Cache and output folder [default: runs/<config name>].")

@@ -29,8 +29,12 @@ FALSE_WORDS = ("false", "0", "no")
 def setting(default: Any, help: str, bounds: tuple[float, float] | None = None,  # noqa: A002
             choices: tuple[str, ...] | None = None) -> Any:
     """A settings field: ``default``, one line of ``help`` (shown by ``--help`` / ``--help-method``),
-    for a number its inclusive ``bounds``, for a text its ``choices``."""
-    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds, "choices": choices})
+    for a number its inclusive ``bounds``, for a text its ``choices``. A list or table default is copied for
+    every record."""
+    metadata = {"help": help, "bounds": bounds, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: json.loads(json.dumps(default)), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def type_name(tp: Any) -> str:

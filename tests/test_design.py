@@ -896,3 +896,37 @@ def test_the_settings_options_of_the_server_and_recapture_commands_are_generated
         by_hand = set(params) - declared - files
         assert not by_hand, (cmd.name, by_hand)
         assert not files - set(params), (cmd.name, files - set(params))  # no stale entry
+
+
+def test_every_settings_record_declares_each_field_once_with_its_help():
+    """One settings mechanism: every record a user's setting lands in — the fit, the fusion's shared options, the
+    distillation recipes, the refresh round, the capture of a recapture, the predictive, a Flower round and node,
+    secure aggregation, the experiment grid — declares each field with :func:`~posterior_fusion.settings.setting`
+    (a default and one line of help), and ``pfuse experiment --help`` lists every key of the grid's config."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from posterior_fusion.experiment.grid_config import ExperimentConfig
+    from posterior_fusion.flower.round_settings import NodeSettings, RoundSettings
+    from posterior_fusion.flower.secure import SecureAggregation
+    from posterior_fusion.fusion.distill import DistillConfig
+    from posterior_fusion.fusion.distill_settings import RecipeChoice, TeachingConfig
+    from posterior_fusion.fusion.options import FusionOptions, ServerSteps
+    from posterior_fusion.local.fit_config import FitConfig
+    from posterior_fusion.local.recapture_settings import CaptureChoice
+    from posterior_fusion.local.refresh_settings import RefreshPrivacy, RefreshStep
+    from posterior_fusion.predictive_settings import CalibrationSettings, PredictiveSettings
+
+    records = (ExperimentConfig, RoundSettings, NodeSettings, SecureAggregation, DistillConfig, RecipeChoice,
+               TeachingConfig, FusionOptions, ServerSteps, CaptureChoice, RefreshPrivacy, RefreshStep,
+               PredictiveSettings, CalibrationSettings)
+    bare = [f"{r.__name__}.{f.name}" for r in records for f in dataclasses.fields(r) if not f.metadata.get("help")]
+    assert not bare, bare
+    nested = {"dp", "ppd", "local_model", "train"}  # FitConfig's own records, each declared the same way
+    assert not [f.name for f in dataclasses.fields(FitConfig) if not f.metadata.get("help") and f.name not in nested]
+    assert ExperimentConfig().fit is not ExperimentConfig().fit  # a table default is each record's own
+    from posterior_fusion.cli.main import pfuse
+
+    shown = CliRunner().invoke(pfuse, ["experiment", "--help"]).output
+    assert all(f"  {f.name} " in shown for f in dataclasses.fields(ExperimentConfig)), shown

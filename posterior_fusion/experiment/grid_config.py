@@ -7,7 +7,7 @@ import os
 import re
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import tomllib
 
@@ -15,10 +15,10 @@ from posterior_fusion import ranges
 from posterior_fusion.compat import RENAMED_TOML_KEYS, rename_keys
 from posterior_fusion.errors import ConfigError, DataError, ModelSpecError, shown
 from posterior_fusion.files import require_regular_file
-from posterior_fusion.fusion import METHODS, method_settings
-from posterior_fusion.fusion.registry import COMPARED
+from posterior_fusion.fusion.registry import COMPARED, METHODS
 from posterior_fusion.local.fit_config import STRUCTURES, fit_config_from
 from posterior_fusion.runtime import resolve_device
+from posterior_fusion.settings import setting
 
 MAX_CONFIG_BYTES = 1_000_000
 MAX_AXIS = 64
@@ -61,33 +61,40 @@ class ExperimentConfig:
     ``seeds`` are run seeds: for run seed s the partition, init and training seeds all equal s.
     """
 
-    name: str = "experiment"
-    data: str = "system"              # "system" (Debian FMNIST, else embedded) or "embedded"
-    max_train: int | None = None      # cap on training samples (smoke runs)
-    alphas: list[float] = field(default_factory=lambda: [0.1])
-    clients: list[int] = field(default_factory=lambda: [5])
-    seeds: list[int] = field(default_factory=lambda: [0])
-    components: list[int] = field(default_factory=lambda: [5])
-    structures: list[str] = field(default_factory=lambda: ["kron"])
-    methods: list[str] = field(default_factory=lambda: list(COMPARED))
-    model: str = "lenet"
-    model_kwargs: dict = field(default_factory=dict)  # JSON keyword arguments of the model (e.g. {in_channels = 1})
-    epochs: int = 20
-    steps: int = 300                  # server Adam steps of the optimising methods
-    temperature: float = 0.1
-    prior_var: float = 0.1
-    val_size: int = 500
-    unlabeled_size: int = 0           # training samples held out, unlabeled, as the server's data (FedBE, FedPPD, distill)
-    distill: list[str] = field(default_factory=list)  # methods/variants also distilled into one model on it ("<name>+distill")
-    variants: dict = field(default_factory=dict)  # [variants] label = {method = "fedbens", <its settings>...}: extra rows
-    protocol: str = "ours"            # or "fedbens-reference" (the authors' partition; see pfuse partition --help)
-    temperatures: list[float] = field(default_factory=list)  # server re-tempering sweep of the tunable methods
-    tune: bool = False                # tunable methods also with T and prior chosen on validation ("<method>-tuned")
-    tune_temperatures: list[float] = field(default_factory=lambda: [0.01, 0.03, 0.1, 0.3, 1.0])
-    tune_prior_vars: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
-    centralized: bool = True          # pooled-data upper bound
-    share_training: bool = True       # structures after the first recapture its trained components (pfuse recapture)
-    fit: dict = field(default_factory=dict)  # [fit] table: any other fit setting of fit-local by its name
+    name: str = setting("experiment", "The grid's name: one folder name under --out-dir.")
+    data: str = setting("system", "system: Debian's Fashion-MNIST (else the embedded subset); embedded: the "
+                                  "embedded subset.", choices=("system", "embedded"))
+    max_train: int | None = setting(None, "A cap on the training samples (smoke runs) [default: none].")
+    alphas: list[float] = setting([0.1], "Axis: Dirichlet concentrations α of the partition.")
+    clients: list[int] = setting([5], "Axis: client counts C.")
+    seeds: list[int] = setting([0], "Axis: run seeds; for run seed s the partition, init and training seeds all "
+                                    "equal s.")
+    components: list[int] = setting([5], "Axis: mixture components M per client.")
+    structures: list[str] = setting(["kron"], "Axis: curvature structures (kron, diag, diag+full).")
+    methods: list[str] = setting(list(COMPARED), "The fusion methods compared (rows).")
+    model: str = setting("lenet", "The model every client trains (fit-local --model).")
+    model_kwargs: dict = setting({}, "JSON keyword arguments of the model, e.g. {in_channels = 1}.")
+    epochs: int = setting(20, "Local training epochs per component.")
+    steps: int = setting(300, "Server Adam steps of the optimising methods.")
+    temperature: float = setting(0.1, "Likelihood temperature T of every client.")
+    prior_var: float = setting(0.1, "Prior variance σ0² of every client.")
+    val_size: int = setting(500, "Server validation samples held out of the training set.")
+    unlabeled_size: int = setting(0, "Training samples held out, unlabeled, as the server's data (FedBE, FedPPD, "
+                                     "distill).")
+    distill: list[str] = setting([], "Methods or variants also distilled into one model on the unlabeled data "
+                                     "(rows '<name>+distill').")
+    variants: dict = setting({}, "[variants] label = {method = \"fedbens\", <its settings>...}: extra rows.")
+    protocol: str = setting("ours", "The partition protocol: ours, or fedbens-reference (the authors'; see pfuse "
+                                    "partition --help).", choices=("ours", "fedbens-reference"))
+    temperatures: list[float] = setting([], "A server re-tempering sweep of the tunable methods.")
+    tune: bool = setting(False, "The tunable methods also with T and σ0² chosen on validation (rows "
+                                "'<method>-tuned').")
+    tune_temperatures: list[float] = setting([0.01, 0.03, 0.1, 0.3, 1.0], "The grid of T for tune.")
+    tune_prior_vars: list[float] = setting([0.01, 0.1, 1.0], "The grid of σ0² for tune.")
+    centralized: bool = setting(True, "Also the pooled-data upper bound (one network trained on every silo).")
+    share_training: bool = setting(True, "Structures after the first recapture its trained components (pfuse "
+                                         "recapture) instead of training again.")
+    fit: dict = setting({}, "[fit] table: any other fit setting of fit-local, by its name.")
 
     @property
     def spec(self):
@@ -116,6 +123,8 @@ class ExperimentConfig:
         return cfg
 
     def validate(self, where: str | os.PathLike = "config") -> None:
+        from posterior_fusion.fusion import method_settings  # the settings records: when a config is read
+
         if not NAME_RE.fullmatch(self.name):
             raise ConfigError(f"{where}: name {shown(self.name)} must be one folder name (letters, digits, '.', '_', "
                               "'-'; not '.' or '..'), at most 100 characters")
