@@ -20,10 +20,11 @@ PFUSE = str(Path(sys.executable).parent / "pfuse")
 HERE = Path(__file__).resolve().parent
 
 
-def run(*args: object) -> None:
+def run(*args: object) -> str:
     r = subprocess.run([str(a) for a in args], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"{' '.join(map(str, args))}: {r.stderr.strip()[-2000:]}")
+    return r.stdout
 
 
 def main() -> None:
@@ -45,10 +46,11 @@ def main() -> None:
         for seed in args.seeds:
             part = args.work / "partitions" / f"a{alpha}_s{seed}"
             if not (part / "summary.json").exists():
-                run(PFUSE, "-q", "partition", "--data", args.base_work / "pool_same-domain.h5",
+                summary = run(PFUSE, "-q", "partition", "--data", args.base_work / "pool_same-domain.h5",
                     "--test", args.base_work / "test_same-domain.h5", "--clients", args.clients, "--alpha", alpha,
                     "--partition-seed", seed, "--val-size", 0, "--unlabeled-size", args.unlabeled,
-                    "--out-dir", part)
+                    "--out-dir", part, "--json")
+                (part / "summary.json").write_text(summary)
             clients = args.work / "clients" / f"a{alpha}_s{seed}"
             clients.mkdir(parents=True, exist_ok=True)
             init = clients / "init.h5"
