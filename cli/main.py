@@ -29,7 +29,7 @@ COMMANDS = {
     "export": ("export_commands", "export_cmd", "Write one network of a global artifact as safetensors + its spec."),
     "inspect": ("inspect_commands", "inspect_cmd", "Validate an artifact and summarise it."),
     "audit": ("local_commands", "audit_cmd", "What a client artifact reveals about its silo (labels, inputs, membership)."),
-    "demo": ("server_commands", "demo_cmd", "Partition -> fit-local -> fuse with every method -> table."),
+    "demo": ("demo_commands", "demo_cmd", "Partition -> fit-local -> fuse with every method -> table."),
     "experiment": ("experiment_commands", "experiment_cmd", "Run or resume a cached grid of experiments."),
 }
 
