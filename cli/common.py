@@ -6,6 +6,7 @@ import functools
 import json
 import re
 import sys
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -130,8 +131,6 @@ def setting_options(record: type, *, prefix: str = "", text: bool = False, help_
     with the destination ``<prefix>_<name>``. Typed (a number in its bounds, a choice, a flag for a boolean) unless
     ``text``: then read as given (default ``None``: the declaration's) by the settings converter, which also reads
     ``none``. ``skip``: fields that are not options."""
-    import typing
-
     from posterior_fusion.settings import base_type, describe
 
     hints = typing.get_type_hints(record)

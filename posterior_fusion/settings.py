@@ -155,15 +155,17 @@ def declared_help(cls: type, name: str) -> str:
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
-def record_from(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
+def record_from(cls: type, values: Mapping[str, Any], where: str = "", prefix: str = "") -> Any:
     """A validated ``cls`` from the values of its fields that are given (``None``: at its declared default,
-    for the options a command generates from ``cls``): each converted to its declared type, then its bounds
-    and choices checked (and the record's own ``validate`` where it has one)."""
+    for the options a command generates from ``cls``): each converted to its declared type, then the record's own
+    ``validate`` where it has one, else its declared bounds and choices. Messages name a setting as
+    ```<prefix><name>```, which the CLI shows as its flag."""
     hints = typing.get_type_hints(cls)
-    given = {f.name: convert(values[f.name], hints[f.name], f.name, where) for f in dataclasses.fields(cls)
-             if values.get(f.name) is not None}
+    given = {f.name: convert(values[f.name], hints[f.name], f"`{prefix}{f.name}`", where)
+             for f in dataclasses.fields(cls) if values.get(f.name) is not None}
     out = cls(**given)
-    check_declared(out, where)
     if hasattr(out, "validate"):
         out.validate()
+    else:
+        check_declared(out, where, prefix=prefix)
     return out

@@ -11,7 +11,6 @@ cycle after step ``swa_start`` and averaged (FedBE: 1e-3 → 4e-4, 25 steps, aft
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.pooling import AVERAGE, Pooling
 from posterior_fusion.progress import progress
-from posterior_fusion.settings import check_declared, convert, setting
+from posterior_fusion.settings import check_declared, record_from, setting
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ def distill_config(recipe: RecipeChoice, teaching: Mapping[str, Any], unlabeled:
         if not unlabeled:
             raise ConfigError(f"{where}`distill_recipe` swa needs unlabeled server data (`unlabeled`)")
         return DistillConfig(epochs=20 if recipe.epochs is None else recipe.epochs)
-    hints = typing.get_type_hints(TeachingConfig)
-    cfg = TeachingConfig(**{k: convert(v, hints[k], f"distill_{k}", where.rstrip(": ")) for k, v in teaching.items()})
-    cfg.validate()
-    return cfg
+    unknown = sorted(set(teaching) - set(TeachingConfig.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{where}no consistent-recipe setting `distill_{unknown[0]}`")
+    return record_from(TeachingConfig, teaching, where.rstrip(": "), prefix="distill_")

@@ -164,3 +164,11 @@ def test_fedbe_s_schedule_refuses_a_bad_value_in_one_line_naming_it(bad, name):
         DistillConfig(**bad).validate()
     assert "\n" not in str(err.value)
     assert {d["name"] for d in describe(DistillConfig)} == {f.name for f in dataclasses.fields(DistillConfig)}
+
+
+def test_a_bad_recipe_value_names_the_option_it_came_from(tmp_path):
+    """The recipe's settings are read by one library builder for the CLI and Flower; on the command line a value
+    it cannot read is one line naming the user's flag, before any artifact is opened."""
+    r = CliRunner().invoke(pfuse, ["fuse", str(tmp_path / "absent.h5"), "--distill", "--distill-steps", "abc",
+                                   "--out", str(tmp_path / "g.h5")])
+    assert r.exit_code == 2 and r.stderr.strip() == "error: setting '--distill-steps' must be int, got 'abc'"
