@@ -124,39 +124,49 @@ class FiniteFloatRange(click.FloatRange):
         return rv
 
 
+def declared_option(fn: Callable, name: str, kind: type, default: Any, help_text: str, *,
+                    choices: tuple[str, ...] | None = None, choice_docs: dict[str, str] | None = None,
+                    bounds: tuple[float, float] | None = None, text: bool = False,
+                    metavar: str | None = None) -> Callable:
+    """``fn`` with the option ``--<name>`` (destination ``name``) of one declared setting: a flag for a boolean,
+    a choice (each value's doc in the help), a number in its bounds, else ``kind`` (a table as JSON text).
+    ``text``: read as given (default ``None``: the declaration's) by the settings converter, which also reads
+    ``none``. The one place an option of a setting is built."""
+    from posterior_fusion.settings import choice_help
+
+    flag = "--" + name.replace("_", "-")
+    help_text += choice_help(choice_docs)
+    if kind is bool:
+        return click.option(flag, name, is_flag=True, default=bool(default),
+                            help=f"{help_text} [default: {'on' if default else 'off'}]")(fn)
+    if "[default" not in help_text:
+        help_text += f" [default: {'none' if default is None else json.dumps(default) if kind is dict else default}]"
+    choice = click.Choice(choices) if choices else None
+    if text:
+        return click.option(flag, name, default=None, type=choice, metavar=None if choice else metavar,
+                            help=help_text)(fn)
+    number = bounded(bounds, kind) if bounds and kind in (int, float) else None
+    return click.option(flag, name, default=json.dumps(default) if kind is dict else default,
+                        type=choice or number or (str if kind is dict else kind), show_default=False,
+                        help=help_text)(fn)
+
+
 def setting_options(record: type, *, prefix: str = "", text: bool = False, help_prefix: str = "",
                     skip: tuple[str, ...] = (), metavar: str | None = None) -> Callable:
     """A decorator adding one option per declared field of ``record`` (:func:`posterior_fusion.settings.setting`:
     its default, help, bounds and choices), so that no option of a setting is written by hand: ``--<prefix>-<name>``
-    with the destination ``<prefix>_<name>``. Typed (a number in its bounds, a choice, a flag for a boolean) unless
-    ``text``: then read as given (default ``None``: the declaration's) by the settings converter, which also reads
-    ``none``. ``skip``: fields that are not options."""
+    with the destination ``<prefix>_<name>`` (:func:`declared_option`). ``skip``: fields that are not options."""
     from posterior_fusion.settings import base_type, describe
 
     hints = typing.get_type_hints(record)
 
     def decorate(fn: Callable) -> Callable:
         for row in reversed(describe(record)):
-            if row["name"] in skip:
-                continue
-            name = (prefix + "_" if prefix else "") + row["name"]
-            flag, kind = "--" + name.replace("_", "-"), base_type(hints[row["name"]])
-            shown = "none" if row["default"] is None else row["default"]
-            help_text = help_prefix + row["help"]
-            if kind is bool:
-                fn = click.option(flag, name, is_flag=True, default=bool(row["default"]),
-                                  help=f"{help_text} [default: {'on' if row['default'] else 'off'}]")(fn)
-                continue
-            if "[default" not in help_text:
-                help_text += f" [default: {shown}]"
-            choice = click.Choice(row["choices"]) if row["choices"] else None
-            if text:
-                fn = click.option(flag, name, default=None, type=choice, metavar=None if choice else metavar,
-                                  help=help_text)(fn)
-            else:
-                number = bounded(row["bounds"], kind) if row["bounds"] and kind in (int, float) else None
-                fn = click.option(flag, name, default=row["default"], type=choice or number or kind,
-                                  show_default=False, help=help_text)(fn)
+            if row["name"] not in skip:
+                fn = declared_option(fn, (prefix + "_" if prefix else "") + row["name"],
+                                     base_type(hints[row["name"]]), row["default"], help_prefix + row["help"],
+                                     choices=row["choices"], choice_docs=row["choice_docs"], bounds=row["bounds"],
+                                     text=text, metavar=metavar)
         return fn
 
     return decorate

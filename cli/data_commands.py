@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from posterior_fusion import ranges
+from posterior_fusion.choices import PROTOCOLS
 from posterior_fusion.cli.common import bounded, echo_json, handle_errors, max_memory_option, old_spellings, say
 from posterior_fusion.data.importers import FORMATS
-from posterior_fusion.data.prepare import DATASETS, PROTOCOLS, SCHEMES, import_data, partition_to_files
+from posterior_fusion.data.prepare import DATASETS, SCHEMES, import_data, partition_to_files
 from posterior_fusion.data.silo import MAX_CLASSES
 from posterior_fusion.errors import ConfigError
 

@@ -17,9 +17,9 @@ class ExperimentCommand(click.Command):
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         from posterior_fusion.experiment.grid_config import ExperimentConfig
-        from posterior_fusion.settings import describe
+        from posterior_fusion.settings import choice_help, describe
 
-        rows = [(r["name"], f"{r['help']} [default: {json.dumps(r['default'])}]")
+        rows = [(r["name"], f"{r['help']}{choice_help(r['choice_docs'])} [default: {json.dumps(r['default'])}]")
                 for r in describe(ExperimentConfig)]
         with formatter.section("Config keys (TOML)"):
             formatter.write_dl(rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from posterior_fusion.artifact.preview import preview
+from posterior_fusion.artifact.schema import COMPRESSION_UNRECORDED
 from posterior_fusion.cli.common import echo_json, handle_errors, max_memory_option, say
 
 
@@ -104,8 +105,8 @@ def inspect_cmd(file, as_json, validate, max_memory):
             names = list(meta["class_names"])
             say(f"class names: {', '.join(map(str, names[:20]))}{', …' if len(names) > 20 else ''}")
         if meta.get("compress"):
-            say(f"compressed: budget {meta['compress']} ({meta.get('compress_metric', 'frobenius')}), eigenvectors "
-                f"{meta.get('compress_vectors', 'float32')}")
+            say(f"compressed: budget {meta['compress']} ({meta.get('compress_metric', COMPRESSION_UNRECORDED['compress_metric'])}), eigenvectors "
+                f"{meta.get('compress_vectors', COMPRESSION_UNRECORDED['compress_vectors'])}")
         policy = meta.get("curvature_blocks")
         if isinstance(policy, dict):
             kinds: dict[str, list[str]] = {}
@@ -151,7 +152,7 @@ def inspect_cmd(file, as_json, validate, max_memory):
 
         rows = compression_errors(art)
         bound = rows and rows[0]["precision_metric_is_bound"]
-        say("compression error per layer, worst component: recorded (" + meta.get("compress_metric", "frobenius")
+        say("compression error per layer, worst component: recorded (" + meta.get("compress_metric", COMPRESSION_UNRECORDED["compress_metric"])
             + " metric) and what fusion sees (precision metric: each eigenvalue of G/T + λ0·I within "
             "×(1 ± e_B)(1 ± e_A)" + (", here an upper bound from the Frobenius record)" if bound else ")") + ":")
         for r in rows:

@@ -13,6 +13,7 @@ import click
 from posterior_fusion import ranges
 from posterior_fusion.cli.common import (
     bounded,
+    declared_option,
     echo_json,
     handle_errors,
     log_to_stderr,
@@ -108,18 +109,14 @@ def init(model, model_kwargs, components, init_seed, transform_from, base_path, 
 
 
 def fit_options(fn, only: tuple[str, ...] | None = None):
-    """One click option per fit setting (:func:`~posterior_fusion.local.fit_config.fit_settings`: name,
-    default, help and choices declared once on the config records); ``only``: those settings."""
-    types = {int: int, float: float, str: str, dict: str}
+    """One option per fit setting (:func:`~posterior_fusion.local.fit_config.fit_settings`: the settings of the
+    nested fit records, flattened, each declared once), built as every setting's option is
+    (:func:`~posterior_fusion.cli.common.declared_option`); ``only``: those settings."""
+    from posterior_fusion.settings import base_type
+
     for s in reversed([s for s in fit_settings() if only is None or s.name in only]):
-        base = next((a for a in typing.get_args(s.type) if a is not type(None)), s.type)
-        if base is bool:
-            fn = click.option(s.flag, s.name, is_flag=True, default=s.default, help=s.help)(fn)
-            continue
-        default = json.dumps(s.default) if base is dict else s.default
-        kind = click.Choice(s.choices) if s.choices else types[base]
-        fn = click.option(s.flag, s.name, default=default, show_default=s.default is not None, type=kind,
-                          help=s.help)(fn)
+        fn = declared_option(fn, s.name, base_type(s.type), s.default, s.help, choices=s.choices,
+                             choice_docs=s.choice_docs)
     return fn
 
 

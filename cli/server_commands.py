@@ -35,6 +35,7 @@ from posterior_fusion.fusion.registry import (
 )
 from posterior_fusion.fusion.settings_parsing import parse_pairs
 from posterior_fusion.predictive_settings import CalibrationSettings, PredictiveSettings
+from posterior_fusion.settings import choice_help
 
 
 def legacy_settings(fn: Callable) -> Callable:
@@ -77,7 +78,7 @@ def method_help(name: str) -> str:
     if not rows:
         lines.append("  (none)")
     for row in rows:
-        allowed = (f" (one of: {', '.join(row['choices'])})" if row.get("choices")
+        allowed = (choice_help(row["choice_docs"]) if row.get("choices")
                    else f" (range: {row['bounds'][0]:g} to {row['bounds'][1]:g})" if row.get("bounds") else "")
         lines.append(f"  {row['name']:<15} {row['type']:<12} {row['help']}{allowed} [default: {row['default']}]")
     return "\n".join(lines)

@@ -12,8 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from posterior_fusion.choices import KERNELS
+from posterior_fusion.choices import Choice, Kernel
 from posterior_fusion.settings import check_declared, convert, setting
+
+
+class Malloc(Choice):
+    """glibc's allocator policy."""
+
+    KEEP = "keep", ("freed buffers of up to 1 GiB kept for reuse (training and fusion loops then do not fault them "
+                    "in again)")
+    DEFAULT = "default", "glibc's own behaviour"
 
 
 @dataclass(frozen=True)
@@ -22,11 +30,9 @@ class Environment:
                                          "otherwise); 0 turns it off, as `pfuse -q` does.")
     PFUSE_MAX_MEMORY: str | None = setting(None, "The memory limit of every reader and command, e.g. 8G (as "
                                                  "--max-memory); unset: 80% of MemAvailable.")
-    PFUSE_KERNEL: str | None = setting(None, "Force the batched Kronecker kernels' backend: torch or triton; "
-                                             "unset: torch, or what the caller names.", choices=KERNELS)
-    PFUSE_MALLOC: str = setting("keep", "keep: glibc keeps freed buffers of up to 1 GiB for reuse (training and "
-                                        "fusion loops then do not fault them in again); default: glibc's own "
-                                        "behaviour.", choices=("keep", "default"))
+    PFUSE_KERNEL: str | None = setting(None, "Force the batched Kronecker kernels' backend; unset: torch, or what "
+                                             "the caller names.", choices=Kernel)
+    PFUSE_MALLOC: str = setting("keep", "glibc's allocator policy.", choices=Malloc)
 
 
 def _declared(name: str) -> dataclasses.Field:

@@ -55,9 +55,9 @@ from typing import Any
 import torch
 
 from posterior_fusion import ranges
+from posterior_fusion.choices import POOLINGS
 from posterior_fusion.errors import ConfigError
 
-POOLINGS = ("average", "label-shift")
 TOLERANCE = 1e-11        # a row stops once its Newton step moves no log a_c by more than this
 ITERATIONS = 200         # ... or after this many Newton steps (the default; each row stops on its own)
 FIXED_POINT_BYTES = 64 * 2**20  # the Newton step's Jacobians of one chunk of rows, at most (many clients)
@@ -124,7 +124,7 @@ class Pooling:
         if not fields <= set(raw) <= fields | {"target_prior", "robust"}:
             raise ConfigError(f"{where}: {raw['rule']} needs exactly the fields {', '.join(sorted(fields))} "
                               "(and optionally target_prior, robust)")
-        if not isinstance(raw.get("robust", False), bool):
+        if (robust := raw.get("robust")) is not None and not isinstance(robust, bool):
             raise ConfigError(f"{where}: robust must be true or false")
         target = raw.get("target_prior", [])
         if not isinstance(target, list) or len(target) not in (0, num_classes) or not all(
@@ -143,7 +143,7 @@ class Pooling:
         if not ranges.is_int(iterations):
             raise ConfigError(f"{where}: iterations must be an integer")
         out = cls(raw["rule"], tuple(groups), tuple(tuple(r) for r in counts), float(smoothing), iterations,
-                  tuple(float(v) for v in target), raw.get("robust", False), where)
+                  tuple(float(v) for v in target), bool(robust), where)
         out.validate(num_members, num_classes)
         return out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import LINKS, PREDICTIVES
+from posterior_fusion.choices import Link, Predictive
 from posterior_fusion.settings import setting
 
 
@@ -14,12 +14,9 @@ from posterior_fusion.settings import setting
 class PredictiveSettings:
     """The predictive a global serves: its members averaged, sampled around each mode, or linearised."""
 
-    predictive: str = setting(
-        "map", "map: average the members' softmax; mc: Monte-Carlo over weight samples around each mode; glm: "
-               "linearised predictive (needs a fedbens artifact with its Laplace posterior); glm-last-layer: the same "
-               "with only the last Linear layer uncertain (faster; docs/benchmarks.md).", choices=PREDICTIVES)
+    predictive: str = setting("map", "How the global predicts (costs: docs/benchmarks.md).", choices=Predictive)
     samples: int = setting(30, "Samples per mode for mc (and for the glm predictive's mc link).", bounds=ranges.SAMPLES)
-    link: str = setting("probit", "glm: probit approximation or Monte-Carlo over the Gaussian logits.", choices=LINKS)
+    link: str = setting("probit", "The glm predictive's link.", choices=Link)
     scale: float = setting(1.0, "Multiply the posterior covariance (predictive tempering; 1 = the posterior).",
                            bounds=ranges.PREDICTIVE_SCALE)
 

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import sys
 
+from posterior_fusion.choices import DEVICES
 from posterior_fusion.environment import environment
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
@@ -58,7 +59,6 @@ def release_freed_memory() -> bool:
     return bool(trim(0))
 
 
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(name: str, where: str = "`device`"):

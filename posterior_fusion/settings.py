@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from posterior_fusion import ranges
+from posterior_fusion.choices import Choice
 from posterior_fusion.errors import ConfigError
 
 TRUE_WORDS = ("true", "1", "yes")
@@ -27,14 +28,25 @@ FALSE_WORDS = ("false", "0", "no")
 
 
 def setting(default: Any, help: str, bounds: tuple[float, float] | None = None,  # noqa: A002
-            choices: tuple[str, ...] | None = None) -> Any:
+            choices: type[Choice] | tuple[Choice, ...] | None = None) -> Any:
     """A settings field: ``default``, one line of ``help`` (shown by ``--help`` / ``--help-method``),
-    for a number its inclusive ``bounds``, for a text its ``choices``. A list or table default is copied for
+    for a number its inclusive ``bounds``, for a text its ``choices`` — a :class:`~posterior_fusion.choices.Choice`
+    enum, or some of its members, each value with its one-line doc. A list or table default is copied for
     every record."""
-    metadata = {"help": help, "bounds": bounds, "choices": choices}
+    members = tuple(choices) if choices is not None else None
+    if members is not None and not all(isinstance(m, Choice) for m in members):
+        raise TypeError("setting(choices=...) takes a Choice enum or its members (a one-line doc per value)")
+    metadata = {"help": help, "bounds": bounds,
+                "choices": tuple(m.value for m in members) if members else None,
+                "choice_docs": {m.value: m.doc for m in members} if members else None}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: json.loads(json.dumps(default)), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def choice_help(docs: dict[str, str] | None) -> str:
+    """`` Values: a: its doc; b: its doc.`` for a field's help, or ``""`` without choices."""
+    return " Values: " + "; ".join(f"{v}: {d}" for v, d in docs.items()) + "." if docs else ""
 
 
 def type_name(tp: Any) -> str:
@@ -116,7 +128,7 @@ def check_declared(record: Any, where: str = "", prefix: str = "", dashed: bool 
 
 
 def describe(cls: type) -> list[dict[str, Any]]:
-    """``[{name, type, default, help, bounds, choices}]`` for every declared field of ``cls``."""
+    """``[{name, type, default, help, bounds, choices, choice_docs}]`` for every declared field of ``cls``."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -125,7 +137,7 @@ def describe(cls: type) -> list[dict[str, Any]]:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         out.append({"name": f.name, "type": type_name(hints[f.name]), "default": default,
                     "help": f.metadata["help"], "bounds": f.metadata.get("bounds"),
-                    "choices": f.metadata.get("choices")})
+                    "choices": f.metadata.get("choices"), "choice_docs": f.metadata.get("choice_docs")})
     return out
 
 
@@ -147,6 +159,13 @@ def given_in_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "") -> 
     ``prefix`` + the name with ``-`` for ``_``), unconverted: for a record whose given settings matter apart
     from its defaults (the distillation recipe's)."""
     return {f.name: cfg[key] for f in dataclasses.fields(cls) if (key := prefix + f.name.replace("_", "-")) in cfg}
+
+
+def declared_default(cls: type, name: str) -> Any:
+    """The default ``cls`` declares for its field ``name``: what a reader takes where a recorded value is absent,
+    so that no module writes a setting's default a second time."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
 def declared_help(cls: type, name: str) -> str:

@@ -6,6 +6,7 @@ import os
 from collections import Counter
 
 from posterior_fusion.artifact import ClientPosterior, GlobalEnsemble
+from posterior_fusion.artifact.schema import COMPRESSION_UNRECORDED
 
 
 def summarize(art: ClientPosterior | GlobalEnsemble) -> dict:
@@ -51,7 +52,7 @@ def compression_errors(art: ClientPosterior) -> list[dict]:
     where the artifact was compressed in the Frobenius metric)."""
     from posterior_fusion.curvature.compressed import CompressedKron, precision_errors
 
-    metric = art.metadata.get("compress_metric", "frobenius")
+    metric = art.metadata.get("compress_metric", COMPRESSION_UNRECORDED["compress_metric"])
     names = {e.offset: e.name for e in art.layout.entries}
     rows: dict[int, dict] = {}
     for c in art.components:

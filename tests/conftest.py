@@ -38,8 +38,13 @@ from posterior_fusion.posterior import Component, frozen_mapping  # noqa: E402
 def _own_data_folder(tmp_path_factory, monkeypatch):
     """Flower nodes keep their state under the user's data folder: the tests' own, never the machine's."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.getbasetemp() / "xdg-data"))
+
+
+import math  # noqa: E402
+
 import torch  # noqa: E402
 
+from posterior_fusion.artifact import ClientPosterior  # noqa: E402
 from posterior_fusion.data.idx import EMBEDDED_FMNIST_DIR, load_fmnist  # noqa: E402
 from posterior_fusion.data.silo import SiloData, write_silo  # noqa: E402
 
@@ -280,3 +285,130 @@ def poisoned_copy(src, dst, curvature_scale=1.0, map_noise=0.0):
 def honest(tmp_path_factory, small_silo):
     folder = tmp_path_factory.mktemp("honest")
     return folder, fit_split(folder, small_silo, 4, 75, "kron", mixtures=2, epochs=2)
+
+
+# Tiny fusion clients: the fusion and method tests' inputs against dense references.
+
+TINY = ModelSpec("mlp", {"in_features": 4, "hidden": 3, "num_classes": 2, "bias": True})
+TINY_LAYOUT = ParameterLayout.from_model(TINY.build())  # W1 (3,4), b1 (3,), W2 (2,3), b2 (2,)
+
+
+def client(comps: list[Component], structure: str, n: int = 10, T: float = 0.5, lam: float = 2.0,
+           spec: ModelSpec = TINY, layout: ParameterLayout = TINY_LAYOUT, name: str = "c") -> ClientPosterior:
+    meta = {"n_data": n, "temperature": T, "prior_precision": lam, "structure": structure,
+            "num_components": len(comps), "class_counts": [n] + [0] * (spec.num_classes - 1)}
+    return ClientPosterior(name, name + "-sha", spec, layout, frozen_mapping(meta), tuple(comps))
+
+
+def random_curvature(structure: str, gen: torch.Generator) -> BlockDiag:
+    if structure == "diag":
+        return BlockDiag([Diag(torch.rand(TINY_LAYOUT.dim, generator=gen, dtype=torch.float64) * 2)])
+    blocks = []
+    for e in TINY_LAYOUT.entries:
+        if e.matrix_shape:
+            out, inn = e.matrix_shape
+            blocks.append(Kron(random_psd(out, gen), random_psd(inn, gen)))
+        else:
+            blocks.append(Dense(random_psd(e.size, gen)))
+    return BlockDiag(blocks)
+
+
+def random_clients(structure: str, C: int, M: int, seed: int, T: float = 0.5, lam: float = 2.0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for c in range(C):
+        comps = [Component(m, torch.randn(TINY_LAYOUT.dim, generator=gen, dtype=torch.float64),
+                           random_curvature(structure, gen), {}, T, lam) for m in range(M)]
+        out.append(client(comps, structure, n=10 + c, T=T, lam=lam, name=f"c{c}"))
+    return out
+
+
+def dense_neg_log_posterior(clients, w, T, lams, lam0, centre=None):
+    """Independent float64 reference built from dense matrices and torch.distributions; ``centre``:
+    the mean of every prior (the global one and each client's divided-out one; default zero)."""
+    d = w.shape[-1]
+    mu0 = torch.zeros(d, dtype=torch.float64) if centre is None else centre.double()
+    total = torch.distributions.MultivariateNormal(mu0,
+                                                   precision_matrix=lam0 * torch.eye(d, dtype=torch.float64)).log_prob(w)
+    for c, lam in zip(clients, lams):
+        logs = []
+        for comp in c.components:
+            G = torch.block_diag(*[b.to_dense() for b in comp.curvature.blocks])
+            P = G / T + lam * torch.eye(d, dtype=torch.float64)
+            logs.append(torch.distributions.MultivariateNormal(comp.map, precision_matrix=P).log_prob(w) - math.log(len(c.components)))
+        p0c = torch.distributions.MultivariateNormal(mu0, precision_matrix=lam * torch.eye(d, dtype=torch.float64))
+        total = total + torch.logsumexp(torch.stack(logs), 0) - p0c.log_prob(w)
+    return -total
+
+
+def linear_gaussian_clients(C: int = 3, p: int = 5, sigma2: float = 0.5, lam: float = 2.0, seed: int = 0):
+    """Bayesian linear regression silos; returns clients (exact Gaussian posteriors) and the pooled posterior."""
+    gen = torch.Generator().manual_seed(seed)
+    w_true = torch.randn(p, generator=gen, dtype=torch.float64)
+    spec = ModelSpec("mlp", {"in_features": p, "hidden": 1, "num_classes": 1, "bias": False})
+    layout = ParameterLayout.from_shapes([("w", (p,))])
+    clients, XtX, Xty = [], torch.zeros(p, p, dtype=torch.float64), torch.zeros(p, dtype=torch.float64)
+    for c in range(C):
+        n = 4 + 3 * c
+        X = torch.randn(n, p, generator=gen, dtype=torch.float64) * (1 + c)
+        y = X @ w_true + math.sqrt(sigma2) * torch.randn(n, generator=gen, dtype=torch.float64)
+        G = X.T @ X / sigma2
+        Lc = G + lam * torch.eye(p, dtype=torch.float64)
+        w_c = torch.linalg.solve(Lc, X.T @ y / sigma2)
+        XtX += X.T @ X
+        Xty += X.T @ y
+        clients.append(client([Component(0, w_c, BlockDiag([Dense(G)]), {}, 1.0, lam)], "diag+full", n=n, T=1.0,
+                              lam=lam, spec=spec, layout=layout, name=f"lin{c}"))
+    L = XtX / sigma2 + lam * torch.eye(p, dtype=torch.float64)
+    return clients, torch.linalg.solve(L, Xty / sigma2), L
+
+
+def hand_clients(maps, diags, ns, structure="diag"):
+    layout = ParameterLayout.from_shapes([("w", (len(maps[0]),))])
+    spec = ModelSpec("mlp", {"in_features": 1, "hidden": 1, "num_classes": 1, "bias": False})
+    return [client([Component(0, torch.tensor(m), BlockDiag([Diag(torch.tensor(g))]), {}, 1.0, 1.0)],
+                   structure, n=n, spec=spec, layout=layout, name=f"h{i}")
+            for i, (m, g, n) in enumerate(zip(maps, diags, ns))]
+
+
+@pytest.fixture(scope="session")
+def fitted(tmp_path_factory, small_silo):
+    folder = tmp_path_factory.mktemp("fuse")
+    x, y = small_silo.x, small_silo.y
+    from posterior_fusion.data.silo import SiloData, write_silo
+
+    paths = []
+    for c in range(3):
+        silo = SiloData(x[c * 100 : (c + 1) * 100], y[c * 100 : (c + 1) * 100], "fmnist", 10)
+        paths.append(folder / f"post_{c}.h5")
+        fit_artifact(paths[-1], silo, "kron", mixtures=2, seed=c, swag=True)
+    write_silo(folder / "val.h5", SiloData(x[-100:], y[-100:], "fmnist", 10))
+    fit_artifact(folder / "diag_0.h5", SiloData(x[:100], y[:100], "fmnist", 10), "diag", mixtures=2)
+    fit_artifact(folder / "lenet.h5", SiloData(x[:50], y[:50], "fmnist", 10), "diag", model="lenet", mixtures=1)
+    fit_artifact(folder / "m3.h5", SiloData(x[:50], y[:50], "fmnist", 10), "kron", mixtures=3)
+    return folder, paths
+
+
+def raw_tensors(block):
+    if isinstance(block, Kron):
+        return block.B, block.A
+    if isinstance(block, Dense):
+        return (block.G,)
+    return (block.g,)
+
+
+def diag_full_random_clients(C: int, M: int, seed: int):
+    """Random diag+full clients on TINY: a diagonal block over W1, b1 and a dense block over W2, b2."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for c in range(C):
+        comps = [Component(m, torch.randn(TINY_LAYOUT.dim, generator=gen, dtype=torch.float64),
+                           BlockDiag([Diag(torch.rand(15, generator=gen, dtype=torch.float64)),
+                                      Dense(random_psd(TINY_LAYOUT.dim - 15, gen))]), {}, 0.5, 2.0)
+                 for m in range(M)]
+        out.append(client(comps, "diag+full", n=10 + c, name=f"c{c}"))
+    return out
+
+
+def structured_clients(structure: str, C: int, M: int, seed: int):
+    return diag_full_random_clients(C, M, seed) if structure == "diag+full" else random_clients(structure, C, M, seed)

@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_psd
-from test_fusion import TINY, TINY_LAYOUT, client, dense_neg_log_posterior, random_curvature
+from conftest import TINY, TINY_LAYOUT, client, dense_neg_log_posterior, random_curvature, random_psd
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
@@ -53,7 +52,7 @@ def _base_clients(structure: str, M: int = 1, seed: int = 0, swag: bool = False)
 
 
 def _curvature(structure: str, gen: torch.Generator) -> BlockDiag:
-    """diag+full: a diagonal block over W1, b1 and a dense one over W2, b2; diag and kron as test_fusion's."""
+    """diag+full: a diagonal block over W1, b1 and a dense one over W2, b2; diag and kron as conftest's."""
     if structure != "diag+full":
         return random_curvature(structure, gen)
     return BlockDiag([Diag(torch.rand(15, generator=gen, **F64)), Dense(random_psd(TINY_LAYOUT.dim - 15, gen))])
@@ -109,7 +108,7 @@ def test_fedbens_modes_over_a_base_prior_are_the_dense_minimisers(structure):
 
 
 def dense_neg_log_posterior_per_client(clients, w, lam0, centre):
-    """:func:`test_fusion.dense_neg_log_posterior` with each client's own T (it takes one T for all):
+    """:func:`conftest.dense_neg_log_posterior` with each client's own T (it takes one T for all):
     ``−Σ_c log q_c(w) + Σ_c log N(w; μ, λ_c⁻¹ I) − log N(w; μ, λ0⁻¹ I)``."""
     d = w.shape[-1]
     mu0 = torch.zeros(d, **F64) if centre is None else centre

@@ -188,7 +188,7 @@ def stack_iso(blocks, offset, mu, scales, shifts, dtype, spectral_cutoff=0.0, ke
 
 def test_a_new_block_type_needs_only_its_class_and_its_table_entries(monkeypatch, tmp_path):
     """Writer and reader find an unknown-to-them block type through ENCODINGS, the stack through STACKERS."""
-    from test_fusion import TINY, TINY_LAYOUT
+    from conftest import TINY, TINY_LAYOUT
 
     monkeypatch.setitem(BLOCK_TYPES, "iso", Iso)
     monkeypatch.setitem(ENCODINGS, "iso", ISO_ENCODING)
@@ -415,7 +415,7 @@ def test_library_errors_name_settings_and_the_cli_shows_flags(tmp_path):
 def test_one_mixture_type_against_torch_distributions(structure):
     """Client posteriors evaluate, draw and predict through the one ``GaussianMixture``; its density
     equals a float64 mixture of dense ``MultivariateNormal`` s with unequal weights."""
-    from test_fusion import random_clients
+    from conftest import random_clients
 
     from posterior_fusion.mixture import GaussianMixture
 
@@ -892,7 +892,7 @@ def test_the_settings_options_of_the_server_and_recapture_commands_are_generated
                 elif row["bounds"]:
                     assert (p.type.min, p.type.max) == tuple(type(p.type.min)(b) for b in row["bounds"]), name
         for name in fits:
-            assert params[name].help == fit[name].help, (cmd.name, name)
+            assert params[name].help.startswith(fit[name].help), (cmd.name, name)
         by_hand = set(params) - declared - files
         assert not by_hand, (cmd.name, by_hand)
         assert not files - set(params), (cmd.name, files - set(params))  # no stale entry
@@ -930,3 +930,100 @@ def test_every_settings_record_declares_each_field_once_with_its_help():
 
     shown = CliRunner().invoke(pfuse, ["experiment", "--help"]).output
     assert all(f"  {f.name} " in shown for f in dataclasses.fields(ExperimentConfig)), shown
+
+
+def _records_with_settings() -> list[type]:
+    """Every settings record a user's setting lands in: the fit's (nested records included), the fusion's shared
+    options, each registered method's, the distillation's, the refresh round's, the predictive's, the Flower
+    round's and node's, secure aggregation's, the experiment grid's and the environment's."""
+    from posterior_fusion.environment import Environment
+    from posterior_fusion.experiment.grid_config import ExperimentConfig
+    from posterior_fusion.flower.round_settings import NodeSettings, RoundSettings
+    from posterior_fusion.flower.secure import SecureAggregation
+    from posterior_fusion.fusion.distill import DistillConfig
+    from posterior_fusion.fusion.distill_settings import RecipeChoice, TeachingConfig
+    from posterior_fusion.fusion.options import FusionOptions, ServerSteps
+    from posterior_fusion.fusion.registry import METHODS
+    from posterior_fusion.local.fit_config import DPConfig, FitConfig, LocalModelConfig, PPDConfig, TrainConfig
+    from posterior_fusion.local.recapture_settings import CaptureChoice
+    from posterior_fusion.local.refresh_settings import RefreshPrivacy, RefreshStep
+    from posterior_fusion.predictive_settings import CalibrationSettings, PredictiveSettings
+
+    return [Environment, ExperimentConfig, RoundSettings, NodeSettings, SecureAggregation, DistillConfig,
+            RecipeChoice, TeachingConfig, FusionOptions, ServerSteps, FitConfig, TrainConfig, DPConfig, PPDConfig,
+            LocalModelConfig, CaptureChoice, RefreshPrivacy, RefreshStep, PredictiveSettings, CalibrationSettings,
+            *{entry.settings for entry in METHODS.values()}]
+
+
+def test_every_choice_is_a_string_enum_with_a_one_line_doc_per_value_shown_in_help():
+    """Choices are declared as :class:`~posterior_fusion.choices.Choice` enums (a value and its one-line doc, as
+    laplace-torch's option enums): every field with choices in every record has a doc for each value, a plain
+    tuple is refused at declaration, and ``--help`` / ``--help-method`` show the values' docs."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from posterior_fusion.choices import Kernel, KfacType, Structure
+    from posterior_fusion.cli.main import pfuse
+    from posterior_fusion.fusion.methods.fedbens.fedbens_settings import Solver
+    from posterior_fusion.settings import setting
+
+    with_choices = 0
+    for record in _records_with_settings():
+        for f in dataclasses.fields(record):
+            choices, docs = f.metadata.get("choices"), f.metadata.get("choice_docs")
+            if choices is None:
+                continue
+            with_choices += 1
+            assert docs is not None and tuple(docs) == tuple(choices), f"{record.__name__}.{f.name}"
+            assert all(d.strip() and "\n" not in d for d in docs.values()), f"{record.__name__}.{f.name}"
+    assert with_choices >= 30, with_choices
+    with pytest.raises(TypeError, match="Choice enum"):
+        setting("a", "a plain tuple has no doc per value", choices=("a", "b"))
+    assert Structure("diag+full") is Structure.DIAG_FULL and str(Structure.KRON) == "kron" == Structure.KRON
+
+    def flat(args: list[str]) -> str:
+        return " ".join(CliRunner().invoke(pfuse, args, terminal_width=10_000).output.split())
+
+    assert f"reduce: {KfacType.REDUCE.doc}" in flat(["fit-local", "--help"])
+    assert f"diag+full: {Structure.DIAG_FULL.doc}" in flat(["recapture", "--help"])
+    assert f"triton: {Kernel.TRITON.doc}" in flat(["fuse", "--help"])
+    assert f"em: {' '.join(Solver.EM.doc.split())}" in flat(["fuse", "--help-method", "fedbens"])
+
+
+def test_no_module_reads_a_setting_with_a_default_of_its_own():
+    """A setting's default lives in its declaration: no library or CLI module reads a fit, fusion, round, node,
+    secure-aggregation, grid, capture, predictive or environment setting by hand with a literal default
+    (``meta.get("ggn", "exact")``, ``getattr(o, "device", "auto")``) — it takes
+    :func:`~posterior_fusion.settings.declared_default` — and no module but ``environment.py`` reads a ``PFUSE_``
+    variable."""
+    import dataclasses
+
+    from posterior_fusion.environment import Environment
+    from posterior_fusion.experiment.grid_config import ExperimentConfig
+    from posterior_fusion.flower.round_settings import NodeSettings, RoundSettings
+    from posterior_fusion.flower.secure import SecureAggregation
+    from posterior_fusion.fusion.options import FusionOptions, ServerSteps
+    from posterior_fusion.local.fit_config import fit_settings
+    from posterior_fusion.local.recapture_settings import CaptureChoice
+    from posterior_fusion.predictive_settings import PredictiveSettings
+
+    names = {s.name for s in fit_settings()} | {f.name for r in (
+        Environment, ExperimentConfig, RoundSettings, NodeSettings, SecureAggregation, FusionOptions, ServerSteps,
+        CaptureChoice, PredictiveSettings) for f in dataclasses.fields(r)}
+    names |= {n.replace("_", "-") for n in names}
+    found = []
+    for path in sorted([*(ROOT / "posterior_fusion").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+                continue
+            fn, key = node.func, node.args[0].value
+            by_hand = (isinstance(fn, ast.Attribute) and fn.attr in ("get", "setdefault", "pop")) or (
+                isinstance(fn, ast.Name) and fn.id == "getattr")
+            if (by_hand and key in names and len(node.args) == 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value not in (None, "?")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+            if (isinstance(fn, ast.Attribute) and fn.attr in ("get", "getenv") and str(key).startswith("PFUSE_")
+                    and path.name != "environment.py"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found

@@ -92,7 +92,7 @@ def kron_clients(tmp_path_factory, small_silo):
 @needs_triton
 def test_fedbens_same_modes_with_reference_and_triton():
     """The fedbens server loop (Adam, clipping, selection) with either kernel gives the same modes."""
-    from test_fusion import random_clients
+    from conftest import random_clients
 
     clients = random_clients("kron", C=3, M=2, seed=4)
     for c in clients:  # float32 artifacts, as read from disk
@@ -263,7 +263,7 @@ def test_cuda_graph_objective_vs_dense_float64(structure, chunk_bytes, ragged):
     """On CUDA the objective step is replayed from a captured graph: values and gradients equal the
     dense float64 reference for each of three different inputs in a row (each replay reads its own
     input), and equal the same objective without graphs."""
-    from test_fusion import TINY_LAYOUT, dense_neg_log_posterior, random_clients
+    from conftest import TINY_LAYOUT, dense_neg_log_posterior, random_clients
 
     clients = random_clients(structure, C=3, M=3 if ragged else 2, seed=0)
     if ragged:
@@ -292,7 +292,7 @@ def test_cuda_graph_objective_vs_dense_float64(structure, chunk_bytes, ragged):
 def test_cuda_graph_objective_lowrank_and_triton_equal_eager(kernel):
     """The low-rank shortcut (rotated forms plus the closed-form shift) and the Triton kernels are
     captured too, and their replays equal their eager steps."""
-    from test_fusion import TINY_LAYOUT, random_clients
+    from conftest import TINY_LAYOUT, random_clients
 
     if kernel == "triton" and not triton_available():
         pytest.skip("triton is not installed (pip install posterior-fusion[gpu])")

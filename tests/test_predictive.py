@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import fit_split, random_psd
-from test_fusion import TINY, TINY_LAYOUT, dense_neg_log_posterior, random_clients
+from conftest import TINY, TINY_LAYOUT, dense_neg_log_posterior, fit_split, random_clients, random_psd
 
 import posterior_fusion
 from posterior_fusion.artifact import write_global_artifact

@@ -1,6 +1,7 @@
 """The table of ``experiments/distillation/README.md`` from the committed cell results.
 
     .venv/bin/python experiments/distillation/report.py docs/results/distillation
+    .venv/bin/python experiments/distillation/report.py docs/results/distillation_pretrained_base/all --alphas 0.1 0.4
 
 Rows: the client ensemble and the pool (the teacher) and FedBE's recipe (``swa``: the label-shift-pool grid's
 rows on the same networks, per seed) and every recipe / lever measured here; columns α; each cell the mean test accuracy over the seeds
@@ -16,25 +17,28 @@ import statistics
 from pathlib import Path
 
 ALPHAS = (0.1, 0.2, 0.4)
-LABELS = {"ensemble": "client ensemble (25 networks, averaged)", "pool": "label-shift pool (the teacher, 25 networks)", "swa": "FedBE's recipe (`swa`), 5,000 inputs",
+LABELS = {"ensemble": "client ensemble (C·M networks, averaged)", "pool": "label-shift pool (the teacher, C·M networks)",
+          "swa": "FedBE's recipe (`swa`), 5,000 inputs",
           "consistent-5000": "consistent, 5,000 inputs", "consistent-500": "consistent, 500 inputs",
           "data-free": "data-free (no server inputs)"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cells", type=Path)
+    ap.add_argument("cells", type=Path, help="a folder of cell results (<α>_<seed>_<row>.json)")
+    ap.add_argument("--alphas", type=float, nargs="+", default=list(ALPHAS), help="the columns [default: 0.1 0.2 0.4]")
     args = ap.parse_args()
+    alphas = tuple(args.alphas)
     rows: dict[str, dict[float, list[dict]]] = {}
     for path in sorted(args.cells.glob("*.json")):
         r = json.loads(path.read_text())
         rows.setdefault(r["row"], {}).setdefault(r["alpha"], []).append(r)
-    print("| one network (or the teacher) | " + " | ".join(f"α = {a}" for a in ALPHAS) + " |")
-    print("|---|" + "---|" * len(ALPHAS))
+    print("| one network (or the teacher) | " + " | ".join(f"α = {a}" for a in alphas) + " |")
+    print("|---|" + "---|" * len(alphas))
     order = [k for k in LABELS if k in rows] + sorted(k for k in rows if k not in LABELS)
     for key in order:
         cells = []
-        for a in ALPHAS:
+        for a in alphas:
             got = rows[key].get(a, [])
             if not got:
                 cells.append("–")

@@ -15,6 +15,8 @@ READABLE_VERSIONS = (1, 2)
 KIND_CLIENT = "client"
 KIND_GLOBAL = "global"
 
+COMPRESSION_UNRECORDED = {"compress_metric": "frobenius", "compress_vectors": "float32"}  # an absent key's meaning
+
 STRUCTURE_RE = re.compile(r"^[a-z0-9][a-z0-9+_-]{0,31}$")  # a label; the blocks themselves are checked
 
 # Caps: checked against declared shapes before anything is allocated.

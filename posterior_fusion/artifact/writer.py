@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 import torch
 
+from posterior_fusion.artifact import schema
 from posterior_fusion.artifact.blocks import ENCODINGS, PSD_DATASETS, storable_psd
 from posterior_fusion.artifact.reader import load
 from posterior_fusion.artifact.schema import FORMAT_NAME, FORMAT_VERSION, KIND_CLIENT, KIND_GLOBAL
@@ -155,9 +156,9 @@ def write_client_artifact(
         meta.pop(key, None)
     if compression.budget > 0:
         meta["compress"] = compression.budget
-        if compression.metric != "frobenius":
+        if compression.metric != schema.COMPRESSION_UNRECORDED["compress_metric"]:
             meta["compress_metric"] = compression.metric
-        if compression.vectors != "float32":
+        if compression.vectors != schema.COMPRESSION_UNRECORDED["compress_vectors"]:
             meta["compress_vectors"] = compression.vectors
 
     def fill(f: h5py.File) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from posterior_fusion.choices import PROTOCOLS
 from posterior_fusion.data.class_names import source_class_names
 from posterior_fusion.data.idx import find_fmnist_dir, load_fmnist
 from posterior_fusion.data.importers import IntegerInputs, load_source
@@ -21,7 +22,6 @@ from posterior_fusion.files import atomic_folder, check_output
 
 DATASETS = ("fmnist",)
 SCHEMES = ("fedbens", "per-class", "label-skew")
-PROTOCOLS = ("ours", "fedbens-reference")
 
 
 def resolve_transform(spec: str, x: np.ndarray, source: str) -> InputTransform:

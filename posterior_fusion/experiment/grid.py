@@ -48,6 +48,7 @@ from posterior_fusion.local.train import train_map
 from posterior_fusion.metrics import evaluate_members
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.batchnorm import batch_norms, fold_statistics, thaw
+from posterior_fusion.settings import declared_default
 
 Log = Callable[[str], None]
 
@@ -248,7 +249,7 @@ def equivalent_cached_fits(work: Path, summary: dict, spec: ModelSpec, fit_cfg: 
                 and meta.get("init", {}).get("init_seed", init_seed) == init_seed
                 and meta.get("temperature") == resolved.temperature
                 and meta.get("prior_precision") == resolved.prior_precision
-                and meta.get("ggn", "exact") == resolved.ggn
+                and meta.get("ggn", declared_default(FitConfig, "ggn")) == resolved.ggn
                 and meta.get("curvature_batch_size") == resolved.curvature_batch_size
                 and all(train[k] == v if k in train else v == defaults[k] for k, v in want_train.items()))
         if same:

@@ -12,13 +12,14 @@ from dataclasses import dataclass, fields
 import tomllib
 
 from posterior_fusion import ranges
+from posterior_fusion.choices import STRUCTURES, Choice, Protocol
 from posterior_fusion.compat import RENAMED_TOML_KEYS, rename_keys
 from posterior_fusion.errors import ConfigError, DataError, ModelSpecError, shown
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion.registry import COMPARED, METHODS
-from posterior_fusion.local.fit_config import STRUCTURES, fit_config_from
+from posterior_fusion.local.fit_config import FitConfig, fit_config_from
 from posterior_fusion.runtime import resolve_device
-from posterior_fusion.settings import setting
+from posterior_fusion.settings import declared_default, setting
 
 MAX_CONFIG_BYTES = 1_000_000
 MAX_AXIS = 64
@@ -54,6 +55,13 @@ def _is(value, tp) -> bool:
 
 
 
+class DataSource(Choice):
+    """Which Fashion-MNIST a grid reads."""
+
+    SYSTEM = "system", "Debian's dataset-fashion-mnist (else the embedded subset)"
+    EMBEDDED = "embedded", "the subset embedded in data/"
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """A grid; every list is an axis. See experiments/*/config.toml for examples.
@@ -62,8 +70,7 @@ class ExperimentConfig:
     """
 
     name: str = setting("experiment", "The grid's name: one folder name under --out-dir.")
-    data: str = setting("system", "system: Debian's Fashion-MNIST (else the embedded subset); embedded: the "
-                                  "embedded subset.", choices=("system", "embedded"))
+    data: str = setting("system", "Which Fashion-MNIST the grid reads.", choices=DataSource)
     max_train: int | None = setting(None, "A cap on the training samples (smoke runs) [default: none].")
     alphas: list[float] = setting([0.1], "Axis: Dirichlet concentrations α of the partition.")
     clients: list[int] = setting([5], "Axis: client counts C.")
@@ -84,8 +91,7 @@ class ExperimentConfig:
     distill: list[str] = setting([], "Methods or variants also distilled into one model on the unlabeled data "
                                      "(rows '<name>+distill').")
     variants: dict = setting({}, "[variants] label = {method = \"fedbens\", <its settings>...}: extra rows.")
-    protocol: str = setting("ours", "The partition protocol: ours, or fedbens-reference (the authors'; see pfuse "
-                                    "partition --help).", choices=("ours", "fedbens-reference"))
+    protocol: str = setting("ours", "The partition protocol.", choices=Protocol)
     temperatures: list[float] = setting([], "A server re-tempering sweep of the tunable methods.")
     tune: bool = setting(False, "The tunable methods also with T and σ0² chosen on validation (rows "
                                 "'<method>-tuned').")
@@ -167,7 +173,7 @@ class ExperimentConfig:
         if own & set(self.fit):
             raise ConfigError(f"{where}: [fit] may not set {sorted(own & set(self.fit))}: the grid's own keys do")
         fit_config_from({k: v for k, v in self.fit.items()}, f"{where}: [fit] ")  # names, types and ranges
-        resolve_device(str(self.fit.get("device", "auto")), f"{where}: [fit] device")  # before any partition
+        resolve_device(str(self.fit.get("device", declared_default(FitConfig, "device"))), f"{where}: [fit] device")  # before any partition
         try:
             _ = self.spec
         except ModelSpecError as exc:

@@ -10,12 +10,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import BATCHNORM_STATISTICS
+from posterior_fusion.choices import BatchnormStatistics, Choice
 from posterior_fusion.local.refresh_settings import REFRESH_DAMPING, TRUST_RADIUS
 from posterior_fusion.settings import from_run_config as settings_from_run_config
 from posterior_fusion.settings import setting
 
-ON_BAD_REPLY = ("skip", "fail")
+
+class OnBadReply(Choice):
+    """What the server does with a reply that is no valid artifact."""
+
+    SKIP = "skip", "leave it out of the fusion, named in the log"
+    FAIL = "fail", "fail the round"
+
+
 SECURE_MIN_NODES = 2  # a secure round sums at least this many replies, whatever min-nodes says (one reply's sum is itself)
 
 
@@ -30,8 +37,7 @@ class RoundSettings:
     distill: bool = setting(False, "Serve one network: after the collection, teach one student what the fused "
                                    "predictive knows (fuse --distill; its recipe's keys are distill-recipe, "
                                    "distill-epochs and the consistent recipe's distill-<setting>).")
-    on_bad_reply: str = setting("skip", "A reply that is no valid artifact: skip it (named in the log) or fail the "
-                                        "round.", choices=ON_BAD_REPLY)
+    on_bad_reply: str = setting("skip", "A reply that is no valid artifact.", choices=OnBadReply)
     min_nodes: int = setting(1, f"Fuse once at least this many replies arrived (a secure round needs at least "
                                 f"{SECURE_MIN_NODES} whatever this says).", bounds=(1, 100000))
     round_timeout: float = setting(0.0, "Seconds to wait for the replies (0: Flower's default).", bounds=(0.0, 1e7))
@@ -50,8 +56,8 @@ class RoundSettings:
     fuse_prior_var: float | None = setting(None, "Re-set every client's prior variance (fuse --prior-var).",
                                            bounds=ranges.PRIOR_VAR)
     allow_mixed_privacy: bool = setting(False, "Fuse differentially private clients with non-private ones.")
-    batchnorm_statistics: str = setting("fold", "The fused model's BatchNorm statistics: fold, or reset (estimated "
-                                                "on val's inputs).", choices=BATCHNORM_STATISTICS)
+    batchnorm_statistics: str = setting("fold", "The fused model's BatchNorm statistics (reset: on val's inputs).",
+                                        choices=BatchnormStatistics)
     silo_dir: str | None = setting(None, "A simulation's silo folder: the node of partition-id k trains on its "
                                          "client_k.h5 (a deployment's node names its own silo).")
 

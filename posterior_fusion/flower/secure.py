@@ -52,7 +52,7 @@ from posterior_fusion.fusion.registry import METHODS, get_method
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, prior_precision_of
 from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.init import finetune_start
-from posterior_fusion.settings import check_declared, setting
+from posterior_fusion.settings import check_declared, declared_default, setting
 from posterior_fusion.settings import from_run_config as settings_from_run_config
 
 
@@ -239,7 +239,7 @@ def secure_statistics(artifact: str | Path, fusion: dict[str, Any], clipping_ran
     if entry.sums is None:
         raise FederationError(f"method {fusion['method']!r} has no secure sums")
     options = FusionOptions(temperature=fusion.get("temperature"), prior_var=fusion.get("prior_var"),
-                            component=int(fusion.get("component", 0)), progress=False)
+                            component=int(fusion.get("component", declared_default(FusionOptions, "component"))), progress=False)
     options.validate()
     n = client.n_data
     if n > max_weight:

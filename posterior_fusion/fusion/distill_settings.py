@@ -9,22 +9,44 @@ import math
 from dataclasses import asdict, dataclass
 
 from posterior_fusion import ranges
+from posterior_fusion.choices import Choice
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.settings import check_declared, setting
 
-RECIPES = ("consistent", "swa")  # the distillation recipes; consistent without server inputs is data-free
+
+class Recipe(Choice):
+    """A distillation recipe."""
+
+    CONSISTENT = "consistent", ("the teacher on the student's own augmented view at every step, KL at a temperature, "
+                                "Adam with a cosine schedule, a moving average (docs/methods.md, \"Distillation\"); "
+                                "without unlabeled server data it synthesises its inputs (data-free)")
+    SWA = "swa", ("FedBE's schedule (SWA, cyclic step size 1e-3 -> 4e-4, sharpened pseudo-labels, distill_epochs), "
+                  "on unlabeled server data")
+
+
+class Flip(Choice):
+    """The horizontal flip of image inputs."""
+
+    AUTO = "auto", "where the teacher's top class agrees on flipped held-out inputs for 95 % of them"
+    ON = "on", "always"
+    OFF = "off", "never"
+
+
+class StudentStart(Choice):
+    """Where the student starts."""
+
+    MEMBER = "member", "the member agreeing most with the teacher"
+    SCRATCH = "scratch", "a fresh initialisation at `seed`"
+
+
+RECIPES = Recipe.values()
 
 
 @dataclass(frozen=True)
 class RecipeChoice:
     """Which distillation recipe ``fuse --distill`` runs, and FedBE's schedule length."""
 
-    recipe: str = setting("consistent", "consistent: the teacher on the student's own augmented view at every step, KL "
-                                        "at a temperature, Adam with a cosine schedule, a moving average (docs/methods.md, "
-                                        "\"Distillation\"); without unlabeled server data it synthesises its inputs "
-                                        "(data-free). swa: FedBE's schedule (SWA, cyclic step size 1e-3 -> 4e-4, "
-                                        "sharpened pseudo-labels, distill_epochs), on unlabeled server data.",
-                          choices=RECIPES)
+    recipe: str = setting("consistent", "How the student is taught.", choices=Recipe)
     epochs: int | None = setting(None, "Epochs of the swa recipe and of method fedbe (its setting distill_epochs) "
                                        "[default: 20, FedBE's].", bounds=ranges.EPOCHS)
 
@@ -39,11 +61,9 @@ class TeachingConfig:
     temperature: float = setting(2.0, "Temperature of the KL divergence from the teacher to the student.",
                                  bounds=(0.05, 100.0))
     pad: int = setting(2, "Images: the random shift's padding in pixels (0: none).", bounds=(0, 64))
-    flip: str = setting("auto", "Images: horizontal flip — auto (where the teacher's top class agrees on flipped "
-                                "held-out inputs for 95% of them), on, or off.", choices=("auto", "on", "off"))
+    flip: str = setting("auto", "Images: the horizontal flip.", choices=Flip)
     mixup: float = setting(1.0, "Mixup's Beta(a, a) parameter (0: no mixup).", bounds=(0.0, 100.0))
-    start: str = setting("member", "The student's start: the member agreeing most with the teacher, or scratch.",
-                         choices=("member", "scratch"))
+    start: str = setting("member", "The student's start.", choices=StudentStart)
     ema: float = setting(0.999, "Decay of the moving average of the student's weights that is kept (0: the last "
                                 "iterate).", bounds=(0.0, 0.999999))
     seed: int = setting(0, "Seed of the student's start, batches and augmentations.", bounds=(0, 2**63 - 1))

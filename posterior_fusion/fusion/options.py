@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import BATCHNORM_STATISTICS, KERNELS
+from posterior_fusion.choices import BatchnormStatistics, Device, Kernel
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.settings import check_declared, setting
 
-DEVICES = ("cpu", "cuda")
+DEVICES = (Device.CPU, Device.CUDA)  # the server computes where it is told: no auto
 
 
 @dataclass(frozen=True)
@@ -25,15 +25,14 @@ class FusionOptions:
                                       bounds=ranges.PRIOR_VAR)
     component: int = setting(0, "The client component the unimodal methods use.", bounds=(0, ranges.COMPONENTS[1] - 1))
     sampling_seed: int = setting(0, "Seed of the server's random draws.", bounds=ranges.SEED)
-    kernel: str | None = setting(None, "Kronecker kernel of the optimising methods: torch or triton (None: "
-                                       "$PFUSE_KERNEL, else torch).", choices=KERNELS)
-    device: str = setting("cpu", "Where the optimising methods compute: cpu or cuda (torch kernels on either unless "
-                                 "`kernel` says triton).", choices=DEVICES)
+    kernel: str | None = setting(None, "Kronecker kernel of the optimising methods (None: $PFUSE_KERNEL, else "
+                                       "torch).", choices=Kernel)
+    device: str = setting("cpu", "Where the optimising methods compute (torch kernels on either unless `kernel` says "
+                                 "triton).", choices=DEVICES)
     progress: bool = setting(True, "Show progress lines.")
     batchnorm_statistics: str = setting("fold", "The fused model's BatchNorm statistics where the clients folded "
-                                                "theirs (fit-local --batchnorm fold): fold (the fused affine maps as they "
-                                                "are; no data) or reset (estimated again on the server's unlabeled, "
-                                                "else val, inputs).", choices=BATCHNORM_STATISTICS)
+                                                "theirs (fit-local --batchnorm fold); reset estimates them on the "
+                                                "server's unlabeled, else val, inputs.", choices=BatchnormStatistics)
     allow_mixed_privacy: bool = setting(False, "Fuse differentially private clients with non-private ones (the "
                                                "global then carries no guarantee for the non-private clients' data, "
                                                "and its metadata says so).")

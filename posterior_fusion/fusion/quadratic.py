@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion.choices import Choice
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.gaussian_stack import StackedGaussians
 from posterior_fusion.fusion.layer_solve import solve_precision_sum
@@ -30,7 +31,15 @@ from posterior_fusion.fusion.settings_parsing import setting
 from posterior_fusion.fusion.types import FusionInputs, FusionResult
 from posterior_fusion.progress import progress
 
-SOLVERS = ("adam", "exact")
+
+class QuadraticSolver(Choice):
+    """How a sum of client quadratics is minimised."""
+
+    ADAM = "adam", "FedFisher's server Adam from FedAvg (best validation iterate, else the best objective)"
+    EXACT = "exact", ("the quadratic's stationary point, solved layer by layer (conjugate gradients for Kronecker "
+                      "curvature, closed form otherwise)")
+
+
 UNCONVERGED = 1e-6  # a relative residual above this after the solve is reported
 PRIOR_SCALE_GRID = (1.0, 0.3, 0.1, 0.03, 0.01, 3e-3, 1e-3)  # tune_prior_scale's candidates, largest (best conditioned) first
 
@@ -39,9 +48,7 @@ PRIOR_SCALE_GRID = (1.0, 0.3, 0.1, 0.03, 0.01, 3e-3, 1e-3)  # tune_prior_scale's
 class QuadraticSettings(OptimiserSettings):
     """Settings of a method that minimises a sum of client quadratics (FedFisher, HBFL)."""
 
-    solver: str = setting("adam", "adam: FedFisher's server Adam from FedAvg (best validation iterate, else the best "
-                                  "objective); exact: the quadratic's stationary point, solved layer by layer (conjugate "
-                                  "gradients for Kronecker curvature, closed form otherwise).", choices=SOLVERS)
+    solver: str = setting("adam", "How the sum of the clients' quadratics is minimised.", choices=QuadraticSolver)
     prior_scale: float = setting(1e-8, "Exact solves (and HBFL's closed forms): a prior N(FedAvg, ε⁻¹ I) per curvature "
                                        "block with ε = prior_scale × the block's mean curvature, pulling directions "
                                        "without curvature to FedAvg; on K-FAC curvature use 1e-3 or more (0.01 on the "

@@ -12,19 +12,22 @@ from typing import Any
 
 from posterior_fusion import ranges
 from posterior_fusion.choices import (
-    BATCHNORM_POLICIES,
     CAPTURE_DTYPES,
-    CAPTURE_METHODS,
-    COMPRESS_METRICS,
     FINETUNE_RE,
-    GGN_TYPES,
-    KFAC_TYPES,
-    STRUCTURES,
-    VECTOR_DTYPES,
+    BatchnormPolicy,
+    CaptureDtype,
+    CaptureMethod,
+    CompressMetric,
+    Device,
+    GgnType,
+    KfacType,
+    Optimizer,
+    Schedule,
+    Structure,
+    VectorDtype,
 )
 from posterior_fusion.compat import RENAMED_FIT_SETTINGS, rename_keys
 from posterior_fusion.errors import ConfigError, shown
-from posterior_fusion.runtime import DEVICES
 from posterior_fusion.settings import check_declared, convert, setting
 
 if typing.TYPE_CHECKING:
@@ -61,14 +64,10 @@ class TrainConfig:
 
     epochs: int = setting(20, "Local training epochs per component.", bounds=ranges.EPOCHS)
     batch_size: int = setting(64, "Training batch size.", bounds=ranges.BATCH_SIZE)
-    optimizer: str = setting("sgd", "sgd: momentum SGD; adam: Adam; both with the prior's pull in the gradient, so "
-                                    "training stops at the posterior's mode. adamw: Adam with the pull decoupled "
-                                    "(AdamW), as transformers are trained; its fixed point is near the mode, not at "
-                                    "it (docs/methods.md).", choices=("sgd", "adam", "adamw"))
+    optimizer: str = setting("sgd", "The optimiser (docs/methods.md, \"Optimisers\").", choices=Optimizer)
     lr: float = setting(0.01, "Learning rate (peak of the schedule).", bounds=ranges.LEARNING_RATE)
     momentum: float = setting(0.9, "SGD momentum (below 1); with adam and adamw Adam's β1.", bounds=(0.0, 0.999999))
-    schedule: str = setting("constant", "Learning-rate schedule over the steps: constant, or cosine decay to 0.",
-                            choices=("constant", "cosine"))
+    schedule: str = setting("constant", "Learning-rate schedule over the steps.", choices=Schedule)
     warmup_epochs: float = setting(0.0, "Linear warm-up of the learning rate from 0 over this many epochs.",
                                    bounds=(0.0, 1e6))
     grad_clip: float | None = setting(None, "Clip the gradient's global L2 norm (data term only) to this "
@@ -176,58 +175,36 @@ class PPDConfig:
 class FitConfig:
     """Everything that determines a silo's fit besides the data, the model and the starting points."""
 
-    structure: str = setting("kron", "Curvature structure: K-FAC, diagonal, or diagonal + full last layer.",
-                               choices=STRUCTURES)
+    structure: str = setting("kron", "Curvature structure.", choices=Structure)
     temperature: float = setting(0.1, "Likelihood temperature T recorded for the server.",
                                   bounds=ranges.TEMPERATURE)
     prior_var: float = setting(0.1, "Prior variance σ0² (λ0 = 1/σ0²).", bounds=ranges.PRIOR_VAR)
     train_seed: int = setting(0, "Training seed (data order per component).", bounds=ranges.SEED)
     curvature_batch_size: int = setting(256, "Batch size of the curvature pass.", bounds=ranges.BATCH_SIZE)
-    ggn: str = setting("exact", "exact: exact GGN (one backward pass per class); mc: Monte-Carlo Fisher, one "
-                                  "sampled label (faster).", choices=GGN_TYPES)
-    capture: str = setting("fast", "fast: this package's capture (one forward + one batched backward per batch; a "
-                                     "model it cannot take is refused before training); laplace: laplace-torch "
-                                     "(an optional install), the oracle.", choices=CAPTURE_METHODS)
-    kfac: str = setting("expand", "K-FAC for weight-shared (convolution) layers, structure kron: expand (sums "
-                                    "over samples and output positions, laplace-torch's default) or reduce (each "
-                                    "sample's positions summed first: far cheaper on convolutions; Eschenhagen et "
-                                    "al. 2023). Recorded in the artifact.", choices=KFAC_TYPES)
-    capture_dtype: str = setting("float32", "Arithmetic of the fast capture's forward and backward passes: float32, or "
-                                              "bfloat16 (autocast; about 2x faster passes on a CPU with AVX512-BF16, "
-                                              "factors within ~0.5 % of float32's, still summed in float64; needs "
-                                              "the fast capture). Recorded in the artifact.",
-                                   choices=CAPTURE_DTYPES)
-    device: str = setting("auto", "Where training, SWAG, FedPPD and the capture run: cpu, cuda, or auto (cuda "
-                                    "where a GPU is visible). The artifact is the same whatever the device.",
-                            choices=DEVICES)
+    ggn: str = setting("exact", "The generalised Gauss-Newton captured.", choices=GgnType)
+    capture: str = setting("fast", "Who computes the curvature.", choices=CaptureMethod)
+    kfac: str = setting("expand", "K-FAC for weight-shared (convolution) layers, structure kron. Recorded in the "
+                                  "artifact.", choices=KfacType)
+    capture_dtype: str = setting("float32", "Arithmetic of the fast capture's forward and backward passes (other "
+                                            "than float32 needs the fast capture). Recorded in the artifact.",
+                                 choices=CaptureDtype)
+    device: str = setting("auto", "Where training, SWAG, FedPPD and the capture run. The artifact is the same "
+                                  "whatever the device.", choices=Device)
     compress: float = setting(0.0, "Store each K-FAC factor as its top eigenpairs plus an isotropic remainder, "
                                      "the rank chosen per factor so its relative error (`compress_metric`) stays "
                                      "within this budget (e.g. 0.05; the error is recorded per block); 0: plain "
                                      "factors, exact.", bounds=(0.0, 0.999999))
-    compress_metric: str = setting("precision", "The error `compress` bounds: precision (every eigenvalue of the "
-                                                  "component's precision G/T + λ0 I within that relative error per "
-                                                  "factor: what fusion sees) or frobenius (each factor's relative "
-                                                  "Frobenius error, the remainder keeping the trace: lower ranks, but "
-                                                  "the precision's weak directions may move by factors; "
-                                                  "experiments/compression_metric/).",
-                                     choices=COMPRESS_METRICS)
-    compress_vectors: str = setting("float32", "Storage type of the compressed factors' kept eigenvectors: float32, "
-                                                 "or float16 (about half the bytes: the leading eigenvectors that "
-                                                 "rounding would push past `compress` stay float32, the reader makes "
-                                                 "them orthonormal again, and the recorded error is that of the "
-                                                 "stored form).",
-                                      choices=VECTOR_DTYPES)
+    compress_metric: str = setting("precision", "The error `compress` bounds (experiments/compression_metric/).",
+                                   choices=CompressMetric)
+    compress_vectors: str = setting("float32", "Storage type of the compressed factors' kept eigenvectors (the "
+                                               "recorded error is that of the stored form).", choices=VectorDtype)
     finetune: str = setting("all", "What a silo fine-tunes of the init file's pretrained base (`init --base`): all "
                                     "(every weight), head (the last module with parameters), last:K (the last K), "
                                     "or lora:R (rank-R adapters on every other Linear/Conv2d, the head trained as "
                                     "it is); the rest stays frozen at the base, bit for bit, and only the trained "
                                     "parameters and their curvature are stored per component.")
-    batchnorm: str = setting("fold", "A BatchNorm model trained from random starting points: fold (train with batch "
-                                      "statistics, then estimate them on the silo and fold them into the affine "
-                                      "parameters, statistics (0, 1) frozen; each component's stored for the "
-                                      "server's `batchnorm_statistics` reset) or refuse. Fine-tuning a base keeps "
-                                      "the base's statistics frozen either way.",
-                             choices=BATCHNORM_POLICIES)
+    batchnorm: str = setting("fold", "A BatchNorm model trained from random starting points. Fine-tuning a base "
+                                     "keeps the base's statistics frozen either way.", choices=BatchnormPolicy)
     dp: DPConfig | None = None  # differential privacy of the whole artifact (local/privacy/)
     ppd: PPDConfig | None = None  # FedPPD: also distil an SGLD chain per component into a student (local/ppd.py)
     local_model: LocalModelConfig | None = None  # HBFL: the silo's own architecture, distilled into the shared one
@@ -326,6 +303,7 @@ class FitSetting:
     help: str
     choices: tuple[str, ...] | None = None
     bounds: tuple[float, float] | None = None
+    choice_docs: dict[str, str] | None = None
 
     @property
     def flag(self) -> str:
@@ -344,7 +322,8 @@ def _declared(cls: type, prefix: str, path: tuple[str, ...]) -> list[FitSetting]
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append(FitSetting(prefix + f.name, (*path, f.name), hints[f.name], default, f.metadata["help"],
-                              f.metadata.get("choices"), f.metadata.get("bounds")))
+                              f.metadata.get("choices"), f.metadata.get("bounds"),
+                              f.metadata.get("choice_docs")))
     return out
 
 

@@ -34,10 +34,12 @@ from posterior_fusion.layout import ParameterLayout
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.fit_checks import library_versions
+from posterior_fusion.local.fit_config import FitConfig
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.members import build_model
 from posterior_fusion.posterior import ClientPosterior, Component, frozen_mapping
 from posterior_fusion.runtime import resolve_device
+from posterior_fusion.settings import declared_default
 
 
 def merged_source(source: ClientPosterior) -> ClientPosterior:
@@ -88,9 +90,9 @@ def prepare(source: ClientPosterior, data: SiloData, ggn: str | None, kfac: str 
     if meta.get("partial"):
         raise IncompatibleArtifactsError(f"{source.path}: is the partial file of an interrupted fit-local run; "
                                          "finish it with fit-local `resume` first")
-    ggn = meta.get("ggn", "exact") if ggn is None else ggn  # structure, method and ggn: checked by capture()
+    ggn = meta.get("ggn", declared_default(FitConfig, "ggn")) if ggn is None else ggn  # structure, method and ggn: checked by capture()
     kfac = (meta.get("kfac") or "expand") if kfac is None else kfac  # checked by capture()
-    recorded = meta.get("curvature_batch_size", 256)
+    recorded = meta.get("curvature_batch_size", declared_default(FitConfig, "curvature_batch_size"))
     if curvature_batch_size is None and (not isinstance(recorded, int) or isinstance(recorded, bool)):
         raise IncompatibleArtifactsError(f"{source.path} [/]: metadata curvature_batch_size must be an integer, "
                                          f"got {shown(recorded, 40)}")

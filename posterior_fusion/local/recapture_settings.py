@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
-from posterior_fusion.choices import CAPTURE_METHODS, GGN_TYPES, KFAC_TYPES, STRUCTURES
+from posterior_fusion.choices import CaptureMethod, GgnType, KfacType, Structure
 from posterior_fusion.local.fit_config import FitConfig
 from posterior_fusion.settings import declared_help, setting
 
@@ -18,9 +18,9 @@ class CaptureChoice:
     """The capture a recapture or a refresh round runs; ``None``: what the source artifact recorded (``kfac``:
     expand where it records none)."""
 
-    structure: str | None = setting(None, declared_help(FitConfig, "structure") + SOURCE, choices=STRUCTURES)
-    ggn: str | None = setting(None, declared_help(FitConfig, "ggn") + SOURCE, choices=GGN_TYPES)
-    capture: str = setting("fast", declared_help(FitConfig, "capture"), choices=CAPTURE_METHODS)
+    structure: str | None = setting(None, declared_help(FitConfig, "structure") + SOURCE, choices=Structure)
+    ggn: str | None = setting(None, declared_help(FitConfig, "ggn") + SOURCE, choices=GgnType)
+    capture: str = setting("fast", declared_help(FitConfig, "capture"), choices=CaptureMethod)
     curvature_batch_size: int | None = setting(None, declared_help(FitConfig, "curvature_batch_size") + SOURCE,
                                                bounds=ranges.BATCH_SIZE)
-    kfac: str | None = setting(None, declared_help(FitConfig, "kfac") + SOURCE, choices=KFAC_TYPES)
+    kfac: str | None = setting(None, declared_help(FitConfig, "kfac") + SOURCE, choices=KfacType)

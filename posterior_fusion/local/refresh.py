@@ -81,6 +81,7 @@ from posterior_fusion.files import output_lock
 from posterior_fusion.local.capture import capture
 from posterior_fusion.local.capture.policy import block_policy
 from posterior_fusion.local.fit_checks import library_versions
+from posterior_fusion.local.fit_config import FitConfig
 from posterior_fusion.local.recapture import finish_metadata, prepare
 from posterior_fusion.local.refresh_settings import (
     AUTO_DAMPINGS,
@@ -94,6 +95,7 @@ from posterior_fusion.local.refresh_settings import (
 )
 from posterior_fusion.models.members import build_model
 from posterior_fusion.posterior import ClientPosterior, Component, GlobalEnsemble, frozen_mapping
+from posterior_fusion.settings import declared_default
 
 
 def own_posterior(source: ClientPosterior) -> list[tuple[torch.Tensor, object]]:
@@ -373,7 +375,8 @@ def refresh_to_file(source_path: str | os.PathLike, silo_path: str | os.PathLike
         source = load_client(source_path, max_memory)
         at = load_global(at_path, max_memory)
         data = read_silo(silo_path, num_classes=source.model_spec.num_classes, max_memory=max_memory)
-        batch = int(curvature_batch_size or source.metadata.get("curvature_batch_size", 256) or 256)
+        default_batch = declared_default(FitConfig, "curvature_batch_size")
+        batch = int(curvature_batch_size or source.metadata.get("curvature_batch_size", default_batch) or default_batch)
         need = refresh_bytes(source, at, len(data), math.prod(data.input_shape()), batch, privacy.private)
         budget.require(need, f"the refresh round of {source_path} at the {len(at.members)} members of {at_path}",
                        max_memory)

@@ -303,4 +303,4 @@ class ModelSpec:
                 or not isinstance(obj["name"], str) or not isinstance(obj.get("provider", ""), str)):
             raise ModelSpecError('model spec must be {"name": str, "kwargs": {...}} (and optionally "provider", '
                                  '"finetune")')
-        return cls(obj["name"], obj["kwargs"], obj.get("provider"), obj.get("finetune", "all"))
+        return cls(obj["name"], obj["kwargs"], obj.get("provider"), obj.get("finetune", cls.finetune))

@@ -7,12 +7,26 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+import torch
 from click.testing import CliRunner
-from conftest import fit_split
+from conftest import TINY, TINY_LAYOUT, fit_split, random_clients, raw_tensors
 
 import posterior_fusion
+from posterior_fusion.artifact import Component, write_client_artifact
 from posterior_fusion.cli.main import pfuse
+from posterior_fusion.curvature import BlockDiag
 from posterior_fusion.data.silo import SiloData, write_silo
+from posterior_fusion.fusion import (
+    METHODS,  # noqa: E402
+    FusionInputs,
+    FusionOptions,
+    fuse,
+)
+from posterior_fusion.fusion.methods.fedbens import FedBEnsSettings
+from posterior_fusion.fusion.registry import get_method
+
+fedavg, fisher_merge, product, regmean, fedbens = (METHODS[m] for m in ("fedavg", "fisher-merge", "product", "regmean", "fedbens"))
 
 
 def test_a_dry_run_reports_what_the_fusion_holds_and_writes_nothing(tmp_path, small_silo):
@@ -108,3 +122,40 @@ def test_a_miscalibrated_fusion_warns_with_what_helps(tmp_path, small_silo):  # 
         if warned and method == "fedbens":
             assert "--tune T" in warned[0]
     assert any(w for _, w in seen.values()), seen  # the construction miscalibrates at least one
+
+
+def test_write_then_fuse_through_artifacts_matches_in_memory(tmp_path):
+    clients = random_clients("kron", C=2, M=2, seed=3)
+    paths = []
+    for i, c in enumerate(clients):
+        paths.append(tmp_path / f"c{i}.h5")
+        comps = [Component(k.index, k.map.float(), BlockDiag([type(b)(*[t.float() for t in raw_tensors(b)]) for b in k.curvature.blocks]), {}, 0.5, 2.0)
+                 for k in c.components]
+        write_client_artifact(paths[-1], TINY, TINY_LAYOUT, dict(c.metadata), comps)
+    _, res, _ = fuse(paths, "fedbens", FusionOptions(progress=False), {"steps": 5})
+    mem = fedbens(FusionInputs(clients, FusionOptions(progress=False)), FedBEnsSettings(steps=5))
+    for a, b in zip(res.members, mem.members):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_fuse_on_the_gpu_is_refused_when_its_working_set_exceeds_the_free_gpu_memory(fitted, monkeypatch):
+    """`device` cuda checks the GPU's own working set (stacked curvature, the method's work, members)
+    against the memory free on the GPU before anything is loaded; one line naming the GPU."""
+    from posterior_fusion.artifact.reader import declared_bytes
+    from posterior_fusion.errors import ResourceLimitError
+    from posterior_fusion.fusion.resources import estimate_device_bytes
+
+    folder, paths = fitted
+    headers = [declared_bytes(p) for p in paths]
+    settings = get_method("fedbens").settings()
+    need = estimate_device_bytes(headers, "fedbens", settings)
+    d, K = headers[0]["num_params"], headers[0]["num_components"]
+    assert need == 2 * sum(h["data_bytes"] for h in headers) + get_method("fedbens").work_bytes(
+        settings, posterior_fusion.fusion.method_type.FuseSize(d, len(headers), K)) + K * d * 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (need, 80 * 2**30))  # 90 % of it is too little
+    loaded = []
+    monkeypatch.setattr(posterior_fusion.fusion.from_files, "load_client", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ResourceLimitError, match="of GPU memory, over 90% of the .* free on the GPU"):
+        fuse(paths, "fedbens", FusionOptions(device="cuda", progress=False))
+    assert not loaded  # refused before any artifact is loaded

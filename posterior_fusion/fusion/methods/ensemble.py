@@ -11,19 +11,18 @@ import math
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
+from posterior_fusion.choices import PoolingRule
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionResult
-from posterior_fusion.pooling import ITERATIONS, POOLINGS, Pooling, client_groups
+from posterior_fusion.pooling import ITERATIONS, Pooling, client_groups
 
 
 @dataclass(frozen=True)
 class EnsembleSettings(MethodSettings):
-    pooling: str = setting("average", "How the members' predictions combine: average (the mean of all C x M "
-                                      "members), or label-shift (each client's members averaged, the clients pooled "
-                                      "class by class from their recorded class counts; docs/methods.md).",
-                            choices=POOLINGS)
+    pooling: str = setting("average", "How the members' predictions combine (docs/methods.md).",
+                            choices=PoolingRule)
     smoothing: float = setting(0.5, "label-shift: s added to the class counts of the clients that saw a class, in "
                                     "their per-class weights only (the label priors are the exact counts).",
                                bounds=ranges.POOLING_SMOOTHING)

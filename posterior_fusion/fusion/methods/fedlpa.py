@@ -21,7 +21,7 @@ The three estimates (``estimate``), each per layer:
   rate ``gd_learning_rate`` (1) on ``torch.nn.MSELoss``, the mean over the ``out·in`` entries of
   ``(K W − Z)²``: each step is W ← W − lr·(2 / (out·in))·K(K W − Z). The factor 2/(out·in) makes the
   step far smaller than K's scale asks for, so it stops well short of the solution
-  (``tests/test_fusion.py`` measures both against a dense float64 reference); the weights their
+  (``tests/fusion/methods/test_fedlpa.py`` measures both against a dense float64 reference); the weights their
   table reports are these. Their iteration runs in float32 on their
   augmented ``(out, in + 1)`` matrix; here in float64 on the weight alone (the bias is solved
   exactly, as in the other estimates).
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion.choices import Choice
 from posterior_fusion.curvature import Dense, Kron
 from posterior_fusion.fusion.compatibility import require_structures
 from posterior_fusion.fusion.layer_solve import solve_kron_sum
@@ -59,19 +60,24 @@ from posterior_fusion.fusion.method_type import FusionMethod
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
-ESTIMATES = ("newton", "expectation", "authors-gd", "validation")
+
+class FedLpaEstimate(Choice):
+    """How FedLPA's aggregated mean is estimated."""
+
+    NEWTON = "newton", "the layer's aggregation system solved exactly"
+    EXPECTATION = "expectation", "the authors' closed-form approximation B̄⁻¹ Z Ā⁻¹"
+    AUTHORS_GD = "authors-gd", ("their script's gradient descent on the mean squared residual from that start "
+                                "(gd_steps steps, stops short of the solution)")
+    VALIDATION = "validation", "newton or expectation, the better on validation data (newton without it)"
+
+
 
 
 @dataclass(frozen=True)
 class FedLPASettings(MethodSettings):
     damping: float = setting(math.sqrt(1 - 0.999), "d added to each per-sample-mean Kronecker factor (the authors' "
                                                    "sqrt(1 - coor), coor = 0.999 in their scripts).", bounds=(0, 1e6))
-    estimate: str = setting("newton", "newton: solve the layer's aggregation system exactly; expectation: the "
-                                      "authors' closed-form approximation B̄⁻¹ Z Ā⁻¹; authors-gd: their script's "
-                                      "gradient descent on the mean squared residual from that start (gd_steps "
-                                      "steps, stops short of the solution); validation: newton or expectation, the "
-                                      "better on validation data (newton without validation data).",
-                            choices=ESTIMATES)
+    estimate: str = setting("newton", "How the aggregated mean is estimated.", choices=FedLpaEstimate)
     tolerance: float = setting(1e-10, "Relative residual at which the conjugate-gradient solve stops.",
                                bounds=(1e-15, 1e-2))
     max_iterations: int = setting(1000, "Conjugate-gradient iterations per layer at most.", bounds=(1, 100_000))

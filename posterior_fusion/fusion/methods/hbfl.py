@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion.choices import Choice
 from posterior_fusion.curvature import BlockDiag, Kron
 from posterior_fusion.curvature.base import eigh_psd
 from posterior_fusion.errors import MethodNotApplicableError
@@ -46,7 +47,14 @@ from posterior_fusion.fusion.quadratic import QuadraticSettings, minimise_quadra
 from posterior_fusion.fusion.settings_parsing import setting
 from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
-MEANS = ("paper", "map")
+
+class HbflMean(Choice):
+    """HBFL's information vector."""
+
+    PAPER = "paper", "eq. 3.8's (G_k/T_k + λ0) ŵ_k (the posterior divided by the prior)"
+    MAP = "map", "G_k/T_k ŵ_k (the MAP as the likelihood's mean)"
+
+
 NULL_RESOLUTION = 1e-7  # eigenvalues below this × the block's largest are float32 rounding, not curvature
 
 
@@ -55,9 +63,7 @@ class HBFLSettings(QuadraticSettings):
     """HBFL: the information vector's form, and the solver for Kronecker curvature (diag and
     diag+full are solved in closed form whatever ``solver`` says)."""
 
-    mean: str = setting("paper", "paper: eq. 3.8's information vector (G_k/T_k + λ0) ŵ_k (the posterior divided by "
-                                 "the prior); map: G_k/T_k ŵ_k (the MAP as the likelihood's mean).",
-                         choices=MEANS)
+    mean: str = setting("paper", "The information vector of each client.", choices=HbflMean)
     null_tol: float | None = setting(None, "paper mean: where a client's prior term λ0 ŵ_k is kept. None: along every "
                                            "eigen-direction of G_k/T_k whose eigenvalue the float32 curvature resolves "
                                            "(> 1e-7 × the block's largest), none other — eq. 3.8 exactly "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posterior_fusion.choices import Choice
 from posterior_fusion.curvature import Kron
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.compatibility import require_structures
@@ -28,15 +29,21 @@ from posterior_fusion.fusion.methods.fedavg import fedavg_weights
 from posterior_fusion.fusion.settings_parsing import MethodSettings, setting
 from posterior_fusion.fusion.types import FusionInputs, FusionResult
 
-PROTOCOLS = ("reference", "kfac")
+
+class RegMeanProtocol(Choice):
+    """Which RegMean."""
+
+    REFERENCE = "reference", ("the FedBEns authors' (nn.Linear weights only, plain mean of the rest, alpha from "
+                              "alpha_grid on validation)")
+    KFAC = "kfac", "every Kronecker block, n-weighted mean of the rest, the given alpha"
+
+
 
 
 @dataclass(frozen=True)
 class RegMeanSettings(MethodSettings):
-    protocol: str = setting("reference", "reference: the FedBEns authors' RegMean (nn.Linear weights only, plain "
-                                         "mean of the rest, alpha from alpha_grid on validation); kfac: every "
-                                         "Kronecker block, n-weighted mean of the rest, the given alpha.",
-                            choices=PROTOCOLS)
+    protocol: str = setting("reference", "Which layers RegMean merges, and how alpha is set.",
+                            choices=RegMeanProtocol)
     alpha: float | None = setting(None, "Scale of the off-diagonal Gram entries (RegMean's α) in [0, 1]; None: "
                                         "reference chooses from alpha_grid, kfac uses 1.0.", bounds=(0, 1))
     alpha_grid: str = setting("0.1,0.9", "Comma-separated α values tried on the validation data (reference).")

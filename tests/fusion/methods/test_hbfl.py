@@ -17,7 +17,7 @@ from posterior_fusion.fusion.methods.hbfl import HBFLSettings, hbfl
 from posterior_fusion.fusion.quadratic import QuadraticSettings
 
 
-def _clients(tmp_path, silo, structure, sizes=(60, 100, 140), stride=4):
+def structured_clients(tmp_path, silo, structure, sizes=(60, 100, 140), stride=4):
     """Three clients of unequal sizes (the q_k weights matter), fitted on every ``stride``-th pixel of the
     images: at the default 7 × 7 (d = 490 parameters) every dense float64 reference below is a small solve;
     ``stride=1`` the full images (d = 6,370), where K-FAC factors are rank-deficient and Adam's path long."""
@@ -46,7 +46,7 @@ def _dense_problem(clients):
 
 @pytest.mark.parametrize("structure", ["diag", "diag+full"])
 def test_hbfl_closed_form_equals_dense_solve(tmp_path, small_silo, structure):
-    clients = _clients(tmp_path, small_silo, structure)
+    clients = structured_clients(tmp_path, small_silo, structure)
     settings = HBFLSettings(prior_scale=1e-6, mean="map")
     got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), settings).members[0].double()
     Lam, rhs, avg = _dense_problem(clients)
@@ -63,7 +63,7 @@ def test_hbfl_closed_form_equals_dense_solve(tmp_path, small_silo, structure):
 
 
 def test_hbfl_kron_reaches_the_dense_optimum(tmp_path, small_silo):
-    clients = _clients(tmp_path, small_silo, "kron", stride=1)
+    clients = structured_clients(tmp_path, small_silo, "kron", stride=1)
     settings = HBFLSettings(steps=6000, adam_lr=2e-2, clip=1e6, mean="map")
     got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), settings).members[0].double()
     Lam, rhs, avg = _dense_problem(clients)
@@ -87,7 +87,7 @@ def _positive_clients(tmp_path, silo, structure, temps=(0.05, 0.1, 0.3), sizes=(
 
     gen = torch.Generator().manual_seed(5)
     out = []
-    for k, (c, t) in enumerate(zip(_clients(tmp_path, silo, structure, sizes), temps)):
+    for k, (c, t) in enumerate(zip(structured_clients(tmp_path, silo, structure, sizes), temps)):
         comp = c.components[0]
         blocks = []
         for b in comp.curvature.blocks:  # each block kind rebuilt from well-conditioned positive tensors
@@ -147,7 +147,7 @@ def test_hbfl_paper_mean_equals_a_dense_solve_of_eqs_3_8_to_3_12(tmp_path, small
 def test_hbfl_paper_mean_is_well_posed_on_singular_curvature(tmp_path, small_silo, structure):
     """Real (singular) GGNs: the projector form, against its dense float64 reference; finite and
     near FedAvg where no client has curvature."""
-    clients = _clients(tmp_path, small_silo, structure)
+    clients = structured_clients(tmp_path, small_silo, structure)
     settings = HBFLSettings(prior_scale=1e-6, null_tol=1e-4)
     got = hbfl(FusionInputs(clients, FusionOptions(progress=False)), settings).members[0].double()
     Lam, eta = _paper_dense(clients, settings.null_tol)
@@ -268,7 +268,7 @@ def _fedfisher_dense(clients, damping):
 def test_fedfisher_exact_solver_equals_the_dense_minimiser(tmp_path, small_silo, structure):
     """Real (singular) GGNs of three unequal clients: the exact solver's model is the dense solve of
     the quadratic's normal equations, far closer to it than FedAvg or 30 Adam steps are."""
-    clients = _clients(tmp_path, small_silo, structure)
+    clients = structured_clients(tmp_path, small_silo, structure)
     inputs = FusionInputs(clients, FusionOptions(progress=False))
     settings = QuadraticSettings(solver="exact", prior_scale=1e-4)  # converges in ~40 CG steps per layer
     got = fedfisher(inputs, settings)
@@ -290,7 +290,7 @@ def test_hbfl_kron_exact_solver_equals_the_dense_solve(tmp_path, small_silo):
     Lam, eta = _paper_dense(clients)
     want = torch.linalg.solve(Lam, eta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
-    singular = _clients(tmp_path / "singular", small_silo, "kron")  # real GGNs: the damping's fallback to FedAvg
+    singular = structured_clients(tmp_path / "singular", small_silo, "kron")  # real GGNs: the damping's fallback to FedAvg
     settings = HBFLSettings(solver="exact", prior_scale=1e-4, mean="map")
     got = hbfl(FusionInputs(singular, FusionOptions(progress=False)), settings).members[0].double()
     Lam, rhs, avg = _dense_problem(singular)
@@ -306,7 +306,7 @@ def test_exact_solver_on_compressed_curvature_solves_the_compressed_quadratic(tm
     from posterior_fusion.curvature import Kron
     from posterior_fusion.curvature.compressed import CompressedKron, Compression
 
-    plain = _clients(tmp_path, small_silo, "kron")
+    plain = structured_clients(tmp_path, small_silo, "kron")
     compressed = []
     for k, c in enumerate(plain):
         path = tmp_path / f"small{k}.h5"
@@ -328,7 +328,7 @@ def test_an_unconverged_exact_solve_says_so(tmp_path, small_silo):
     """Tiny prior_scale on real, rank-deficient K-FAC factors: conjugate gradients stop at their cap with
     a residual far above the tolerance, and the solve warns (naming the setting) instead of passing
     the unreliable model on silently."""
-    clients = _clients(tmp_path, small_silo, "kron", stride=1)
+    clients = structured_clients(tmp_path, small_silo, "kron", stride=1)
     with pytest.warns(UserWarning, match="raise `prior_scale`"):
         got = fedfisher(FusionInputs(clients, FusionOptions(progress=False)), QuadraticSettings(solver="exact",
                                                                                                 prior_scale=1e-6))
@@ -342,7 +342,7 @@ def test_tune_prior_scale_keeps_the_best_validation_solve(tmp_path, small_silo, 
     from posterior_fusion.fusion.optimise import accuracy_of
     from posterior_fusion.fusion.quadratic import PRIOR_SCALE_GRID
 
-    clients = _clients(tmp_path, small_silo, "kron")
+    clients = structured_clients(tmp_path, small_silo, "kron")
     x, y = fmnist_train
     val = SiloData(x[1000:1400, ::4, ::4].copy(), y[1000:1400], "fmnist", 10)
     inputs = FusionInputs(clients, FusionOptions(progress=False), val=val)
@@ -391,7 +391,7 @@ def _six_decade_clients(tmp_path, silo, structure, temps=(0.05, 0.1, 0.3)):
         return torch.logspace(-decades, 0, n, dtype=torch.float64)[torch.randperm(n, generator=gen)]
 
     out = []
-    for k, (c, t) in enumerate(zip(_clients(tmp_path, silo, structure), temps)):
+    for k, (c, t) in enumerate(zip(structured_clients(tmp_path, silo, structure), temps)):
         comp = c.components[0]
         blocks = []
         for b in comp.curvature.blocks:

@@ -7,24 +7,71 @@ import warnings
 from dataclasses import dataclass
 
 from posterior_fusion import ranges
+from posterior_fusion.choices import Choice
 from posterior_fusion.errors import ConfigError
 from posterior_fusion.fusion.optimise import OptimiserSettings
 from posterior_fusion.fusion.settings_parsing import setting
 
-STARTS = ("median", "clients", "median+clients")
+
+class Starts(Choice):
+    """Where the global modes start."""
+
+    MEDIAN = "median", "per component index, the clients' coordinate-wise median (the paper)"
+    CLIENTS = "clients", "every client component's MAP: C·M modes"
+    MEDIAN_CLIENTS = "median+clients", "both"
 
 
-SOLVERS = ("auto", "adam", "em")
+class Solver(Choice):
+    """FedBEns' optimiser."""
+
+    AUTO = "auto", ("em with the validation-free prior (prior_centre and server_prior 'auto' become 'clients' and "
+                    "'evidence') when the server has no validation data (--val) and the curvature is kron, or when "
+                    "server_prior=evidence or trust_radius asks for EM; else adam (diag and diag+full: Adam's early "
+                    "iterates predict better there)")
+    ADAM = "adam", ("the paper's Adam, best validation iterate (else the best objective, which under strong "
+                    "heterogeneity predicts far worse)")
+    EM = "em", ("EM with exact per-layer solves to a stationary point (steps = iterations at most; no step size, no "
+                "early stopping, no use of validation data)")
 
 
-PRIOR_CENTRES = ("auto", "prior", "clients")
+class PriorCentre(Choice):
+    """Where the over-counted prior is divided out."""
+
+    AUTO = "auto", "clients when solver=auto runs EM, else prior"
+    PRIOR = "prior", ("where the clients' prior is centred: zero from random starting points, the paper's "
+                      "N(0, λ⁻¹) C − 1 times, which multiplies the weights by C along directions no client's "
+                      "curvature sees; the base when the clients fine-tuned one (the exact product)")
+    CLIENTS = "clients", ("at each mode's λ-weighted client average of the MAPs of its component index: those "
+                          "directions keep the clients' average")
 
 
-LAPLACE_PRIORS = ("server", "evidence")
+class LaplacePrior(Choice):
+    """Prior precision of the Laplace approximation at the modes."""
+
+    SERVER = "server", "λ0 = 1/prior_var, the objective's"
+    EVIDENCE = "evidence", ("the δ maximising the modes' Laplace evidence with the modes held fixed (MacKay's "
+                            "empirical Bayes: no data needed; recorded in the artifact)")
 
 
-SERVER_PRIORS = ("auto", "clients", "evidence")
-MODE_WEIGHTS = ("equal", "laplace")
+class ServerPrior(Choice):
+    """The server prior's precision."""
+
+    AUTO = "auto", "evidence when solver=auto runs EM, else clients"
+    CLIENTS = "clients", "one λ0, the median of the clients' or 1/--prior-var"
+    EVIDENCE = "evidence", ("solver=em only: one λ0 per curvature block, ρ × the block's curvature per parameter, ρ "
+                            "maximising the Laplace evidence of the server's model with the clients' likelihoods "
+                            "held fixed (MacKay's empirical Bayes, no data needed; EM re-solved until ρ moves by "
+                            "< 1 %; recorded in the artifact)")
+
+
+class ModeWeights(Choice):
+    """Mixture weights of the global modes."""
+
+    EQUAL = "equal", "1/K each"
+    LAPLACE = "laplace", "∝ p(w*|D) |Λ*|^-1/2"
+
+
+STARTS = Starts.values()
 
 
 @dataclass(frozen=True)
@@ -35,27 +82,14 @@ class FedBEnsSettings(OptimiserSettings):
     laplace: bool = setting(True, "Store a Laplace approximation of the global posterior at each mode "
                                   "(enables evaluate --predictive mc|glm).")
     laplace_prior: str = setting("server", "Prior precision of the Laplace approximation at the modes (what mc/glm "
-                                           "predict with): 'server' (λ0 = 1/prior_var, the objective's) or 'evidence' "
-                                           "(the δ maximising the modes' Laplace evidence with the modes held fixed, "
-                                           "MacKay's empirical Bayes: no data needed; recorded in the artifact).",
-                                choices=LAPLACE_PRIORS)
-    mode_weights: str = setting("equal", "Mixture weights of the modes: 'equal', or 'laplace' (∝ p(w*|D) |Λ*|^-1/2).",
-                                choices=MODE_WEIGHTS)
+                                           "predict with).", choices=LaplacePrior)
+    mode_weights: str = setting("equal", "Mixture weights of the modes.", choices=ModeWeights)
     allow_different_inits: bool = setting(False, "Fuse clients whose starting points differ (their m-th components "
                                                  "then need not be near each other; the per-mode median start is then meaningless).")
     spectral_cutoff: float = setting(0.0, "solver=adam on kron: drop the eigen-directions of each Kronecker block with curvature < spectral_cutoff·λ0 "
                                       "(relative objective error < tol); 0 = exact.", bounds=(0, 0.999999))
-    starts: str = setting("median", "Where the global modes start: 'median' (per component index, the paper), "
-                                    "'clients' (every client component's MAP: C·M modes) or 'median+clients'.",
-                          choices=STARTS)
-    solver: str = setting("auto", "auto: 'em' with the validation-free prior (prior_centre and server_prior 'auto' "
-                                  "become 'clients' and 'evidence') when the server has no validation data (--val) and "
-                                  "the curvature is kron, or when server_prior=evidence or trust_radius asks for EM; "
-                                  "else 'adam' (diag and diag+full: Adam's early iterates predict better there); adam: the "
-                                  "paper's Adam, best validation iterate (else the best objective, which under strong "
-                                  "heterogeneity predicts far worse); em: EM with exact per-layer solves to a stationary "
-                                  "point (steps = iterations at most; no step size, no early stopping, no use of "
-                                  "validation data).", choices=SOLVERS)
+    starts: str = setting("median", "Where the global modes start.", choices=Starts)
+    solver: str = setting("auto", "The optimiser of the global modes.", choices=Solver)
     damping: float = setting(0.0, "Tikhonov damping d of every client's curvature at per-sample scale: a Kronecker "
                                   "block (B + n·d·I) ⊗ (A + d·I), any other block + n·d on its diagonal (K-FAC's "
                                   "factored damping; FedLPA's d = 0.0316); 0 = the curvature as captured.",
@@ -65,22 +99,9 @@ class FedBEnsSettings(OptimiserSettings):
                                        "responsibilities at s): the clients' quadratics predict at most this many nats "
                                        "per sample of extra loss anywhere inside; 0 = no region.", bounds=(0, 1e6))
 
-    prior_centre: str = setting("auto", "Where the over-counted prior is divided out: 'prior' (where the clients' "
-                                        "prior is centred — zero from random starting points, the paper's N(0, λ⁻¹) "
-                                        "C − 1 times, which multiplies the weights by C along directions no client's "
-                                        "curvature sees; the base when the clients fine-tuned one: the exact product), "
-                                        "'clients' (at each mode's λ-weighted client average of the "
-                                        "MAPs of its component index: those directions keep the clients' average) or "
-                                        "'auto' ('clients' when solver=auto runs EM, else 'prior').",
-                                choices=PRIOR_CENTRES)
-    server_prior: str = setting("auto", "The server prior's precision, how hard the modes are pulled to the prior "
-                                        "centre: 'auto' ('evidence' when solver=auto runs EM, else 'clients'), "
-                                        "'clients' (one λ0, the median of the clients' or 1/--prior-var) or "
-                                           "'evidence' (solver=em only: one λ0 per curvature block, ρ × the block's "
-                                           "curvature per parameter, ρ maximising the Laplace evidence of the server's "
-                                           "model with the clients' likelihoods held fixed — MacKay's empirical Bayes, "
-                                           "no data needed; EM re-solved until ρ moves by < 1 %; recorded in the artifact).",
-                                choices=SERVER_PRIORS)
+    prior_centre: str = setting("auto", "Where the over-counted prior is divided out.", choices=PriorCentre)
+    server_prior: str = setting("auto", "The server prior's precision: how hard the modes are pulled to the prior "
+                                        "centre.", choices=ServerPrior)
 
     def validate(self) -> None:
         super().validate()
