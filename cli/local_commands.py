@@ -32,8 +32,9 @@ from posterior_fusion.local.refresh_settings import (
     RefreshStep,
     refresh_privacy_from,
 )
+from posterior_fusion.local.start_settings import StartSettings
 from posterior_fusion.runtime import resolve_device
-from posterior_fusion.settings import record_from
+from posterior_fusion.settings import declared_default, declared_help, record_from
 
 if typing.TYPE_CHECKING:
     from posterior_fusion.models import ModelSpec
@@ -59,9 +60,8 @@ def parse_model(name: str, kwargs_json: str | None, max_memory: int | str | None
     return spec
 
 
-model_option = click.option("--model", default="lenet", show_default=True,
-                            help="Model architecture: a built-in (lenet, cnn, mlp, resnet20) or one registered by an "
-                                 "installed package under the 'posterior_fusion.models' entry points.")
+model_option = click.option("--model", default=declared_default(StartSettings, "model"), show_default=True,
+                            help=declared_help(StartSettings, "model"))
 model_kwargs_option = click.option("--model-kwargs", default=None,
                                    help='JSON keyword arguments of the model, e.g. \'{"bias": true}\' [default: none].')
 
@@ -69,9 +69,10 @@ model_kwargs_option = click.option("--model-kwargs", default=None,
 @click.command("init")
 @model_option
 @model_kwargs_option
-@click.option("--components", "-M", default=5, show_default=True, type=bounded(ranges.COMPONENTS),
-              help="Number of shared starting points M (one per mixture component).")
-@click.option("--init-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the starting points (same as fit-local --init-seed).")
+@click.option("--components", "-M", default=declared_default(StartSettings, "components"), show_default=True,
+              type=bounded(ranges.COMPONENTS), help=declared_help(StartSettings, "components"))
+@click.option("--init-seed", default=declared_default(StartSettings, "init_seed"), show_default=True,
+              type=bounded(ranges.SEED), help=declared_help(StartSettings, "init_seed") + " (as fit-local's)")
 @click.option("--transform-from", default=None, type=click.Path(dir_okay=False),
               help="A data file whose input transform every silo must share (recorded in the init file and "
                    "checked by fit-local) [default: not recorded].")
@@ -126,11 +127,13 @@ def fit_options(fn, only: tuple[str, ...] | None = None):
               help="Init file from 'pfuse init' (fixes model and M; from 'init --base BASE' every component "
                    "fine-tunes the base and the prior N(base, σ0² I) is centred at it) [default: derive from "
                    "--init-seed, the prior centred at zero].")
-@click.option("--init-seed", default=0, show_default=True, type=bounded(ranges.SEED), help="Seed of the shared starting points when no --init file is given.")
+@click.option("--init-seed", default=declared_default(StartSettings, "init_seed"), show_default=True,
+              type=bounded(ranges.SEED), help=declared_help(StartSettings, "init_seed").rstrip(".") + ", when no --init file is given.")
 @model_option
 @model_kwargs_option
-@click.option("--components", "-M", default=5, show_default=True, type=bounded(ranges.COMPONENTS),
-              help="Mixture components M (ignored with --init, which fixes M).")
+@click.option("--components", "-M", default=declared_default(StartSettings, "components"), show_default=True,
+              type=bounded(ranges.COMPONENTS), help=declared_help(StartSettings, "components") + " Ignored with --init, "
+              "which fixes M.")
 @fit_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output client artifact (HDF5).")
 @click.option("--resume", is_flag=True,

@@ -165,7 +165,8 @@ def fuse_cmd(clients, method, set_values, out, val_path, unlabeled, distill, dis
         say(f"dry run: {plan['clients']} client headers valid; {method} will hold about "
             f"{plan['memory_estimate_bytes'] / 2**20:.1f} MiB (the clients' data {plan['data_bytes'] / 2**20:.1f} MiB "
             f"once loaded, {plan['artifact_bytes'] / 2**20:.1f} MiB on disk"
-            + ("" if plan["curvature_kept"] else "; their curvature checked block by block, not kept") + ")"
+            + ("; their curvature read one client at a time" if plan["curvature_folded"] else ""
+               if plan["curvature_kept"] else "; their curvature checked block by block, not kept") + ")"
             + (f", within the limit of {limit / 2**20:.0f} MiB" if limit else "") + "; nothing fused or written")
         return
     if out is None:

@@ -947,9 +947,10 @@ def _records_with_settings() -> list[type]:
     from posterior_fusion.local.fit_config import DPConfig, FitConfig, LocalModelConfig, PPDConfig, TrainConfig
     from posterior_fusion.local.recapture_settings import CaptureChoice
     from posterior_fusion.local.refresh_settings import RefreshPrivacy, RefreshStep
+    from posterior_fusion.local.start_settings import StartSettings
     from posterior_fusion.predictive_settings import CalibrationSettings, PredictiveSettings
 
-    return [Environment, ExperimentConfig, RoundSettings, NodeSettings, SecureAggregation, DistillConfig,
+    return [Environment, StartSettings, ExperimentConfig, RoundSettings, NodeSettings, SecureAggregation, DistillConfig,
             RecipeChoice, TeachingConfig, FusionOptions, ServerSteps, FitConfig, TrainConfig, DPConfig, PPDConfig,
             LocalModelConfig, CaptureChoice, RefreshPrivacy, RefreshStep, PredictiveSettings, CalibrationSettings,
             *{entry.settings for entry in METHODS.values()}]

@@ -18,6 +18,7 @@ from posterior_fusion.errors import ConfigError, DataError, ModelSpecError, show
 from posterior_fusion.files import require_regular_file
 from posterior_fusion.fusion.registry import COMPARED, METHODS
 from posterior_fusion.local.fit_config import FitConfig, fit_config_from
+from posterior_fusion.local.start_settings import StartSettings
 from posterior_fusion.runtime import resolve_device
 from posterior_fusion.settings import declared_default, setting
 
@@ -76,10 +77,11 @@ class ExperimentConfig:
     clients: list[int] = setting([5], "Axis: client counts C.")
     seeds: list[int] = setting([0], "Axis: run seeds; for run seed s the partition, init and training seeds all "
                                     "equal s.")
-    components: list[int] = setting([5], "Axis: mixture components M per client.")
+    components: list[int] = setting([declared_default(StartSettings, "components")],
+                                    "Axis: mixture components M per client.")
     structures: list[str] = setting(["kron"], "Axis: curvature structures (kron, diag, diag+full).")
     methods: list[str] = setting(list(COMPARED), "The fusion methods compared (rows).")
-    model: str = setting("lenet", "The model every client trains (fit-local --model).")
+    model: str = setting(declared_default(StartSettings, "model"), "The model every client trains (fit-local --model).")
     model_kwargs: dict = setting({}, "JSON keyword arguments of the model, e.g. {in_channels = 1}.")
     epochs: int = setting(20, "Local training epochs per component.")
     steps: int = setting(300, "Server Adam steps of the optimising methods.")

@@ -16,32 +16,34 @@ from posterior_fusion.local.fit_config import (
     fit_config_from,
     fit_settings,
 )
+from posterior_fusion.local.start_settings import StartSettings
 from posterior_fusion.models import ModelSpec
-from posterior_fusion.settings import convert
-
-BAD_REPLY_POLICIES = ("skip", "fail")
+from posterior_fusion.settings import check_declared, convert
 
 
 class FederatedSettings:
-    """What the server sends to every node: the model, M, the init seed and every fit setting of
-    ``pfuse fit-local`` (:func:`~posterior_fusion.local.fit_config.fit_settings`, declared once: a
-    setting added there is a run-config key here too), except the local model, which each node
-    chooses in its own node config."""
+    """What the server sends to every node: where the models start (:class:`~posterior_fusion.local.start_settings.
+    StartSettings`: the model, M, the init seed; ``None``: its declared default), the pretrained base's SHA-256, and
+    every fit setting of ``pfuse fit-local`` (:func:`~posterior_fusion.local.fit_config.fit_settings`, declared
+    once: a setting added there is a run-config key here too), except the local model, which each node chooses in
+    its own node config. A fit setting reads as an attribute (``settings.epochs``)."""
 
-    def __init__(self, model: str = "lenet", model_kwargs: dict | None = None, components: int = 5,
-                 init_seed: int = 0, base_sha256: str | None = None, **fit: Any) -> None:
+    def __init__(self, model: str | None = None, model_kwargs: dict | None = None, components: int | None = None,
+                 init_seed: int | None = None, base_sha256: str | None = None, **fit: Any) -> None:
         table = _server_fit_settings()
         unknown = sorted(set(fit) - set(table))
         if unknown:
             raise ConfigError(f"no fit setting {', '.join(map(repr, unknown))}; the fit settings: {', '.join(table)}")
-        self.model, self.model_kwargs = model, dict(model_kwargs or {})
-        for name, value, bounds in (("components", components, ranges.COMPONENTS), ("init-seed", init_seed, ranges.SEED)):
-            if not ranges.is_int(value):  # the server's values, checked with the CLI's ranges
+        for name, value in (("components", components), ("init-seed", init_seed)):
+            if value is not None and not ranges.is_int(value):  # the server's values, exactly integers
                 raise ConfigError(f"federated settings: {name} must be an integer, got {str(value)[:40]!r}")
-            ranges.check(f"federated settings: {name}", value, bounds)
-        if not isinstance(model, str) or not isinstance(model_kwargs or {}, dict):
+        if not isinstance(model, (str, type(None))) or not isinstance(model_kwargs, (dict, type(None))):
             raise ConfigError("federated settings: model must be a name and model-kwargs an object")
-        self.components, self.init_seed = components, init_seed
+        given = {"model": model, "model_kwargs": model_kwargs, "components": components, "init_seed": init_seed}
+        start = StartSettings(**{k: v for k, v in given.items() if v is not None})
+        check_declared(start, "federated settings", dashed=True)  # named as the run config spells them
+        self.model, self.model_kwargs = start.model, dict(start.model_kwargs)
+        self.components, self.init_seed = start.components, start.init_seed
         if base_sha256 is not None and (not isinstance(base_sha256, str) or len(base_sha256) != 64
                                         or any(ch not in "0123456789abcdef" for ch in base_sha256)):
             raise ConfigError("base-sha256 must be the 64 hexadecimal digits of the base file's SHA-256")

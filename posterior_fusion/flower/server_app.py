@@ -27,8 +27,9 @@ from posterior_fusion.errors import (
     ResourceLimitError,
 )
 from posterior_fusion.files import check_output, write_atomically
-from posterior_fusion.flower.federated_settings import BAD_REPLY_POLICIES, FederatedSettings
+from posterior_fusion.flower.federated_settings import FederatedSettings
 from posterior_fusion.flower.pretrained_base import base_to_send
+from posterior_fusion.flower.round_settings import OnBadReply
 from posterior_fusion.flower.transfer import TransferError, message_content, received_file
 from posterior_fusion.fusion import FusionOptions, fuse, write_fused
 from posterior_fusion.fusion.distill import DistillConfig
@@ -82,8 +83,8 @@ def collect_replies(replies: list[Reply], out_dir: Path, on_bad_reply: str = "sk
     left out (``skip``) or stops the run (``fail``). Keys are the
     server's own; two replies with one key are refused. Returns the accepted paths, ordered by key.
     """
-    if on_bad_reply not in BAD_REPLY_POLICIES:
-        raise ConfigError(f"on_bad_reply must be one of {BAD_REPLY_POLICIES}")
+    if on_bad_reply not in OnBadReply.values():
+        raise ConfigError(f"on_bad_reply must be one of {', '.join(OnBadReply.values())}")
     keys = [r.key for r in replies]
     if len(set(keys)) != len(keys) or not all(isinstance(k, int) and k >= 0 for k in keys):
         raise FederationError("reply keys must be distinct non-negative integers chosen by the server")
@@ -218,8 +219,8 @@ def run_round(grid: Grid, settings: FederatedSettings, out_dir: str | os.PathLik
     ``distill``: after the collection the fused predictive teaches one network on ``unlabeled_path`` (or on inputs
     synthesised from the artifacts), as ``fuse --distill`` does on files, and ``global.h5`` serves it; an
     interrupted teaching resumes from ``global.h5.distill-partial`` when the round is run again."""
-    if on_bad_reply not in BAD_REPLY_POLICIES:
-        raise ConfigError(f"on-bad-reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
+    if on_bad_reply not in OnBadReply.values():
+        raise ConfigError(f"on-bad-reply must be one of {', '.join(OnBadReply.values())}, got {on_bad_reply!r}")
     if isinstance(round_timeout, bool) or not (isinstance(round_timeout, (int, float)) and round_timeout >= 0):
         raise ConfigError(f"round-timeout must be a number of seconds >= 0, got {round_timeout!r}")
     refresh_damping = check_damping(refresh_damping, "refresh-damping")

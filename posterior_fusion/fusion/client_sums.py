@@ -47,10 +47,13 @@ class ClientSums:
 
 
 def sum_over_clients(inputs: FusionInputs, sums: ClientSums, settings: Any) -> list[torch.Tensor]:
-    """``[Σ_c s_c]``: each client's statistics (``sums.local`` on that client alone) summed element-wise."""
+    """``[Σ_c s_c]``: each client's statistics (``sums.local`` on that client alone) summed element-wise; where the
+    clients came without their curvature (``inputs.reload``), each is read again with it, one at a time."""
     total: list[torch.Tensor] | None = None
     for c in inputs.clients:
-        s = sums.local(FusionInputs([c], inputs.options, inputs.val, inputs.unlabeled), settings)
+        one = inputs.reload(c) if inputs.reload is not None else c
+        s = sums.local(FusionInputs([one], inputs.options, inputs.val, inputs.unlabeled), settings)
+        del one
         total = s if total is None else [a + b for a, b in zip(total, s, strict=True)]
     if total is None:
         raise IncompatibleArtifactsError("no client artifacts given")

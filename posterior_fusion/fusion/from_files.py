@@ -47,14 +47,15 @@ def plan_fusion(client_paths: list[str | os.PathLike], method: str | None,
 
     Returns:
         ``{method, clients, artifact_bytes (on disk), data_bytes (the clients' datasets once loaded),
-        curvature_kept (:func:`keeps_curvature`), memory_estimate_bytes (the whole fusion's working set, server data
+        curvature_kept (:func:`keeps_curvature`), curvature_folded (:func:`folds_clients`), memory_estimate_bytes (the whole fusion's working set, server data
         included), memory_limit_bytes}``.
     """
     if method is None:
         method, settings = resolve_default(None, None if isinstance(settings, MethodSettings) else settings)
     chosen = method_settings(method, settings)
     keep = keeps_curvature(method, chosen, robust, tune, distill, unlabeled_path)
-    return _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep)[0]
+    folded = keep and folds_clients(method, chosen, robust, tune)
+    return _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep and not folded, folded)[0]
 
 
 def keeps_curvature(method: str, chosen: MethodSettings, robust: bool = False, tune: tuple[str, ...] = (),
@@ -68,8 +69,18 @@ def keeps_curvature(method: str, chosen: MethodSettings, robust: bool = False, t
     return get_method(method).uses_curvature(chosen) or robust or bool(tune) or data_free
 
 
+def folds_clients(method: str, chosen: MethodSettings, robust: bool = False, tune: tuple[str, ...] = ()) -> bool:
+    """Whether a fusion reads the clients' curvature one client at a time instead of holding it: a method whose
+    server step is a sum over clients of any structure (fedavg, fisher-merge:
+    :class:`~posterior_fusion.fusion.client_sums.ClientSums`), with neither ``robust`` screening nor ``tune``
+    (which compare the clients). Each client is then loaded twice: without its curvature with the others, and with
+    it for its term of the sum."""
+    sums = get_method(method).sums
+    return sums is not None and sums.structures is None and not robust and not tune
+
+
 def _plan(client_paths, method: str, chosen: MethodSettings, val_path, unlabeled_path,
-          max_memory, keep_curvature: bool = True) -> tuple[dict, list[dict]]:
+          max_memory, keep_curvature: bool = True, folded: bool = False) -> tuple[dict, list[dict]]:
     """:func:`plan_fusion`'s record and the clients' validated headers."""
     headers = [declared_bytes(p) for p in client_paths]
     for p, h in zip(client_paths, headers):
@@ -77,10 +88,11 @@ def _plan(client_paths, method: str, chosen: MethodSettings, val_path, unlabeled
             raise SchemaError(str(p), "expected a client artifact (from fit-local), got a global one", "/")
     data = [silo_header(p) for p in (val_path, unlabeled_path) if p]
     need = estimate_fuse_bytes(headers, method, chosen, sum(h.load_bytes for h in data), sum(h.n for h in data),
-                               keep_curvature)
+                               keep_curvature, folded)
     budget.require(need, f"fusing these {len(headers)} artifacts with {method}", max_memory)
     return {"method": method, "clients": len(headers), "artifact_bytes": sum(os.path.getsize(p) for p in client_paths),
             "data_bytes": sum(h["data_bytes"] for h in headers), "curvature_kept": keep_curvature,
+            "curvature_folded": folded,
             "memory_estimate_bytes": need,
             "memory_limit_bytes": budget.resolve_limit(max_memory)}, headers
 
@@ -142,7 +154,9 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
         raise ConfigError("`batchnorm_statistics` reset estimates the fused model's BatchNorm statistics on server "
                           "inputs: give `unlabeled` (or `val`) data")
     keep = keeps_curvature(method, chosen, robust, tune, distill, unlabeled_path)
-    plan, headers = _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep)
+    folded = keep and folds_clients(method, chosen, robust, tune)
+    keep = keep and not folded
+    plan, headers = _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep, folded)
     need = plan["memory_estimate_bytes"]
     if options.device == "cuda":  # the GPU's own working set, against what is free on it now
         import torch
@@ -171,7 +185,8 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
         grids = {k: v for k, v in (("temperatures", tune_temperatures), ("prior_vars", tune_prior_vars)) if v}
         inputs, result, metadata = tune_fusion(clients, method, options, val, tune, log=log, settings=chosen, **grids)
     else:
-        inputs, result, metadata = fuse_clients(clients, method, options, chosen, val, unlabeled, log, robust)
+        reload = (lambda c: _with_curvature(c, max_memory)) if folded else None
+        inputs, result, metadata = fuse_clients(clients, method, options, chosen, val, unlabeled, log, robust, reload)
     if options.batchnorm_statistics == "reset":  # before any distillation: the teachers with their statistics
         server = unlabeled if unlabeled is not None else val
         metadata["batchnorm_statistics"] = {**reset_members(inputs, result, server.inputs(), log),
@@ -202,6 +217,14 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
         metadata["validation"] = {"file": str(val_path), "sha256": val.sha256(), "n": len(val)}
         check_calibration(inputs, result, val, get_method(method).tunable, max_memory)
     return inputs, result, metadata
+
+
+def _with_curvature(client, max_memory):
+    """``client`` read again from its file with its curvature; refused in one line if the file changed since."""
+    again = load_client(client.path, max_memory)
+    if again.sha256 != client.sha256:
+        raise IncompatibleArtifactsError(f"{client.path}: changed while it was being fused (its SHA-256 differs)")
+    return again
 
 
 MISCALIBRATED_ECE = 0.15  # a fused ensemble this far from calibrated on the validation data warns

@@ -49,8 +49,9 @@ def applicable_settings(method: str, values: Mapping[str, Any]) -> dict[str, Any
 def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOptions | None = None,
                  settings: MethodSettings | Mapping[str, Any] | None = None, val: SiloData | None = None,
                  unlabeled: SiloData | None = None, log=lambda msg: None,
-                 robust: bool = False) -> tuple[FusionInputs, FusionResult, dict]:
-    """Run ``method`` on loaded ``clients``; returns ``(inputs, result, metadata)``.
+                 robust: bool = False, reload=None) -> tuple[FusionInputs, FusionResult, dict]:
+    """Run ``method`` on loaded ``clients``; returns ``(inputs, result, metadata)``. ``reload``: the clients came
+    without their curvature and the method folds them one at a time (:attr:`FusionInputs.reload`).
 
     ``metadata`` holds the method, the shared options and the method's settings, the history,
     the screening report and the provenance (path and sha256 of each client artifact).
@@ -72,7 +73,7 @@ def fuse_clients(clients: list[ClientPosterior], method: str, options: FusionOpt
                 log(f"robust: excluding {row['file']}: {'; '.join(row['reasons'])}")
         check_compatible(clients, options.allow_mixed_privacy)
     entry.check_needs(clients, unlabeled)
-    inputs = FusionInputs(clients, options, val, unlabeled)
+    inputs = FusionInputs(clients, options, val, unlabeled, reload)
     log(f"fusing {len(clients)} clients with {method} ({clients[0].structure}, M={clients[0].num_components})")
     t0 = time.perf_counter()
     result = entry(inputs, chosen)

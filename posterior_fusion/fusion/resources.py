@@ -12,7 +12,7 @@ READ_OVERHEAD = 32 * 2**20  # what reading and validating the files costs beyond
 
 
 def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettings, data_bytes: int = 0,
-                        data_rows: int = 0, keep_curvature: bool = True) -> int:
+                        data_rows: int = 0, keep_curvature: bool = True, folded: bool = False) -> int:
     """Peak-memory estimate of a fusion from ``declared_bytes`` of each client artifact and
     the declared size of the server's data files (``data_bytes``, ``data_rows`` samples).
 
@@ -22,7 +22,8 @@ def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettin
     (4 bytes per stored byte at most) and their logits per member; :data:`READ_OVERHEAD` on top
     (``benchmarks/compact_memory.py``: 6–16 MiB above the start-up for methods that hold nothing else).
     ``keep_curvature`` False (a fusion that reads none: :func:`~posterior_fusion.fusion.from_files.keeps_curvature`):
-    the artifacts without their curvature, and one block at a time (twice: read and decoded) while each is checked.
+    the artifacts without their curvature, and one block at a time (twice: read and decoded) while each is checked;
+    ``folded`` (:func:`~posterior_fusion.fusion.from_files.folds_clients`): also the largest client's curvature, 3x.
     """
     entry = get_method(method)
     size = FuseSize(headers[0]["num_params"], len(headers), max(h["num_components"] for h in headers))
@@ -34,6 +35,8 @@ def estimate_fuse_bytes(headers: list[dict], method: str, settings: MethodSettin
     else:
         total = READ_OVERHEAD + 3 * sum(h["data_bytes"] - h["curvature_bytes"] for h in headers)
         total += 2 * max(h["largest_block_bytes"] for h in headers)
+        if folded:
+            total += 3 * max(h["curvature_bytes"] for h in headers)
     total += entry.work_bytes(settings, size)
     total += 2 * members * size.d * 4
     total += 4 * data_bytes + members * data_rows * num_classes * 4

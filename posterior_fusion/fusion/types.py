@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,9 @@ class FusionInputs:
     options: FusionOptions = field(default_factory=FusionOptions)
     val: SiloData | None = None
     unlabeled: SiloData | None = None
+    reload: Callable[[ClientPosterior], ClientPosterior] | None = None
+    """Where the clients were loaded without their curvature for a method that folds them one at a time (its
+    :class:`~posterior_fusion.fusion.client_sums.ClientSums`): one client read again with it."""
 
     @property
     def spec(self) -> ModelSpec:

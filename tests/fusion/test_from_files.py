@@ -67,9 +67,10 @@ def _federation(folder, silo, clients: int) -> list:
     return paths
 
 
-def test_the_pool_and_fedavg_hold_no_client_curvature_at_a_hundred_clients(tmp_path, small_silo):
-    """At C = 100 the label-shift pool and FedAvg hold the curvature of at most 20 clients at once, measured (by
-    construction two blocks: each client's checked block by block, then dropped; the rest is the allocator's
+def test_the_pool_fedavg_and_fisher_merge_hold_no_client_curvature_at_a_hundred_clients(tmp_path, small_silo):
+    """At C = 100 the label-shift pool, FedAvg and the Fisher merge hold the curvature of at most 20 clients at
+    once, measured (by construction two blocks, or one client's for the Fisher merge, which folds the clients into
+    its sums one at a time: each client's checked block by block, then dropped; the rest is the allocator's
     noise, up to 45 MiB seen): the fusion's peak resident memory grows from C = 2 by less than 20 clients'
     curvature plus the 100 clients' weights, where keeping the curvature (the robust pool, which reads it) grows
     it by most of the 490 MB. Measured as each fusion process's peak RSS."""
@@ -90,7 +91,8 @@ def test_the_pool_and_fedavg_hold_no_client_curvature_at_a_hundred_clients(tmp_p
         return kib * 1024
 
     slack = 20 * header["curvature_bytes"] + 3 * 100 * (header["data_bytes"] - header["curvature_bytes"])
-    for method in (["--method", "ensemble", "--set", "pooling=label-shift"], ["--method", "fedavg"]):
+    for method in (["--method", "ensemble", "--set", "pooling=label-shift"], ["--method", "fedavg"],
+                   ["--method", "fisher-merge"]):  # fisher-merge reads each client's curvature, one at a time
         small, large = peak(method, paths[:2]), peak(method, paths)
         assert large - small < slack, (method, small / 2**20, large / 2**20)
     kept = peak(["--method", "ensemble", "--set", "pooling=label-shift", "--set", "robust=true"], paths) \
@@ -159,3 +161,30 @@ def test_fuse_on_the_gpu_is_refused_when_its_working_set_exceeds_the_free_gpu_me
     with pytest.raises(ResourceLimitError, match="of GPU memory, over 90% of the .* free on the GPU"):
         fuse(paths, "fedbens", FusionOptions(device="cuda", progress=False))
     assert not loaded  # refused before any artifact is loaded
+
+
+def test_a_folded_fisher_merge_equals_the_one_that_holds_every_client_and_refuses_a_changed_file(tmp_path,
+                                                                                                  small_silo):
+    """The Fisher merge from files folds the clients into its sums one at a time (each read again with its
+    curvature): its member is bit for bit the one computed on clients held with their curvature, and a file that
+    changed between its two reads is refused in one line naming it."""
+    import shutil
+
+    from conftest import fit_split
+
+    from posterior_fusion.artifact.reader import load_client
+    from posterior_fusion.errors import IncompatibleArtifactsError
+    from posterior_fusion.fusion.from_files import _with_curvature, folds_clients, fuse
+    from posterior_fusion.fusion.from_posteriors import fuse_clients
+    from posterior_fusion.fusion.settings_parsing import MethodSettings
+
+    paths = fit_split(tmp_path, small_silo, 3, 60, "kron", mixtures=1, epochs=1)
+    assert folds_clients("fisher-merge", MethodSettings()) and not folds_clients("fisher-merge", MethodSettings(), True)
+    inputs, folded, _ = fuse(paths, "fisher-merge")
+    assert all(c.components[0].curvature is None for c in inputs.clients)  # held without it
+    _, held, _ = fuse_clients([load_client(p) for p in paths], "fisher-merge")
+    assert torch.equal(folded.members[0], held.members[0])
+    light = load_client(paths[0], keep_curvature=False)
+    shutil.copy(paths[1], paths[0])
+    with pytest.raises(IncompatibleArtifactsError, match=f"{paths[0]}: changed while it was being fused"):
+        _with_curvature(light, None)
