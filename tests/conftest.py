@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs one worker per core: one thread each (and in the
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs a worker per core and one more: one thread each (and in the
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # commands the tests start), not two workers × all cores
 import torch as _torch  # noqa: E402
 
