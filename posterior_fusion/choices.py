@@ -30,11 +30,6 @@ class Choice(str, enum.Enum):
         """The values in declaration order."""
         return tuple(m.value for m in cls)
 
-    @classmethod
-    def described(cls) -> str:
-        """``value: doc; value: doc`` for ``--help``."""
-        return "; ".join(f"{m.value}: {m.doc}" for m in cls)
-
 
 class Structure(Choice):
     """Curvature a silo captures."""

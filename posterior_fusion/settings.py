@@ -134,7 +134,7 @@ def describe(cls: type) -> list[dict[str, Any]]:
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = field_default(f)
         out.append({"name": f.name, "type": type_name(hints[f.name]), "default": default,
                     "help": f.metadata["help"], "bounds": f.metadata.get("bounds"),
                     "choices": f.metadata.get("choices"), "choice_docs": f.metadata.get("choice_docs")})
@@ -164,7 +164,11 @@ def given_in_run_config(cls: type, cfg: Mapping[str, Any], prefix: str = "") -> 
 def declared_default(cls: type, name: str) -> Any:
     """The default ``cls`` declares for its field ``name``: what a reader takes where a recorded value is absent,
     so that no module writes a setting's default a second time."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field_default(next(f for f in dataclasses.fields(cls) if f.name == name))
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """A declared field's default (a fresh copy of a list or table default)."""
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 

@@ -53,9 +53,8 @@ def plan_fusion(client_paths: list[str | os.PathLike], method: str | None,
     if method is None:
         method, settings = resolve_default(None, None if isinstance(settings, MethodSettings) else settings)
     chosen = method_settings(method, settings)
-    keep = keeps_curvature(method, chosen, robust, tune, distill, unlabeled_path)
-    folded = keep and folds_clients(method, chosen, robust, tune)
-    return _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep and not folded, folded)[0]
+    keep, folded = _curvature_reading(method, chosen, robust, tune, distill, unlabeled_path)
+    return _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep, folded)[0]
 
 
 def keeps_curvature(method: str, chosen: MethodSettings, robust: bool = False, tune: tuple[str, ...] = (),
@@ -77,6 +76,13 @@ def folds_clients(method: str, chosen: MethodSettings, robust: bool = False, tun
     it for its term of the sum."""
     sums = get_method(method).sums
     return sums is not None and sums.structures is None and not robust and not tune
+
+
+def _curvature_reading(method, chosen, robust, tune, distill, unlabeled_path) -> tuple[bool, bool]:
+    """``(keep, folded)``: whether the clients are held with their curvature, or read again one at a time."""
+    keep = keeps_curvature(method, chosen, robust, tune, distill, unlabeled_path)
+    folded = keep and folds_clients(method, chosen, robust, tune)
+    return keep and not folded, folded
 
 
 def _plan(client_paths, method: str, chosen: MethodSettings, val_path, unlabeled_path,
@@ -153,9 +159,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     if options.batchnorm_statistics == "reset" and not (unlabeled_path or val_path):
         raise ConfigError("`batchnorm_statistics` reset estimates the fused model's BatchNorm statistics on server "
                           "inputs: give `unlabeled` (or `val`) data")
-    keep = keeps_curvature(method, chosen, robust, tune, distill, unlabeled_path)
-    folded = keep and folds_clients(method, chosen, robust, tune)
-    keep = keep and not folded
+    keep, folded = _curvature_reading(method, chosen, robust, tune, distill, unlabeled_path)
     plan, headers = _plan(client_paths, method, chosen, val_path, unlabeled_path, max_memory, keep, folded)
     need = plan["memory_estimate_bytes"]
     if options.device == "cuda":  # the GPU's own working set, against what is free on it now

@@ -3,7 +3,6 @@ experiment runner all build (defaults live here and nowhere else)."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import typing
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from posterior_fusion.choices import (
 )
 from posterior_fusion.compat import RENAMED_FIT_SETTINGS, rename_keys
 from posterior_fusion.errors import ConfigError, shown
-from posterior_fusion.settings import check_declared, convert, setting
+from posterior_fusion.settings import check_declared, convert, field_default, setting
 
 if typing.TYPE_CHECKING:
     from posterior_fusion.curvature.compressed import Compression
@@ -320,7 +319,7 @@ def _declared(cls: type, prefix: str, path: tuple[str, ...]) -> list[FitSetting]
     for f in fields(cls):
         if "help" not in f.metadata:  # nested records (train, ppd, local_model) are listed on their own
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = field_default(f)
         out.append(FitSetting(prefix + f.name, (*path, f.name), hints[f.name], default, f.metadata["help"],
                               f.metadata.get("choices"), f.metadata.get("bounds"),
                               f.metadata.get("choice_docs")))
