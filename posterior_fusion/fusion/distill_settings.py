@@ -67,6 +67,13 @@ class TeachingConfig:
     ema: float = setting(0.999, "Decay of the moving average of the student's weights that is kept (0: the last "
                                 "iterate).", bounds=(0.0, 0.999999))
     seed: int = setting(0, "Seed of the student's start, batches and augmentations.", bounds=(0, 2**63 - 1))
+    views: int = setting(0, "Augmented views of each input taught once and cached, the steps drawing their batches "
+                            "from them (0: a fresh view at every step). The teacher is still evaluated on the "
+                            "student's exact view: views x inputs teacher evaluations in all, instead of steps x "
+                            "batch_size.", bounds=(0, 10**4))
+    student: str = setting("", "The student's model, another than the clients' (smaller or wider): a model name, or "
+                               "its spec as JSON, e.g. {\"name\": \"lenet\", \"kwargs\": {\"width\": 2}}; it "
+                               "starts from scratch [default: the clients' architecture].")
     synth_size: int = setting(5000, "Data-free: how many inputs to synthesise.", bounds=(10, 10**7))
     synth_steps: int = setting(200, "Data-free: optimisation steps per synthetic batch.", bounds=(1, 10**6))
     moment_weight: float = setting(10.0, "Data-free: weight of the first-layer second-moment mismatch.",
@@ -77,6 +84,9 @@ class TeachingConfig:
     def validate(self) -> None:
         check_declared(self, "distillation")
         self.shape()
+        if len(self.student) > 2000:
+            raise ConfigError("distillation setting 'student' must be a model name or spec of at most 2,000 "
+                              "characters")
 
     def shape(self) -> tuple[int, ...] | None:
         """``input_shape`` as a tuple (None where it is not set)."""

@@ -20,7 +20,7 @@ from posterior_fusion.fusion.registry import get_method, resolve_default
 from posterior_fusion.fusion.resources import estimate_device_bytes, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.teaching import TeachingConfig, teach_members
+from posterior_fusion.fusion.teaching import TeachingConfig, student_spec, synthetic_input_shape, teach_members
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
 from posterior_fusion.metrics import evaluate_members
@@ -175,6 +175,10 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     val = read_silo(val_path, num_classes=k, max_memory=max_memory) if val_path else None
     unlabeled = (read_silo(unlabeled_path, num_classes=k, max_memory=max_memory, labels=False)
                  if unlabeled_path else None)
+    student = None  # a student of another model: refused before any fusion where it does not fit the inputs
+    if isinstance(distill, TeachingConfig) and distill.student:
+        student = student_spec(distill, clients[0].model_spec, unlabeled.input_shape() if unlabeled is not None
+                               else synthetic_input_shape(distill, clients))
     for data in (val, unlabeled):
         if data is not None:
             check_transform(clients[0].metadata.get("input_transform"), data.input_transform, data.source,
@@ -202,8 +206,8 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
             + (f"on {len(unlabeled)} unlabeled inputs" if unlabeled is not None else "without server inputs"))
         w, record = teach_members(inputs.spec, list(result.members), None if unlabeled is None else unlabeled.inputs(),
                                   distill, result.pooling(inputs.spec.num_classes), result.mode_weights,
-                                  inputs.clients, options.progress, log, distill_checkpoint)
-        teachers, result = result, result.distilled(w, record)
+                                  inputs.clients, options.progress, log, distill_checkpoint, student)
+        teachers, result = result, result.distilled(w, record, student)
         metadata = {**{k: v for k, v in metadata.items() if k not in teachers.info}, **result.info}
         metadata["distill"] = {**record, **({"file": str(unlabeled_path), "sha256": unlabeled.sha256()}
                                            if unlabeled is not None else {"file": None})}
@@ -238,8 +242,8 @@ def check_calibration(inputs: FusionInputs, result, val, tunable: bool, max_memo
     """One warning when the fused ensemble's validation ECE is at least :data:`MISCALIBRATED_ECE`: which
     way it errs (its mean confidence against its accuracy) and what helps — for a method whose fit
     depends on T and σ0² (``tunable``), choosing them on the validation data; else the default fusion."""
-    m = evaluate_members(inputs.spec, result.members, val, max_memory=max_memory, weights=result.mode_weights,
-                         pooling=result.pooling(inputs.spec.num_classes))
+    m = evaluate_members(result.model_spec(inputs), result.members, val, max_memory=max_memory,
+                         weights=result.mode_weights, pooling=result.pooling(inputs.spec.num_classes))
     if m["ece"] < MISCALIBRATED_ECE:
         return
     filled = [r for r in m["reliability"] if r["count"]]

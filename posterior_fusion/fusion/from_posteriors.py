@@ -19,6 +19,7 @@ from posterior_fusion.fusion.registry import get_method
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings_parsing import MethodSettings
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
+from posterior_fusion.layout import ParameterLayout
 
 FAR_FACTOR = 100.0  # a fused member this many times farther from the prior centre than every client MAP warns
 
@@ -36,7 +37,9 @@ def method_settings(method: str, settings: MethodSettings | Mapping[str, Any] | 
 
 def write_fused(path: str | os.PathLike, inputs: FusionInputs, result: FusionResult, metadata: dict) -> None:
     """Write the global artifact of a fusion (members, and their Laplace curvature when the method made one)."""
-    write_global_artifact(path, inputs.spec, inputs.clients[0].layout, metadata, result.members, result.curvatures)
+    spec = result.model_spec(inputs)
+    layout = inputs.clients[0].layout if result.spec is None else ParameterLayout.from_model(spec.build())
+    write_global_artifact(path, spec, layout, metadata, result.members, result.curvatures)
 
 
 def applicable_settings(method: str, values: Mapping[str, Any]) -> dict[str, Any]:

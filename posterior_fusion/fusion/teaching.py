@@ -10,7 +10,8 @@ top class agrees on flipped and unflipped held-out inputs for at least :data:`FL
 mixup between inputs of the batch (λ ~ Beta(``mixup``, ``mixup``)); vectors and token ids mixup only where
 they are real-valued (token ids: none). The loss is the KL divergence from the teacher to the student at
 ``temperature`` (times T², so its gradient's scale does not depend on T); Adam with a cosine schedule for
-``steps`` steps; the student starts from scratch (the spec's initialisation at ``seed``) or from the member
+``steps`` steps (``views`` > 0: each input's augmented views are drawn and taught once, ``views`` of them, and
+every step's batch is drawn from that cache: the teacher's cost no longer grows with ``steps``); the student starts from scratch (the spec's initialisation at ``seed``) or from the member
 whose prediction agrees most with the teacher's; an exponential moving average of its weights (``ema``) is
 the result. A tenth of the inputs (at least 50) is held out: the student's top-1 agreement with the teacher
 there is logged as it trains and recorded.
@@ -36,7 +37,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from posterior_fusion.errors import ConfigError
+from posterior_fusion.budget import require
+from posterior_fusion.errors import ConfigError, ModelSpecError
 from posterior_fusion.fusion import teaching_checkpoint as checkpoints
 from posterior_fusion.fusion.distill_settings import TeachingConfig
 from posterior_fusion.models import ModelSpec
@@ -85,6 +87,24 @@ def augment(x: torch.Tensor, cfg: TeachingConfig, flip: bool, gen: torch.Generat
     return out
 
 
+def view_cache(x: torch.Tensor, cfg: TeachingConfig, flip: bool, gen: torch.Generator, integral: bool,
+               teach_fn: Callable[[torch.Tensor], torch.Tensor], classes: int,
+               show_progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cfg.views`` augmented views of every input of ``x`` ``(n, ...)`` (batches of ``cfg.batch_size`` in a fresh
+    order per round, mixup within each) and the teacher on each: ``(views·n, ...)``, ``(views·n, classes)``."""
+    n = x.shape[0]
+    require(cfg.views * n * (x[0].numel() * x.element_size() + 4 * classes),
+            f"the distillation's cache of {cfg.views} views of {n} inputs (setting `views`)")
+    xs, ts = [], []
+    for _ in progress(range(cfg.views), "distill (teaching the cached views)", show=show_progress):
+        order = torch.randperm(n, generator=gen)
+        for i in range(0, n, cfg.batch_size):
+            view = augment(x[order[i: i + cfg.batch_size]], cfg, flip, gen, integral)
+            xs.append(view)
+            ts.append(teach_fn(view))
+    return torch.cat(xs), torch.cat(ts)
+
+
 def _agreement(student: nn.Module, x: torch.Tensor, target: torch.Tensor) -> float:
     with torch.no_grad():
         was = student.training
@@ -120,7 +140,8 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
     held = max(min(50, n // 2), n // 10)
     perm = torch.randperm(n, generator=gen)
     held_x, train_x = x[perm[:held]], x[perm[held:]]
-    held_top = teach_fn(held_x).argmax(-1)
+    held_probs = teach_fn(held_x)
+    held_top = held_probs.argmax(-1)
     # token ids (integral vectors) take no mixup: an average of two ids is no token
     integral = not x.is_floating_point() or (x.ndim == 2 and bool(torch.equal(x[:64], x[:64].round())))
     flip = {"on": True, "off": False}.get(cfg.flip)
@@ -137,6 +158,8 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
         vector_to_parameters(members[best].detach().clone().float(), model.parameters())
         start = f"member {best}"
     model.train()
+    cache = (view_cache(train_x, cfg, flip, gen, integral, teach_fn, held_probs.shape[-1], show_progress)
+             if cfg.views else None)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(1.0, t / cfg.steps))))
     average = parameters_to_vector(model.parameters()).detach().clone()
@@ -154,9 +177,13 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
         checkpoints.save(checkpoint, key, 0, model, opt, average, gen, history, synthetic, synthesis)
     bar = progress(range(done, cfg.steps), "distill (consistent)", total=cfg.steps - done, show=show_progress)
     for step in bar:
-        idx = torch.randint(0, train_x.shape[0], (min(cfg.batch_size, train_x.shape[0]),), generator=gen)
-        view = augment(train_x[idx], cfg, flip, gen, integral)
-        target = teach_fn(view)  # the teacher on the student's exact view
+        if cache is None:
+            idx = torch.randint(0, train_x.shape[0], (min(cfg.batch_size, train_x.shape[0]),), generator=gen)
+            view = augment(train_x[idx], cfg, flip, gen, integral)
+            target = teach_fn(view)  # the teacher on the student's exact view
+        else:
+            idx = torch.randint(0, cache[0].shape[0], (min(cfg.batch_size, cache[0].shape[0]),), generator=gen)
+            view, target = cache[0][idx], cache[1][idx]  # a cached view and the teacher on it
         logits = model(view)
         loss = T * T * nn.functional.kl_div(torch.log_softmax(logits / T, -1),
                                             torch.softmax(target.clamp_min(1e-12).log() / T, -1),
@@ -256,13 +283,43 @@ def client_input_moment(client) -> torch.Tensor | None:
     return None if not factors else torch.stack([f.float() for f in factors]).mean(0)
 
 
+def synthetic_input_shape(cfg: TeachingConfig, clients) -> tuple[int, ...]:
+    """One input's shape for data-free teaching: the setting ``input_shape``, else the one all ``clients`` record."""
+    recorded = {tuple(c.metadata.get("input_shape") or ()) for c in clients}
+    shape = cfg.shape() or (next(iter(recorded)) if len(recorded) == 1 and () not in recorded else None)
+    if shape is None:
+        raise ConfigError("distillation without server inputs needs one input's shape: the clients record none "
+                          "(set the distillation setting input_shape, e.g. 1,28,28)")
+    return shape
+
+
+def student_spec(cfg: TeachingConfig, spec: ModelSpec, input_shape: tuple[int, ...]) -> ModelSpec:
+    """The student's model: the clients' ``spec``, or the one the setting ``student`` names, fitted to the
+    inputs ``input_shape`` and the clients' classes and trained whole; refused in one line where it does not fit."""
+    if not cfg.student:
+        return spec
+    text = cfg.student.strip()
+    where = f"the distillation's student {text[:80]!r} (`distill_student`)"
+    try:
+        named = ModelSpec.from_json(text) if text.startswith("{") else ModelSpec(text, {})
+        if named.finetune != "all":
+            raise ModelSpecError("a student is trained whole: leave out its finetune")
+        student = named.fitted_to(tuple(input_shape), spec.num_classes, "its inputs")
+        student.check_input(tuple(input_shape), "its inputs")
+    except ModelSpecError as exc:
+        raise ModelSpecError(f"{where}: {str(exc).replace('`model_kwargs`', 'its kwargs')}") from None
+    return student
+
+
 def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor | None, cfg: TeachingConfig,
                   pooling: Pooling, weights: torch.Tensor | None, clients=(), show_progress: bool = True,
                   log: Callable[[str], None] = lambda m: None,
-                  checkpoint: str | os.PathLike | None = None) -> tuple[torch.Tensor, dict]:
+                  checkpoint: str | os.PathLike | None = None,
+                  student: ModelSpec | None = None) -> tuple[torch.Tensor, dict]:
     """:func:`teach` on the server's inputs ``x``, or without them (``x`` None) on inputs synthesised from the
     teacher and the ``clients``' first-layer input factors (:func:`synthesise`; one input's shape from ``cfg`` or
-    the clients' records). ``checkpoint``: :func:`teach`'s (a data-free run keeps its synthetic inputs there)."""
+    the clients' records). ``checkpoint``: :func:`teach`'s (a data-free run keeps its synthetic inputs there);
+    ``student``: the student's model (:func:`student_spec`) [default: ``spec``]."""
     import hashlib
 
     teachers = torch.stack([m.float() for m in members])
@@ -276,11 +333,7 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
             raise ConfigError("distillation without server inputs needs every client's first-layer K-FAC input "
                               "factor (structure kron)")
         moment = pooled_input_moment(moments, [c.n_data for c in clients])
-        recorded = {tuple(c.metadata.get("input_shape") or ()) for c in clients}
-        input_shape = cfg.shape() or (next(iter(recorded)) if len(recorded) == 1 and () not in recorded else None)
-        if input_shape is None:
-            raise ConfigError("distillation without server inputs needs one input's shape: the clients record none "
-                              "(set the distillation setting input_shape, e.g. 1,28,28)")
+        input_shape = synthetic_input_shape(cfg, clients)
         synthetic_key = checkpoints.fingerprint("data-free", cfg.to_json(), spec.to_json(), repr(pooling), weights,
                                                 teachers, moment, list(input_shape))
         kept = checkpoints.saved_inputs(checkpoint, synthetic_key) if checkpoint is not None else None
@@ -290,8 +343,8 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
         else:
             log(f"synthesising {cfg.synth_size} inputs from the teachers and the clients' first-layer input moments")
             x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress)
-    w, out = teach(spec, teachers, x, cfg, pooling, weights, show_progress=show_progress, teacher=teacher, log=log,
-                   checkpoint=checkpoint, synthetic_key=synthetic_key, synthesis=record)
+    w, out = teach(spec, teachers, x, cfg, pooling, weights, student=student, show_progress=show_progress,
+                   teacher=teacher, log=log, checkpoint=checkpoint, synthetic_key=synthetic_key, synthesis=record)
     if record:
         out.update(recipe="data-free", synthesis=record)
     out["teacher_sha256"] = digest

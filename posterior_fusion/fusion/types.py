@@ -77,6 +77,7 @@ class FusionResult:
     members: list[torch.Tensor]
     info: dict[str, Any] = field(default_factory=dict)
     curvatures: list[BlockDiag] | None = None  # raw Laplace curvature per member (precision = curvature + λ0 I)
+    spec: ModelSpec | None = None  # the members' model where it is not the clients' (a distilled student's)
 
     # info fields indexed by member: how the members' predictions combine and where they came from (they go
     # with the members)
@@ -93,8 +94,12 @@ class FusionResult:
         raw = self.info.get("pooling")
         return AVERAGE if raw is None else Pooling.from_metadata(raw, len(self.members), num_classes)
 
-    def distilled(self, w: torch.Tensor, record: dict[str, Any]) -> FusionResult:
-        """The result once its members are distilled into the one model ``w`` ``(d,)``: the
-        members' combination fields leave with them, the distillation ``record`` is added."""
+    def distilled(self, w: torch.Tensor, record: dict[str, Any], spec: ModelSpec | None = None) -> FusionResult:
+        """The result once its members are distilled into the one model ``w`` ``(d,)`` (of ``spec`` where it is not
+        the clients' model): the members' combination fields leave with them, the distillation ``record`` is added."""
         info = {k: v for k, v in self.info.items() if k not in self.COMBINATION_KEYS}
-        return FusionResult([w], {**info, "distill": record})
+        return FusionResult([w], {**info, "distill": record}, spec=spec)
+
+    def model_spec(self, inputs: FusionInputs) -> ModelSpec:
+        """The members' model: :attr:`spec`, else the clients'."""
+        return self.spec or inputs.spec

@@ -9,18 +9,22 @@ import torch
 from torch import nn
 
 
-def lenet(num_classes: int = 10, in_channels: int = 1, bias: bool = False) -> nn.Sequential:
-    """FedBEns LeNet for 28x28 inputs: conv(1->6,5) pool conv(6->16,5) pool fc 256->120->84->C.
+def lenet(num_classes: int = 10, in_channels: int = 1, bias: bool = False, width: int = 1) -> nn.Sequential:
+    """FedBEns LeNet for 28x28 inputs: conv(1->6,5) pool conv(6->16,5) pool fc 256->120->84->C, every layer's
+    width times ``width`` (1: the paper's network).
 
-    Without biases (the paper's default) it has 44,190 parameters.
+    Without biases (the paper's default) it has 44,190 parameters at ``width`` 1.
     """
+    if not 1 <= width <= 64:
+        raise ValueError(f"lenet width must be 1 to 64, got {width}")
+    c1, c2, h1, h2 = 6 * width, 16 * width, 120 * width, 84 * width
     return nn.Sequential(
-        nn.Conv2d(in_channels, 6, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(in_channels, c1, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, 5, bias=bias), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(256, 120, bias=bias), nn.ReLU(),
-        nn.Linear(120, 84, bias=bias), nn.ReLU(),
-        nn.Linear(84, num_classes, bias=bias),
+        nn.Linear(16 * c2, h1, bias=bias), nn.ReLU(),
+        nn.Linear(h1, h2, bias=bias), nn.ReLU(),
+        nn.Linear(h2, num_classes, bias=bias),
     )
 
 

@@ -17,7 +17,7 @@ from posterior_fusion.models import builtin
 
 # name -> (builder, {kwarg: type}); the types are what a JSON spec may carry.
 MODEL_REGISTRY: dict[str, tuple[Callable[..., nn.Module], dict[str, type]]] = {
-    "lenet": (builtin.lenet, {"num_classes": int, "in_channels": int, "bias": bool}),
+    "lenet": (builtin.lenet, {"num_classes": int, "in_channels": int, "bias": bool, "width": int}),
     "cnn": (builtin.cnn, {"num_classes": int, "in_channels": int, "bias": bool}),
     "mlp": (builtin.mlp, {"num_classes": int, "in_features": int, "hidden": int, "bias": bool, "hidden_sizes": list}),
     "resnet20": (builtin.resnet20, {"num_classes": int, "in_channels": int, "width": int, "norm": str}),

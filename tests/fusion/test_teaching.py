@@ -11,6 +11,7 @@ from torch.nn.utils import parameters_to_vector
 
 import posterior_fusion
 from posterior_fusion.cli.main import pfuse
+from posterior_fusion.data.silo import SiloData
 from posterior_fusion.fusion.distill_settings import TeachingConfig
 from posterior_fusion.fusion.teaching import augment, first_layer, input_second_moment, teach
 from posterior_fusion.models import ModelSpec
@@ -46,6 +47,39 @@ def test_the_teacher_sees_exactly_the_students_augmented_batch():
     assert len(seen_by_student) == len(during) == 5
     assert all(torch.equal(a, b) for a, b in zip(seen_by_student, during))
     assert not any(torch.equal(b, x[: len(b)]) for b in during)
+
+
+def test_cached_views_are_taught_once_each_and_every_batch_is_drawn_from_them():
+    """With ``views``: the teacher is asked once per cached view, never during the steps, and every batch the student
+    trains on is a set of those views (so the teacher's output is still the one on the student's exact view)."""
+    spec = ModelSpec("mlp", {"in_features": 16, "hidden": 4, "num_classes": 3})
+    torch.manual_seed(0)
+    members = parameters_to_vector(spec.build().parameters())[None].detach()
+    x = torch.randn(60, 1, 4, 4)
+    asked, trained = [], []
+
+    def spy(batch: torch.Tensor) -> torch.Tensor:
+        asked.append(batch.clone())
+        return torch.softmax(batch.reshape(batch.shape[0], -1)[:, :3], -1)
+
+    cfg = TeachingConfig(steps=7, batch_size=8, pad=1, flip="on", mixup=1.0, ema=0.0, views=3)
+    real_build = ModelSpec.build
+
+    def build(self):
+        model = real_build(self)
+        model.register_forward_pre_hook(lambda m, args: trained.append(args[0].clone()) if m.training else None)
+        return model
+
+    try:
+        ModelSpec.build = build
+        teach(spec, members, x, cfg, teacher=spy, show_progress=False)
+    finally:
+        ModelSpec.build = real_build
+    views = torch.cat(asked[1:])  # after the held-out inputs: the cache, 3 views of the 30 training inputs (30 held out)
+    assert views.shape[0] == 3 * 30 and len(trained) == 7
+    assert not any(torch.equal(v, u) for v in views[:8] for u in x)  # augmented, not the clean inputs
+    for batch in trained:
+        assert all(bool((views == row).flatten(1).all(1).any()) for row in batch)
 
 
 def test_augment_shifts_within_the_padding_and_flips_only_when_asked():
@@ -93,6 +127,36 @@ def test_data_free_teaching_matches_the_clients_input_moment_and_reads_no_silo(t
     assert len(record["teacher_sha256"]) == 64 and 0 <= record["agreement"] <= 1
     shown = CliRunner().invoke(pfuse, ["inspect", str(out)])
     assert record["teacher_sha256"] in shown.output and "agreement" in shown.output
+
+
+def test_a_student_of_another_model_is_taught_and_its_artifact_serves_it(tmp_path, small_silo):
+    """``--distill-student``: the one network is of the named model (wider than the clients'), written with its own
+    spec and layout; ``evaluate`` and the Python API serve it, its predictions are the student's own; a student that
+    does not fit the inputs is refused in one line before any fusion."""
+    from posterior_fusion.data.silo import write_silo
+
+    paths = fit_split(tmp_path, small_silo, 2, 100, "diag", kwargs={"hidden": 4}, mixtures=1)
+    server = tmp_path / "server.h5"
+    write_silo(server, SiloData(small_silo.x[200:300], None, "fmnist", 10))
+    test = tmp_path / "test.h5"
+    write_silo(test, SiloData(small_silo.x[200:300], small_silo.y[200:300], "fmnist", 10))
+    out = tmp_path / "wide.h5"
+    wide = '{"name": "mlp", "kwargs": {"hidden": 24}}'
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill", "--unlabeled",
+                                   str(server), "--distill-steps", "40", "--distill-student", wide, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    g = posterior_fusion.load(out)
+    assert g.model_spec.name == "mlp" and g.model_spec.kwargs["hidden"] == 24
+    assert len(g.members) == 1 and g.members[0].numel() == g.model_spec.parameter_count()
+    assert g.metadata["distill"]["start"] == "scratch" and '"hidden": 24' in g.metadata["distill"]["student"]
+    assert first_layer(g.models()[0]).weight.shape == (24, 784)
+    r = CliRunner().invoke(pfuse, ["evaluate", str(out), "--data", str(test), "--json"])
+    assert r.exit_code == 0 and '"accuracy"' in r.output, r.output
+    for student in ('{"name": "lenet", "kwargs": {"in_channels": 3}}', "nosuchnet", '{"name": "lenet"'):
+        bad = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill", "--unlabeled",
+                                         str(server), "--distill-student", student, "--out", str(tmp_path / "no.h5")])
+        assert bad.exit_code == 2 and bad.stderr.count("\n") == 1, bad.output
+        assert "distill" not in bad.output.replace(bad.stderr, "") and not (tmp_path / "no.h5").exists()
 
 
 def test_the_moment_is_the_kfac_input_factor(small_silo, tmp_path):

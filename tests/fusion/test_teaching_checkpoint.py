@@ -56,6 +56,20 @@ def test_an_interrupted_distillation_resumes_to_the_same_result(tmp_path, teache
     assert again["history"] == record["history"] and again["agreement"] == record["agreement"]
 
 
+def test_an_interrupted_distillation_from_cached_views_resumes_to_the_same_result(tmp_path, teachers):
+    members, x = teachers
+    cfg = TeachingConfig(steps=30, batch_size=16, mixup=1.0, ema=0.9, seed=5, views=2)
+    whole, _ = teach(SPEC, members, x, cfg, show_progress=False)
+    ck = tmp_path / "views.distill-partial"
+    with pytest.raises(Interrupt):
+        teach(SPEC, members, x, cfg, show_progress=False, checkpoint=ck, log=stop_at(21))
+    resumed, _ = teach(SPEC, members, x, cfg, show_progress=False, checkpoint=ck)
+    assert torch.equal(resumed, whole)
+    fresh, _ = teach(SPEC, members, x, TeachingConfig(steps=30, batch_size=16, mixup=1.0, ema=0.9, seed=5),
+                     show_progress=False)
+    assert not torch.equal(fresh, whole)  # the cache changes what is taught
+
+
 def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path, teachers):
     members, x = teachers
     ck = tmp_path / "run.distill-partial"
