@@ -63,6 +63,9 @@ class TeachingConfig:
     pad: int = setting(2, "Images: the random shift's padding in pixels (0: none).", bounds=(0, 64))
     flip: str = setting("auto", "Images: the horizontal flip.", choices=Flip)
     mixup: float = setting(1.0, "Mixup's Beta(a, a) parameter (0: no mixup).", bounds=(0.0, 100.0))
+    cutmix: float = setting(0.0, "Images: CutMix's Beta(a, a) parameter, a box of another input of the batch pasted "
+                                 "in, of area 1 - lambda (0: none); with mixup as well, each batch takes one of the "
+                                 "two at random.", bounds=(0.0, 100.0))
     start: str = setting("member", "The student's start.", choices=StudentStart)
     ema: float = setting(0.999, "Decay of the moving average of the student's weights that is kept (0: the last "
                                 "iterate).", bounds=(0.0, 0.999999))

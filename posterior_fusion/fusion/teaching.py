@@ -7,7 +7,8 @@ evaluated on the very batch the student sees, after the augmentation, never on c
 augmentations by input kind: images ``(n, C, H, W)`` a random shift (crop of the zero-padded image by
 ``pad`` pixels), a horizontal flip where it is label-preserving — decided on the data, as whether the teacher's
 top class agrees on flipped and unflipped held-out inputs for at least :data:`FLIP_AGREEMENT` of them — and
-mixup between inputs of the batch (λ ~ Beta(``mixup``, ``mixup``)); vectors and token ids mixup only where
+mixup between inputs of the batch (λ ~ Beta(``mixup``, ``mixup``)) or CutMix (``cutmix``, :func:`cutmix`; with
+both, one of the two per batch at random); vectors and token ids mixup only where
 they are real-valued (token ids: none). The loss is the KL divergence from the teacher to the student at
 ``temperature`` (times T², so its gradient's scale does not depend on T); Adam with a cosine schedule for
 ``steps`` steps (``views`` > 0: each input's augmented views are drawn and taught once, ``views`` of them, and
@@ -79,11 +80,30 @@ def augment(x: torch.Tensor, cfg: TeachingConfig, flip: bool, gen: torch.Generat
     if flip and x.ndim == 4:
         mask = torch.rand(x.shape[0], generator=gen) < 0.5
         out = torch.where(mask[:, None, None, None], out.flip(-1), out)
-    if cfg.mixup > 0 and not integral:
+    mixup = cfg.mixup > 0 and not integral
+    if cfg.cutmix > 0 and x.ndim == 4 and (not mixup or bool(torch.rand((), generator=gen) < 0.5)):
+        return cutmix(out, cfg.cutmix, gen)
+    if mixup:
         lam = torch.distributions.Beta(cfg.mixup, cfg.mixup).sample((x.shape[0],)).clamp(0, 1)
         order = torch.randperm(x.shape[0], generator=gen)
         shape = (-1,) + (1,) * (x.ndim - 1)
         out = lam.reshape(shape) * out + (1 - lam.reshape(shape)) * out[order]
+    return out
+
+
+def cutmix(x: torch.Tensor, a: float, gen: torch.Generator) -> torch.Tensor:
+    """CutMix within the batch of images ``x`` ``(b, C, H, W)`` (Yun et al. 2019): each image takes a box of another
+    of the batch, of side ``√(1 − λ)`` times its own, centred at a uniform pixel and cut at the edges,
+    λ ~ Beta(a, a)."""
+    b, _, h, w = x.shape
+    lam = torch.distributions.Beta(a, a).sample((b,)).clamp(0, 1)
+    order = torch.randperm(b, generator=gen)
+    cy, cx = torch.randint(0, h, (b,), generator=gen), torch.randint(0, w, (b,), generator=gen)
+    out = x.clone()
+    for i, (side, y, z) in enumerate(zip((1 - lam).sqrt().tolist(), cy.tolist(), cx.tolist())):
+        dh, dw = round(side * h / 2), round(side * w / 2)
+        y0, y1, z0, z1 = max(y - dh, 0), min(y + dh, h), max(z - dw, 0), min(z + dw, w)
+        out[i, :, y0:y1, z0:z1] = x[order[i], :, y0:y1, z0:z1]
     return out
 
 

@@ -13,7 +13,7 @@ import posterior_fusion
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.fusion.distill_settings import TeachingConfig
-from posterior_fusion.fusion.teaching import augment, first_layer, input_second_moment, teach
+from posterior_fusion.fusion.teaching import augment, cutmix, first_layer, input_second_moment, teach
 from posterior_fusion.models import ModelSpec
 
 
@@ -91,6 +91,33 @@ def test_augment_shifts_within_the_padding_and_flips_only_when_asked():
     assert all(torch.equal(o, v) or torch.equal(o, v.flip(-1)) for o, v in zip(out, x))
     out = augment(x, TeachingConfig(pad=1, mixup=0.0), False, g, False)
     assert out.shape == x.shape
+
+
+def test_cutmix_pastes_one_box_of_another_image_of_the_batch():
+    """Each image is itself outside one axis-aligned box and, inside it, another image of the batch; with mixup as
+    well, batches take one or the other."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 2, 9, 9)
+    out = cutmix(x, 1.0, torch.Generator().manual_seed(1))
+    pasted = 0
+    for i in range(16):
+        changed = (out[i] != x[i]).any(0)
+        if changed.any():
+            rows, cols = changed.any(1).nonzero().flatten(), changed.any(0).nonzero().flatten()
+            box = (slice(int(rows.min()), int(rows.max()) + 1), slice(int(cols.min()), int(cols.max()) + 1))
+            assert any(torch.equal(out[i][:, box[0], box[1]], x[j][:, box[0], box[1]]) for j in range(16) if j != i)
+            outside = torch.ones(9, 9, dtype=torch.bool)
+            outside[box] = False
+            assert torch.equal(out[i][:, outside], x[i][:, outside])
+            pasted += 1
+    assert pasted >= 8
+    both = TeachingConfig(pad=0, mixup=1.0, cutmix=1.0)
+    kinds = set()
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        view = augment(x, both, False, g, False)
+        kinds.add("cutmix" if bool(((view == x) | (view.unsqueeze(1) == x.unsqueeze(0)).any(1)).all()) else "mixup")
+    assert kinds == {"cutmix", "mixup"}
 
 
 def test_a_student_learns_a_single_teacher_to_99_percent_agreement():
