@@ -10,7 +10,8 @@ Silos: ``--silo-size`` images each (200) drawn from Fashion-MNIST's training set
 silo, silos drawn independently (they may share images once C × size passes the set). Each silo is fitted once,
 LeNet, M = 2, ``--epochs`` epochs, kron (``local.fit.fit_local``), and cached under ``--work``: the first C
 silos of the largest C serve every smaller C. Server data: 1,000 held-out test images as the unlabeled set of
-the distilled row (``--distill-steps`` steps of the consistent recipe) and 500 as fedbens' validation set.
+the distilled rows (``--distill-steps`` steps of the consistent recipe; its default 3,000 steps drawn from 8
+cached views of each input; FedBE's recipe) and 500 as fedbens' validation set.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ METHODS = {  # row name -> fuse arguments (besides the files and --out)
     "pool (default)": [],
     "pool distilled": ["--distill", "--unlabeled", "{unlabeled}", "--distill-steps", "{steps}"],
     "pool distilled (swa)": ["--distill", "--distill-recipe", "swa", "--unlabeled", "{unlabeled}"],
+    "pool distilled (8 cached views)": ["--distill", "--unlabeled", "{unlabeled}", "--distill-views", "8"],
     "fedavg": ["--method", "fedavg"],
     "fisher-merge": ["--method", "fisher-merge"],
     "fedbens": ["--method", "fedbens", "--val", "{val}"],
