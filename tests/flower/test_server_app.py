@@ -143,10 +143,12 @@ def test_a_round_that_distils_serves_the_student_the_files_path_teaches(tmp_path
         write_silo(silos[node], SiloData(x[k * 100:(k + 1) * 100], y[k * 100:(k + 1) * 100], "fmnist", 10))
     write_silo(tmp_path / "unlabeled.h5", SiloData(x[200:300], None, "fmnist", 10))
     cfg = {"distill": True, "unlabeled": str(tmp_path / "unlabeled.h5"), "distill-steps": "12",
-           "distill-batch-size": 16, "distill-ema": "0", "method": "ensemble"}
+           "distill-batch-size": 16, "distill-ema": "0", "method": "ensemble", "distill-views": 2,
+           "distill-student": '{"name": "mlp", "kwargs": {"hidden": 12}}'}
     r = RoundSettings.from_run_config(cfg)
     teach = distill_from_run_config(cfg, r)
     assert (teach.steps, teach.batch_size, teach.ema, teach.lr) == (12, 16, 0.0, 2e-3)  # the rest declared defaults
+    assert teach.views == 2 and "hidden" in teach.student
     settings = FederatedSettings(model="mlp", model_kwargs={"hidden": 8}, components=1, structure="diag", epochs=1,
                                  batch_size=32)
     out = tmp_path / "round"
@@ -155,6 +157,7 @@ def test_a_round_that_distils_serves_the_student_the_files_path_teaches(tmp_path
                      distill=teach, log=lambda m: None)
     served = posterior_fusion.load(out / "global.h5")
     assert meta["distill"]["recipe"] == "consistent" and len(served.members) == 1
+    assert served.model_spec.kwargs["hidden"] == 12  # the student's own model, not the clients' (hidden 8)
     _, ref, ref_meta = fuse(sorted(out.glob("client_*.h5")), "ensemble", FusionOptions(progress=False),
                             unlabeled_path=tmp_path / "unlabeled.h5", distill=teach)
     assert len(ref.members) == 1 and ref.members[0].equal(served.members[0])
