@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -20,7 +21,8 @@ from posterior_fusion.fusion.registry import get_method, resolve_default
 from posterior_fusion.fusion.resources import estimate_device_bytes, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings_parsing import MethodSettings
-from posterior_fusion.fusion.teaching import TeachingConfig, student_spec, synthetic_input_shape, teach_members
+from posterior_fusion.fusion.teaching import (TeachingConfig, check_view_cache, student_spec, synthetic_input_shape,
+                                              teach_members)
 from posterior_fusion.fusion.tuning import tune_fusion
 from posterior_fusion.fusion.types import FusionInputs, FusionOptions, FusionResult
 from posterior_fusion.metrics import evaluate_members
@@ -175,10 +177,12 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
     val = read_silo(val_path, num_classes=k, max_memory=max_memory) if val_path else None
     unlabeled = (read_silo(unlabeled_path, num_classes=k, max_memory=max_memory, labels=False)
                  if unlabeled_path else None)
-    student = None  # a student of another model: refused before any fusion where it does not fit the inputs
-    if isinstance(distill, TeachingConfig) and distill.student:
-        student = student_spec(distill, clients[0].model_spec, unlabeled.input_shape() if unlabeled is not None
-                               else synthetic_input_shape(distill, clients))
+    student = None  # the student's model and its cached views: refused before any fusion where they do not fit
+    if isinstance(distill, TeachingConfig) and (distill.student or distill.views):
+        shape = unlabeled.input_shape() if unlabeled is not None else synthetic_input_shape(distill, clients)
+        student = student_spec(distill, clients[0].model_spec, shape) if distill.student else None
+        check_view_cache(distill, len(unlabeled) if unlabeled is not None else distill.synth_size, math.prod(shape),
+                         k, max_memory)
     for data in (val, unlabeled):
         if data is not None:
             check_transform(clients[0].metadata.get("input_transform"), data.input_transform, data.source,
@@ -206,7 +210,7 @@ def fuse(client_paths: list[str | os.PathLike], method: str | None, options: Fus
             + (f"on {len(unlabeled)} unlabeled inputs" if unlabeled is not None else "without server inputs"))
         w, record = teach_members(inputs.spec, list(result.members), None if unlabeled is None else unlabeled.inputs(),
                                   distill, result.pooling(inputs.spec.num_classes), result.mode_weights,
-                                  inputs.clients, options.progress, log, distill_checkpoint, student)
+                                  inputs.clients, options.progress, log, distill_checkpoint, student, max_memory)
         teachers, result = result, result.distilled(w, record, student)
         metadata = {**{k: v for k, v in metadata.items() if k not in teachers.info}, **result.info}
         metadata["distill"] = {**record, **({"file": str(unlabeled_path), "sha256": unlabeled.sha256()}

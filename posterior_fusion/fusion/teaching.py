@@ -107,14 +107,23 @@ def cutmix(x: torch.Tensor, a: float, gen: torch.Generator) -> torch.Tensor:
     return out
 
 
+def check_view_cache(cfg: TeachingConfig, n: int, input_size: int, classes: int,
+                     max_memory: int | str | None = None) -> None:
+    """Refuse, in one line, a cache of ``cfg.views`` views of ``n`` inputs of ``input_size`` values (float32, with
+    the teacher's ``classes`` probabilities each) over the memory limit."""
+    if cfg.views:
+        require(cfg.views * n * 4 * (input_size + classes),
+                f"the distillation's cache of {cfg.views} views of {n} inputs (`distill_views`)", max_memory)
+
+
 def view_cache(x: torch.Tensor, cfg: TeachingConfig, flip: bool, gen: torch.Generator, integral: bool,
-               teach_fn: Callable[[torch.Tensor], torch.Tensor], classes: int,
-               show_progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               teach_fn: Callable[[torch.Tensor], torch.Tensor], classes: int, show_progress: bool = True,
+               max_memory: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``cfg.views`` augmented views of every input of ``x`` ``(n, ...)`` (batches of ``cfg.batch_size`` in a fresh
-    order per round, mixup within each) and the teacher on each: ``(views·n, ...)``, ``(views·n, classes)``."""
+    order per round, mixup within each) and the teacher on each: ``(views·n, ...)``, ``(views·n, classes)``;
+    refused before any is made where they would take more than ``max_memory``."""
     n = x.shape[0]
-    require(cfg.views * n * (x[0].numel() * x.element_size() + 4 * classes),
-            f"the distillation's cache of {cfg.views} views of {n} inputs (setting `views`)")
+    check_view_cache(cfg, n, x[0].numel(), classes, max_memory)
     xs, ts = [], []
     for _ in progress(range(cfg.views), "distill (teaching the cached views)", show=show_progress):
         order = torch.randperm(n, generator=gen)
@@ -138,14 +147,16 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
           pooling: Pooling = AVERAGE, weights: torch.Tensor | None = None, student: ModelSpec | None = None,
           show_progress: bool = True, teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
           log: Callable[[str], None] = lambda m: None, checkpoint: str | os.PathLike | None = None,
-          synthetic_key: str | None = None, synthesis: dict | None = None) -> tuple[torch.Tensor, dict]:
+          synthetic_key: str | None = None, synthesis: dict | None = None,
+          max_memory: int | str | None = None) -> tuple[torch.Tensor, dict]:
     """One network ``(d,)`` of ``student`` (default ``spec``) taught by the members ``(K, d)`` of ``spec``
     combined by ``pooling``, on the inputs ``x`` ``(n, ...)`` (module doc, "Consistent teaching"); and a record
     (the recipe, the flip decision, the held-out agreement). ``teacher``: any ``x ↦ probabilities`` instead.
     ``checkpoint``: a file where the run's state is kept every tenth of the schedule and from which an
     interrupted run of the same recipe, teachers and inputs resumes to the same result
     (:mod:`~posterior_fusion.fusion.teaching_checkpoint`); ``synthetic_key``: ``x`` was synthesised by the run of
-    that fingerprint, which names the checkpoint, and is kept in it with ``synthesis``, its record."""
+    that fingerprint, which names the checkpoint, and is kept in it with ``synthesis``, its record; ``max_memory``:
+    the limit of the cached views (:func:`view_cache`)."""
     cfg = cfg or TeachingConfig()
     cfg.validate()
     student = student or spec
@@ -178,7 +189,7 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
         vector_to_parameters(members[best].detach().clone().float(), model.parameters())
         start = f"member {best}"
     model.train()
-    cache = (view_cache(train_x, cfg, flip, gen, integral, teach_fn, held_probs.shape[-1], show_progress)
+    cache = (view_cache(train_x, cfg, flip, gen, integral, teach_fn, held_probs.shape[-1], show_progress, max_memory)
              if cfg.views else None)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(1.0, t / cfg.steps))))
@@ -335,11 +346,11 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
                   pooling: Pooling, weights: torch.Tensor | None, clients=(), show_progress: bool = True,
                   log: Callable[[str], None] = lambda m: None,
                   checkpoint: str | os.PathLike | None = None,
-                  student: ModelSpec | None = None) -> tuple[torch.Tensor, dict]:
+                  student: ModelSpec | None = None, max_memory: int | str | None = None) -> tuple[torch.Tensor, dict]:
     """:func:`teach` on the server's inputs ``x``, or without them (``x`` None) on inputs synthesised from the
     teacher and the ``clients``' first-layer input factors (:func:`synthesise`; one input's shape from ``cfg`` or
     the clients' records). ``checkpoint``: :func:`teach`'s (a data-free run keeps its synthetic inputs there);
-    ``student``: the student's model (:func:`student_spec`) [default: ``spec``]."""
+    ``student``: the student's model (:func:`student_spec`) [default: ``spec``]; ``max_memory``: :func:`teach`'s."""
     import hashlib
 
     teachers = torch.stack([m.float() for m in members])
@@ -364,7 +375,8 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
             log(f"synthesising {cfg.synth_size} inputs from the teachers and the clients' first-layer input moments")
             x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress)
     w, out = teach(spec, teachers, x, cfg, pooling, weights, student=student, show_progress=show_progress,
-                   teacher=teacher, log=log, checkpoint=checkpoint, synthetic_key=synthetic_key, synthesis=record)
+                   teacher=teacher, log=log, checkpoint=checkpoint, synthetic_key=synthetic_key, synthesis=record,
+                   max_memory=max_memory)
     if record:
         out.update(recipe="data-free", synthesis=record)
     out["teacher_sha256"] = digest

@@ -186,6 +186,19 @@ def test_a_student_of_another_model_is_taught_and_its_artifact_serves_it(tmp_pat
         assert "distill" not in bad.output.replace(bad.stderr, "") and not (tmp_path / "no.h5").exists()
 
 
+def test_a_view_cache_over_the_memory_limit_is_refused_before_any_teaching(tmp_path, small_silo):
+    from posterior_fusion.data.silo import write_silo
+
+    paths = fit_split(tmp_path, small_silo, 2, 100, "diag", kwargs={"hidden": 4}, mixtures=1)
+    write_silo(tmp_path / "server.h5", SiloData(small_silo.x[200:300], None, "fmnist", 10))
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill", "--unlabeled",
+                                   str(tmp_path / "server.h5"), "--distill-views", "5000", "--max-memory", "200M",
+                                   "--out", str(tmp_path / "x.h5")])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "--distill-views" in errors[0], r.output
+    assert "fusing" not in r.output and not (tmp_path / "x.h5").exists()  # refused before the fusion
+
+
 def test_the_moment_is_the_kfac_input_factor(small_silo, tmp_path):
     """The synthesis matches against the quantity the artifact holds: the first layer's K-FAC (expand) input factor
     equals :func:`input_second_moment` on the silo's inputs."""
