@@ -32,6 +32,14 @@ class Flip(Choice):
     OFF = "off", "never"
 
 
+class MomentLayers(Choice):
+    """Which recorded input second moments the data-free inputs match."""
+
+    FIRST = "first", "the first layer's, pooled over the clients"
+    ALL = "all", ("the first layer's, and every later layer's under the clients' own networks against their "
+                  "recorded K-FAC input factors")
+
+
 class StudentStart(Choice):
     """Where the student starts."""
 
@@ -81,6 +89,8 @@ class TeachingConfig:
     synth_steps: int = setting(200, "Data-free: optimisation steps per synthetic batch.", bounds=(1, 10**6))
     moment_weight: float = setting(10.0, "Data-free: weight of the first-layer second-moment mismatch.",
                                    bounds=(0.0, 1e6))
+    moment_layers: str = setting("first", "Data-free: the recorded input second moments matched.",
+                                 choices=MomentLayers)
     input_shape: str = setting("", "Data-free: one input's shape, e.g. 1,28,28 [default: the clients' recorded "
                                    "input_shape].")
 

@@ -17,14 +17,8 @@ whose prediction agrees most with the teacher's; an exponential moving average o
 the result. A tenth of the inputs (at least 50) is held out: the student's top-1 agreement with the teacher
 there is logged as it trains and recorded.
 
-**Data-free** (no server inputs; DeepInversion-style, Yin et al. 2020): the inputs are synthesised from what
-the artifacts already hold — the teachers themselves, and each client's first-layer K-FAC input factor, the
-second moment ``A = E[u uᵀ]`` of that layer's inputs (a convolution's patches, a Linear layer's features).
-Batches of synthetic inputs start as noise and take ``synth_steps`` Adam steps on the teacher's cross-entropy
-toward random target classes (confident, class-balanced) plus ``moment_weight`` × the relative Frobenius
-mismatch between their own first-layer second moment and the clients' pooled one (weighted by the clients'
-sizes), and a small total-variation term for images. Nothing new leaves a silo: the factor is in every K-FAC
-artifact already. The synthetic set then feeds the consistent recipe.
+**Data-free** (no server inputs): the inputs are synthesised from what the artifacts already hold
+(:mod:`~posterior_fusion.fusion.synthesis`), then feed the consistent recipe.
 """
 
 from __future__ import annotations
@@ -42,6 +36,13 @@ from posterior_fusion.budget import require
 from posterior_fusion.errors import ConfigError, ModelSpecError
 from posterior_fusion.fusion import teaching_checkpoint as checkpoints
 from posterior_fusion.fusion.distill_settings import TeachingConfig
+from posterior_fusion.fusion.synthesis import (
+    client_input_moment,
+    layer_factors,
+    pooled_input_moment,
+    synthesise,
+    synthetic_input_shape,
+)
 from posterior_fusion.models import ModelSpec
 from posterior_fusion.models.functional import batched_logits
 from posterior_fusion.pooling import AVERAGE, Pooling
@@ -241,89 +242,6 @@ def teach(spec: ModelSpec, members: torch.Tensor, x: torch.Tensor, cfg: Teaching
         "history": history, "student": student.to_json()}
 
 
-def first_layer(model: nn.Module) -> nn.Module:
-    """The first Linear or Conv2d of ``model`` (the layer whose K-FAC input factor describes the inputs)."""
-    return next(m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
-
-
-def input_second_moment(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``E[u uᵀ]`` ``(D, D)`` of ``layer``'s inputs on ``x``, as K-FAC's (expand) input factor of its weight: a
-    convolution's patches (``F.unfold``'s (channel, kh, kw) order) averaged over the samples and positions, a
-    Linear layer's features over the samples. Differentiable in ``x``."""
-    if isinstance(layer, nn.Conv2d):
-        cols = nn.functional.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)  # (b, D, S)
-        u = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-    else:
-        u = x.reshape(x.shape[0], -1)
-    return u.T @ u / u.shape[0]
-
-
-def synthesise(spec: ModelSpec, members: torch.Tensor, moment: torch.Tensor, input_shape: tuple[int, ...],
-               cfg: TeachingConfig, teacher: Callable[[torch.Tensor], torch.Tensor],
-               show_progress: bool = True) -> tuple[torch.Tensor, dict]:
-    """``cfg.synth_size`` inputs of ``input_shape`` synthesised from the teacher and the clients' pooled first-layer
-    input second moment ``moment`` ``(D, D)`` (module doc, "Data-free"); and a record (the final relative moment
-    mismatch and the teacher's mean confidence on them)."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    layer = first_layer(spec.build())
-    classes = spec.num_classes
-    out, mismatch, confidence = [], [], []
-    norm = moment.norm()
-    batches = range(0, cfg.synth_size, cfg.batch_size)
-    nets = [spec.build().eval() for _ in range(min(members.shape[0], 8))]  # the gradient: up to 8 members, built once
-    for net, k in zip(nets, torch.linspace(0, members.shape[0] - 1, len(nets)).round().long()):
-        vector_to_parameters(members[k].detach().clone().float(), net.parameters())
-        net.requires_grad_(False)
-    scale = float(moment.diagonal().mean().clamp_min(1e-12).sqrt())
-    for start in progress(batches, "distill (synthesising inputs)", show=show_progress):
-        b = min(cfg.batch_size, cfg.synth_size - start)
-        z = (scale * torch.randn(b, *input_shape, generator=gen)).requires_grad_(True)
-        target = torch.randint(0, classes, (b,), generator=gen)
-        opt = torch.optim.Adam([z], lr=0.05 * scale)
-        for _ in range(cfg.synth_steps):
-            logp = torch.stack([torch.log_softmax(net(z), -1) for net in nets]).logsumexp(0) - math.log(len(nets))
-            ce = nn.functional.nll_loss(logp, target)
-            gap = (input_second_moment(layer, z) - moment).norm() / norm
-            loss = ce + cfg.moment_weight * gap
-            if z.ndim == 4:
-                loss = loss + 1e-3 * ((z[..., 1:, :] - z[..., :-1, :]).abs().mean()
-                                      + (z[..., :, 1:] - z[..., :, :-1]).abs().mean()) / scale
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            mismatch.append(float((input_second_moment(layer, z) - moment).norm() / norm))
-            confidence.append(float(teacher(z).max(-1).values.mean()))
-        out.append(z.detach())
-    return torch.cat(out), {"synthesised": cfg.synth_size, "moment_mismatch": max(mismatch),
-                            "teacher_confidence": sum(confidence) / len(confidence)}
-
-
-def pooled_input_moment(factors: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-    """The clients' first-layer input second moments ``(D, D)`` each (K-FAC's input factor, an average over the
-    client's data) pooled by their sizes: the second moment over all their data."""
-    total = sum(sizes)
-    return sum(f.double() * (n / total) for f, n in zip(factors, sizes)).float()
-
-
-def client_input_moment(client) -> torch.Tensor | None:
-    """A client artifact's first-layer input second moment ``(D, D)``: its components' K-FAC input factor of the
-    first weight block (the average over components), or None where that block is not a Kronecker one."""
-    factors = [c.curvature.blocks[0].A for c in client.components if getattr(c.curvature.blocks[0], "kind", "")
-               in ("kron", "kron_lowrank") and hasattr(c.curvature.blocks[0], "A")]
-    return None if not factors else torch.stack([f.float() for f in factors]).mean(0)
-
-
-def synthetic_input_shape(cfg: TeachingConfig, clients) -> tuple[int, ...]:
-    """One input's shape for data-free teaching: the setting ``input_shape``, else the one all ``clients`` record."""
-    recorded = {tuple(c.metadata.get("input_shape") or ()) for c in clients}
-    shape = cfg.shape() or (next(iter(recorded)) if len(recorded) == 1 and () not in recorded else None)
-    if shape is None:
-        raise ConfigError("distillation without server inputs needs one input's shape: the clients record none "
-                          "(set the distillation setting input_shape, e.g. 1,28,28)")
-    return shape
-
-
 def student_spec(cfg: TeachingConfig, spec: ModelSpec, input_shape: tuple[int, ...]) -> ModelSpec:
     """The student's model: the clients' ``spec``, or the one the setting ``student`` names, fitted to the
     inputs ``input_shape`` and the clients' classes and trained whole; refused in one line where it does not fit."""
@@ -373,7 +291,8 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
             x, record = kept, dict(json.loads(checkpoints.metadata(checkpoint)["synthesis"]))
         else:
             log(f"synthesising {cfg.synth_size} inputs from the teachers and the clients' first-layer input moments")
-            x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress)
+            deeper = [] if cfg.moment_layers == "first" else layer_factors(clients)
+            x, record = synthesise(spec, teachers, moment, input_shape, cfg, teacher, show_progress, deeper)
     w, out = teach(spec, teachers, x, cfg, pooling, weights, student=student, show_progress=show_progress,
                    teacher=teacher, log=log, checkpoint=checkpoint, synthetic_key=synthetic_key, synthesis=record,
                    max_memory=max_memory)

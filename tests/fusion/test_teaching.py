@@ -1,5 +1,6 @@
-"""``posterior_fusion/fusion/teaching.py``: consistent teaching (the teacher on the student's own view), its
-mechanics on a single teacher, the data-free inputs' first-layer moments, and the CLI's one-line refusals."""
+"""``posterior_fusion/fusion/teaching.py``: consistent teaching (the teacher on the student's own view, fresh or
+from cached views), its augmentations, its mechanics on a single teacher, a student of another model, and the
+CLI's one-line refusals."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import posterior_fusion
 from posterior_fusion.cli.main import pfuse
 from posterior_fusion.data.silo import SiloData
 from posterior_fusion.fusion.distill_settings import TeachingConfig
-from posterior_fusion.fusion.teaching import augment, cutmix, first_layer, input_second_moment, teach
+from posterior_fusion.fusion.synthesis import first_layer
+from posterior_fusion.fusion.teaching import augment, cutmix, teach
 from posterior_fusion.models import ModelSpec
 
 
@@ -134,28 +136,6 @@ def test_a_student_learns_a_single_teacher_to_99_percent_agreement():
     assert not torch.equal(w, teacher[0])
 
 
-def test_data_free_teaching_matches_the_clients_input_moment_and_reads_no_silo(tmp_path, small_silo):
-    """``fuse --distill`` without ``--unlabeled`` on kron clients: the synthetic inputs' first-layer second moment
-    is within 25% (relative Frobenius) of the clients' pooled K-FAC input factor; the silo files are removed
-    before the server step (nothing of them is read); the artifact records the recipe, the teacher's SHA-256 and
-    the agreement, and ``inspect`` prints them."""
-    paths = fit_split(tmp_path, small_silo, 2, 150, "kron", kwargs={"hidden": 8}, mixtures=1)
-    for silo in tmp_path.glob("*silo*"):
-        silo.unlink()
-    out = tmp_path / "one.h5"
-    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill",
-                                   "--distill-steps", "60", "--distill-synth-size", "256", "--distill-synth-steps", "60",
-                                   "--distill-input-shape", "1,28,28", "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    g = posterior_fusion.load(out)
-    record = g.metadata["distill"]
-    assert len(g.members) == 1 and record["recipe"] == "data-free" and record["file"] is None
-    assert record["synthesis"]["moment_mismatch"] <= 0.25, record["synthesis"]
-    assert len(record["teacher_sha256"]) == 64 and 0 <= record["agreement"] <= 1
-    shown = CliRunner().invoke(pfuse, ["inspect", str(out)])
-    assert record["teacher_sha256"] in shown.output and "agreement" in shown.output
-
-
 def test_a_student_of_another_model_is_taught_and_its_artifact_serves_it(tmp_path, small_silo):
     """``--distill-student``: the one network is of the named model (wider than the clients'), written with its own
     spec and layout; ``evaluate`` and the Python API serve it, its predictions are the student's own; a student that
@@ -197,22 +177,6 @@ def test_a_view_cache_over_the_memory_limit_is_refused_before_any_teaching(tmp_p
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.exit_code == 2 and len(errors) == 1 and "--distill-views" in errors[0], r.output
     assert "fusing" not in r.output and not (tmp_path / "x.h5").exists()  # refused before the fusion
-
-
-def test_the_moment_is_the_kfac_input_factor(small_silo, tmp_path):
-    """The synthesis matches against the quantity the artifact holds: the first layer's K-FAC (expand) input factor
-    equals :func:`input_second_moment` on the silo's inputs."""
-    paths = fit_split(tmp_path, small_silo, 1, 120, "kron", kwargs={"hidden": 8}, mixtures=1)
-    client = posterior_fusion.load(paths[0])
-    spec = client.model_spec
-    x = torch.as_tensor(small_silo.x[:120]).float()[:, None] / 255
-    transform = client.metadata.get("input_transform")
-    if transform:
-        from posterior_fusion.data.transform import InputTransform
-
-        x = InputTransform.from_dict(dict(transform), "x").apply(small_silo.x[:120], "x")
-    A = client.components[0].curvature.blocks[0].A
-    torch.testing.assert_close(input_second_moment(first_layer(spec.build()), x), A.float(), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("args, words", [(["--distill-steps", "0"], "steps"), (["--distill-flip", "maybe"], "flip"),
