@@ -20,7 +20,13 @@ ALPHAS = (0.1, 0.2, 0.4)
 LABELS = {"ensemble": "client ensemble (C·M networks, averaged)", "pool": "label-shift pool (the teacher, C·M networks)",
           "swa": "FedBE's recipe (`swa`), 5,000 inputs",
           "consistent-5000": "consistent, 5,000 inputs", "consistent-500": "consistent, 500 inputs",
-          "data-free": "data-free (no server inputs)"}
+          "data-free": "data-free (no server inputs)",
+          "consistent-5000+views8": "consistent, 5,000 inputs, 8 cached views each (`--distill-views 8`)",
+          "consistent-5000+cutmix": "… and CutMix or mixup per batch (`--distill-cutmix 1`)",
+          "consistent-5000+wide2": "… a LeNet twice as wide, from scratch (`--distill-student`)",
+          "consistent-5000+wide2-long": "… a LeNet twice as wide, 12,000 steps",
+          "data-free+views8": "data-free, 8 cached views",
+          "data-free+all-layers": "… matching every layer's recorded factor (`--distill-moment-layers all`)"}
 
 
 def main() -> None:
