@@ -23,8 +23,9 @@ LABELS = {"ensemble": "client ensemble (C·M networks, averaged)", "pool": "labe
           "data-free": "data-free (no server inputs)",
           "consistent-5000+views8": "consistent, 5,000 inputs, 8 cached views each (`--distill-views 8`)",
           "consistent-5000+cutmix": "… and CutMix or mixup per batch (`--distill-cutmix 1`)",
-          "consistent-5000+wide2": "… a LeNet twice as wide, from scratch (`--distill-student`)",
-          "consistent-5000+wide2-long": "… a LeNet twice as wide, 12,000 steps",
+          "consistent-5000+views8-long": "… and 12,000 steps, the clients' LeNet",
+          "consistent-5000+wide2": "… a LeNet twice as wide, from scratch, 3,000 steps (`--distill-student`)",
+          "consistent-5000+wide2-long": "… a LeNet twice as wide, from scratch, 12,000 steps",
           "data-free+views8": "data-free, 8 cached views",
           "data-free+all-layers": "… matching every layer's recorded factor (`--distill-moment-layers all`)"}
 
