@@ -19,41 +19,9 @@ from posterior_fusion.fusion.teaching import augment, cutmix, teach
 from posterior_fusion.models import ModelSpec
 
 
-def test_the_teacher_sees_exactly_the_students_augmented_batch():
-    """A spy teacher records what it is asked about; a hook records what the student trains on: the same tensors,
-    step by step, and not the clean inputs (the augmentation moved them)."""
-    spec = ModelSpec("mlp", {"in_features": 16, "hidden": 4, "num_classes": 3})
-    torch.manual_seed(0)
-    members = parameters_to_vector(spec.build().parameters())[None].detach()
-    x = torch.randn(60, 1, 4, 4)
-    seen_by_teacher, seen_by_student = [], []
-
-    def spy(batch: torch.Tensor) -> torch.Tensor:
-        seen_by_teacher.append(batch.clone())
-        return torch.full((batch.shape[0], 3), 1 / 3)
-
-    cfg = TeachingConfig(steps=5, batch_size=8, pad=1, flip="on", mixup=1.0, ema=0.0)
-    real_build = ModelSpec.build
-
-    def build(self):
-        model = real_build(self)
-        model.register_forward_pre_hook(lambda m, args: seen_by_student.append(args[0].clone()) if m.training else None)
-        return model
-
-    try:
-        ModelSpec.build = build
-        teach(spec, members, x, cfg, teacher=spy, show_progress=False)
-    finally:
-        ModelSpec.build = real_build
-    during = seen_by_teacher[1:]  # the first call: the held-out inputs' labels
-    assert len(seen_by_student) == len(during) == 5
-    assert all(torch.equal(a, b) for a, b in zip(seen_by_student, during))
-    assert not any(torch.equal(b, x[: len(b)]) for b in during)
-
-
-def test_cached_views_are_taught_once_each_and_every_batch_is_drawn_from_them():
-    """With ``views``: the teacher is asked once per cached view, never during the steps, and every batch the student
-    trains on is a set of those views (so the teacher's output is still the one on the student's exact view)."""
+def _spied_teaching(cfg: TeachingConfig, answer) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`teach` on 60 random 1×4×4 inputs with a spy teacher (``answer``: batch -> probabilities) and a hook on
+    the student: ``(the inputs, what the teacher was asked, what the student trained on)``, in order."""
     spec = ModelSpec("mlp", {"in_features": 16, "hidden": 4, "num_classes": 3})
     torch.manual_seed(0)
     members = parameters_to_vector(spec.build().parameters())[None].detach()
@@ -62,9 +30,8 @@ def test_cached_views_are_taught_once_each_and_every_batch_is_drawn_from_them():
 
     def spy(batch: torch.Tensor) -> torch.Tensor:
         asked.append(batch.clone())
-        return torch.softmax(batch.reshape(batch.shape[0], -1)[:, :3], -1)
+        return answer(batch)
 
-    cfg = TeachingConfig(steps=7, batch_size=8, pad=1, flip="on", mixup=1.0, ema=0.0, views=3)
     real_build = ModelSpec.build
 
     def build(self):
@@ -77,6 +44,25 @@ def test_cached_views_are_taught_once_each_and_every_batch_is_drawn_from_them():
         teach(spec, members, x, cfg, teacher=spy, show_progress=False)
     finally:
         ModelSpec.build = real_build
+    return x, asked, trained
+
+
+def test_the_teacher_sees_exactly_the_students_augmented_batch():
+    """A spy teacher records what it is asked about; a hook records what the student trains on: the same tensors,
+    step by step, and not the clean inputs (the augmentation moved them)."""
+    cfg = TeachingConfig(steps=5, batch_size=8, pad=1, flip="on", mixup=1.0, ema=0.0)
+    x, asked, trained = _spied_teaching(cfg, lambda batch: torch.full((batch.shape[0], 3), 1 / 3))
+    during = asked[1:]  # the first call: the held-out inputs' labels
+    assert len(trained) == len(during) == 5
+    assert all(torch.equal(a, b) for a, b in zip(trained, during))
+    assert not any(torch.equal(b, x[: len(b)]) for b in during)
+
+
+def test_cached_views_are_taught_once_each_and_every_batch_is_drawn_from_them():
+    """With ``views``: the teacher is asked once per cached view, never during the steps, and every batch the student
+    trains on is a set of those views (so the teacher's output is still the one on the student's exact view)."""
+    cfg = TeachingConfig(steps=7, batch_size=8, pad=1, flip="on", mixup=1.0, ema=0.0, views=3)
+    x, asked, trained = _spied_teaching(cfg, lambda batch: torch.softmax(batch.reshape(batch.shape[0], -1)[:, :3], -1))
     views = torch.cat(asked[1:])  # after the held-out inputs: the cache, 3 views of the 30 training inputs (30 held out)
     assert views.shape[0] == 3 * 30 and len(trained) == 7
     assert not any(torch.equal(v, u) for v in views[:8] for u in x)  # augmented, not the clean inputs
