@@ -44,6 +44,16 @@ def input_second_moment(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return u.T @ u / u.shape[0]
 
 
+def check_expand_factors(clients) -> None:
+    """Refuse, naming the file, a client whose K-FAC input factors are not ``expand`` ones: the synthesis matches
+    :func:`input_second_moment`, the expand factor (``reduce`` averages a convolution's patches first)."""
+    for client in clients:
+        if client.metadata.get("kfac") not in (None, "expand"):  # the writer leaves out the default, expand
+            raise ConfigError(f"{client.path}: distillation without server inputs matches K-FAC expand input "
+                              f"factors; this artifact holds kfac {client.metadata.get('kfac')!r} (give `unlabeled` "
+                              "server inputs, or fit with kfac expand)")
+
+
 def layer_factors(clients, most: int = MOMENT_NETWORKS) -> list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]]:
     """For up to ``most`` clients (spread over them), the first component's weights ``(d,)`` and, for each
     Linear or Conv2d layer after the first whose K-FAC (expand) input factor ``A`` ``(D, D)`` the component holds,
@@ -52,9 +62,6 @@ def layer_factors(clients, most: int = MOMENT_NETWORKS) -> list[tuple[torch.Tens
     picked = [clients[int(i)] for i in torch.linspace(0, len(clients) - 1, min(most, len(clients))).round().long()]
     out = []
     for client in picked:
-        if client.metadata.get("kfac") not in (None, "expand"):  # the writer leaves out the default, expand
-            raise ConfigError(f"{client.path}: `distill_moment_layers` all matches K-FAC expand input factors; this "
-                              f"artifact holds kfac {client.metadata.get('kfac')!r}")
         component = client.components[0]
         named = [(n, m) for n, m in client.model_spec.build().named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
         index, layers = {n: i for i, (n, _) in enumerate(named)}, [m for _, m in named]

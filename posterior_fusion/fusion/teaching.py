@@ -37,6 +37,7 @@ from posterior_fusion.errors import ConfigError, ModelSpecError
 from posterior_fusion.fusion import teaching_checkpoint as checkpoints
 from posterior_fusion.fusion.distill_settings import TeachingConfig
 from posterior_fusion.fusion.synthesis import (
+    check_expand_factors,
     client_input_moment,
     layer_factors,
     pooled_input_moment,
@@ -277,6 +278,7 @@ def teach_members(spec: ModelSpec, members: list[torch.Tensor], x: torch.Tensor 
     synthetic_key = None
     digest = hashlib.sha256(teachers.contiguous().numpy().tobytes()).hexdigest()  # the teachers' weights
     if x is None:
+        check_expand_factors(clients)
         moments = [client_input_moment(c) for c in clients]
         if not clients or any(m is None for m in moments):
             raise ConfigError("distillation without server inputs needs every client's first-layer K-FAC input "

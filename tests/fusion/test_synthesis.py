@@ -90,3 +90,13 @@ def test_data_free_inputs_matching_every_layer_record_the_later_layers_mismatch(
     first = posterior_fusion.load(out["first"]).metadata["distill"]["synthesis"]
     every = posterior_fusion.load(out["all"]).metadata["distill"]["synthesis"]
     assert "later_layers_mismatch" not in first and 0 <= every["later_layers_mismatch"] < 0.5, every
+
+
+def test_data_free_teaching_refuses_factors_that_are_not_expand_ones(tmp_path, small_silo):
+    """A K-FAC ``reduce`` artifact holds another quantity than the inputs' second moment: refused, naming the file."""
+    paths = fit_split(tmp_path, small_silo, 2, 100, "kron", kwargs={"hidden": 4}, mixtures=1, kfac="reduce")
+    assert posterior_fusion.load(paths[0]).metadata.get("kfac") == "reduce"
+    r = CliRunner().invoke(pfuse, ["fuse", *map(str, paths), "--method", "ensemble", "--distill",
+                                   "--distill-input-shape", "1,28,28", "--out", str(tmp_path / "x.h5")])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "post_0.h5" in errors[0] and "reduce" in errors[0], r.output
