@@ -21,11 +21,11 @@ from posterior_fusion.fusion.registry import get_method, resolve_default
 from posterior_fusion.fusion.resources import estimate_device_bytes, estimate_fuse_bytes
 from posterior_fusion.fusion.robust import screen_clients
 from posterior_fusion.fusion.settings_parsing import MethodSettings
+from posterior_fusion.fusion.synthesis import synthetic_input_shape
 from posterior_fusion.fusion.teaching import (
     TeachingConfig,
     check_view_cache,
     student_spec,
-    synthetic_input_shape,
     teach_members,
 )
 from posterior_fusion.fusion.tuning import tune_fusion
