@@ -45,6 +45,7 @@ class Row:
     cells: dict[str, Cell]
     networks: str
     source: str
+    key: str = ""  # how the page's text refers to the row
 
     def seconds(self) -> str:
         known = [c.seconds for c in self.cells.values() if c.seconds is not None]
@@ -134,11 +135,11 @@ def rows() -> list[Row]:
         Row("no validation data; serves M networks; kron",
             "`--method fedbens` (EM, prior centre at the clients, server prior from the evidence)",
             seed_files_cells(no_val, "default, no validation, T = clients"), "3",
-            f"{demo}; `experiments/without_validation/` (15 client sets)"),
+            f"{demo}; `experiments/without_validation/` (15 client sets)", key="fedbens-default"),
         Row("validation data; serves M networks; kron — the paper's protocol on the same client sets",
             "`--method fedbens --set solver=adam --val V.h5`",
             seed_files_cells(no_val, "adam, best validation iterate, clients' T"), "3",
-            f"{demo}; `experiments/without_validation/` (15 client sets)"),
+            f"{demo}; `experiments/without_validation/` (15 client sets)", key="fedbens-paper"),
         Row("validation data; serves one network", "`--method fedfisher --val V.h5`", fedfisher, "1",
             f"{lenet}; `experiments/other_systems/config.toml`"),
         Row("no server data; serves one network", "`--method hbfl`", hbfl, "1",
@@ -169,7 +170,7 @@ under label shift from the class counts every artifact records (`docs/methods.md
 networks, as the client ensemble does. Where one network must be served, distil it on unlabeled
 server inputs (second row); where only the clients' M modes may be served, `fedbens` with
 validation data is the strongest fusion measured; without it, its default solver stands at {gap}
-against the paper's validation-selected protocol on the same client sets (rows four and five).
+against the paper's validation-selected protocol on the same client sets (rows {numbers}).
 
 What the table does not cover: silos that fine-tune a shared pretrained network
 (`experiments/pretrained_base/`: there one fused network beats the client ensemble when the silos fine-tune
@@ -191,10 +192,12 @@ def render() -> str:
         cells = [r.cells[a].text() if a in r.cells else "—" for a in ALPHAS]
         lines.append(f"| {r.situation} | {r.command} | {' | '.join(cells)} | {r.networks} | {r.seconds()} | {r.source} |")
     table = rows()
-    default, paper = table[3].cells, table[4].cells
+    number = {r.key: i + 1 for i, r in enumerate(table) if r.key}
+    default, paper = table[number["fedbens-default"] - 1].cells, table[number["fedbens-paper"] - 1].cells
     gap = ", ".join(f"{default[a].accuracy - paper[a].accuracy:+.2f} points at α = {a}".replace("-", "−")
                     for a in ALPHAS if a in default and a in paper)
-    return "\n".join(lines) + "\n" + TAIL.format(gap=gap)
+    numbers = f"{number['fedbens-default']} and {number['fedbens-paper']}"
+    return "\n".join(lines) + "\n" + TAIL.format(gap=gap, numbers=numbers)
 
 
 def main() -> None:
