@@ -91,10 +91,10 @@ def seed_files_cells(folders: list[str], label: str) -> dict[str, Cell]:
     return cells
 
 
-def distillation_cells(row: str) -> dict[str, Cell]:
-    """Per α, the distillation study's cells of ``row`` (``docs/results/distillation/<α>_<seed>_<row>.json``)."""
+def distillation_cells(row: str, folder: str = "distillation") -> dict[str, Cell]:
+    """Per α, the distillation study's cells of ``row`` (``docs/results/<folder>/<α>_<seed>_<row>.json``)."""
     by_alpha: dict[str, list[dict]] = {}
-    for path in sorted((RESULTS / "distillation").glob(f"*_{row}.json")):
+    for path in sorted((RESULTS / folder).glob(f"*_{row}.json")):
         r = json.loads(path.read_text())
         by_alpha.setdefault(str(float(r["alpha"])), []).append(r)
     cells = {}
@@ -122,9 +122,20 @@ def rows() -> list[Row]:
             "`pfuse fuse post_*.h5 --out g.h5` (= `--method ensemble --set pooling=label-shift`)",
             pool, pool_n, f"{lenet}; `experiments/label_shift_pool/config.toml`"),
         Row("unlabeled server inputs; serves one network — what to run when one network must be deployed",
+            "`--method ensemble --set pooling=label-shift --distill --distill-student '{\"name\": \"lenet\", "
+            "\"kwargs\": {\"width\": 2}}' --distill-steps 12000 --distill-views 8 --unlabeled U.h5` (the consistent "
+            "recipe, a student twice as wide on four times the steps)",
+            distillation_cells("consistent-5000+wide2-long", "distillation_levers"), "1",
+            f"{lenet}; `experiments/distillation/`, its levers (the clients fitted again)", key="distilled"),
+        Row("unlabeled server inputs; serves one network of the clients' architecture",
             "`--method ensemble --set pooling=label-shift --distill --unlabeled U.h5` (the consistent recipe)",
             distillation_cells("consistent-5000"), "1", f"{lenet}; `experiments/distillation/` (the same clients)"),
         Row("no server data at all; serves one network",
+            "`--method ensemble --set pooling=label-shift --distill --distill-moment-layers all --distill-views 8` "
+            "(data-free: inputs synthesised from the teachers and every layer's recorded input moment)",
+            distillation_cells("data-free+all-layers", "distillation_levers"), "1",
+            f"{lenet}; `experiments/distillation/`, its levers (the clients fitted again)", key="data-free"),
+        Row("no server data at all; serves one network, the first layer's moment only",
             "`--method ensemble --set pooling=label-shift --distill` (data-free: inputs synthesised from the artifacts)",
             distillation_cells("data-free"), "1", f"{lenet}; `experiments/distillation/` (the same clients)"),
         Row("unlabeled server inputs; serves one network (FedBE's recipe)",
@@ -168,7 +179,8 @@ no unlabeled inputs, any curvature structure) and is best at every α measured �
 ensemble's own networks, each client's members averaged and the clients pooled class by class
 under label shift from the class counts every artifact records (`docs/methods.md`). It serves C·M
 networks, as the client ensemble does. Where one network must be served, distil it on unlabeled
-server inputs (second row); where only the clients' M modes may be served, `fedbens` with
+server inputs into a student wider than the clients' network (row {distilled}), or with no server data at all
+from inputs synthesised from the artifacts (row {data_free}); where only the clients' M modes may be served, `fedbens` with
 validation data is the strongest fusion measured; without it, its default solver stands at {gap}
 against the paper's validation-selected protocol on the same client sets (rows {numbers}).
 
@@ -197,7 +209,8 @@ def render() -> str:
     gap = ", ".join(f"{default[a].accuracy - paper[a].accuracy:+.2f} points at α = {a}".replace("-", "−")
                     for a in ALPHAS if a in default and a in paper)
     numbers = f"{number['fedbens-default']} and {number['fedbens-paper']}"
-    return "\n".join(lines) + "\n" + TAIL.format(gap=gap, numbers=numbers)
+    return "\n".join(lines) + "\n" + TAIL.format(gap=gap, numbers=numbers, distilled=number["distilled"],
+                                                     data_free=number["data-free"])
 
 
 def main() -> None:
