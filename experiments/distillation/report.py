@@ -27,7 +27,8 @@ LABELS = {"ensemble": "client ensemble (C·M networks, averaged)", "pool": "labe
           "consistent-5000+wide2": "… a LeNet twice as wide, from scratch, 3,000 steps (`--distill-student`)",
           "consistent-5000+wide2-long": "… a LeNet twice as wide, from scratch, 12,000 steps",
           "data-free+views8": "data-free, 8 cached views",
-          "data-free+all-layers": "… matching every layer's recorded factor (`--distill-moment-layers all`)"}
+          "data-free+all-layers": "… matching every layer's recorded factor (`--distill-moment-layers all`)",
+          "data-free+all-layers-500": "… and 500 synthesised inputs instead of 5,000 (`--distill-synth-size 500`)"}
 
 
 def main() -> None:
