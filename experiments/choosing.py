@@ -131,13 +131,11 @@ def rows() -> list[Row]:
             "`--method ensemble --set pooling=label-shift --distill --unlabeled U.h5` (the consistent recipe)",
             distillation_cells("consistent-5000"), "1", f"{lenet}; `experiments/distillation/` (the same clients)"),
         Row("no server data at all; serves one network",
-            "`--method ensemble --set pooling=label-shift --distill --distill-moment-layers all --distill-views 8` "
-            "(data-free: inputs synthesised from the teachers and every layer's recorded input moment)",
-            distillation_cells("data-free+all-layers", "distillation_levers"), "1",
+            "`--method ensemble --set pooling=label-shift --distill --distill-moment-layers all --distill-views 8 "
+            "--distill-synth-size 500` (data-free: 500 inputs synthesised from the teachers and every layer's "
+            "recorded input moment)",
+            distillation_cells("data-free+all-layers-500", "distillation_levers"), "1",
             f"{lenet}; `experiments/distillation/`, its levers (the clients fitted again)", key="data-free"),
-        Row("no server data at all; serves one network, the first layer's moment only",
-            "`--method ensemble --set pooling=label-shift --distill` (data-free: inputs synthesised from the artifacts)",
-            distillation_cells("data-free"), "1", f"{lenet}; `experiments/distillation/` (the same clients)"),
         Row("unlabeled server inputs; serves one network (FedBE's recipe)",
             "`--method ensemble --set pooling=label-shift --distill --distill-recipe swa --unlabeled U.h5`",
             pool_d, "1", f"{lenet}; `experiments/label_shift_pool/config.toml`"),
