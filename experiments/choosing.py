@@ -117,6 +117,9 @@ def rows() -> list[Row]:
     lenet = "LeNet, 5 clients, M = 5, 20 epochs"
     demo = "LeNet, 5 clients, M = 3, 5 epochs"
     no_val = ["without_validation/fifteen_seeds"]
+    levers = f"{lenet}; `experiments/distillation/`, its levers (the clients fitted again)"
+    distilled = distillation_cells("consistent-5000+wide2-long", "distillation_levers")
+    data_free = distillation_cells("data-free+all-layers-500", "distillation_levers")
     return [
         Row("**the default** — any server; serves C·M networks; any curvature",
             "`pfuse fuse post_*.h5 --out g.h5` (= `--method ensemble --set pooling=label-shift`)",
@@ -125,8 +128,7 @@ def rows() -> list[Row]:
             "`--method ensemble --set pooling=label-shift --distill --distill-student '{\"name\": \"lenet\", "
             "\"kwargs\": {\"width\": 2}}' --distill-steps 12000 --distill-views 8 --unlabeled U.h5` (the consistent "
             "recipe, a student twice as wide on four times the steps)",
-            distillation_cells("consistent-5000+wide2-long", "distillation_levers"), "1",
-            f"{lenet}; `experiments/distillation/`, its levers (the clients fitted again)", key="distilled"),
+            distilled, "1", levers, key="distilled"),
         Row("unlabeled server inputs; serves one network of the clients' architecture",
             "`--method ensemble --set pooling=label-shift --distill --unlabeled U.h5` (the consistent recipe)",
             distillation_cells("consistent-5000"), "1", f"{lenet}; `experiments/distillation/` (the same clients)"),
@@ -134,8 +136,7 @@ def rows() -> list[Row]:
             "`--method ensemble --set pooling=label-shift --distill --distill-moment-layers all --distill-views 8 "
             "--distill-synth-size 500` (data-free: 500 inputs synthesised from the teachers and every layer's "
             "recorded input moment)",
-            distillation_cells("data-free+all-layers-500", "distillation_levers"), "1",
-            f"{lenet}; `experiments/distillation/`, its levers (the clients fitted again)", key="data-free"),
+            data_free, "1", levers, key="data-free"),
         Row("unlabeled server inputs; serves one network (FedBE's recipe)",
             "`--method ensemble --set pooling=label-shift --distill --distill-recipe swa --unlabeled U.h5`",
             pool_d, "1", f"{lenet}; `experiments/label_shift_pool/config.toml`"),
