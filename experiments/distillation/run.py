@@ -82,7 +82,7 @@ def main() -> None:
                 write_silo(small, SiloData(full.x[:500], None, full.dataset, full.num_classes, transform=full.transform))
             lever, _, extra = args.lever.partition(":")
             for row in args.rows:
-                tag = f"{row}+{lever}" if lever and row != "pool" else row
+                tag = f"{row}+{lever}" if lever and row not in ("pool", "ensemble") else row  # a lever changes the student
                 result = args.out / f"{alpha}_{seed}_{tag}.json"
                 if result.exists():
                     continue
