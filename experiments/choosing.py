@@ -181,7 +181,7 @@ networks, as the client ensemble does. Where one network must be served, distil 
 server inputs into a student wider than the clients' network (row {distilled}), or with no server data at all
 from inputs synthesised from the artifacts (row {data_free}); where only the clients' M modes may be served, `fedbens` with
 validation data is the strongest fusion measured; without it, its default solver stands at {gap}
-against the paper's validation-selected protocol on the same client sets (rows {numbers}).
+against the paper's validation-selected protocol on the same client sets (rows {default} and {paper}).
 
 What the table does not cover: silos that fine-tune a shared pretrained network
 (`experiments/pretrained_base/`: there one fused network beats the client ensemble when the silos fine-tune
@@ -199,16 +199,17 @@ their class counts (`fuse --robust` caps count claims and leaves out a client un
 def render() -> str:
     lines = [HEAD, "| situation | method | α = 0.1 | α = 0.2 | α = 0.4 | networks served | server s | setting and source |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows():
+    table = rows()
+    for r in table:
         cells = [r.cells[a].text() if a in r.cells else "—" for a in ALPHAS]
         lines.append(f"| {r.situation} | {r.command} | {' | '.join(cells)} | {r.networks} | {r.seconds()} | {r.source} |")
-    table = rows()
     number = {r.key: i + 1 for i, r in enumerate(table) if r.key}
-    default, paper = table[number["fedbens-default"] - 1].cells, table[number["fedbens-paper"] - 1].cells
+    keyed = {r.key: r.cells for r in table if r.key}
+    default, paper = keyed["fedbens-default"], keyed["fedbens-paper"]
     gap = ", ".join(f"{default[a].accuracy - paper[a].accuracy:+.2f} points at α = {a}".replace("-", "−")
                     for a in ALPHAS if a in default and a in paper)
-    numbers = f"{number['fedbens-default']} and {number['fedbens-paper']}"
-    return "\n".join(lines) + "\n" + TAIL.format(gap=gap, numbers=numbers, distilled=number["distilled"],
+    return "\n".join(lines) + "\n" + TAIL.format(gap=gap, default=number["fedbens-default"],
+                                                     paper=number["fedbens-paper"], distilled=number["distilled"],
                                                      data_free=number["data-free"])
 
 

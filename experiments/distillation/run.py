@@ -26,7 +26,8 @@ import posterior_fusion
 from posterior_fusion.data.silo import SiloData, write_silo
 
 PFUSE = str(Path(sys.executable).parent / "pfuse")
-ROWS = ("pool", "ensemble", "swa", "consistent-5000", "consistent-500", "data-free", "plain-teacher")
+LEVERED = ("consistent-5000", "consistent-500", "data-free", "plain-teacher")  # the rows a lever's options change
+ROWS = ("pool", "ensemble", "swa", *LEVERED)
 
 
 def cells(work: Path) -> dict[tuple[float, int], tuple[list[Path], Path]]:
@@ -82,7 +83,7 @@ def main() -> None:
                 write_silo(small, SiloData(full.x[:500], None, full.dataset, full.num_classes, transform=full.transform))
             lever, _, extra = args.lever.partition(":")
             for row in args.rows:
-                tag = f"{row}+{lever}" if lever and row not in ("pool", "ensemble") else row  # a lever changes the student
+                tag = f"{row}+{lever}" if lever and row in LEVERED else row
                 result = args.out / f"{alpha}_{seed}_{tag}.json"
                 if result.exists():
                     continue
